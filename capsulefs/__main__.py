@@ -1,0 +1,3 @@
+from capsulefs.cli import main
+
+raise SystemExit(main())

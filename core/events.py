@@ -1,0 +1,398 @@
+"""Journal events: the provider-neutral record of what happened to an agent.
+
+Theory of operation:
+  * A journal line is one :class:`Record`: an envelope (who wrote it, where it
+    sits in that writer's hash chain, its Lamport clock) around one typed
+    event. Events say what happened ("the assistant called tool X with these
+    arguments"), never how one vendor spells it; renderers translate.
+  * A line is canonical JSON (sorted keys, no spaces, UTF-8), so its sha256
+    is its identity and the next line of the same machine chains to it.
+  * Kinds this version does not know (written by a newer capsulefs) parse as
+    :class:`UnknownEvent` and are re-serialised byte for byte: never dropped.
+  * Events are frozen, slotted, keyword-only, and validate in their
+    constructor; an invalid one cannot exist.
+
+Line layout (every key at the top level of one JSON object)::
+
+    v        int     event schema version, EVENT_VERSION
+    id       str     unique id of the event (random, 24 hex)
+    machine  str     host id of the writer
+    seq      int     1, 2, 3... per machine, no gaps
+    clock    int     Lamport clock: > every clock the writer had seen
+    prev     str|null  sha256 hex of the previous line (without newline) of the
+                     same machine; null for that machine's first line
+    time     str     writer's wall clock, UTC ISO-8601 with ms; informational
+    kind     str     one of KINDS (or a newer kind, kept verbatim)
+    ...              the kind's own fields, listed on each class below
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from .errors import FormatError
+from .format import check_host_id, check_relpath, check_sha256
+
+EVENT_VERSION = 1
+ENVELOPE = ("v", "id", "machine", "seq", "clock", "prev", "time", "kind")
+_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+_KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one canonical JSON encoding: sorted keys, no spaces, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def line_hash(line: bytes) -> str:
+    """sha256 hex of a journal line's exact bytes, without its newline."""
+    return hashlib.sha256(line).hexdigest()
+
+
+def _need_str(value: object, what: str, *, empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise FormatError(f"{what} must be a string, not {type(value).__name__}")
+    if not empty and not value:
+        raise FormatError(f"{what} must not be empty")
+    return value
+
+
+def _need_opt_str(value: object, what: str) -> str | None:
+    return None if value is None else _need_str(value, what)
+
+
+# -- the kinds ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of every event kind. ``KIND`` is the value of the ``kind`` key."""
+
+    KIND: ClassVar[str] = ""
+
+    @property
+    def kind(self) -> str:
+        return self.KIND
+
+    def payload(self) -> dict[str, Any]:
+        """The kind's own fields as JSON (without the envelope)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue  # optional fields are omitted when unset
+            out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UserMessage(Event):
+    KIND: ClassVar[str] = "user_message"
+    text: str  # what the user said
+
+    def __post_init__(self) -> None:
+        _need_str(self.text, "user_message.text")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AssistantMessage(Event):
+    KIND: ClassVar[str] = "assistant_message"
+    text: str  # the visible reply
+    provider: str | None = None  # which provider produced it, if known
+    model: str | None = None  # which model produced it, if known
+
+    def __post_init__(self) -> None:
+        _need_str(self.text, "assistant_message.text")
+        _need_opt_str(self.provider, "assistant_message.provider")
+        _need_opt_str(self.model, "assistant_message.model")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reasoning(Event):
+    """Private reasoning. Only the exact provider and model may see it again."""
+
+    KIND: ClassVar[str] = "reasoning"
+    provider: str  # e.g. "anthropic", "openai", "gemini"
+    model: str  # the exact model that produced it
+    payload_format: str  # e.g. "anthropic.thinking", "openai.reasoning", "gemini.thought_signature"
+    data: Mapping[str, Any]  # the opaque provider object, kept verbatim (signature, encrypted content...)
+    text: str | None = None  # human-readable summary or thinking text, if the provider gave one
+
+    def __post_init__(self) -> None:
+        _need_str(self.provider, "reasoning.provider", empty=False)
+        _need_str(self.model, "reasoning.model", empty=False)
+        _need_str(self.payload_format, "reasoning.payload_format", empty=False)
+        if not isinstance(self.data, Mapping):
+            raise FormatError("reasoning.data must be a JSON object")
+        _need_opt_str(self.text, "reasoning.text")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall(Event):
+    KIND: ClassVar[str] = "tool_call"
+    call_id: str  # pairs the call with its tool_result
+    name: str  # tool name
+    arguments: Mapping[str, Any]  # JSON object of arguments
+    provider: str | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _need_str(self.call_id, "tool_call.call_id", empty=False)
+        _need_str(self.name, "tool_call.name", empty=False)
+        if not isinstance(self.arguments, Mapping):
+            raise FormatError("tool_call.arguments must be a JSON object")
+        _need_opt_str(self.provider, "tool_call.provider")
+        _need_opt_str(self.model, "tool_call.model")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolResult(Event):
+    KIND: ClassVar[str] = "tool_result"
+    call_id: str  # the tool_call this answers
+    content: str  # the tool's output as text
+    is_error: bool = False
+
+    def __post_init__(self) -> None:
+        _need_str(self.call_id, "tool_result.call_id", empty=False)
+        _need_str(self.content, "tool_result.content")
+        if not isinstance(self.is_error, bool):
+            raise FormatError("tool_result.is_error must be true or false")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEdit(Event):
+    """The new working memory: inline ``text``, or the sha256 of its blob."""
+
+    KIND: ClassVar[str] = "memory_edit"
+    text: str | None = None
+    blob: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.blob is None):
+            raise FormatError("memory_edit needs exactly one of text or blob")
+        _need_opt_str(self.text, "memory_edit.text")
+        if self.blob is not None:
+            check_sha256(self.blob, "memory_edit.blob")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkspaceUpdate(Event):
+    """Workspace changes: path -> sha256 of its new blob, or None if deleted."""
+
+    KIND: ClassVar[str] = "workspace_update"
+    changes: Mapping[str, str | None]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.changes, Mapping) or not self.changes:
+            raise FormatError("workspace_update.changes must be a non-empty object")
+        for path, sha in self.changes.items():
+            check_relpath(path, "workspace_update path")
+            if sha is not None:
+                check_sha256(sha, f"workspace_update.changes[{path!r}]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSwitch(Event):
+    KIND: ClassVar[str] = "model_switch"
+    provider: str
+    model: str
+
+    def __post_init__(self) -> None:
+        _need_str(self.provider, "model_switch.provider", empty=False)
+        _need_str(self.model, "model_switch.model", empty=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Note(Event):
+    """A remark for people (operator notes, moves, recoveries). Never rendered as dialogue."""
+
+    KIND: ClassVar[str] = "note"
+    text: str
+
+    def __post_init__(self) -> None:
+        _need_str(self.text, "note.text")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class System(Event):
+    """A system instruction for the model."""
+
+    KIND: ClassVar[str] = "system"
+    text: str
+
+    def __post_init__(self) -> None:
+        _need_str(self.text, "system.text")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownEvent(Event):
+    """A kind written by a newer version: kept, never dropped, never rendered."""
+
+    unknown_kind: str
+    fields_: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.unknown_kind
+
+    def payload(self) -> dict[str, Any]:
+        return dict(self.fields_)
+
+
+KINDS: dict[str, type[Event]] = {
+    cls.KIND: cls
+    for cls in (
+        UserMessage,
+        AssistantMessage,
+        Reasoning,
+        ToolCall,
+        ToolResult,
+        MemoryEdit,
+        WorkspaceUpdate,
+        ModelSwitch,
+        Note,
+        System,
+    )
+}
+
+
+def event_from_fields(kind: str, payload: Mapping[str, Any], *, strict: bool = True) -> Event:
+    """Build the typed event of ``kind`` from its own fields.
+
+    ``strict`` refuses unknown kinds and unknown fields (for input people
+    type); non-strict keeps them as :class:`UnknownEvent` (for lines read from
+    a journal, which a newer version may have written).
+    """
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):
+        raise FormatError(f"kind {kind!r} is not a valid event kind")
+    cls = KINDS.get(kind)
+    if cls is None:
+        if strict:
+            raise FormatError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
+        return UnknownEvent(unknown_kind=kind, fields_=dict(payload))
+    names = {f.name for f in fields(cls)}
+    extra = set(payload) - names
+    if extra:
+        if strict:
+            raise FormatError(f"{kind}: unknown field(s) {', '.join(sorted(extra))}")
+        return UnknownEvent(unknown_kind=kind, fields_=dict(payload))
+    try:
+        return cls(**payload)
+    except TypeError as exc:
+        missing = sorted(f.name for f in fields(cls) if f.name not in payload)
+        raise FormatError(f"{kind}: missing field(s) {', '.join(missing) or '?'} ({exc})") from None
+
+
+def parse_draft(obj: object) -> Event:
+    """Validate one event as a user or script submits it: kind + its fields.
+
+    Envelope fields are stamped by the journal; supplying them is an error.
+    """
+    if not isinstance(obj, dict):
+        raise FormatError("an event must be a JSON object")
+    stamped = sorted(set(obj) & (set(ENVELOPE) - {"kind"}))
+    if stamped:
+        raise FormatError(f"field(s) {', '.join(stamped)} are stamped by capsulefs; leave them out")
+    if "kind" not in obj:
+        raise FormatError("an event needs a 'kind'")
+    payload = {k: v for k, v in obj.items() if k != "kind"}
+    return event_from_fields(obj["kind"], payload, strict=True)
+
+
+# -- the envelope --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Record:
+    """One journal line: the envelope plus its event. ``line`` is canonical."""
+
+    id: str
+    machine: str
+    seq: int
+    clock: int
+    prev: str | None
+    time: str
+    event: Event
+    line: bytes = b""  # canonical bytes, without newline; filled in by make/parse
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not _ID_RE.fullmatch(self.id):
+            raise FormatError(f"event id {self.id!r} is not 8-64 lowercase hex digits")
+        check_host_id(self.machine)
+        for name in ("seq", "clock"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FormatError(f"event {name} {value!r} is not a positive integer")
+        if self.prev is not None:
+            check_sha256(self.prev, "event prev")
+        _need_str(self.time, "event time")
+        if not self.line:
+            object.__setattr__(self, "line", canonical_json(self.to_json()))
+
+    @property
+    def kind(self) -> str:
+        return self.event.kind
+
+    @property
+    def order(self) -> tuple[int, str, int]:
+        """The journal's sort key: (clock, machine, seq)."""
+        return (self.clock, self.machine, self.seq)
+
+    @property
+    def digest(self) -> str:
+        return line_hash(self.line)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = dict(self.event.payload())
+        doc.update(
+            v=EVENT_VERSION,
+            id=self.id,
+            machine=self.machine,
+            seq=self.seq,
+            clock=self.clock,
+            prev=self.prev,
+            time=self.time,
+            kind=self.event.kind,
+        )
+        return doc
+
+    @classmethod
+    def from_line(cls, line: bytes) -> "Record":
+        """Parse one journal line (without newline). Keeps unknown kinds.
+
+        The line must be canonical: re-encoding it gives the same bytes,
+        because the chain hashes exact bytes.
+        """
+        try:
+            doc = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"journal line is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise FormatError("journal line is not a JSON object")
+        missing = [k for k in ENVELOPE if k not in doc]
+        if missing:
+            raise FormatError(f"journal line lacks {', '.join(missing)}")
+        if canonical_json(doc) != line:
+            raise FormatError("journal line is not canonical JSON (sorted keys, no spaces, UTF-8)")
+        if not isinstance(doc["v"], int) or doc["v"] < 1:
+            raise FormatError(f"journal line has bad version {doc['v']!r}")
+        payload = {k: v for k, v in doc.items() if k not in ENVELOPE}
+        if doc["v"] > EVENT_VERSION:
+            event: Event = UnknownEvent(unknown_kind=str(doc["kind"]), fields_=payload)
+        else:
+            event = event_from_fields(doc["kind"], payload, strict=False)
+        return cls(
+            id=doc["id"],
+            machine=doc["machine"],
+            seq=doc["seq"],
+            clock=doc["clock"],
+            prev=doc["prev"],
+            time=doc["time"],
+            event=event,
+            line=line,
+        )

@@ -1,0 +1,267 @@
+"""The capsule format, version ``capsule/1``: the one canonical definition.
+
+A capsule is a directory, or a tar of one (plain, gzip or zstd), holding only
+regular files and directories::
+
+    manifest.json                   identity, holder, a digest for every other file
+    manifest.sig                    optional: Ed25519 signature over manifest.json
+    memory/working_memory.md        the agent's own notes (UTF-8 markdown)
+    memory/timeline_events.jsonl    the journal: one immutable event per line
+    memory/vector_index/index.json  the local semantic index (derived data)
+    artifacts/snapshot.json         the workspace: {"files": {path: sha256}}
+    artifacts/blobs/<sha256>        file bodies; a blob's name is the sha256 of its bytes
+    environment/spec.json           how to rebuild the sandbox (see spec.py)
+
+Rules (MUST):
+  * ``manifest.json`` lists every file of the capsule except itself and
+    ``manifest.sig``, each with its sha256 (64 lowercase hex) and size.
+  * Paths are relative, '/'-separated, with no empty, ``.`` or ``..``
+    component, no NUL and no backslash; nothing absolute.
+  * ``agent_id`` is fixed for the agent's whole life. Every component keys the
+    agent by ``agent_id``, never by ``name`` (which is for people and may be
+    renamed).
+  * ``holder.epoch`` only grows. The move protocol fences on it.
+  * Every workspace sha256 in ``artifacts/snapshot.json`` has its blob in
+    ``artifacts/blobs/``.
+  * Readers keep manifest fields they do not know (forward compatibility).
+
+See docs/format.md for the prose version of this module; they must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import FormatError, UnsafePathError
+
+FORMAT = "capsule/1"
+
+# Fixed paths inside a capsule.
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+WORKING_MEMORY = "memory/working_memory.md"
+JOURNAL = "memory/timeline_events.jsonl"
+VECTOR_INDEX = "memory/vector_index/index.json"
+SNAPSHOT = "artifacts/snapshot.json"
+BLOBS_DIR = "artifacts/blobs"
+SPEC = "environment/spec.json"
+
+#: Files every capsule must contain (besides blobs).
+REQUIRED_FILES = (WORKING_MEMORY, JOURNAL, VECTOR_INDEX, SNAPSHOT, SPEC)
+#: Files that are never listed in the manifest.
+UNLISTED = frozenset({MANIFEST, SIGNATURE})
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_AGENT_ID_RE = re.compile(r"[0-9a-f]{32}")
+_HOST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def is_sha256(value: object) -> bool:
+    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
+
+
+def check_sha256(value: object, what: str) -> str:
+    if not is_sha256(value):
+        raise FormatError(f"{what}: {value!r} is not a sha256 (64 lowercase hex digits)")
+    return value  # type: ignore[return-value]
+
+
+def check_agent_id(value: object) -> str:
+    if not isinstance(value, str) or not _AGENT_ID_RE.fullmatch(value):
+        raise FormatError(f"agent_id {value!r} is not 32 lowercase hex digits")
+    return value
+
+
+def check_host_id(value: object) -> str:
+    if not isinstance(value, str) or not _HOST_ID_RE.fullmatch(value):
+        raise FormatError(f"host id {value!r} is not 1-128 letters, digits, '.', '_' or '-'")
+    return value
+
+
+def check_agent_name(value: object) -> str:
+    """An agent's display name: one safe directory name, not hidden."""
+    if not isinstance(value, str) or not value:
+        raise FormatError("agent name must be a non-empty string")
+    if "/" in value or "\0" in value or value in (".", ".."):
+        raise FormatError(f"agent name {value!r} must not contain '/' or NUL, nor be '.' or '..'")
+    if value.startswith("."):
+        raise FormatError(f"agent name {value!r} must not start with '.'")
+    if len(value.encode("utf-8")) > MAX_NAME_BYTES:
+        raise FormatError(f"agent name {value[:20]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    if any(ord(c) < 32 for c in value):
+        raise FormatError(f"agent name {value!r} contains a control character")
+    return value
+
+
+def check_relpath(path: object, what: str = "path") -> str:
+    """Return ``path`` if it is a safe capsule-relative path, else raise.
+
+    Distrusts its input: used for tar members, manifest keys, snapshot keys
+    and anything a user typed.
+    """
+    if not isinstance(path, str) or not path:
+        raise UnsafePathError(f"{what} {path!r}: empty or not a string")
+    if "\0" in path or "\\" in path:
+        raise UnsafePathError(f"{what} {path!r}: contains NUL or backslash")
+    if path.startswith("/"):
+        raise UnsafePathError(f"{what} {path!r}: absolute paths are not allowed")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise UnsafePathError(f"{what} {path[:40]!r}...: longer than {MAX_PATH_BYTES} bytes")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise UnsafePathError(f"{what} {path!r}: '..', '.' and empty components are not allowed")
+    return path
+
+
+def blob_path(sha256: str) -> str:
+    return f"{BLOBS_DIR}/{check_sha256(sha256, 'blob name')}"
+
+
+def blob_name(path: str) -> str | None:
+    """The sha256 named by ``artifacts/blobs/<sha256>``, or None for other paths."""
+    prefix = BLOBS_DIR + "/"
+    if path.startswith(prefix):
+        return path[len(prefix):]
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileEntry:
+    sha256: str  # 64 lowercase hex: sha256 of the file's exact bytes
+    size: int  # the file's length in bytes
+
+    def __post_init__(self) -> None:
+        check_sha256(self.sha256, "file entry")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
+            raise FormatError(f"file entry size {self.size!r} is not a non-negative integer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Holder:
+    host: str  # host id of the machine that holds (may run) the agent
+    epoch: int  # fencing epoch; grows by one at every move
+
+    def __post_init__(self) -> None:
+        check_host_id(self.host)
+        if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0:
+            raise FormatError(f"holder epoch {self.epoch!r} is not a non-negative integer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    agent_id: str  # 32 lowercase hex; stable for the agent's whole life
+    name: str  # display name; the agent's directory name in a mount
+    holder: Holder  # who holds the agent, at which epoch
+    files: Mapping[str, FileEntry]  # every file but manifest.json and manifest.sig
+    extra: Mapping[str, Any] = field(default_factory=dict)  # unknown fields, kept verbatim
+
+    def __post_init__(self) -> None:
+        check_agent_id(self.agent_id)
+        check_agent_name(self.name)
+        for path in self.files:
+            check_relpath(path, "manifest path")
+            if path in UNLISTED:
+                raise FormatError(f"manifest lists {path}, which it must not list")
+
+    # -- serialisation ---------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = dict(self.extra)
+        doc.update(
+            {
+                "format": FORMAT,
+                "agent_id": self.agent_id,
+                "name": self.name,
+                "holder": {"host": self.holder.host, "epoch": self.holder.epoch},
+                "files": {
+                    p: {"sha256": e.sha256, "size": e.size} for p, e in sorted(self.files.items())
+                },
+            }
+        )
+        return doc
+
+    def to_bytes(self) -> bytes:
+        """Deterministic bytes: sorted keys, two-space indent, trailing newline."""
+        return (json.dumps(self.to_json(), sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{MANIFEST} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise FormatError(f"{MANIFEST} must be a JSON object")
+        fmt = doc.get("format")
+        if fmt != FORMAT:
+            raise FormatError(f"{MANIFEST}: format {fmt!r} is not {FORMAT!r}")
+        for key in ("agent_id", "name", "holder", "files"):
+            if key not in doc:
+                raise FormatError(f"{MANIFEST}: missing field {key!r}")
+        holder = doc["holder"]
+        if not isinstance(holder, dict) or set(holder) < {"host", "epoch"}:
+            raise FormatError(f"{MANIFEST}: holder must be {{'host': ..., 'epoch': ...}}")
+        files = doc["files"]
+        if not isinstance(files, dict):
+            raise FormatError(f"{MANIFEST}: files must be an object")
+        entries = {}
+        for path, entry in files.items():
+            if not isinstance(entry, dict):
+                raise FormatError(f"{MANIFEST}: entry for {path!r} must be an object")
+            try:
+                entries[path] = FileEntry(sha256=entry.get("sha256"), size=entry.get("size"))
+            except FormatError as exc:
+                raise FormatError(f"{MANIFEST}: {path!r}: {exc}") from None
+        extra = {k: v for k, v in doc.items() if k not in ("format", "agent_id", "name", "holder", "files")}
+        return cls(
+            agent_id=doc["agent_id"],
+            name=doc["name"],
+            holder=Holder(host=holder["host"], epoch=holder["epoch"]),
+            files=entries,
+            extra=extra,
+        )
+
+    def blobs(self) -> dict[str, int]:
+        """sha256 -> size of every blob the manifest lists."""
+        out = {}
+        for path, entry in self.files.items():
+            name = blob_name(path)
+            if name is not None:
+                out[name] = entry.size
+        return out
+
+
+# -- the workspace snapshot -------------------------------------------------
+
+
+def parse_snapshot(data: bytes) -> dict[str, str]:
+    """Parse ``artifacts/snapshot.json`` into {workspace path: sha256}."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{SNAPSHOT} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+        raise FormatError(f'{SNAPSHOT} must be {{"files": {{path: sha256}}}}')
+    files = doc["files"]
+    for path, sha in files.items():
+        check_relpath(path, "workspace path")
+        check_sha256(sha, f"{SNAPSHOT}: {path}")
+    return dict(files)
+
+
+def snapshot_bytes(files: Mapping[str, str]) -> bytes:
+    for path, sha in files.items():
+        check_relpath(path, "workspace path")
+        check_sha256(sha, f"workspace path {path}")
+    return (json.dumps({"files": dict(sorted(files.items()))}, sort_keys=True, indent=2) + "\n").encode()
+
+
+def empty_vector_index() -> bytes:
+    """The index of an agent whose journal is empty (see capsulefs.core.index)."""
+    doc = {"format": "vector-index/1", "embedder": None, "journal": {"events": 0, "last": None}, "entries": []}
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()

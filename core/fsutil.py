@@ -1,0 +1,93 @@
+"""Atomic, durable file writes: the one way capsulefs writes a file.
+
+Theory of operation: a write goes to a temporary file in the destination's
+directory, is fsynced, renamed over the destination, and then the directory
+is fsynced. A crash at any point leaves the destination either as it was or
+wholly new, never half written. Temporary files are named ``.tmp-*`` so a
+reader (or ``sweep_temps``) can recognise and discard leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import BinaryIO, Iterator
+
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that renames and creations inside it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(directory: str) -> str:
+    return os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
+
+
+@contextmanager
+def atomic_writer(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[BinaryIO]:
+    """Yield a binary file; on normal exit it atomically replaces ``path``.
+
+    On an exception the temporary file is removed and ``path`` is untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    tmp = _tmp_name(directory)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | Iterable[bytes], mode: int = 0o644) -> None:
+    """Atomically replace ``path`` with ``data`` (bytes or an iterable of chunks)."""
+    with atomic_writer(path, mode) as f:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            f.write(data)
+        else:
+            for chunk in data:
+                f.write(chunk)
+
+
+def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> None:
+    """Create ``path`` and missing parents, fsyncing each parent that changed."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        fsync_dir(os.path.dirname(d))
+
+
+def sweep_temps(directory: str | os.PathLike[str]) -> int:
+    """Remove leftover temporary files (from a crash) under ``directory``."""
+    removed = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            if name.startswith(TMP_PREFIX):
+                os.unlink(os.path.join(root, name))
+                removed += 1
+    return removed

@@ -1,0 +1,1 @@
+"""capsulefs.mount: the thin pyfuse3 adapter over capsulefs.core."""

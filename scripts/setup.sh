@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up everything capsulefs needs on a Debian 12 machine, idempotently:
+# Debian packages (only those missing), a virtualenv in .venv, and the package
+# installed editable with its test and provider extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+debs=(libfuse3-dev fuse3 pkg-config attr vim zstd iproute2 python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "setup: missing Debian packages: ${missing[*]} (run as root, or install them)" >&2
+        exit 1
+    fi
+    echo "setup: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.capsulefs-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[test]'
+    touch "$stamp"
+fi
