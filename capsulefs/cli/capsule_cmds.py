@@ -1,9 +1,143 @@
-"""Commands on capsules and the host store: new, verify, export, import, keygen, rm, ls."""
+"""Commands on capsules and the host store: new, ls, rm, verify, export, import, keygen, gc."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store
+from capsulefs.core import archive, signing
+from capsulefs.core.errors import CapsuleError, SpecError
+from capsulefs.core.spec import default_spec, parse_spec
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # filled in below
-    pass
+def cmd_new(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    spec = default_spec()
+    if args.spec:
+        with open(args.spec, "rb") as f:
+            try:
+                spec = parse_spec(f.read())
+            except SpecError as exc:
+                raise SpecError(f"{args.spec}: {exc}") from None
+    agent = store.create_agent(args.name, host_id=host_id(args), agent_id=new_agent_id(), spec=spec)
+    print(f"created agent {args.name} ({agent.agent_id})")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    rows = []
+    for agent in store.agents():
+        m = agent.manifest()
+        rows.append({"name": m.name, "agent_id": m.agent_id, "holder": m.holder.host, "epoch": m.holder.epoch,
+                     "blobs": len(m.blobs())})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['name']:<24} {r['agent_id']}  epoch {r['epoch']}  {r['blobs']} blob(s)")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    agent = store.find(args.agent)
+    name = agent.name
+    store.remove_agent(agent.agent_id)
+    print(f"removed agent {name} ({agent.agent_id})")
+    if not args.keep_blobs:
+        report = store.gc()
+        if report.removed:
+            print(f"freed {report.removed} unreferenced blob(s), {report.freed} bytes")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    pubkey = None
+    if args.pubkey:
+        with open(args.pubkey, "rb") as f:
+            pubkey = f.read()
+    manifest, problems = archive.verify_capsule(args.path, pubkey=pubkey)
+    for p in problems:
+        print(f"{args.path}: {p}", file=sys.stderr)
+    if problems:
+        print(f"FAILED: {len(problems)} problem(s) in {args.path}", file=sys.stderr)
+        return 1
+    assert manifest is not None
+    signed = " and its signature" if pubkey else ""
+    print(f"OK: {args.path} ({manifest.name}, {manifest.agent_id}, {len(manifest.files)} files){signed} verified")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    agent = find_agent(args, args.agent)
+    key = None
+    if args.sign:
+        with open(args.sign, "rb") as f:
+            key = f.read()
+        signing.load_private_key(key, args.sign)  # fail before writing anything
+    archive.export_agent(agent, args.output, mtime=now_seconds(), sign_key=key)
+    print(f"exported {agent.name} to {args.output}{' (signed)' if key else ''}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    agent = archive.import_tar(store, args.tar)
+    print(f"imported agent {agent.name} ({agent.agent_id})")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    priv, pub = signing.generate_keypair(args.output)
+    print(f"wrote private key {priv} (mode 0600) and public key {pub}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = open_store(args).gc()
+    print(f"removed {report.removed} blob(s), freed {report.freed} bytes, kept {report.kept}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("new", help="create a new agent in the host store")
+    p.add_argument("name", help="display name (also its directory name in a mount)")
+    p.add_argument("--spec", metavar="FILE", help="environment spec JSON to start from")
+    p.set_defaults(func=cmd_new)
+
+    p = sub.add_parser("ls", help="list the agents this host holds")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("rm", help="remove an agent from this host (and free its unshared blobs)")
+    p.add_argument("agent", help="agent name or id")
+    p.add_argument("--keep-blobs", action="store_true", help="do not garbage-collect afterwards")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("verify", help="verify a capsule directory or tar; exit 0 if it verifies, 1 if not")
+    p.add_argument("path", help="capsule directory, or .tar / .tar.gz / .tar.zst")
+    p.add_argument("--pubkey", metavar="FILE", help="also require a valid signature by this public key")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("export", help="export an agent to a capsule tar")
+    p.add_argument("agent", help="agent name or id")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.tar, FILE.tar.gz or FILE.tar.zst")
+    p.add_argument("--sign", metavar="KEYFILE", help="sign the manifest with this Ed25519 private key")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="import a capsule tar (verified first; all or nothing)")
+    p.add_argument("tar")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("keygen", help="make an Ed25519 signing key pair")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="private key file; the public key goes to FILE.pub")
+    p.set_defaults(func=cmd_keygen)
+
+    p = sub.add_parser("gc", help="delete blobs that no agent references")
+    p.set_defaults(func=cmd_gc)
+
+
+__all__ = ["register", "CapsuleError"]

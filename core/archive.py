@@ -1,0 +1,141 @@
+"""Export an agent from the host store to a tar, import one back, verify any capsule.
+
+Theory of operation:
+  * Export freezes one consistent state: every non-blob file is read once
+    (the journal up to its last whole line), the manifest is computed from
+    exactly those bytes, blobs are re-hashed from the store as they stream
+    out, and the manifest (and signature) close the tar. A corrupt blob
+    aborts the export and leaves no file behind.
+  * Import is all-or-nothing: the tar is extracted into a private staging
+    directory of the store, checked exactly as ``verify`` would, and only
+    then are its blobs adopted into objects/ and its directory renamed into
+    agents/. A refused tar leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from . import format as fmt
+from .capsule import Problem, check, scan_dir
+from .errors import CorruptBlobError, ImportRefused, NotFoundError
+from .fsutil import atomic_write, fsync_dir
+from .signing import sign_manifest
+from .store import AgentHandle, HostStore
+from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
+
+
+def verify_capsule(path: str, *, pubkey: bytes | None = None) -> tuple[fmt.Manifest | None, list[Problem]]:
+    """Verify a capsule directory or tar; returns (manifest, problems)."""
+    if os.path.isdir(path):
+        listing = scan_dir(path)
+    elif os.path.isfile(path):
+        listing = scan_tar(path)
+    else:
+        raise NotFoundError(f"{path}: no such capsule directory or tar")
+    return check(listing, pubkey=pubkey)
+
+
+class _VerifiedBlob(io.RawIOBase):
+    """Reads a blob file and raises CorruptBlobError at EOF if it does not hash to its name."""
+
+    def __init__(self, path: str, sha256: str, size: int) -> None:
+        self._f = open(path, "rb")
+        self._h = hashlib.sha256()
+        self._sha, self._path, self._left = sha256, path, size
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._h.update(data)
+        self._left -= len(data)
+        if (not data or self._left <= 0) and self._h.hexdigest() != self._sha:
+            raise CorruptBlobError(self._path, self._h.hexdigest())
+        return data
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def snapshot_files(agent: AgentHandle) -> dict[str, bytes]:
+    """Read every non-blob file of an agent once, the journal up to its last whole line."""
+    files: dict[str, bytes] = {}
+    for rel in agent.local_files():
+        data = agent.read(rel)
+        if rel == fmt.JOURNAL and data and not data.endswith(b"\n"):
+            data = data[: data.rfind(b"\n") + 1]
+        files[rel] = data
+    return files
+
+
+def frozen_manifest(agent: AgentHandle, files: dict[str, bytes]) -> fmt.Manifest:
+    old = agent.manifest()
+    entries = {p: e for p, e in old.files.items() if fmt.blob_name(p) is not None}
+    for rel, data in files.items():
+        entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    return fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+
+
+def export_members(agent: AgentHandle, *, sign_key: bytes | None = None) -> Iterator[Member]:
+    files = snapshot_files(agent)
+    manifest = frozen_manifest(agent, files)
+    for rel in sorted(files):
+        data = files[rel]
+        yield Member(rel, len(data), lambda d=data: io.BytesIO(d))  # type: ignore[misc]
+    store = agent.store
+    for sha, size in sorted(manifest.blobs().items()):
+        path = store.blob_file(sha)
+        if not os.path.exists(path):
+            raise NotFoundError(f"blob {sha} of agent {agent.agent_id} is missing from the store ({path})")
+        yield Member(fmt.blob_path(sha), size, lambda p=path, s=sha, n=size: _VerifiedBlob(p, s, n))  # type: ignore[misc]
+    raw = manifest.to_bytes()
+    yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
+    if sign_key is not None:
+        sig = sign_manifest(raw, sign_key)
+        yield Member(fmt.SIGNATURE, len(sig), lambda: io.BytesIO(sig))
+
+
+def export_agent(agent: AgentHandle, dest: str, *, mtime: int, sign_key: bytes | None = None) -> None:
+    write_tar(dest, export_members(agent, sign_key=sign_key), mtime=mtime)
+
+
+def import_tar(
+    store: HostStore,
+    tar_path: str,
+    *,
+    max_member: int = DEFAULT_MAX_MEMBER,
+    max_total: int = DEFAULT_MAX_TOTAL,
+) -> AgentHandle:
+    """Import a capsule tar into the store, or refuse it and change nothing."""
+    if not os.path.isfile(tar_path):
+        raise NotFoundError(f"{tar_path}: no such file")
+    with store.staging("import") as area:
+        tree = os.path.join(area, "capsule")
+        os.mkdir(tree)
+        listing = scan_tar(tar_path, extract_into(tree), max_member=max_member, max_total=max_total)
+        manifest, problems = check(listing)
+        if problems or manifest is None:
+            shown = "; ".join(str(p) for p in problems[:5])
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ImportRefused(f"{tar_path} does not verify, nothing imported: {shown}{more}")
+        if os.path.isdir(os.path.join(store.agents_dir, manifest.agent_id)):
+            raise ImportRefused(f"agent {manifest.agent_id} ({manifest.name}) is already held here; nothing imported")
+        if store.name_taken(manifest.name):
+            raise ImportRefused(f"an agent named {manifest.name!r} already exists here; nothing imported")
+        with store.writing():
+            for sha in manifest.blobs():
+                src = os.path.join(tree, fmt.blob_path(sha))
+                store.adopt_blob_file(src, sha)
+            sig = os.path.join(tree, fmt.SIGNATURE)
+            if os.path.exists(sig):
+                os.unlink(sig)  # a signature attests the export, not the held agent
+            atomic_write(os.path.join(tree, fmt.MANIFEST), listing.contents[fmt.MANIFEST])
+            fsync_dir(tree)
+            return store.install_agent(tree)

@@ -1,0 +1,109 @@
+"""environment/spec.json: how to rebuild an agent's sandbox, never a secret.
+
+Rules:
+  * The spec holds an entrypoint, plain environment variables, the NAMES of
+    secrets, and setup steps or packages. Secret values come from the host
+    keychain for one run and never enter a capsule.
+  * A plain env variable whose name contains TOKEN, KEY, SECRET, PASSWORD,
+    PASSWD or CREDENTIAL (any case) is refused: declare it under "secrets".
+  * Unknown top-level keys are refused (a typo must not silently disable a
+    rule), except keys starting with "x-", which are kept for extensions.
+
+Fields::
+
+    version     int            SPEC_VERSION
+    entrypoint  [str] | null   argv of the agent process, run in the workspace
+    env         {str: str}     plain environment variables
+    secrets     [str]          names of secrets to fetch from the keychain
+    setup       [[str]]        argv of each setup step, run in order in the workspace
+    packages    [str]          packages the sandbox needs (informational)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .errors import SpecError
+
+SPEC_VERSION = 1
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FIELDS = {"version", "entrypoint", "env", "secrets", "setup", "packages"}
+
+
+def default_spec(entrypoint: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "version": SPEC_VERSION,
+        "entrypoint": entrypoint,
+        "env": {},
+        "secrets": [],
+        "setup": [],
+        "packages": [],
+    }
+
+
+def _argv(value: object, what: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise SpecError(f"spec: {what} must be a non-empty list of strings (an argv)")
+    return value
+
+
+def validate_spec(doc: object) -> dict[str, Any]:
+    """Return the spec if it keeps every rule; raise SpecError naming the fault."""
+    if not isinstance(doc, dict):
+        raise SpecError("spec must be a JSON object")
+    unknown = sorted(k for k in doc if k not in _FIELDS and not (isinstance(k, str) and k.startswith("x-")))
+    if unknown:
+        raise SpecError(f"spec: unknown field(s) {', '.join(unknown)} (extensions must start with 'x-')")
+    if doc.get("version") != SPEC_VERSION:
+        raise SpecError(f"spec: version must be {SPEC_VERSION}, not {doc.get('version')!r}")
+    entry = doc.get("entrypoint")
+    if entry is not None:
+        _argv(entry, "entrypoint")
+    env = doc.get("env", {})
+    if not isinstance(env, dict):
+        raise SpecError("spec: env must be an object of NAME: value strings")
+    for name, value in env.items():
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise SpecError(f"spec: env name {name!r} is not a valid variable name")
+        if not isinstance(value, str):
+            raise SpecError(f"spec: env {name} must be a string")
+        upper = name.upper()
+        hit = next((w for w in SECRET_WORDS if w in upper), None)
+        if hit:
+            raise SpecError(
+                f"spec: env {name} looks like a secret (its name contains {hit}); "
+                f'declare it by name under "secrets" and keep its value in the host keychain'
+            )
+    secrets = doc.get("secrets", [])
+    if isinstance(secrets, dict):
+        raise SpecError('spec: "secrets" lists names only; values live in the host keychain')
+    if not isinstance(secrets, list) or not all(isinstance(s, str) and _ENV_NAME_RE.fullmatch(s) for s in secrets):
+        raise SpecError('spec: "secrets" must be a list of variable names')
+    overlap = sorted(set(secrets) & set(env))
+    if overlap:
+        raise SpecError(f"spec: {', '.join(overlap)} is both a plain env variable and a secret")
+    setup = doc.get("setup", [])
+    if not isinstance(setup, list):
+        raise SpecError("spec: setup must be a list of argv lists")
+    for i, step in enumerate(setup):
+        _argv(step, f"setup[{i}]")
+    packages = doc.get("packages", [])
+    if not isinstance(packages, list) or not all(isinstance(p, str) and p for p in packages):
+        raise SpecError("spec: packages must be a list of package names")
+    return doc
+
+
+def parse_spec(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(f"spec is not valid JSON: {exc}") from None
+    return validate_spec(doc)
+
+
+def spec_bytes(doc: dict[str, Any]) -> bytes:
+    validate_spec(doc)
+    return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode()

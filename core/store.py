@@ -1,0 +1,493 @@
+"""The host store: every agent this host holds, and their blobs, stored once.
+
+Layout (``LAYOUT`` = 1), under the state directory::
+
+    store.json                 {"layout": 1}: refuses to open an unknown layout
+    objects/<2hex>/<64hex>     blobs, named by the sha256 of their bytes, mode 0444
+    agents/<agent_id>/         one capsule directory per agent, without
+                               artifacts/blobs/ (its blobs live in objects/)
+    staging/<label>-<rand>/    scratch areas for import and move; swept on open
+    gc.lock                    flock: shared by writers, exclusive by gc
+
+Rules:
+  * A blob is stored once per host however many agents use it; the agents'
+    manifests list it as ``artifacts/blobs/<sha256>``.
+  * Every write is atomic (``fsutil``): a crash leaves a file whole or absent.
+  * Blobs are re-hashed when read for export, verify or move
+    (:meth:`HostStore.iter_blob`); a corrupt blob raises CorruptBlobError with
+    its path and is never handed out as good.
+  * Garbage collection deletes blobs no agent lists. Writers that add a blob
+    and then a reference to it hold the shared lock across both steps
+    (:meth:`HostStore.writing`); gc holds the exclusive lock, so it never
+    sees a blob whose reference is still being written.
+  * An agent's manifest.json is kept current by every store call that
+    changes a file. The journal is appended outside the store (it is
+    protected by its hash chain); :meth:`AgentHandle.current_manifest`
+    re-digests files whose size or mtime changed since the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from . import format as fmt
+from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, sweep_temps
+from .hashing import CHUNK, hash_file, parallel_map
+from .spec import default_spec, spec_bytes
+
+log = logging.getLogger(__name__)
+
+LAYOUT = 1
+STORE_FILE = "store.json"
+
+
+def default_state_dir() -> str:
+    if os.geteuid() == 0:
+        return "/var/lib/capsulefs"
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "capsulefs")
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    removed: int  # blobs deleted
+    freed: int  # bytes freed
+    kept: int  # blobs still referenced
+
+
+class HostStore:
+    """A host's state directory. Safe to share between processes."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.objects_dir = os.path.join(self.root, "objects")
+        self.agents_dir = os.path.join(self.root, "agents")
+        self.staging_dir = os.path.join(self.root, "staging")
+        self._lock_path = os.path.join(self.root, "gc.lock")
+        self._tlock = threading.local()
+
+    # -- opening -----------------------------------------------------------
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], *, create: bool = True) -> "HostStore":
+        root = os.fspath(root)
+        meta = os.path.join(root, STORE_FILE)
+        if not os.path.exists(meta):
+            if not create:
+                raise StoreError(f"{root} is not a capsulefs state directory (no {STORE_FILE})")
+            makedirs_durable(root, 0o700)
+            atomic_write(meta, json.dumps({"layout": LAYOUT}).encode() + b"\n")
+        try:
+            with open(meta, "rb") as f:
+                layout = json.load(f).get("layout")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise StoreError(f"{meta} is unreadable: {exc}") from None
+        if layout != LAYOUT:
+            raise StoreError(f"{root}: store layout {layout!r} is not supported (this capsulefs reads {LAYOUT})")
+        store = cls(root)
+        for d in (store.objects_dir, store.agents_dir, store.staging_dir):
+            makedirs_durable(d)
+        store._sweep_staging()
+        return store
+
+    def _sweep_staging(self) -> None:
+        # Staging areas belong to an operation that a crash ended; nothing in
+        # them was ever acknowledged. Only areas no live process holds are
+        # removed: each holder keeps an flock on its area's lock file.
+        for name in os.listdir(self.staging_dir):
+            path = os.path.join(self.staging_dir, name)
+            lock = path + ".lock" if not name.endswith(".lock") else path
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            try:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                if os.path.exists(lock):
+                    os.unlink(lock)
+            finally:
+                os.close(fd)
+
+    # -- locking -----------------------------------------------------------
+    @contextmanager
+    def _flock(self, mode: int) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold off gc while adding blobs and the references to them. Re-entrant."""
+        depth = getattr(self._tlock, "depth", 0)
+        if depth:
+            self._tlock.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._tlock.depth -= 1
+            return
+        with self._flock(fcntl.LOCK_SH):
+            self._tlock.depth = 1
+            try:
+                yield
+            finally:
+                self._tlock.depth = 0
+
+    # -- blobs ---------------------------------------------------------------
+    def blob_file(self, sha256: str) -> str:
+        fmt.check_sha256(sha256, "blob name")
+        return os.path.join(self.objects_dir, sha256[:2], sha256)
+
+    def has_blob(self, sha256: str) -> bool:
+        return os.path.exists(self.blob_file(sha256))
+
+    def blob_size(self, sha256: str) -> int:
+        try:
+            return os.stat(self.blob_file(sha256)).st_size
+        except FileNotFoundError:
+            raise NotFoundError(f"blob {sha256} is not in the store") from None
+
+    def put_blob_stream(self, f: BinaryIO, expect: str | None = None) -> tuple[str, int]:
+        """Store everything left in ``f`` as a blob; return (sha256, size).
+
+        With ``expect``, refuse bytes that do not hash to it (nothing lands).
+        """
+        os.makedirs(self.objects_dir, exist_ok=True)
+        tmp = os.path.join(self.objects_dir, TMP_PREFIX + secrets.token_hex(8))
+        h = hashlib.sha256()
+        size = 0
+        with self.writing():
+            try:
+                with open(tmp, "wb") as out:
+                    while chunk := f.read(CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                sha = h.hexdigest()
+                if expect is not None and sha != expect:
+                    raise CorruptBlobError(f"incoming blob {expect}", sha)
+                self._place(tmp, sha)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return sha, size
+
+    def put_blob(self, data: bytes, expect: str | None = None) -> str:
+        import io
+
+        return self.put_blob_stream(io.BytesIO(data), expect)[0]
+
+    def adopt_blob_file(self, path: str, sha256: str) -> None:
+        """Move an already written, fsynced and hashed file into objects/."""
+        with self.writing():
+            self._place(path, sha256)
+
+    def _place(self, tmp: str, sha: str) -> None:
+        dest = self.blob_file(sha)
+        if os.path.exists(dest):
+            os.unlink(tmp)  # deduplicated: the store has these bytes already
+            return
+        d = os.path.dirname(dest)
+        if not os.path.isdir(d):
+            os.makedirs(d, exist_ok=True)
+            fsync_dir(self.objects_dir)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)
+        fsync_dir(d)
+
+    def iter_blob(self, sha256: str, chunk: int = CHUNK) -> Iterator[bytes]:
+        """Yield a blob's bytes, re-hashing them; raise CorruptBlobError at the end
+        if they do not match (callers that stream must discard what they got)."""
+        path = self.blob_file(sha256)
+        h = hashlib.sha256()
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise NotFoundError(f"blob {sha256} is not in the store ({path})") from None
+        with f:
+            while data := f.read(chunk):
+                h.update(data)
+                yield data
+        if h.hexdigest() != sha256:
+            log.error("corrupt blob %s", path)
+            raise CorruptBlobError(path, h.hexdigest())
+
+    def read_blob(self, sha256: str) -> bytes:
+        return b"".join(self.iter_blob(sha256))
+
+    def verify_blob(self, sha256: str) -> None:
+        actual, _ = hash_file(self.blob_file(sha256))
+        if actual != sha256:
+            raise CorruptBlobError(self.blob_file(sha256), actual)
+
+    def all_blobs(self) -> Iterator[str]:
+        for sub in os.listdir(self.objects_dir):
+            d = os.path.join(self.objects_dir, sub)
+            if len(sub) == 2 and os.path.isdir(d):
+                for name in os.listdir(d):
+                    if fmt.is_sha256(name):
+                        yield name
+
+    def gc(self) -> GcReport:
+        """Delete blobs that no agent lists."""
+        with self._flock(fcntl.LOCK_EX):
+            referenced: set[str] = set()
+            for agent in self.agents():
+                referenced.update(agent.manifest().blobs())
+            removed = freed = kept = 0
+            for sha in list(self.all_blobs()):
+                if sha in referenced:
+                    kept += 1
+                    continue
+                path = self.blob_file(sha)
+                freed += os.stat(path).st_size
+                os.unlink(path)
+                removed += 1
+            sweep_temps(self.objects_dir)
+            return GcReport(removed=removed, freed=freed, kept=kept)
+
+    # -- agents ----------------------------------------------------------------
+    def agent_ids(self) -> list[str]:
+        return sorted(
+            n for n in os.listdir(self.agents_dir)
+            if not n.startswith(".") and os.path.isfile(os.path.join(self.agents_dir, n, fmt.MANIFEST))
+        )
+
+    def agents(self) -> list["AgentHandle"]:
+        return [AgentHandle(self, a) for a in self.agent_ids()]
+
+    def agent(self, agent_id: str) -> "AgentHandle":
+        fmt.check_agent_id(agent_id)
+        if not os.path.isfile(os.path.join(self.agents_dir, agent_id, fmt.MANIFEST)):
+            raise NotFoundError(f"agent {agent_id} is not held here")
+        return AgentHandle(self, agent_id)
+
+    def find(self, name_or_id: str) -> "AgentHandle":
+        """An agent by its id, or by its (unique) name."""
+        for agent in self.agents():
+            if agent.agent_id == name_or_id:
+                return agent
+        matches = [a for a in self.agents() if a.manifest().name == name_or_id]
+        if not matches:
+            raise NotFoundError(f"no agent named {name_or_id!r} is held in {self.root}")
+        if len(matches) > 1:
+            ids = ", ".join(a.agent_id for a in matches)
+            raise StoreError(f"several agents are named {name_or_id!r} ({ids}); use the agent id")
+        return matches[0]
+
+    def name_taken(self, name: str) -> bool:
+        return any(a.manifest().name == name for a in self.agents())
+
+    def create_agent(
+        self,
+        name: str,
+        *,
+        host_id: str,
+        agent_id: str,
+        spec: Mapping | None = None,
+        working_memory: str = "",
+    ) -> "AgentHandle":
+        """Create a new, empty agent held by ``host_id`` at epoch 1."""
+        fmt.check_agent_name(name)
+        fmt.check_agent_id(agent_id)
+        if self.name_taken(name):
+            raise ExistsError(f"an agent named {name!r} already exists here")
+        files = {
+            fmt.WORKING_MEMORY: working_memory.encode(),
+            fmt.JOURNAL: b"",
+            fmt.VECTOR_INDEX: fmt.empty_vector_index(),
+            fmt.SNAPSHOT: fmt.snapshot_bytes({}),
+            fmt.SPEC: spec_bytes(dict(spec) if spec is not None else default_spec()),
+        }
+        holder = fmt.Holder(host=host_id, epoch=1)
+        with self.staging("new") as area:
+            for rel, data in files.items():
+                p = os.path.join(area, rel)
+                makedirs_durable(os.path.dirname(p))
+                atomic_write(p, data)
+            manifest = fmt.Manifest(
+                agent_id=agent_id,
+                name=name,
+                holder=holder,
+                files={rel: fmt.FileEntry(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for rel, d in files.items()},
+            )
+            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+            return self.install_agent(area)
+
+    def install_agent(self, staged_dir: str) -> "AgentHandle":
+        """Atomically move a staged capsule directory (no blobs inside; its
+        blobs already in objects/) into agents/<agent_id>/."""
+        with open(os.path.join(staged_dir, fmt.MANIFEST), "rb") as f:
+            manifest = fmt.Manifest.from_bytes(f.read())
+        missing = [sha for sha in manifest.blobs() if not self.has_blob(sha)]
+        if missing:
+            raise StoreError(f"cannot install agent {manifest.agent_id}: {len(missing)} blob(s) missing, e.g. {missing[0]}")
+        dest = os.path.join(self.agents_dir, manifest.agent_id)
+        if os.path.exists(dest):
+            raise ExistsError(f"agent {manifest.agent_id} ({manifest.name}) is already held here")
+        for a in self.agents():
+            if a.manifest().name == manifest.name:
+                raise ExistsError(f"an agent named {manifest.name!r} already exists here ({a.agent_id})")
+        blobs_dir = os.path.join(staged_dir, fmt.BLOBS_DIR)
+        if os.path.isdir(blobs_dir):
+            shutil.rmtree(blobs_dir)
+        os.rename(staged_dir, dest)
+        fsync_dir(self.agents_dir)
+        fsync_dir(self.staging_dir)
+        return AgentHandle(self, manifest.agent_id)
+
+    def remove_agent(self, agent_id: str) -> None:
+        agent = self.agent(agent_id)
+        trash = os.path.join(self.staging_dir, f"rm-{agent_id}-{secrets.token_hex(4)}")
+        os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
+        fsync_dir(self.agents_dir)
+        shutil.rmtree(trash)
+
+    # -- staging ---------------------------------------------------------------
+    @contextmanager
+    def staging(self, label: str) -> Iterator[str]:
+        """A private scratch directory inside the store, removed on exit
+        (unless it was consumed, e.g. renamed by install_agent)."""
+        name = f"{label}-{secrets.token_hex(6)}"
+        path = os.path.join(self.staging_dir, name)
+        lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        os.mkdir(path, 0o700)
+        try:
+            yield path
+        finally:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            os.unlink(path + ".lock")
+            os.close(lock_fd)
+
+
+class AgentHandle:
+    """One agent held in a store. Cheap to make; reads the disk each call."""
+
+    def __init__(self, store: HostStore, agent_id: str) -> None:
+        self.store = store
+        self.agent_id = agent_id
+        self.dir = os.path.join(store.agents_dir, agent_id)
+
+    def __repr__(self) -> str:
+        return f"AgentHandle({self.agent_id})"
+
+    def path(self, rel: str) -> str:
+        """On-disk path of a (non-blob) capsule file."""
+        fmt.check_relpath(rel)
+        if fmt.blob_name(rel) is not None:
+            return self.store.blob_file(fmt.blob_name(rel) or "")
+        return os.path.join(self.dir, rel)
+
+    def read(self, rel: str) -> bytes:
+        with open(self.path(rel), "rb") as f:
+            return f.read()
+
+    def manifest(self) -> fmt.Manifest:
+        """The manifest as last written (its journal digest may lag appends)."""
+        try:
+            with open(os.path.join(self.dir, fmt.MANIFEST), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise NotFoundError(f"agent {self.agent_id} is not held here") from None
+        try:
+            return fmt.Manifest.from_bytes(data)
+        except FormatError as exc:
+            raise StoreError(f"agent {self.agent_id}: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return self.manifest().name
+
+    def local_files(self) -> list[str]:
+        """Relative paths of the agent's non-blob files, as on disk."""
+        out = []
+        for root, dirs, files in os.walk(self.dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in files:
+                if name.startswith(TMP_PREFIX) or name.startswith("."):
+                    continue
+                rel = os.path.relpath(os.path.join(root, name), self.dir).replace(os.sep, "/")
+                if rel not in fmt.UNLISTED:
+                    out.append(rel)
+        return sorted(out)
+
+    def current_manifest(self) -> fmt.Manifest:
+        """The manifest with every local file digested as it is now."""
+        old = self.manifest()
+        rels = self.local_files()
+
+        def digest(rel: str) -> tuple[str, fmt.FileEntry]:
+            sha, size = hash_file(os.path.join(self.dir, rel))
+            return rel, fmt.FileEntry(sha256=sha, size=size)
+
+        files = {p: e for p, e in old.files.items() if fmt.blob_name(p) is not None}
+        files.update(dict(parallel_map(digest, rels)))
+        return fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=files, extra=old.extra)
+
+    def refresh_manifest(self) -> fmt.Manifest:
+        with self.store.writing():
+            m = self.current_manifest()
+            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
+            return m
+
+    def write_files(self, files: Mapping[str, bytes], add_blobs: Iterable[str] = ()) -> fmt.Manifest:
+        """Atomically replace some capsule files and list extra blobs (which
+        must already be in the store), then rewrite the manifest."""
+        with self.store.writing():
+            old = self.manifest()
+            entries = dict(old.files)
+            for rel, data in files.items():
+                fmt.check_relpath(rel)
+                if rel in fmt.UNLISTED or fmt.blob_name(rel) is not None:
+                    raise FormatError(f"{rel} cannot be written as a plain capsule file")
+                p = os.path.join(self.dir, rel)
+                makedirs_durable(os.path.dirname(p))
+                atomic_write(p, data)
+                entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+            for sha in add_blobs:
+                entries[fmt.blob_path(sha)] = fmt.FileEntry(sha256=sha, size=self.store.blob_size(sha))
+            m = fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
+            return m
+
+    def set_holder(self, host: str, epoch: int) -> fmt.Manifest:
+        with self.store.writing():
+            old = self.manifest()
+            m = fmt.Manifest(
+                agent_id=old.agent_id, name=old.name, holder=fmt.Holder(host=host, epoch=epoch),
+                files=old.files, extra=old.extra,
+            )
+            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
+            return m
+
+    def file_stat(self, rel: str) -> os.stat_result:
+        st = os.stat(self.path(rel))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", rel)
+        return st
