@@ -1,0 +1,149 @@
+"""Render the journal as one provider's request body; parse its replies back into events.
+
+Rules:
+  * Rendering is a pure function of (journal, target provider, target model,
+    working memory, budget, counter, tools). The journal is never rewritten.
+  * ``model_switch`` events choose the default target; rendering for a given
+    target ignores them, so rendering for model A, then B, then A again gives
+    A's request exactly as if no switch had happened.
+  * Private reasoning goes back only to the exact provider and model that
+    produced it, verbatim and in place; for any other target it is dropped.
+  * Every tool call is answered (an interrupted one by an explicit error
+    result); a result with no call is never sent as a tool result.
+  * With a budget, the newest units that fit are kept and a deterministic
+    digest of the rest opens the conversation; the body never exceeds the
+    budget by the counter used (:class:`BudgetTooSmall` if even the system
+    prompt and digest cannot fit).
+
+Theory of operation: :func:`._plan.plan` pairs and cuts the journal into
+units once; a provider module (``PROVIDERS[id]``) turns the kept units into
+its JSON; :func:`._plan.fit` chooses the window with the provider's counter.
+Each provider module also parses its API's response body into events
+(:func:`parse_response`) and checks a body against its pairing rules
+(:func:`check_request`), which the tests and the stub server use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..events import Event, Record
+from ._base import Provider, ToolSpec
+from ._count import DEFAULT_COUNTERS, Counter, byte_upper_bound, counter_for, encoding_counter
+from ._plan import BudgetTooSmall, RenderError, fit, plan
+from .anthropic import PROVIDER as _ANTHROPIC
+from .gemini import PROVIDER as _GEMINI
+from .openai_chat import PROVIDER as _CHAT
+from .openai_responses import PROVIDER as _RESPONSES
+
+__all__ = [
+    "PROVIDERS",
+    "BudgetTooSmall",
+    "Counter",
+    "Provider",
+    "RenderError",
+    "Rendered",
+    "ToolSpec",
+    "byte_upper_bound",
+    "check_request",
+    "counter_for",
+    "encoding_counter",
+    "get_provider",
+    "parse_response",
+    "render",
+    "system_prompt",
+]
+
+#: Provider id -> its module's singleton. The ids are the journal's spelling.
+PROVIDERS: dict[str, Provider] = {p.id: p for p in (_ANTHROPIC, _CHAT, _RESPONSES, _GEMINI)}
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    body: dict[str, Any]  # the JSON body for the provider's HTTP API
+    provider: str
+    model: str  # also inside body, except for Gemini (where it is in the URL)
+    tokens: int | None  # the counter's value for body, when a budget was given
+    kept_units: int  # units of conversation sent
+    dropped_units: int  # units replaced by the digest
+
+
+def get_provider(provider: str) -> Provider:
+    try:
+        return PROVIDERS[provider]
+    except KeyError:
+        raise RenderError(f"unknown provider {provider!r}; known: {', '.join(sorted(PROVIDERS))}") from None
+
+
+def system_prompt(system: Sequence[str], working_memory: str | None) -> str | None:
+    """System events in journal order, then the working memory in a marked section."""
+    parts = [s for s in system if s]
+    if working_memory:
+        parts.append(f"<working_memory>\n{working_memory}\n</working_memory>")
+    return "\n\n".join(parts) or None
+
+
+def render(
+    journal: Iterable[Record | Event],
+    *,
+    provider: str | None = None,
+    model: str | None = None,
+    working_memory: str | None = None,
+    budget: int | None = None,
+    counter: Counter | None = None,
+    tools: Sequence[ToolSpec] = (),
+    max_output: int | None = None,
+) -> Rendered:
+    """Render ``journal`` (records in any order, or events in order) for one target.
+
+    ``provider``/``model`` default to the journal's last ``model_switch``.
+    ``budget`` is in tokens by ``counter`` (default: the provider's, see
+    :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
+    reply's token limit (required by Anthropic, default 4096 there).
+    """
+    p = plan(journal)
+    if provider is None or model is None:
+        if p.target is None:
+            raise RenderError("no provider/model given and the journal has no model_switch event")
+        provider = provider or p.target[0]
+        model = model or p.target[1]
+    if budget is not None and budget < 1:
+        raise RenderError(f"budget must be a positive number of tokens, not {budget}")
+    prov = get_provider(provider)
+    count = counter or counter_for(provider)
+    system = system_prompt(p.system, working_memory)
+
+    def build(items: list[tuple]) -> dict[str, Any]:
+        return prov.body(items, model=model, system=system, tools=tools, max_output=max_output)
+
+    def unit_cost(unit: Any) -> int:
+        return count(prov.fragment(unit.items, model=model))
+
+    body, kept = fit(p.units, budget, build, unit_cost, count)
+    return Rendered(
+        body=body,
+        provider=provider,
+        model=model,
+        tokens=count(body) if budget is not None else None,
+        kept_units=kept,
+        dropped_units=len(p.units) - kept,
+    )
+
+
+def parse_response(
+    provider: str, response: Mapping[str, Any], *, model: str, new_id: Callable[[int], str] | None = None
+) -> list[Event]:
+    """The events one reply body of ``provider`` holds, in order, tagged with ``model``.
+
+    ``model`` must be the model the request named (the one later renders
+    will target), not a dated alias the reply may echo. ``new_id`` makes ids
+    for calls the provider left without one (only Gemini does).
+    """
+    return get_provider(provider).parse(response, model=model, new_id=new_id)
+
+
+def check_request(provider: str, body: Mapping[str, Any]) -> list[str]:
+    """Every way ``body`` breaks ``provider``'s pairing rules; empty if it keeps them all."""
+    return get_provider(provider).check(body)

@@ -1,0 +1,285 @@
+"""The provider-neutral plan: pairing, windowing and the digest of what was dropped.
+
+Rules:
+  * The journal is never rewritten. A plan is computed from it afresh on every
+    render, and depends only on the events and the target (provider, model).
+  * ``model_switch``, ``note``, ``memory_edit``, ``workspace_update`` and
+    unknown kinds are never dialogue; ``system`` events feed the system prompt.
+  * Every tool call is answered, right after the assistant step that made it:
+    by its first recorded result, or, if none was ever recorded (the machine
+    died mid-call), by an explicit error result saying the call was
+    interrupted.
+  * A result whose call is not in the journal (or a second result for an
+    answered call) is never sent as a tool result; it becomes a user note so
+    nothing is silently lost.
+  * The window keeps the newest *units* that fit. A unit is indivisible: one
+    user message, or one assistant step together with the results of all the
+    calls it made (parallel calls move together). Dropped units are replaced by
+    one deterministic digest line (counts, tools used, time span).
+
+Theory of operation:
+  :func:`plan` walks the events once and produces :class:`Unit` objects whose
+  ``items`` are small tuples (see ``USER``..``RESULT``). Provider modules turn
+  items into their own JSON; :func:`fit` chooses how many trailing units to
+  keep by the provider's counter, then checks the final body against the
+  budget and drops more if the estimate was short, so the budget always holds
+  by the counter that was used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CapsuleError
+from ..events import (
+    AssistantMessage,
+    Event,
+    ModelSwitch,
+    Reasoning,
+    Record,
+    System,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+
+# Item tags. An item is a tuple whose first element is one of these.
+USER = 0  # (USER, text)
+TEXT = 1  # (TEXT, text)                          assistant-visible text
+THINK = 2  # (THINK, Reasoning)                    kept only for the exact model
+CALL = 3  # (CALL, call_id, name, arguments)       ids and names already made safe
+RESULT = 4  # (RESULT, call_id, name, content, is_error)
+
+INTERRUPTED = (
+    "interrupted: this tool call did not return (the machine running it "
+    "stopped mid-call); no result was recorded. Re-run it if it is still needed."
+)
+NO_CONVERSATION = "(No conversation yet.)"
+CONTINUES = "(The conversation so far begins with an assistant turn.)"
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")
+_SAFE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+_BAD_NAME_CHAR = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class RenderError(CapsuleError):
+    """The journal cannot be rendered as asked (no target model, unknown provider...)."""
+
+
+class BudgetTooSmall(RenderError):
+    """Even the system prompt and the digest alone exceed the token budget."""
+
+
+def safe_call_id(raw: str, nth: int = 0) -> str:
+    """A call id every provider accepts: kept if already safe, else a stable hash.
+
+    ``nth`` > 0 marks a repeated id in the journal, which must get its own id.
+    """
+    if nth == 0 and _SAFE_ID.fullmatch(raw):
+        return raw
+    return "call_" + hashlib.sha256(f"{raw}\x00{nth}".encode()).hexdigest()[:24]
+
+
+def safe_tool_name(raw: str) -> str:
+    """A function name every provider accepts (letters, digits, _ and -, ≤ 64)."""
+    if _SAFE_NAME.fullmatch(raw):
+        return raw
+    name = _BAD_NAME_CHAR.sub("_", raw)
+    if not (name[0].isascii() and (name[0].isalpha() or name[0] == "_")):
+        name = "_" + name
+    return name[:64]
+
+
+@dataclass(slots=True)
+class Unit:
+    """An indivisible piece of the conversation, with what the digest needs."""
+
+    items: list[tuple] = field(default_factory=list)
+    user: int = 0  # user messages in it
+    assistant: int = 0  # assistant messages in it
+    tools: list[str] = field(default_factory=list)  # tool names called in it
+    first: str | None = None  # time of its first record, if known
+    last: str | None = None  # time of its last record, if known
+
+
+@dataclass(slots=True)
+class Plan:
+    system: list[str]  # texts of system events, in journal order
+    units: list[Unit]
+    target: tuple[str, str] | None  # the last model_switch (provider, model), if any
+
+
+def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]:
+    """(event, time) pairs in journal order. Records are sorted by (clock, machine, seq)."""
+    entries = list(journal)
+    if entries and isinstance(entries[0], Record):
+        if any(not isinstance(r, Record) for r in entries):
+            raise RenderError("a journal is a list of records or a list of events, not both")
+        entries.sort(key=lambda r: (r.clock, r.machine, r.seq))
+        return [(r.event, r.time) for r in entries]
+    if any(not isinstance(e, Event) for e in entries):
+        raise RenderError("a journal is a list of records or a list of events, not both")
+    return [(e, None) for e in entries]
+
+
+def plan(journal: Iterable[Record | Event]) -> Plan:
+    """Pair calls with results and cut the journal into units (see module rules)."""
+    pairs = _events(journal)
+    results: dict[str, ToolResult] = {}
+    call_ids: set[str] = set()
+    for ev, _ in pairs:
+        if type(ev) is ToolResult:
+            results.setdefault(ev.call_id, ev)
+        elif type(ev) is ToolCall:
+            call_ids.add(ev.call_id)
+
+    system: list[str] = []
+    units: list[Unit] = []
+    target: tuple[str, str] | None = None
+    seen_ids: dict[str, int] = {}  # raw call id -> times seen
+    placed: set[str] = set()  # raw call ids whose result is placed
+    step: Unit | None = None  # the open assistant step
+    pending: list[tuple[str, str, str]] = []  # (raw id, safe id, safe name) of its calls
+
+    def close_step() -> None:
+        nonlocal step
+        if step is None:
+            return
+        for raw, cid, name in pending:
+            res = results.get(raw) if raw not in placed else None
+            if res is None:
+                step.items.append((RESULT, cid, name, INTERRUPTED, True))
+            else:
+                placed.add(raw)
+                step.items.append((RESULT, cid, name, res.content, res.is_error))
+        pending.clear()
+        step = None
+
+    for ev, when in pairs:
+        t = type(ev)
+        if t is UserMessage or t is ToolResult:
+            close_step()
+            if t is UserMessage:
+                units.append(Unit(items=[(USER, ev.text)], user=1, first=when, last=when))
+            elif ev.call_id not in call_ids or results[ev.call_id] is not ev:
+                why = "with no matching call" if ev.call_id not in call_ids else "repeating an answered call"
+                flag = " (error)" if ev.is_error else ""
+                text = f"[tool output{flag} {why}, call id {ev.call_id}]\n{ev.content}"
+                units.append(Unit(items=[(USER, text)], first=when, last=when))
+            continue
+        if t is AssistantMessage or t is ToolCall or t is Reasoning:
+            if step is None:
+                step = Unit(first=when)
+                units.append(step)
+            step.last = when
+            if t is AssistantMessage:
+                step.items.append((TEXT, ev.text))
+                step.assistant += 1
+            elif t is Reasoning:
+                step.items.append((THINK, ev))
+            else:
+                nth = seen_ids.get(ev.call_id, 0)
+                seen_ids[ev.call_id] = nth + 1
+                cid = safe_call_id(ev.call_id, nth)
+                name = safe_tool_name(ev.name)
+                step.items.append((CALL, cid, name, ev.arguments))
+                step.tools.append(ev.name)
+                # a repeated id cannot take the result: the first call owns it
+                pending.append((ev.call_id if nth == 0 else "\x00dup", cid, name))
+            continue
+        if t is System:
+            system.append(ev.text)
+        elif t is ModelSwitch:
+            target = (ev.provider, ev.model)
+    close_step()
+    return Plan(system=system, units=units, target=target)
+
+
+def digest(dropped: Sequence[Unit]) -> str:
+    """One deterministic line summarising dropped units; makes no model call."""
+    user = sum(u.user for u in dropped)
+    assistant = sum(u.assistant for u in dropped)
+    tools: dict[str, int] = {}
+    for u in dropped:
+        for name in u.tools:
+            tools[name] = tools.get(name, 0) + 1
+    calls = sum(tools.values())
+    parts = [f"{user} user message{'s' * (user != 1)}", f"{assistant} assistant message{'s' * (assistant != 1)}"]
+    parts.append(f"{calls} tool call{'s' * (calls != 1)}")
+    text = "[Earlier conversation omitted to fit the context window: " + ", ".join(parts)
+    if tools:
+        shown = sorted(tools, key=lambda n: (-tools[n], n))[:12]
+        more = f" and {len(tools) - 12} more" if len(tools) > 12 else ""
+        text += " (tools used: " + ", ".join(f"{n} ×{tools[n]}" for n in shown) + more + ")"
+    times = [t for u in dropped for t in (u.first, u.last) if t]
+    if times:
+        text += f"; from {min(times)} to {max(times)}"
+    return text + ".]"
+
+
+def lead_in(units: Sequence[Unit], dropped: Sequence[Unit]) -> list[tuple]:
+    """The items that open the request: the digest, or a user opener if one is needed.
+
+    Every request starts with a user turn (Anthropic and Gemini require it), and
+    is never empty.
+    """
+    if dropped:
+        return [(USER, digest(dropped))]
+    if not units:
+        return [(USER, NO_CONVERSATION)]
+    if units[0].items[0][0] != USER:
+        return [(USER, CONTINUES)]
+    return []
+
+
+def items_of(units: Sequence[Unit], dropped: Sequence[Unit]) -> list[tuple]:
+    out = lead_in(units, dropped)
+    for u in units:
+        out.extend(u.items)
+    return out
+
+
+def fit(
+    units: list[Unit],
+    budget: int | None,
+    build: Callable[[list[tuple]], dict[str, Any]],
+    unit_cost: Callable[[Unit], int],
+    count: Callable[[dict[str, Any]], int],
+) -> tuple[dict[str, Any], int]:
+    """Build the body from the newest units that fit ``budget``; return (body, kept).
+
+    ``unit_cost`` estimates one unit; the final body is always measured with
+    ``count`` and more units are dropped until it fits. Raises
+    :class:`BudgetTooSmall` if nothing but the lead-in fits and it still doesn't.
+    """
+    if budget is None:
+        return build(items_of(units, ())), len(units)
+    base = count(build(items_of((), units)))  # the body with everything dropped
+    room = budget - base
+    start = len(units)
+    costs: dict[int, int] = {}
+    while start > 0:
+        cost = unit_cost(units[start - 1])
+        if cost > room:
+            break
+        costs[start - 1] = cost
+        room -= cost
+        start -= 1
+    while True:
+        body = build(items_of(units[start:], units[:start]))
+        over = count(body) - budget
+        if over <= 0:
+            return body, len(units) - start
+        if start == len(units):
+            raise BudgetTooSmall(
+                f"a budget of {budget} tokens cannot hold even the system prompt and the digest "
+                f"({over + budget} tokens by this provider's counter)"
+            )
+        # drop at least enough estimated cost to cover the overshoot
+        while start < len(units) and over > 0:
+            over -= costs.get(start) or unit_cost(units[start])
+            start += 1

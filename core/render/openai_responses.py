@@ -1,0 +1,125 @@
+"""OpenAI Responses API (``POST /v1/responses``), stateless.
+
+Rules this module guarantees for every body it renders:
+  * Every ``function_call`` item is followed (after the rest of its step) by
+    exactly one ``function_call_output`` with the same ``call_id``; no output
+    appears without its call.
+  * ``reasoning`` items (payload format ``openai-responses.reasoning``) are
+    sent back verbatim, in place, with their ``encrypted_content``, only to
+    the exact model that wrote them.
+  * The journal is the only state: bodies say ``store: false`` and ask for
+    ``reasoning.encrypted_content`` so the next reply's reasoning can be
+    journaled and replayed.
+  * No error flag exists on tool output, so an error result's text starts
+    with ``[error]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..events import AssistantMessage, Event, Reasoning, ToolCall
+from ._base import Provider, ToolSpec, args_from_json, args_json, error_text, verbatim
+from ._plan import CALL, RESULT, TEXT, THINK, USER
+
+ID = "openai-responses"
+
+
+class OpenAIResponses(Provider):
+    id = ID
+    replays = frozenset({"openai-responses.reasoning"})
+
+    def fragment(self, items, *, model):
+        out: list[dict[str, Any]] = []
+        for item in items:
+            tag = item[0]
+            if tag == USER:
+                out.append({"type": "message", "role": "user", "content": item[1]})
+            elif tag == TEXT:
+                out.append({"type": "message", "role": "assistant", "content": item[1]})
+            elif tag == CALL:
+                out.append({"type": "function_call", "call_id": item[1], "name": item[2],
+                            "arguments": args_json(item[3])})
+            elif tag == RESULT:
+                out.append({"type": "function_call_output", "call_id": item[1],
+                            "output": error_text(item[3], item[4])})
+            elif self.keeps(item[1], model):
+                out.append(dict(item[1].data))
+        return out
+
+    def body(self, items, *, model, system, tools, max_output):
+        body: dict[str, Any] = {
+            "model": model,
+            "input": self.fragment(items, model=model),
+            "store": False,
+            "include": ["reasoning.encrypted_content"],
+        }
+        if system:
+            body["instructions"] = system
+        if max_output:
+            body["max_output_tokens"] = max_output
+        if tools:
+            body["tools"] = [_tool(t) for t in tools]
+        return body
+
+    def parse(self, response: Mapping[str, Any], *, model: str, new_id: Any = None) -> list[Event]:
+        out: list[Event] = []
+        for item in response.get("output") or ():
+            kind = item.get("type")
+            if kind == "reasoning":
+                data = verbatim(item)
+                data.pop("status", None)  # a response-side field, not wanted on input
+                summary = "\n\n".join(s.get("text", "") for s in item.get("summary") or ()) or None
+                out.append(Reasoning(provider=ID, model=model, payload_format="openai-responses.reasoning",
+                                     data=data, text=summary))
+            elif kind == "message":
+                for part in item.get("content") or ():
+                    text = part.get("text") if part.get("type") == "output_text" else part.get("refusal")
+                    if text:
+                        out.append(AssistantMessage(text=text, provider=ID, model=model))
+            elif kind == "function_call":
+                out.append(ToolCall(call_id=item["call_id"], name=item["name"],
+                                    arguments=args_from_json(item.get("arguments")), provider=ID, model=model))
+        return out
+
+    def check(self, body: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        calls: dict[str, int] = {}  # call_id -> outputs seen
+        for i, item in enumerate(body.get("input") or ()):
+            kind = item.get("type", "message")
+            where = f"input[{i}]"
+            if kind == "function_call":
+                cid = item.get("call_id")
+                if cid in calls:
+                    problems.append(f"{where}: call_id {cid!r} used twice")
+                calls[cid] = 0
+                try:
+                    ok = isinstance(json.loads(item["arguments"]), dict)
+                except (KeyError, TypeError, json.JSONDecodeError):
+                    ok = False
+                if not ok:
+                    problems.append(f"{where}: arguments are not a JSON object string")
+            elif kind == "function_call_output":
+                cid = item.get("call_id")
+                if cid not in calls:
+                    problems.append(f"{where}: output for call_id {cid!r} with no function_call before it")
+                else:
+                    calls[cid] += 1
+                    if calls[cid] > 1:
+                        problems.append(f"{where}: second output for call_id {cid!r}")
+        for cid, n in calls.items():
+            if n == 0:
+                problems.append(f"function_call {cid!r} has no function_call_output")
+        return problems
+
+
+def _tool(spec: ToolSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "function", "name": spec.name, "parameters": dict(spec.parameters), "strict": False}
+    if spec.description:
+        out["description"] = spec.description
+    return out
+
+
+PROVIDER = OpenAIResponses()
