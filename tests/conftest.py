@@ -1,0 +1,61 @@
+"""Fixtures shared by every test tier.
+
+An unexpected warning fails a test (pyproject: filterwarnings = error), as
+in S3QL. Tests that log at ERROR without declaring it fail too: a test that
+expects an error log uses the ``caplog`` fixture and asserts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core.store import HostStore
+
+REPO = Path(__file__).resolve().parent.parent
+CAPSULEFS = [sys.executable, "-m", "capsulefs"]
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def store(state_dir: Path) -> HostStore:
+    return HostStore.open(state_dir)
+
+
+def run_cli(*args: str, state: Path | None = None, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    """Run the real ``capsulefs`` CLI in a subprocess."""
+    argv = list(CAPSULEFS)
+    if state is not None:
+        argv += ["--state", str(state)]
+    argv += list(args)
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"capsulefs {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def cli(state_dir: Path):
+    def _run(*args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:
+        return run_cli(*args, state=state_dir, check=check, **kw)
+
+    return _run
+
+
+@pytest.fixture(autouse=True)
+def _no_error_logs(caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "expect_error_log" in request.keywords:
+        return
+    errors = [r for r in caplog.get_records("call") if r.levelno >= 40]
+    if errors:
+        pytest.fail("unexpected error log: " + "; ".join(r.getMessage() for r in errors))

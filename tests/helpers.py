@@ -1,0 +1,50 @@
+"""Builders shared by tests: agents with content, exported and unpacked capsules."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+from pathlib import Path
+
+from capsulefs.core import archive
+from capsulefs.core import format as fmt
+from capsulefs.core.store import AgentHandle, HostStore
+
+HOST = "TESTHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+
+
+def agent_id_for(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def make_agent(store: HostStore, name: str = "alice", workspace: dict[str, bytes] | None = None,
+               memory: str = "# notes\nremember the milk\n") -> AgentHandle:
+    """An agent with working memory and a workspace whose files are blobs."""
+    agent = store.create_agent(name, host_id=HOST, agent_id=agent_id_for(name), working_memory=memory)
+    workspace = {"src/main.py": b"print('hi')\n", "README": b"hello\n"} if workspace is None else workspace
+    snap = {}
+    with store.writing():
+        for path, data in workspace.items():
+            snap[path] = store.put_blob(data)
+        agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(snap.values()))
+    return agent
+
+
+def export_and_unpack(agent: AgentHandle, tmp: Path, name: str = "cap") -> tuple[Path, Path]:
+    tar = tmp / f"{name}.tar"
+    archive.export_agent(agent, str(tar), mtime=1_700_000_000)
+    out = tmp / name
+    out.mkdir()
+    with tarfile.open(tar) as tf:
+        tf.extractall(out, filter="data")
+    return tar, out
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out

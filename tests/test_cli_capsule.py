@@ -1,0 +1,70 @@
+"""The CLI as a user meets it: real subprocesses, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def test_help_lists_the_commands(cli) -> None:
+    out = cli("--help", check=True).stdout
+    for cmd in ("new", "verify", "export", "import", "keygen", "gc", "rm"):
+        assert cmd in out
+
+
+def test_new_export_verify_import(cli, tmp_path: Path) -> None:
+    assert "created agent demo" in cli("new", "demo", check=True).stdout
+    tar = tmp_path / "demo.tar.zst"
+    cli("keygen", "-o", str(tmp_path / "k"), check=True)
+    cli("export", "demo", "-o", str(tar), "--sign", str(tmp_path / "k"), check=True)
+    ok = cli("verify", str(tar), "--pubkey", str(tmp_path / "k.pub"))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:")
+    other = tmp_path / "other"
+    from conftest import run_cli
+
+    imp = run_cli("import", str(tar), state=other, check=True)
+    assert "imported agent demo" in imp.stdout
+    assert "demo" in run_cli("ls", state=other, check=True).stdout
+
+
+def test_errors_are_one_clear_line_without_traceback(cli, tmp_path: Path) -> None:
+    cases = [
+        (("export", "ghost", "-o", str(tmp_path / "x.tar")), "no agent named 'ghost'"),
+        (("verify", str(tmp_path / "nope")), "no such capsule directory or tar"),
+        (("import", str(tmp_path / "nope.tar")), "no such file"),
+        (("new", "bad/name"), "must not contain '/'"),
+        (("new", ".hidden"), "must not start with '.'"),
+    ]
+    for argv, words in cases:
+        proc = cli(*argv)
+        assert proc.returncode != 0, argv
+        assert "Traceback" not in proc.stderr, argv
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], (argv, proc.stderr)
+
+
+def test_spec_with_secret_value_is_refused_by_new(cli, tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"version": 1, "entrypoint": ["true"], "env": {"GITHUB_TOKEN": "ghp_x"}}')
+    proc = cli("new", "leaky", "--spec", str(spec))
+    assert proc.returncode == 1
+    assert "GITHUB_TOKEN looks like a secret" in proc.stderr and '"secrets"' in proc.stderr
+    assert "leaky" not in cli("ls", check=True).stdout
+
+
+def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> None:
+    import tarfile
+
+    cli("new", "v", check=True)
+    tar = tmp_path / "v.tar"
+    cli("export", "v", "-o", str(tar), check=True)
+    d = tmp_path / "v"
+    with tarfile.open(tar) as tf:
+        tf.extractall(d, filter="data")
+    (d / "memory" / "working_memory.md").write_text("changed")
+    (d / "environment" / "spec.json").unlink()
+    (d / "unlisted").write_text("x")
+    proc = cli("verify", str(d))
+    assert proc.returncode == 1
+    assert "memory/working_memory.md: grown" in proc.stderr
+    assert "environment/spec.json: listed in the manifest but missing" in proc.stderr
+    assert "unlisted: present but not listed" in proc.stderr

@@ -1,0 +1,126 @@
+"""The host store: dedup, gc (and its lock), corrupt blobs, layout version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core import archive
+from capsulefs.core import format as fmt
+from capsulefs.core.errors import CorruptBlobError, ExistsError, StoreError
+from capsulefs.core.store import HostStore
+
+from helpers import make_agent
+
+
+def test_blob_shared_by_agents_is_stored_once(store: HostStore) -> None:
+    shared = {"lib.py": b"shared" * 1000}
+    for i in range(10):
+        make_agent(store, f"a{i}", workspace=dict(shared, **{f"own{i}": f"own {i}".encode()}))
+    assert len(list(store.all_blobs())) == 11
+    (sha,) = [s for s in store.all_blobs() if store.read_blob(s) == shared["lib.py"]]
+    assert os.stat(store.blob_file(sha)).st_nlink == 1
+    assert oct(os.stat(store.blob_file(sha)).st_mode & 0o777) == "0o444"
+
+
+def test_gc_removes_only_unreferenced_blobs(store: HostStore) -> None:
+    a = make_agent(store, "a", workspace={"x": b"keep me"})
+    orphan = store.put_blob(b"nobody uses me")
+    report = store.gc()
+    assert (report.removed, report.kept) == (1, 1)
+    assert not store.has_blob(orphan)
+    snap = fmt.parse_snapshot(a.read(fmt.SNAPSHOT))
+    assert store.read_blob(snap["x"]) == b"keep me"
+
+
+def test_rm_frees_blobs_only_that_agent_used(store: HostStore) -> None:
+    make_agent(store, "a", workspace={"common": b"c", "mine": b"a-only"})
+    b = make_agent(store, "b", workspace={"common": b"c"})
+    store.remove_agent(store.find("a").agent_id)
+    store.gc()
+    assert store.agent_ids() == [b.agent_id]
+    assert [store.read_blob(s) for s in store.all_blobs()] == [b"c"]
+
+
+GC_IN_ANOTHER_PROCESS = """
+import sys
+from capsulefs.core.store import HostStore
+print(HostStore.open(sys.argv[1]).gc().removed, flush=True)
+"""
+
+
+def test_gc_waits_for_a_writer_between_blob_and_reference(store: HostStore) -> None:
+    """A blob written but not yet referenced survives a concurrent gc."""
+    agent = make_agent(store, "w", workspace={})
+    gc: subprocess.Popen | None = None
+    try:
+        with store.writing():
+            sha = store.put_blob(b"new content")
+            gc = subprocess.Popen([sys.executable, "-c", GC_IN_ANOTHER_PROCESS, store.root], stdout=subprocess.PIPE, text=True)
+            # gc must be blocked on the lock: it cannot finish while we hold it.
+            with pytest.raises(subprocess.TimeoutExpired):
+                gc.wait(timeout=0.5)
+            agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"f": sha})}, add_blobs=[sha])
+        out, _ = gc.communicate(timeout=60)
+    finally:
+        if gc is not None:
+            gc.kill()
+            gc.wait()
+            gc.stdout.close()
+    assert out.strip() == "0"
+    assert store.has_blob(sha)
+
+
+@pytest.mark.expect_error_log
+def test_corrupt_blob_is_never_exported_as_good(store: HostStore, tmp_path: Path) -> None:
+    agent = make_agent(store, "c", workspace={"f": b"precious data"})
+    (sha,) = fmt.parse_snapshot(agent.read(fmt.SNAPSHOT)).values()
+    path = store.blob_file(sha)
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(b"precious dato")
+    out = tmp_path / "c.tar"
+    with pytest.raises(CorruptBlobError) as exc:
+        archive.export_agent(agent, str(out), mtime=0)
+    assert path in str(exc.value)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+    with pytest.raises(CorruptBlobError):
+        store.read_blob(sha)
+    with pytest.raises(CorruptBlobError):
+        store.verify_blob(sha)
+
+
+def test_unknown_layout_is_refused(state_dir: Path) -> None:
+    HostStore.open(state_dir)
+    (state_dir / "store.json").write_text(json.dumps({"layout": 99}))
+    with pytest.raises(StoreError, match="layout 99 is not supported"):
+        HostStore.open(state_dir)
+
+
+def test_put_blob_with_wrong_expected_digest_lands_nothing(store: HostStore) -> None:
+    with pytest.raises(CorruptBlobError):
+        store.put_blob(b"abc", expect="0" * 64)
+    assert list(store.all_blobs()) == []
+    assert [n for n in os.listdir(store.objects_dir) if n.startswith(".tmp-")] == []
+
+
+def test_names_are_unique_and_agents_keyed_by_id(store: HostStore) -> None:
+    a = make_agent(store, "same")
+    with pytest.raises(ExistsError):
+        store.create_agent("same", host_id="h", agent_id="1" * 32)
+    assert store.find("same").agent_id == a.agent_id
+    assert store.find(a.agent_id).agent_id == a.agent_id
+
+
+def test_staging_left_by_a_crash_is_swept(state_dir: Path) -> None:
+    store = HostStore.open(state_dir)
+    leftover = Path(store.staging_dir) / "import-dead"
+    leftover.mkdir()
+    (leftover / "half").write_bytes(b"x")
+    HostStore.open(state_dir)
+    assert not leftover.exists()
