@@ -247,10 +247,18 @@ class SentenceTransformerEmbedder:
             )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         module = importlib.import_module(package)
         version = getattr(module, "__version__", "0")
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
         self._model = module.load_model(device="cpu")
-        width = int(self._model.get_sentence_embedding_dimension() or dims)
+        width_of = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
+        width = int(width_of() or dims)
         self._spec = EmbedderSpec(name=name, dims=width, version=f"{package}-{version}")
 
     @staticmethod
