@@ -21,6 +21,7 @@ from capsulefs.core.errors import CapsuleError
 COMMAND_MODULES = (
     "capsulefs.cli.capsule_cmds",
     "capsulefs.cli.index_cmds",
+    "capsulefs.cli.mount_cmds",
 )
 
 

@@ -1,0 +1,163 @@
+"""Commands for the FUSE mount: mount, umount.
+
+``capsulefs mount MOUNTPOINT`` runs the daemon in the foreground (the
+default; ``--systemd`` adds sd_notify readiness), or with ``--background``
+forks it off and returns once the mount is up (what the
+``mount.fuse.capsulefs`` helper and ``/etc/fstab`` need).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from capsulefs.cli.common import state_dir
+
+log = logging.getLogger(__name__)
+
+#: How long ``umount`` waits for the daemon to let go of the mount point.
+UMOUNT_WAIT = 10.0
+
+
+def fuse_mounts() -> dict[str, str]:
+    """mount point -> file system type, for every FUSE mount of this host."""
+    out = {}
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2].startswith("fuse"):
+                out[parts[1].replace("\\040", " ")] = parts[2]
+    return out
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    if args.debug:
+        level = logging.DEBUG
+    fmt = "%(levelname)s %(name)s: %(message)s" if args.systemd else \
+        "%(asctime)s capsulefs[%(process)d] %(levelname)s %(name)s: %(message)s"
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler: logging.Handler
+    if args.log_file:
+        handler = logging.FileHandler(args.log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.setLevel(min(level, logging.INFO))
+    handler.setLevel(min(level, logging.INFO))
+
+
+def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
+    import trio
+
+    from capsulefs.daemon import Daemon
+
+    extra = tuple(o for o in (args.o or "").split(",") if o and o not in ("rw", "defaults", "allow_other", "_netdev", "auto", "noauto", "user", "nouser"))
+    daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in (args.o or "").split(","),
+                    options=extra)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            if ready_fd is not None:
+                os.write(ready_fd, b"1")
+                os.close(ready_fd)
+
+    trio.run(main)
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.mountpoint):
+        print(f"capsulefs: error: mount point {args.mountpoint} is not a directory", file=sys.stderr)
+        return 1
+    if os.path.abspath(args.mountpoint) in fuse_mounts():
+        print(f"capsulefs: error: {args.mountpoint} is already mounted", file=sys.stderr)
+        return 1
+    if args.background:
+        return _background(args)
+    _configure_logging(args)
+    return _run_daemon(args)
+
+
+def _background(args: argparse.Namespace) -> int:
+    """Fork the daemon off; return 0 once it has mounted, 1 if it failed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            ok = f.read(1) == b"1"
+        if not ok:
+            print(f"capsulefs: error: the daemon failed to mount {args.mountpoint} (see its log)", file=sys.stderr)
+            return 1
+        return 0
+    # The daemon: a new session, no terminal, logging to its file (or stderr).
+    os.close(r)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    if args.log_file:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    os.close(devnull)
+    _configure_logging(args)
+    code = 1
+    try:
+        code = _run_daemon(args, ready_fd=w)
+    except BaseException:  # the parent reads EOF and reports the failure
+        log.exception("the daemon failed")
+    finally:
+        os._exit(code)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    mounts = fuse_mounts()
+    if mnt not in mounts:
+        print(f"capsulefs: error: {args.mountpoint} is not a FUSE mount", file=sys.stderr)
+        return 1
+    if mounts[mnt] != "fuse.capsulefs" and not args.force:
+        print(f"capsulefs: error: {args.mountpoint} is a {mounts[mnt]} mount, not capsulefs (use --force)", file=sys.stderr)
+        return 1
+    fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
+    if os.geteuid() == 0 or fusermount is None:
+        argv = ["umount", mnt]
+    else:
+        argv = [fusermount, "-u", mnt]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"capsulefs: error: {' '.join(argv)}: {proc.stderr.strip() or proc.returncode}", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + UMOUNT_WAIT
+    while mnt in fuse_mounts() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mount", help="mount every agent of the host store as live capsule directories")
+    p.add_argument("mountpoint")
+    p.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help="host state directory")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--foreground", action="store_true", help="run in the foreground (the default)")
+    mode.add_argument("--systemd", action="store_true", help="foreground, with sd_notify readiness (Type=notify)")
+    mode.add_argument("--background", action="store_true", help="fork the daemon off once mounted (fstab, mount -t)")
+    p.add_argument("--allow-other", action="store_true", help="let other users see the mount (needs user_allow_other)")
+    p.add_argument("-o", metavar="OPTIONS", help="mount options, comma-separated (from mount(8))")
+    p.add_argument("--log-file", metavar="FILE", help="log here instead of stderr")
+    p.add_argument("--debug", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")
+    p.add_argument("mountpoint")
+    p.add_argument("--force", action="store_true", help="unmount even if it is not a capsulefs mount")
+    p.set_defaults(func=cmd_umount)

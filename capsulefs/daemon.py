@@ -1,0 +1,166 @@
+"""The capsulefs daemon: one process serving one mount of the host store.
+
+Rules:
+  * One mount per process: pyfuse3 keeps one session per process.
+  * ``pyfuse3.main()`` runs as a task in the daemon's trio nursery, beside
+    the signal watcher; every background task belongs to that nursery.
+  * SIGINT and SIGTERM end the FUSE loop and unmount cleanly. An unmount
+    from outside (``capsulefs umount``, ``fusermount3 -u``, ``umount``) ends
+    the loop too, and the daemon exits.
+  * After an internal error the daemon never unmounts by itself: the view
+    goes read-only (``LiveHost.enter_failsafe``), the error is logged and
+    shown in every agent's ``.control/status``. A mount that suddenly looks
+    empty makes mirror and backup tools delete data.
+  * In systemd mode the daemon tells systemd ``READY=1`` once the mount is
+    up (``$NOTIFY_SOCKET``, sd_notify's datagram protocol, no library) and
+    ``STOPPING=1`` when it goes down.
+
+Theory of operation: :class:`Daemon` wires a :class:`~capsulefs.core.live.LiveHost`
+(the pure view of the store) to :class:`~capsulefs.mount.ops.Operations`
+(the pyfuse3 adapter). :meth:`Daemon.serve` mounts, calls ``task_status.started()``
+once the kernel has the mount, and returns when the mount is gone.
+
+The move driver (same process, same trio loop) calls :meth:`Daemon.freeze`,
+:meth:`Daemon.resume`, :meth:`Daemon.retire`, :meth:`Daemon.activate` and
+:meth:`Daemon.set_move_progress`; each is synchronous and takes effect for
+the next FUSE request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from capsulefs.core.live import AgentState, LiveHost
+from capsulefs.core.store import HostStore
+from capsulefs.identity import load_or_create_identity
+from capsulefs.mount.ops import Operations
+
+log = logging.getLogger(__name__)
+
+FSNAME = "capsulefs"
+WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
+
+
+def sd_notify(message: str) -> bool:
+    """Send one sd_notify message; False if not run by systemd (no $NOTIFY_SOCKET)."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]  # abstract socket namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+    return True
+
+
+def mount_options(*, allow_other: bool = False, extra: tuple[str, ...] = ()) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    opts |= {f"fsname={FSNAME}", f"subtype={FSNAME}"}
+    if allow_other:
+        opts.add("allow_other")
+    opts.update(extra)
+    return opts
+
+
+class Daemon:
+    def __init__(
+        self,
+        state_dir: str,
+        mountpoint: str,
+        *,
+        allow_other: bool = False,
+        options: tuple[str, ...] = (),
+        notify: Callable[[str], bool] = sd_notify,
+    ) -> None:
+        self.state_dir = os.path.abspath(state_dir)
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.allow_other = allow_other
+        self.options = options
+        self.notify = notify
+        store = HostStore.open(self.state_dir)
+        host_id = load_or_create_identity(self.state_dir).host_id
+        self.live = LiveHost(
+            store,
+            host_id=host_id,
+            work_dir=os.path.join(self.state_dir, WORK_DIR),
+            new_agent_id=lambda: secrets.token_hex(16),
+            new_event_id=lambda: secrets.token_hex(12),
+            now_ns=time.time_ns,
+            owner_uid=os.getuid(),
+        )
+        self.ops = Operations(self.live)
+        self._stopped_by_us = False
+
+    # -- the move driver's API ---------------------------------------------------
+    def freeze(self, agent_id: str) -> None:
+        """Every write to the agent fails with EROFS from now on (a move begins)."""
+        self.live.freeze(agent_id)
+
+    def resume(self, agent_id: str) -> None:
+        """Writes to the agent work again (a move was abandoned)."""
+        self.live.resume(agent_id)
+
+    def retire(self, agent_id: str) -> None:
+        """The agent moved away: it disappears from the root."""
+        name = self.live.retire(agent_id)
+        if name is not None:
+            self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
+
+    def activate(self, agent_id: str) -> None:
+        """The agent (moved in, or retired by mistake) is shown and writable."""
+        name = self.live.activate(agent_id)
+        self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
+
+    def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None:
+        """What ``.control/status`` shows under "move" (None: the default)."""
+        self.live.agent(agent_id).move_progress = progress
+
+    def state(self, agent_id: str) -> AgentState:
+        return self.live.state(agent_id)
+
+    # -- serving ---------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Mount, serve until unmounted or signalled, then clean up."""
+        opts = mount_options(allow_other=self.allow_other, extra=self.options)
+        log.info("mounting %s on %s", self.state_dir, self.mountpoint)
+        pyfuse3.init(self.ops, self.mountpoint, opts)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._watch_signals)
+                nursery.start_soon(self._run_fuse, nursery.cancel_scope)
+                log.info("capsulefs mounted on %s", self.mountpoint)
+                self.notify("READY=1")
+                task_status.started()
+        finally:
+            self.notify("STOPPING=1")
+            self.ops.release_all()
+            pyfuse3.close(unmount=self._stopped_by_us)
+            log.info("capsulefs unmounted from %s", self.mountpoint)
+
+    async def _run_fuse(self, cancel_scope: trio.CancelScope) -> None:
+        await pyfuse3.main()
+        cancel_scope.cancel()  # the mount is gone: stop the other services
+
+    async def _watch_signals(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            async for signum in signals:
+                log.info("got %s: unmounting %s", signal.Signals(signum).name, self.mountpoint)
+                self._stopped_by_us = True
+                pyfuse3.terminate()
+                return
+
+    def stop(self) -> None:
+        """End serving and unmount (from the daemon's own trio loop)."""
+        self._stopped_by_us = True
+        pyfuse3.terminate()

@@ -1,0 +1,1068 @@
+"""The live view: every agent a host holds, as the file tree a mount shows.
+
+Rules:
+  * The root holds one directory per agent, named by the agent's name;
+    making a directory there creates an agent. Each agent directory is
+    exactly a capsule (``format``): its ``manifest.json`` is computed from
+    the files as they are served right now, so a copy of an idle agent
+    verifies. Blobs are served from the host store and never change.
+  * Writable: ``memory/working_memory.md`` and ``environment/spec.json``
+    (any editor: in place, or a scratch file renamed over them), and
+    ``memory/timeline_events.jsonl`` (append only, whole JSON lines). All
+    else is read-only; the capsule's shape never changes through the mount.
+  * An edit of an editable file is buffered (one :class:`Edit` per file,
+    shared by every descriptor writing it, like an inode's pages) and
+    committed when a writer flushes (close) or fsyncs, or when a scratch
+    file is renamed over the file. A committed working-memory edit is one
+    ``memory_edit`` journal event followed by the file itself; a spec edit
+    must pass ``spec.validate_spec`` or it is refused and the old spec kept.
+  * Hidden directories, absent from listings but reachable by name:
+    ``.control/`` (status, model, move) and ``.snapshots/`` (see snapshots).
+  * Writes fail with ReadOnly while the agent is frozen (a move is under
+    way) or once the view went read-only after an internal error
+    (:meth:`LiveHost.enter_failsafe`, never undone while mounted). A
+    retired agent is not shown at all.
+
+Theory of operation: the adapter (``capsulefs.mount``) turns inodes into
+:class:`Node` keys and file handles into :class:`Handle` objects, and calls
+this module for everything else. Digests are cached per file by its stat
+identity; the journal is followed incrementally (``live_journal.JournalTail``)
+so a manifest costs a few ``stat`` calls however long the journal grows.
+
+Concurrency: everything here is synchronous and is called from one thread
+(the adapter's event loop); a method never yields half-way, so state shared
+between requests (edits, caches) is consistent between calls. Blob reads
+may run in worker threads: only :class:`BlobHandle` and ``blobcheck`` are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from . import format as fmt
+from .blobcheck import BlobCheck, BlobChecks
+from .errors import CapsuleError, ExistsError, FormatError, NotFoundError
+from .events import Event, MemoryEdit, ModelSwitch, Record, parse_draft
+from .hashing import hash_file
+from .live_errors import (
+    AccessDenied,
+    IsADirectory,
+    NoAttribute,
+    NotADirectory,
+    NotEmpty,
+    NotPermitted,
+    NotSupported,
+    ReadOnly,
+)
+from .live_journal import Appender, JournalAppender, JournalTail, open_appender
+from .scratch import SCRATCH_DIRS, ScratchArea
+from .snapshots import Snapshots
+from .spec import parse_spec
+from .store import AgentHandle, HostStore
+
+log = logging.getLogger(__name__)
+
+CONTROL = ".control"
+SNAPSHOTS = ".snapshots"
+CONTROL_FILES = ("model", "move", "status")
+EDITABLE = frozenset({fmt.WORKING_MEMORY, fmt.SPEC})
+#: Working memory up to this size goes inline into its memory_edit event;
+#: larger memory is stored as a blob and the event names it.
+INLINE_MEMORY_LIMIT = 64 * 1024
+XATTR_SHA256 = "user.capsule.sha256"
+XATTR_AGENT_ID = "user.capsule.agent_id"
+XATTR_EPOCH = "user.capsule.epoch"
+MOVE_UNAVAILABLE = "moving agents through the mount is not available yet (.control/move is reserved)"
+
+
+class Kind(Enum):
+    ROOT = "root"  # the mount's root: one directory per agent
+    AGENT = "agent"  # an agent directory (the capsule's top)
+    DIR = "dir"  # a directory inside a capsule (rel)
+    FILE = "file"  # a non-blob capsule file (rel), on disk in the agent dir
+    BLOB = "blob"  # artifacts/blobs/<sha256>, served from the store
+    MANIFEST = "manifest"  # manifest.json, computed
+    SCRATCH = "scratch"  # an editor's temp file (rel = "<dir>/<name>")
+    CONTROL = "control"  # .control/
+    CONTROL_FILE = "control_file"  # .control/<rel>
+    SNAPSHOTS = "snapshots"  # .snapshots/
+    SNAPSHOT = "snapshot"  # .snapshots/<snap>/ (a capsule's top)
+    SNAP_DIR = "snap_dir"  # a directory inside a snapshot (rel)
+    SNAP_FILE = "snap_file"  # a file inside a snapshot (rel), blobs included
+
+
+DIR_KINDS = frozenset({Kind.ROOT, Kind.AGENT, Kind.DIR, Kind.CONTROL, Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_DIR})
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """What an inode stands for. Hashable: the adapter's inode table key."""
+
+    kind: Kind
+    agent: str = ""  # agent_id ("" for the root)
+    rel: str = ""  # capsule-relative path, or the control file's name
+    snap: str = ""  # snapshot name, for the SNAP* kinds
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind in DIR_KINDS
+
+
+ROOT = Node(Kind.ROOT)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    is_dir: bool
+    perm: int  # permission bits
+    size: int
+    mtime_ns: int
+    immutable: bool = False  # never changes: the kernel may cache it long
+    uid: int | None = None  # None: the mounting user
+    gid: int | None = None
+
+
+class AgentState(Enum):
+    ACTIVE = "active"
+    FROZEN = "frozen"  # a move is under way: every write fails with ReadOnly
+    RETIRED = "retired"  # moved away: not shown
+
+
+# -- handles ------------------------------------------------------------------
+
+
+class Handle:
+    """An open file. The adapter calls these; each raises domain errors."""
+
+    direct_io = False  # bypass the page cache (content may differ from what was written)
+    keep_cache = False  # keep the page cache across opens (content never changes)
+
+    def read(self, offset: int, size: int) -> bytes:
+        raise NotPermitted("this file is not open for reading")
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise NotPermitted("this file is read-only")
+
+    def truncate(self, size: int) -> None:
+        raise NotPermitted("this file cannot be truncated")
+
+    def flush(self) -> None:
+        pass
+
+    def fsync(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class BytesHandle(Handle):
+    """Serves bytes fixed at open (manifest.json, .control/status)."""
+
+    def __init__(self, data: bytes, *, direct_io: bool = False) -> None:
+        self.data = data
+        self.direct_io = direct_io
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset: offset + size]
+
+
+class FileHandle(Handle):
+    """A read-only file on disk."""
+
+    def __init__(self, path: str, *, keep_cache: bool = False) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(f"{path}: no such file") from None
+        self.keep_cache = keep_cache
+
+    def read(self, offset: int, size: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class BlobHandle(FileHandle):
+    """A stored blob: cached by the kernel, never served as good if corrupt."""
+
+    keep_cache = True
+
+    def __init__(self, check: BlobCheck) -> None:
+        check.check_open()
+        super().__init__(check.path, keep_cache=True)
+        self.check = check
+        self.sha256 = check.sha256
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        self.check.served(offset, data)
+        return data
+
+
+class ScratchHandle(Handle):
+    """An editor's scratch file: a plain file, passed through."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self, offset: int, size: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def write(self, offset: int, data: bytes) -> int:
+        return os.pwrite(self.fd, data, offset)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class JournalHandle(Handle):
+    """The journal: reads up to its last whole line; O_APPEND writes of whole lines."""
+
+    direct_io = True
+
+    def __init__(self, agent: "LiveAgent", writable: bool) -> None:
+        self.agent = agent
+        self.writable = writable
+
+    def read(self, offset: int, size: int) -> bytes:
+        tail = self.agent.tail
+        tail.refresh()
+        n = max(0, min(size, tail.size - offset))
+        if not n:
+            return b""
+        with open(tail.path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
+    def write(self, offset: int, data: bytes) -> int:
+        if not self.writable:
+            raise NotPermitted("the journal is not open for writing")
+        self.agent.append_lines(bytes(data))
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        raise NotPermitted("the journal is append-only: it cannot be truncated")
+
+
+@dataclass(slots=True)
+class Edit:
+    """An editable file being written: its bytes as writers see them."""
+
+    data: bytearray
+    dirty: bool = False
+    writers: int = 0
+
+
+class EditHandle(Handle):
+    """working_memory.md or spec.json, open for reading or writing."""
+
+    def __init__(self, agent: "LiveAgent", rel: str, writable: bool) -> None:
+        self.agent = agent
+        self.rel = rel
+        self.writable = writable
+        if writable:
+            self.direct_io = True  # a refused commit must not linger in the page cache
+            self.edit = agent.begin_edit(rel)
+            self.snapshot = b""
+        else:
+            self.snapshot = agent.handle.read(rel)
+
+    def _current(self) -> bytes | bytearray:
+        edit = self.agent.edits.get(self.rel)
+        return edit.data if edit is not None else self.snapshot
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(self._current()[offset: offset + size])
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.agent.host.check_writable(self.agent.agent_id)
+        buf = self.edit.data
+        if offset > len(buf):
+            buf.extend(b"\0" * (offset - len(buf)))
+        buf[offset: offset + len(data)] = data
+        self.edit.dirty = True
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        if not self.writable:
+            raise NotPermitted(f"{self.rel} is not open for writing")
+        self.agent.host.check_writable(self.agent.agent_id)
+        _resize(self.edit.data, size)
+        self.edit.dirty = True
+
+    def flush(self) -> None:
+        if self.writable and self.edit.dirty:
+            self.agent.commit_edit(self.rel)
+
+    def fsync(self) -> None:
+        self.flush()
+
+    def release(self) -> None:
+        if self.writable:
+            self.agent.end_edit(self.rel)
+
+
+class ModelHandle(Handle):
+    """.control/model: reads ``provider:model``; a write switches the model."""
+
+    direct_io = True
+
+    def __init__(self, agent: "LiveAgent", writable: bool) -> None:
+        self.agent = agent
+        self.writable = writable
+        self.data = agent.model_bytes()
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset: offset + size]
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.agent.switch_model(bytes(data))
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        pass  # `echo x > model` truncates first; the write that follows is what counts
+
+
+class MoveHandle(Handle):
+    direct_io = True
+
+    def read(self, offset: int, size: int) -> bytes:
+        return b""
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise NotSupported(MOVE_UNAVAILABLE)
+
+    def truncate(self, size: int) -> None:
+        pass
+
+
+def _resize(buf: bytearray, size: int) -> None:
+    if size < len(buf):
+        del buf[size:]
+    else:
+        buf.extend(b"\0" * (size - len(buf)))
+
+
+def _tree(files: Sequence[str], extra_dirs: Sequence[str], make: Callable[[str], Node],
+          make_dir: Callable[[str], Node]) -> dict[str, dict[str, Node]]:
+    """Directory -> {name: node} for a capsule's files."""
+    dirs: dict[str, dict[str, Node]] = {"": {}}
+
+    def ensure(d: str) -> None:
+        if d in dirs:
+            return
+        parent, _, name = d.rpartition("/")
+        ensure(parent)
+        dirs[parent][name] = make_dir(d)
+        dirs[d] = {}
+
+    for d in extra_dirs:
+        ensure(d)
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        ensure(parent)
+        dirs[parent][name] = make(rel)
+    return dirs
+
+
+def _ident(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# -- one agent ------------------------------------------------------------------
+
+
+class LiveAgent:
+    def __init__(self, host: "LiveHost", agent_id: str) -> None:
+        self.host = host
+        self.agent_id = agent_id
+        self.handle = AgentHandle(host.store, agent_id)
+        self.tail = JournalTail(self.handle.path(fmt.JOURNAL))
+        self.edits: dict[str, Edit] = {}
+        self._digests: dict[str, tuple[tuple[int, int, int, int], fmt.FileEntry]] = {}
+        self._stored: tuple[tuple[int, int, int, int], fmt.Manifest] | None = None
+        self._tree: tuple[object, dict[str, dict[str, Node]]] | None = None
+        self._appender: Appender | JournalAppender | None = None
+        self.move_progress: dict[str, object] | None = None
+        # Directories show one fixed time: their entries change only when the
+        # capsule's shape does, and a moving directory time makes `tar` of an
+        # idle agent fail with "file changed as we read it".
+        self.dir_mtime_ns = os.stat(self.handle.dir).st_mtime_ns
+
+    # -- reading -------------------------------------------------------------
+    def stored_manifest(self) -> fmt.Manifest:
+        """The manifest as the store last wrote it (blobs, holder, name)."""
+        path = os.path.join(self.handle.dir, fmt.MANIFEST)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise NotFoundError(f"agent {self.agent_id} is not held here") from None
+        if self._stored is None or self._stored[0] != _ident(st):
+            self._stored = (_ident(st), self.handle.manifest())
+        return self._stored[1]
+
+    def tree(self) -> dict[str, dict[str, Node]]:
+        stored = self.stored_manifest()
+        files = self.handle.local_files()
+        key = (self._stored[0] if self._stored else None, tuple(files))
+        if self._tree is None or self._tree[0] != key:
+            aid = self.agent_id
+            blobs = [fmt.blob_path(sha) for sha in stored.blobs()]
+
+            def make(rel: str) -> Node:
+                return Node(Kind.BLOB if fmt.blob_name(rel) is not None else Kind.FILE, aid, rel)
+
+            tree = _tree(files + blobs, [fmt.BLOBS_DIR], make, lambda d: Node(Kind.DIR, aid, d))
+            tree[""][fmt.MANIFEST] = Node(Kind.MANIFEST, aid, fmt.MANIFEST)
+            self._tree = (key, tree)
+        return self._tree[1]
+
+    def entry(self, rel: str) -> fmt.FileEntry:
+        """Digest and size of a non-blob file as served now."""
+        if rel == fmt.JOURNAL:
+            self.tail.refresh()
+            return fmt.FileEntry(sha256=self.tail.sha256(), size=self.tail.size)
+        edit = self.edits.get(rel)
+        if edit is not None and edit.dirty:
+            return fmt.FileEntry(sha256=hashlib.sha256(edit.data).hexdigest(), size=len(edit.data))
+        path = self.handle.path(rel)
+        for _attempt in range(3):
+            st = os.stat(path)
+            cached = self._digests.get(rel)
+            if cached is not None and cached[0] == _ident(st):
+                return cached[1]
+            sha, size = hash_file(path)
+            if _ident(os.stat(path)) == _ident(st):  # unchanged while hashing
+                e = fmt.FileEntry(sha256=sha, size=size)
+                self._digests[rel] = (_ident(st), e)
+                return e
+        raise OSError(errno.EAGAIN, f"{path} keeps changing while being hashed")
+
+    def manifest(self) -> fmt.Manifest:
+        stored = self.stored_manifest()
+        files = {p: e for p, e in stored.files.items() if fmt.blob_name(p) is not None}
+        for rel in self.handle.local_files():
+            files[rel] = self.entry(rel)
+        return fmt.Manifest(agent_id=stored.agent_id, name=stored.name, holder=stored.holder,
+                            files=files, extra=stored.extra)
+
+    def manifest_bytes(self) -> bytes:
+        return self.manifest().to_bytes()
+
+    def file_attr(self, rel: str) -> Attr:
+        st = os.stat(self.handle.path(rel))
+        if rel == fmt.JOURNAL:
+            self.tail.refresh()
+            return Attr(False, 0o644, self.tail.size, st.st_mtime_ns)
+        edit = self.edits.get(rel)
+        size = len(edit.data) if edit is not None else st.st_size
+        return Attr(False, 0o644 if rel in EDITABLE else 0o444, size, st.st_mtime_ns)
+
+    def model(self) -> tuple[str, str] | None:
+        self.tail.refresh()
+        return self.tail.model
+
+    def model_bytes(self) -> bytes:
+        m = self.model()
+        return f"{m[0]}:{m[1]}\n".encode() if m else b""
+
+    def status(self) -> dict[str, object]:
+        stored = self.stored_manifest()
+        model = self.model()
+        state = self.host.state(self.agent_id)
+        return {
+            "agent_id": self.agent_id,
+            "name": stored.name,
+            "state": state.value,
+            "writable": self.host.failsafe is None and state is AgentState.ACTIVE,
+            "mount": "read-only (failsafe)" if self.host.failsafe is not None else "read-write",
+            "holder": stored.holder.host,
+            "epoch": stored.holder.epoch,
+            "provider": model[0] if model else None,
+            "model": model[1] if model else None,
+            "events": self.tail.events,
+            "last_error": self.host.last_error,
+            "move": self.move_progress or {"available": False, "detail": MOVE_UNAVAILABLE},
+        }
+
+    def status_bytes(self) -> bytes:
+        return (json.dumps(self.status(), indent=2, sort_keys=True) + "\n").encode()
+
+    # -- writing -------------------------------------------------------------
+    def _journal(self) -> Appender | JournalAppender:
+        if self._appender is None:
+            h = self.host
+            self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,
+                                           new_id=h.new_event_id, now_ns=h.now_ns,
+                                           recovery_dir=os.path.join(h.work_dir, "recovery", self.agent_id))
+        return self._appender
+
+    def append(self, events: Sequence[Event]) -> list[Record]:
+        self.host.check_writable(self.agent_id)
+        return self._journal().append(events)
+
+    def append_lines(self, data: bytes) -> list[Record]:
+        """Validate whole JSON lines of event drafts, then append them all, or none."""
+        if not data.endswith(b"\n"):
+            raise FormatError("journal writes must be whole JSON lines, each ending with a newline")
+        events = []
+        for i, line in enumerate(data[:-1].split(b"\n"), 1):
+            try:
+                obj = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise FormatError(f"journal line {i} is not valid JSON: {exc}") from None
+            try:
+                events.append(parse_draft(obj))
+            except FormatError as exc:
+                raise FormatError(f"journal line {i}: {exc}") from None
+        return self.append(events)
+
+    def switch_model(self, data: bytes) -> Record:
+        try:
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise FormatError("model must be UTF-8 text: provider:model") from None
+        provider, sep, model = text.partition(":")
+        if not sep or not provider.strip() or not model.strip() or "\n" in text:
+            raise FormatError(f"model {text!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
+        return self.append([ModelSwitch(provider=provider.strip(), model=model.strip())])[0]
+
+    def begin_edit(self, rel: str) -> Edit:
+        self.host.check_writable(self.agent_id)
+        edit = self.edits.get(rel)
+        if edit is None:
+            edit = self.edits[rel] = Edit(bytearray(self.handle.read(rel)))
+        edit.writers += 1
+        return edit
+
+    def end_edit(self, rel: str) -> None:
+        edit = self.edits[rel]
+        edit.writers -= 1
+        if edit.writers:
+            return
+        try:
+            if edit.dirty:
+                self.commit_edit(rel)
+        except CapsuleError as exc:
+            log.warning("%s of agent %s: edit not saved at close: %s", rel, self.agent_id, exc)
+        finally:
+            del self.edits[rel]
+
+    def commit_edit(self, rel: str) -> None:
+        edit = self.edits[rel]
+        try:
+            self.save(rel, bytes(edit.data))
+        except CapsuleError:
+            edit.data[:] = self.handle.read(rel)  # the refused bytes are gone
+            edit.dirty = False
+            raise
+        edit.dirty = False
+
+    def truncate(self, rel: str, size: int) -> None:
+        self.host.check_writable(self.agent_id)
+        edit = self.edits.get(rel)
+        if edit is not None:
+            _resize(edit.data, size)
+            edit.dirty = True
+            return
+        buf = bytearray(self.handle.read(rel))
+        _resize(buf, size)
+        self.save(rel, bytes(buf))
+
+    def save(self, rel: str, data: bytes) -> None:
+        """Commit a new version of an editable file (validated first)."""
+        self.host.check_writable(self.agent_id)
+        if rel == fmt.SPEC:
+            parse_spec(data)
+            self.handle.write_files({rel: data})
+            log.info("agent %s: spec updated (%d bytes)", self.agent_id, len(data))
+            return
+        if rel != fmt.WORKING_MEMORY:
+            raise NotPermitted(f"{rel} is not editable")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"working memory must be UTF-8 text: {exc}") from None
+        if data == self.handle.read(rel):
+            return  # nothing changed: no event
+        store = self.host.store
+        with store.writing():
+            if len(data) <= INLINE_MEMORY_LIMIT:
+                self.append([MemoryEdit(text=text)])
+                self.handle.write_files({rel: data})
+            else:
+                sha = store.put_blob(data)
+                self.append([MemoryEdit(blob=sha)])
+                self.handle.write_files({rel: data}, add_blobs=[sha])
+        log.info("agent %s: working memory edited (%d bytes)", self.agent_id, len(data))
+
+    def set_holder(self, host: str, epoch: int) -> None:
+        self.handle.set_holder(host, epoch)
+
+
+# -- the host ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _SnapCache:
+    manifest: fmt.Manifest
+    tree: dict[str, dict[str, Node]] = field(default_factory=dict)
+
+
+class LiveHost:
+    """Every agent of one host store, as the mount shows them."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        *,
+        host_id: str,
+        work_dir: str,
+        new_agent_id: Callable[[], str],
+        new_event_id: Callable[[], str],
+        now_ns: Callable[[], int],
+        owner_uid: int = 0,
+    ) -> None:
+        self.store = store
+        self.host_id = fmt.check_host_id(host_id)
+        self.new_agent_id = new_agent_id
+        self.new_event_id = new_event_id
+        self.now_ns = now_ns
+        self.owner_uid = owner_uid  # the mounting user; with root, may write .control
+        self.work_dir = work_dir
+        self.scratch = ScratchArea(os.path.join(work_dir, "scratch"))
+        self.snapshots = Snapshots(os.path.join(work_dir, "snapshots"))
+        self.snapshots.sweep()
+        self.blobs = BlobChecks()
+        self.failsafe: str | None = None  # why the view went read-only, if it did
+        self.last_error: str | None = None
+        self._agents: dict[str, LiveAgent] = {}
+        self._states: dict[str, AgentState] = {}
+        self._snaps: dict[tuple[str, str], _SnapCache] = {}
+
+    # -- states (the daemon's API for the move driver) -----------------------
+    def state(self, agent_id: str) -> AgentState:
+        return self._states.get(agent_id, AgentState.ACTIVE)
+
+    def set_state(self, agent_id: str, state: AgentState) -> None:
+        fmt.check_agent_id(agent_id)
+        if state is AgentState.ACTIVE:
+            self._states.pop(agent_id, None)
+        else:
+            self._states[agent_id] = state
+        log.info("agent %s is now %s", agent_id, state.value)
+
+    def enter_failsafe(self, reason: str) -> None:
+        self.last_error = reason
+        if self.failsafe is None:
+            self.failsafe = reason
+            log.error("the mount is now read-only (failsafe) after an internal error: %s", reason)
+
+    def check_writable(self, agent_id: str) -> None:
+        if self.failsafe is not None:
+            raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+        if self.state(agent_id) is not AgentState.ACTIVE:
+            raise ReadOnly(f"agent {agent_id} is {self.state(agent_id).value} (a move is under way); no writes")
+
+    # -- agents ----------------------------------------------------------------
+    def agent(self, agent_id: str) -> LiveAgent:
+        a = self._agents.get(agent_id)
+        if a is None:
+            if self.state(agent_id) is AgentState.RETIRED:
+                raise NotFoundError(f"agent {agent_id} was retired from this host")
+            a = self._agents[agent_id] = LiveAgent(self, agent_id)
+        return a
+
+    def names(self) -> dict[str, str]:
+        """name -> agent_id of every agent shown."""
+        out = {}
+        ids = set(self.store.agent_ids())
+        for gone in set(self._agents) - ids:
+            del self._agents[gone]
+        for aid in sorted(ids):
+            if self.state(aid) is AgentState.RETIRED:
+                continue
+            try:
+                out[self.agent(aid).stored_manifest().name] = aid
+            except NotFoundError:
+                continue  # removed meanwhile
+        return out
+
+    # -- the tree ----------------------------------------------------------------
+    def _snap(self, agent_id: str, name: str) -> _SnapCache:
+        key = (agent_id, name)
+        c = self._snaps.get(key)
+        if c is None or not self.snapshots.exists(agent_id, name):
+            if not self.snapshots.exists(agent_id, name):
+                self._snaps.pop(key, None)
+                raise NotFoundError(f"no snapshot {name!r}")
+            m = self.snapshots.manifest(agent_id, name)
+            files = sorted(m.files) + [fmt.MANIFEST]
+            tree = _tree(files, [fmt.BLOBS_DIR], lambda r: Node(Kind.SNAP_FILE, agent_id, r, name),
+                         lambda d: Node(Kind.SNAP_DIR, agent_id, d, name))
+            c = self._snaps[key] = _SnapCache(m, tree)
+        return c
+
+    def _children(self, node: Node) -> dict[str, Node]:
+        match node.kind:
+            case Kind.ROOT:
+                return {name: Node(Kind.AGENT, aid) for name, aid in self.names().items()}
+            case Kind.AGENT:
+                return self.agent(node.agent).tree()[""]
+            case Kind.DIR:
+                return self.agent(node.agent).tree().get(node.rel, {})
+            case Kind.CONTROL:
+                return {n: Node(Kind.CONTROL_FILE, node.agent, n) for n in CONTROL_FILES}
+            case Kind.SNAPSHOTS:
+                return {n: Node(Kind.SNAPSHOT, node.agent, "", n) for n in self.snapshots.names(node.agent)}
+            case Kind.SNAPSHOT | Kind.SNAP_DIR:
+                return self._snap(node.agent, node.snap).tree.get(node.rel, {})
+        raise NotADirectory(f"{node.rel or node.kind.value} is not a directory")
+
+    def listdir(self, node: Node) -> list[tuple[str, Node]]:
+        """Entries of a directory, hidden directories and scratch files left out."""
+        return sorted(self._children(node).items())
+
+    def lookup(self, parent: Node, name: str) -> Node:
+        if parent.kind is Kind.AGENT and name in (CONTROL, SNAPSHOTS):
+            self.agent(parent.agent).stored_manifest()  # the agent still exists
+            return Node(Kind.CONTROL if name == CONTROL else Kind.SNAPSHOTS, parent.agent)
+        child = self._children(parent).get(name)
+        if child is not None:
+            return child
+        if parent.kind is Kind.DIR and self.scratch.exists(parent.agent, parent.rel, name):
+            return Node(Kind.SCRATCH, parent.agent, f"{parent.rel}/{name}")
+        raise NotFoundError(f"{name}: no such file or directory")
+
+    def attr(self, node: Node) -> Attr:
+        match node.kind:
+            case Kind.ROOT:
+                return Attr(True, 0o755, 0, os.stat(self.store.agents_dir).st_mtime_ns)
+            case Kind.AGENT | Kind.DIR | Kind.CONTROL | Kind.SNAPSHOTS:
+                a = self.agent(node.agent)
+                a.stored_manifest()
+                if node.kind is Kind.DIR and node.rel not in a.tree():
+                    raise NotFoundError(f"{node.rel}: no such directory")
+                return Attr(True, 0o755, 0, a.dir_mtime_ns)
+            case Kind.FILE:
+                return self.agent(node.agent).file_attr(node.rel)
+            case Kind.BLOB:
+                sha = fmt.blob_name(node.rel) or ""
+                size = self.agent(node.agent).stored_manifest().blobs().get(sha)
+                if size is None:
+                    raise NotFoundError(f"{node.rel}: no such blob in this agent")
+                st = os.stat(self.store.blob_file(sha))
+                return Attr(False, 0o444, size, st.st_mtime_ns, immutable=True)
+            case Kind.MANIFEST:
+                a = self.agent(node.agent)
+                data = a.manifest_bytes()
+                mtime = max(os.stat(a.handle.path(r)).st_mtime_ns for r in [*a.handle.local_files(), fmt.MANIFEST])
+                return Attr(False, 0o444, len(data), mtime)
+            case Kind.SCRATCH:
+                d, _, n = node.rel.rpartition("/")
+                st = self.scratch.stat(node.agent, d, n)
+                return Attr(False, st.st_mode & 0o7777, st.st_size, st.st_mtime_ns, uid=st.st_uid, gid=st.st_gid)
+            case Kind.CONTROL_FILE:
+                a = self.agent(node.agent)
+                mtime = os.stat(a.handle.dir).st_mtime_ns
+                if node.rel == "status":
+                    return Attr(False, 0o444, len(a.status_bytes()), mtime)
+                if node.rel == "model":
+                    return Attr(False, 0o644, len(a.model_bytes()), mtime)
+                return Attr(False, 0o644, 0, mtime)
+            case Kind.SNAPSHOT | Kind.SNAP_DIR:
+                self._snap(node.agent, node.snap)
+                st = os.stat(self.snapshots.dir(node.agent, node.snap))
+                return Attr(True, 0o555, 0, st.st_mtime_ns, immutable=True)
+            case Kind.SNAP_FILE:
+                c = self._snap(node.agent, node.snap)
+                mtime = os.stat(self.snapshots.file_path(node.agent, node.snap, fmt.MANIFEST)).st_mtime_ns
+                if node.rel == fmt.MANIFEST:
+                    size = os.stat(self.snapshots.file_path(node.agent, node.snap, fmt.MANIFEST)).st_size
+                else:
+                    size = c.manifest.files[node.rel].size
+                return Attr(False, 0o444, size, mtime, immutable=True)
+        raise AssertionError(node)  # pragma: no cover
+
+    def xattrs(self, node: Node) -> dict[str, bytes]:
+        match node.kind:
+            case Kind.AGENT:
+                m = self.agent(node.agent).stored_manifest()
+                return {XATTR_AGENT_ID: m.agent_id.encode(), XATTR_EPOCH: str(m.holder.epoch).encode()}
+            case Kind.SNAPSHOT:
+                m = self._snap(node.agent, node.snap).manifest
+                return {XATTR_AGENT_ID: m.agent_id.encode(), XATTR_EPOCH: str(m.holder.epoch).encode()}
+            case Kind.FILE:
+                return {XATTR_SHA256: self.agent(node.agent).entry(node.rel).sha256.encode()}
+            case Kind.BLOB:
+                return {XATTR_SHA256: (fmt.blob_name(node.rel) or "").encode()}
+            case Kind.MANIFEST:
+                data = self.agent(node.agent).manifest_bytes()
+                return {XATTR_SHA256: hashlib.sha256(data).hexdigest().encode()}
+            case Kind.SNAP_FILE:
+                c = self._snap(node.agent, node.snap)
+                if node.rel == fmt.MANIFEST:
+                    data = c.manifest.to_bytes()
+                    with open(self.snapshots.file_path(node.agent, node.snap, fmt.MANIFEST), "rb") as f:
+                        data = f.read()
+                    return {XATTR_SHA256: hashlib.sha256(data).hexdigest().encode()}
+                return {XATTR_SHA256: c.manifest.files[node.rel].sha256.encode()}
+        return {}
+
+    def getxattr(self, node: Node, name: str) -> bytes:
+        value = self.xattrs(node).get(name)
+        if value is None:
+            raise NoAttribute(f"no attribute {name}")
+        return value
+
+    # -- changing the tree ---------------------------------------------------------
+    def mkdir(self, parent: Node, name: str) -> Node:
+        if parent.kind is Kind.ROOT:
+            if self.failsafe is not None:
+                raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+            fmt.check_agent_name(name)
+            agent = self.store.create_agent(name, host_id=self.host_id, agent_id=self.new_agent_id())
+            log.info("created agent %s (%s)", name, agent.agent_id)
+            return Node(Kind.AGENT, agent.agent_id)
+        if parent.kind is Kind.SNAPSHOTS:
+            if self.failsafe is not None:
+                raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+            a = self.agent(parent.agent)
+            self.snapshots.create(a.handle, name)
+            log.info("agent %s: snapshot %s made", parent.agent, name)
+            return Node(Kind.SNAPSHOT, parent.agent, "", name)
+        if parent.is_dir:
+            raise NotPermitted("directories can only be made at the root (a new agent) or in .snapshots/")
+        raise NotADirectory("not a directory")
+
+    def rmdir(self, parent: Node, name: str) -> None:
+        if parent.kind is Kind.SNAPSHOTS:
+            if self.failsafe is not None:
+                raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+            self.snapshots.remove(parent.agent, name)
+            self._snaps.pop((parent.agent, name), None)
+            log.info("agent %s: snapshot %s removed", parent.agent, name)
+            return
+        child = self.lookup(parent, name)
+        if not child.is_dir:
+            raise NotADirectory(f"{name} is not a directory")
+        if child.kind is Kind.AGENT:
+            raise NotEmpty(f"{name} is an agent; remove agents with `capsulefs rm`")
+        raise NotEmpty(f"{name} is part of a capsule and cannot be removed")
+
+    def create(self, parent: Node, name: str, mode: int, flags: int) -> tuple[Node, Handle]:
+        if parent.kind is not Kind.DIR:
+            if parent.kind in (Kind.SNAPSHOT, Kind.SNAP_DIR):
+                raise ReadOnly("snapshots are read-only")
+            raise NotPermitted("files can only be created in memory/ and environment/ of an agent (editor scratch files)")
+        existing = self._children(parent).get(name)
+        if existing is not None and existing.kind is Kind.FILE and existing.rel in EDITABLE \
+                and not flags & os.O_EXCL:
+            # An editor that renamed the file away (as a backup) creates it
+            # anew: the capsule kept it, so this opens it for writing.
+            handle = EditHandle(self.agent(parent.agent), existing.rel, True)
+            if flags & os.O_TRUNC:
+                handle.truncate(0)
+            return existing, handle
+        if existing is not None or self.scratch.exists(parent.agent, parent.rel, name):
+            raise ExistsError(f"{parent.rel}/{name} exists")
+        self.check_writable(parent.agent)
+        fd = self.scratch.create(parent.agent, parent.rel, name, mode, flags)
+        return Node(Kind.SCRATCH, parent.agent, f"{parent.rel}/{name}"), ScratchHandle(fd)
+
+    def unlink(self, parent: Node, name: str) -> None:
+        node = self.lookup(parent, name)
+        if node.is_dir:
+            raise IsADirectory(f"{name} is a directory")
+        if node.kind is not Kind.SCRATCH:
+            if node.kind is Kind.SNAP_FILE:
+                raise ReadOnly("snapshots are read-only")
+            raise NotPermitted(f"{node.rel or name} is part of the capsule and cannot be removed")
+        self.check_writable(node.agent)
+        self.scratch.unlink(node.agent, parent.rel, name)
+
+    def rename(self, p_old: Node, n_old: str, p_new: Node, n_new: str, *, noreplace: bool = False) -> tuple[Node, Node]:
+        """Rename; return (node renamed, the node its inode stands for now)."""
+        src = self.lookup(p_old, n_old)
+        try:
+            dst: Node | None = self.lookup(p_new, n_new)
+        except NotFoundError:
+            dst = None
+        if dst is not None and noreplace:
+            raise ExistsError(f"{n_new} exists")
+        if src.kind in (Kind.SNAP_FILE, Kind.SNAP_DIR, Kind.SNAPSHOT) or p_new.kind in (Kind.SNAPSHOT, Kind.SNAP_DIR):
+            raise ReadOnly("snapshots are read-only")
+        if p_new.kind is not Kind.DIR or p_new.agent != src.agent or src.kind not in (Kind.SCRATCH, Kind.FILE):
+            raise NotPermitted(f"{n_old} cannot be renamed to {n_new}: a capsule's files stay where they are")
+        self.check_writable(src.agent)
+        agent = self.agent(src.agent)
+        if src.kind is Kind.SCRATCH:
+            src_dir = p_old.rel
+            if dst is None or dst.kind is Kind.SCRATCH:
+                self.scratch.rename(src.agent, (src_dir, n_old), (p_new.rel, n_new))
+                return src, Node(Kind.SCRATCH, src.agent, f"{p_new.rel}/{n_new}")
+            if dst.kind is Kind.FILE and dst.rel in EDITABLE:
+                if dst.rel in agent.edits and agent.edits[dst.rel].writers:
+                    edit = agent.edits[dst.rel]  # open writers: they see the renamed content
+                    data = self.scratch.read(src.agent, src_dir, n_old)
+                    agent.save(dst.rel, data)
+                    edit.data[:] = data
+                    edit.dirty = False
+                else:
+                    agent.save(dst.rel, self.scratch.read(src.agent, src_dir, n_old))
+                self.scratch.unlink(src.agent, src_dir, n_old)
+                return src, dst
+            if dst.rel == fmt.JOURNAL:
+                raise NotPermitted("the journal is append-only: it cannot be replaced")
+            raise NotPermitted(f"{dst.rel} is read-only")
+        # src is a capsule file: only an editable one may be "renamed" to a
+        # scratch name, which copies it (editors make backups that way); the
+        # capsule keeps the file.
+        if src.rel not in EDITABLE or (dst is not None and dst.kind is not Kind.SCRATCH):
+            what = "the journal is append-only" if src.rel == fmt.JOURNAL else f"{src.rel} stays in the capsule"
+            raise NotPermitted(f"{n_old} cannot be renamed: {what}")
+        self.scratch.write(src.agent, p_new.rel, n_new, agent.handle.read(src.rel))
+        return src, Node(Kind.SCRATCH, src.agent, f"{p_new.rel}/{n_new}")
+
+    def truncate(self, node: Node, size: int) -> None:
+        """Truncate by path (no open file)."""
+        match node.kind:
+            case Kind.FILE if node.rel in EDITABLE:
+                self.agent(node.agent).truncate(node.rel, size)
+            case Kind.FILE if node.rel == fmt.JOURNAL:
+                raise NotPermitted("the journal is append-only: it cannot be truncated")
+            case Kind.SCRATCH:
+                self.check_writable(node.agent)
+                d, _, n = node.rel.rpartition("/")
+                os.truncate(self.scratch.path(node.agent, d, n), size)
+            case Kind.CONTROL_FILE if node.rel != "status":
+                pass
+            case Kind.SNAP_FILE | Kind.SNAP_DIR | Kind.SNAPSHOT:
+                raise ReadOnly("snapshots are read-only")
+            case _ if node.is_dir:
+                raise IsADirectory("is a directory")
+            case _:
+                raise NotPermitted(f"{node.rel} is read-only")
+
+    def chmod_chown(self, node: Node, mode: int | None, uid: int | None, gid: int | None) -> None:
+        """Mode and owner changes: real on scratch files, refused elsewhere unless a no-op."""
+        if node.kind is Kind.SCRATCH:
+            self.check_writable(node.agent)
+            d, _, n = node.rel.rpartition("/")
+            p = self.scratch.path(node.agent, d, n)
+            if mode is not None:
+                os.chmod(p, mode & 0o7777)
+            if uid is not None or gid is not None:
+                os.chown(p, -1 if uid is None else uid, -1 if gid is None else gid)
+            return
+        a = self.attr(node)
+        if mode is not None and (mode & 0o7777) != a.perm:
+            raise NotPermitted("the modes of capsule files are fixed")
+        if (uid is not None and uid != (self.owner_uid if a.uid is None else a.uid)) or \
+                (gid is not None and a.gid is not None and gid != a.gid):
+            raise NotPermitted("the owner of capsule files is the mounting user")
+
+    def utimens(self, node: Node, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """Times are real on scratch files and ignored elsewhere (``touch`` works)."""
+        if node.kind is Kind.SCRATCH:
+            d, _, n = node.rel.rpartition("/")
+            p = self.scratch.path(node.agent, d, n)
+            st = os.stat(p)
+            os.utime(p, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                            st.st_mtime_ns if mtime_ns is None else mtime_ns))
+
+    # -- opening -------------------------------------------------------------------
+    def open(self, node: Node, flags: int, uid: int) -> Handle:
+        write = (flags & os.O_ACCMODE) != os.O_RDONLY
+        match node.kind:
+            case Kind.FILE:
+                a = self.agent(node.agent)
+                if node.rel == fmt.JOURNAL:
+                    if write:
+                        if not flags & os.O_APPEND:
+                            raise NotPermitted("the journal is append-only: open it with O_APPEND (>>)")
+                        self.check_writable(node.agent)
+                    return JournalHandle(a, write)
+                if node.rel in EDITABLE:
+                    return EditHandle(a, node.rel, write)
+                if write:
+                    raise NotPermitted(f"{node.rel} is read-only")
+                return FileHandle(a.handle.path(node.rel))
+            case Kind.BLOB:
+                if write:
+                    raise NotPermitted("blobs are read-only")
+                sha = fmt.blob_name(node.rel) or ""
+                return BlobHandle(self.blobs.get(sha, self.store.blob_file(sha)))
+            case Kind.MANIFEST:
+                if write:
+                    raise NotPermitted("manifest.json is computed and read-only")
+                return BytesHandle(self.agent(node.agent).manifest_bytes())
+            case Kind.SCRATCH:
+                if write:
+                    self.check_writable(node.agent)
+                d, _, n = node.rel.rpartition("/")
+                return ScratchHandle(self.scratch.open(node.agent, d, n, flags))
+            case Kind.CONTROL_FILE:
+                a = self.agent(node.agent)
+                if write and uid not in (0, self.owner_uid):
+                    raise AccessDenied("only the mounting user and root may write control files")
+                if node.rel == "status":
+                    if write:
+                        raise NotPermitted(".control/status is read-only")
+                    return BytesHandle(a.status_bytes(), direct_io=True)
+                if node.rel == "model":
+                    if write:
+                        self.check_writable(node.agent)
+                    return ModelHandle(a, write)
+                return MoveHandle()
+            case Kind.SNAP_FILE:
+                if write:
+                    raise ReadOnly("snapshots are read-only")
+                self._snap(node.agent, node.snap)
+                sha = fmt.blob_name(node.rel)
+                if sha is not None:
+                    return BlobHandle(self.blobs.get(sha, self.store.blob_file(sha)))
+                return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
+        raise IsADirectory("is a directory")
+
+    # -- the daemon's API ------------------------------------------------------------
+    def freeze(self, agent_id: str) -> None:
+        self.agent(agent_id).stored_manifest()
+        self.set_state(agent_id, AgentState.FROZEN)
+
+    def resume(self, agent_id: str) -> None:
+        self.agent(agent_id).stored_manifest()
+        self.set_state(agent_id, AgentState.ACTIVE)
+
+    def retire(self, agent_id: str) -> str | None:
+        """Hide an agent (moved away); return the name it was shown under."""
+        name = None
+        a = self._agents.get(agent_id)
+        try:
+            name = (a or LiveAgent(self, agent_id)).stored_manifest().name
+        except NotFoundError:
+            pass
+        self.set_state(agent_id, AgentState.RETIRED)
+        self._agents.pop(agent_id, None)
+        return name
+
+    def activate(self, agent_id: str) -> str:
+        """Show an agent again (or for the first time, after a move in): active."""
+        self.set_state(agent_id, AgentState.ACTIVE)
+        return self.agent(agent_id).stored_manifest().name

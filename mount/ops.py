@@ -1,0 +1,327 @@
+"""The pyfuse3 ``Operations`` of a capsulefs mount: thin, as in S3QL's fs.py.
+
+Rules:
+  * Each operation logs (via :func:`capsulefs.mount.errors.fuse_op`),
+    checks its guards, calls :mod:`capsulefs.core.live`, and turns the
+    answer into pyfuse3 types. No digests, JSON or capsule rules here.
+  * Names arrive as bytes and are decoded with ``surrogateescape`` so any
+    name round-trips.
+  * Cache policy: content that never changes (blobs, snapshots) gets long
+    entry and attribute timeouts and ``keep_cache``; mutable files get a
+    zero attribute timeout; directories a short one, since agents appear
+    and vanish outside the kernel's sight (CLI, moves).
+
+Concurrency: the handlers never await between reading and updating shared
+state, so each runs atomically with respect to the others on the trio loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections.abc import Callable
+from typing import Protocol
+
+import pyfuse3
+
+from capsulefs.core.errors import CorruptBlobError, NotFoundError
+from capsulefs.core.live import Attr, Handle, Kind, LiveHost, Node
+from capsulefs.core.live_errors import NotPermitted, NotSupported
+
+from .errors import fuse_op
+from .inodes import InodeTable
+
+log = logging.getLogger(__name__)
+
+#: Timeouts (seconds) for content that never changes, directories, and mutable files.
+IMMUTABLE_TIMEOUT = 3600.0
+DIR_TIMEOUT = 1.0
+MUTABLE_ATTR_TIMEOUT = 0.0
+MUTABLE_ENTRY_TIMEOUT = 1.0
+BLKSIZE = 128 * 1024
+
+
+class Kernel(Protocol):
+    """Cache invalidation notices to the kernel (a fake in tests)."""
+
+    def invalidate_inode(self, ino: int) -> None: ...
+
+    def invalidate_entry(self, parent_ino: int, name: bytes) -> None: ...
+
+
+class FuseKernel:
+    def invalidate_inode(self, ino: int) -> None:
+        try:
+            pyfuse3.invalidate_inode(ino)
+        except OSError as exc:  # ENOENT: the kernel did not have it
+            log.debug("invalidate_inode(%d): %s", ino, exc)
+
+    def invalidate_entry(self, parent_ino: int, name: bytes) -> None:
+        pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+
+
+def _name(raw: bytes) -> str:
+    return os.fsdecode(raw)
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(
+        self,
+        live: LiveHost,
+        *,
+        kernel: Kernel | None = None,
+        readdir_reply: Callable[..., bool] = pyfuse3.readdir_reply,
+        uid: int | None = None,
+        gid: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.live = live
+        self.kernel: Kernel = kernel or FuseKernel()
+        self.inodes = InodeTable()
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self._readdir_reply = readdir_reply
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, list[tuple[str, Node]]] = {}
+        self._next_fh = 1
+
+    # -- helpers -------------------------------------------------------------
+    def _fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _entry(self, ino: int, a: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        if a.immutable:
+            e.entry_timeout = e.attr_timeout = IMMUTABLE_TIMEOUT
+        elif a.is_dir:
+            e.entry_timeout = e.attr_timeout = DIR_TIMEOUT
+        else:
+            e.entry_timeout, e.attr_timeout = MUTABLE_ENTRY_TIMEOUT, MUTABLE_ATTR_TIMEOUT
+        e.st_mode = (stat.S_IFDIR if a.is_dir else stat.S_IFREG) | a.perm
+        e.st_nlink = 2 if a.is_dir else 1
+        e.st_uid = self.uid if a.uid is None else a.uid
+        e.st_gid = self.gid if a.gid is None else a.gid
+        e.st_rdev = 0
+        e.st_size = a.size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = (a.size + 511) // 512
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
+        return e
+
+    def _attr_of(self, node: Node) -> pyfuse3.EntryAttributes:
+        ino = self.inodes.peek(node)
+        return self._entry(ino or 0, self.live.attr(node))
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+
+    def _open_info(self, handle: Handle) -> pyfuse3.FileInfo:
+        fh = self._fh()
+        self._handles[fh] = handle
+        return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache)
+
+    # -- names -----------------------------------------------------------------
+    @fuse_op
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.live.lookup(self.inodes.node(parent_inode), _name(name))
+        attr = self.live.attr(node)
+        return self._entry(self.inodes.ref(node), attr)
+
+    def forget(self, inode_list: list[tuple[int, int]]) -> None:  # type: ignore[override]
+        for ino, n in inode_list:
+            self.inodes.forget(ino, n)
+
+    @fuse_op
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(inode, self.live.attr(self.inodes.node(inode)))
+
+    @fuse_op
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.inodes.node(inode)
+        if fields.update_size:
+            if fh is not None and fh in self._handles:
+                self._handles[fh].truncate(attr.st_size)
+            else:
+                self.live.truncate(node, attr.st_size)
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            self.live.chmod_chown(
+                node,
+                attr.st_mode if fields.update_mode else None,
+                attr.st_uid if fields.update_uid else None,
+                attr.st_gid if fields.update_gid else None,
+            )
+        if fields.update_atime or fields.update_mtime:
+            self.live.utimens(node, attr.st_atime_ns if fields.update_atime else None,
+                              attr.st_mtime_ns if fields.update_mtime else None)
+        return self._entry(inode, self.live.attr(node))
+
+    # -- directories -------------------------------------------------------------
+    @fuse_op
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        entries = self.live.listdir(self.inodes.node(inode))
+        fh = self._fh()
+        self._dirs[fh] = entries
+        return fh
+
+    @fuse_op
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._dirs.get(fh, [])
+        for i in range(start_id, len(entries)):
+            name, node = entries[i]
+            try:
+                attr = self.live.attr(node)
+            except (NotFoundError, FileNotFoundError):
+                continue  # gone since opendir: skip it, as a real directory would
+            ino = self.inodes.ref(node)
+            if not self._readdir_reply(token, os.fsencode(name), self._entry(ino, attr), i + 1):
+                self.inodes.forget(ino, 1)
+                return
+
+    @fuse_op
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @fuse_op
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.live.mkdir(self.inodes.node(parent_inode), _name(name))
+        attr = self.live.attr(node)
+        return self._entry(self.inodes.ref(node), attr)
+
+    @fuse_op
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.live.rmdir(self.inodes.node(parent_inode), _name(name))
+
+    @fuse_op
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.live.unlink(self.inodes.node(parent_inode), _name(name))
+
+    @fuse_op
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise NotSupported("rename with RENAME_EXCHANGE is not supported")
+        src, now = self.live.rename(
+            self.inodes.node(parent_inode_old), _name(name_old),
+            self.inodes.node(parent_inode_new), _name(name_new),
+            noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
+        )
+        self.inodes.move(src, now)
+
+    @fuse_op
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        raise NotPermitted("a capsule holds only files and directories: no symbolic links")
+
+    @fuse_op
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        raise NotPermitted("a capsule holds only files and directories: no hard links")
+
+    @fuse_op
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        raise NotPermitted("a capsule holds only files and directories")
+
+    # -- files ---------------------------------------------------------------------
+    @fuse_op
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        return self._open_info(self.live.open(self.inodes.node(inode), flags, ctx.uid))
+
+    @fuse_op
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        node, handle = self.live.create(self.inodes.node(parent_inode), _name(name), mode & ~ctx.umask, flags)
+        try:
+            attr = self.live.attr(node)
+        except BaseException:
+            handle.release()
+            raise
+        info = self._open_info(handle)
+        return info, self._entry(self.inodes.ref(node), attr)
+
+    @fuse_op
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        try:
+            return handle.read(off, size)
+        except CorruptBlobError:
+            self._drop_cached(handle)
+            raise
+
+    def _drop_cached(self, handle: Handle) -> None:
+        # The kernel may hold pages of a blob found corrupt: drop them.
+        sha = getattr(handle, "sha256", None)
+        if sha is None:
+            return
+        for ino in self.inodes.find(lambda n: n.kind in (Kind.BLOB, Kind.SNAP_FILE) and n.rel.endswith(sha)):
+            self.kernel.invalidate_inode(ino)
+
+    @fuse_op
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self._handle(fh).write(off, buf)
+
+    @fuse_op
+    async def flush(self, fh: int) -> None:
+        self._handle(fh).flush()
+
+    @fuse_op
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        self._handle(fh).fsync()
+
+    @fuse_op
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            handle.release()
+
+    # -- extended attributes -------------------------------------------------------
+    @fuse_op
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.live.getxattr(self.inodes.node(inode), _name(name))
+
+    @fuse_op
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return [os.fsencode(n) for n in sorted(self.live.xattrs(self.inodes.node(inode)))]
+
+    @fuse_op
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise NotSupported("extended attributes of a capsule are computed, not set")
+
+    @fuse_op
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise NotSupported("extended attributes of a capsule are computed, not removed")
+
+    # -- the file system ------------------------------------------------------------
+    @fuse_op
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = os.statvfs(self.live.store.root)
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail"):
+            setattr(out, name, getattr(st, name))
+        out.f_namemax = 255
+        return out
+
+    def release_all(self) -> None:
+        """Close every open handle (after the main loop ended)."""
+        for fh in list(self._handles):
+            try:
+                self._handles.pop(fh).release()
+            except Exception:  # noqa: BLE001 - shutting down; log and go on
+                log.exception("closing file handle %d at unmount", fh)
+
+
+__all__ = ["Operations", "FuseKernel", "Kernel"]
