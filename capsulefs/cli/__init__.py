@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "capsulefs.cli.capsule_cmds",
     "capsulefs.cli.index_cmds",
     "capsulefs.cli.mount_cmds",
+    "capsulefs.cli.run_cmds",
 )
 
 

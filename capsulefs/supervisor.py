@@ -1,0 +1,288 @@
+"""Supervision of agent processes: build the sandbox, run, restart, freeze.
+
+Rules:
+  * An agent runs only while this host holds it actively and its spec has an
+    entrypoint. The daemon says which agents that is (:meth:`Supervisor.want`
+    / :meth:`Supervisor.unwant`); the supervisor never decides it.
+  * The sandbox is host-local (``<state>/sandboxes/<agent_id>/workspace``),
+    materialised from the snapshot; the spec's setup steps run there, in
+    order, before the entrypoint.
+  * The process gets the spec's plain env, ``CAPSULE_DIR`` (the agent's
+    directory in the mount) and the spec's secrets, fetched from the host
+    keychain for that one run. A missing secret means no start; the status
+    names it. Secret values are never logged.
+  * Stopping is at a step boundary: SIGTERM to the process group, a grace
+    period, then SIGKILL. Freezing stops the process and syncs the sandbox's
+    changes back into the capsule (:class:`Hooks.commit_workspace`) before
+    it returns, so an offer carries them.
+  * A crash (non-zero exit) is followed by a restart with exponential
+    backoff, visible in the status. An exit with status 0 means the agent
+    finished; it is not restarted until wanted again.
+
+Theory of operation: one trio task per wanted agent, all in the
+supervisor's nursery, each owning its process. Time comes from trio's clock,
+so tests run it with MockClock and no real sleeps.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from capsulefs import keychain
+from capsulefs.core import workspace
+from capsulefs.core.errors import CapsuleError
+
+log = logging.getLogger(__name__)
+
+GRACE_SECONDS = 5.0
+BACKOFF_FIRST = 1.0
+BACKOFF_MAX = 60.0
+BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
+
+
+class RunState(enum.Enum):
+    STOPPED = "stopped"
+    BUILDING = "building"
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    BLOCKED = "blocked"  # cannot start: missing secret, bad spec...
+    FINISHED = "finished"
+    FROZEN = "frozen"
+
+
+class Hooks(Protocol):
+    """What the supervisor needs from the daemon, per agent id."""
+
+    def spec(self, agent_id: str) -> Mapping[str, Any]: ...
+
+    def snapshot(self, agent_id: str) -> Mapping[str, str]: ...
+
+    def read_blob(self, sha256: str): ...  # iterator of bytes
+
+    def capsule_dir(self, agent_id: str) -> str: ...
+
+    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None: ...
+
+
+@dataclass
+class RunStatus:
+    state: RunState = RunState.STOPPED
+    pid: int | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    detail: str = ""  # words for .control/status
+    next_start_in: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class _Runner:
+    agent_id: str
+    status: RunStatus = field(default_factory=RunStatus)
+    cancel: trio.CancelScope | None = None
+    process: trio.Process | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class Supervisor:
+    def __init__(self, state_dir: str, hooks: Hooks, *, grace: float = GRACE_SECONDS,
+                 base_env: Mapping[str, str] | None = None) -> None:
+        self.state_dir = state_dir
+        self.sandbox_root = os.path.join(state_dir, "sandboxes")
+        self.hooks = hooks
+        self.grace = grace
+        self.base_env = dict(base_env) if base_env is not None else {
+            k: v for k, v in os.environ.items() if k in BASE_ENV_KEYS
+        }
+        self._runners: dict[str, _Runner] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the agents' tasks; never returns until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                with trio.CancelScope(shield=True):
+                    for runner in list(self._runners.values()):
+                        await self._stop_process(runner)
+
+    def status(self, agent_id: str) -> RunStatus:
+        r = self._runners.get(agent_id)
+        return r.status if r else RunStatus()
+
+    def sandbox(self, agent_id: str) -> str:
+        return os.path.join(self.sandbox_root, agent_id, "workspace")
+
+    def want(self, agent_id: str) -> None:
+        """Run this agent (no-op if it already runs)."""
+        if self._nursery is None:
+            raise RuntimeError("supervisor is not serving")
+        r = self._runners.get(agent_id)
+        if r is not None and not r.done.is_set():
+            return
+        r = _Runner(agent_id)
+        self._runners[agent_id] = r
+        self._nursery.start_soon(self._run, r)
+
+    async def unwant(self, agent_id: str, *, sync: bool = True) -> None:
+        """Stop the agent at a step boundary; with ``sync``, commit its workspace."""
+        r = self._runners.get(agent_id)
+        if r is None:
+            return
+        if r.cancel is not None:
+            r.cancel.cancel()
+        await r.done.wait()
+        if sync and os.path.isdir(self.sandbox(agent_id)):
+            self.sync_workspace(agent_id)
+
+    async def freeze(self, agent_id: str) -> None:
+        await self.unwant(agent_id, sync=True)
+        r = self._runners.get(agent_id)
+        if r is not None:
+            r.status.state = RunState.FROZEN
+            r.status.detail = "frozen for a move"
+
+    def sync_workspace(self, agent_id: str) -> workspace.ScanResult:
+        scan = workspace.scan(self.sandbox(agent_id), self.hooks.snapshot(agent_id))
+        if scan.changes:
+            self.hooks.commit_workspace(agent_id, scan)
+        return scan
+
+    # -- one agent -----------------------------------------------------------------
+    async def _run(self, r: _Runner) -> None:
+        backoff = BACKOFF_FIRST
+        try:
+            with trio.CancelScope() as scope:
+                r.cancel = scope
+                while True:
+                    try:
+                        argv, env, cwd = self._prepare(r)
+                    except CapsuleError as exc:
+                        r.status.state, r.status.detail = RunState.BLOCKED, str(exc)
+                        log.warning("agent %s not started: %s", r.agent_id, exc)
+                        return
+                    if argv is None:
+                        r.status.state, r.status.detail = RunState.STOPPED, "the spec has no entrypoint"
+                        return
+                    r.status.state, r.status.detail = RunState.BUILDING, "running setup steps"
+                    if not await self._setup(r, env, cwd):
+                        r.status.state = RunState.BACKOFF
+                    else:
+                        code = await self._run_process(r, argv, env, cwd)
+                        r.status.last_exit = code
+                        if code == 0:
+                            r.status.state, r.status.detail = RunState.FINISHED, "the entrypoint exited with status 0"
+                            return
+                        r.status.state = RunState.BACKOFF
+                        r.status.detail = f"the entrypoint exited with status {code}; restarting in {backoff:.0f} s"
+                        log.warning("agent %s exited with %s; restart in %.0f s", r.agent_id, code, backoff)
+                    r.status.restarts += 1
+                    r.status.next_start_in = backoff
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_process(r)
+            if r.status.state in (RunState.RUNNING, RunState.BUILDING, RunState.BACKOFF):
+                r.status.state, r.status.detail = RunState.STOPPED, "stopped"
+            r.status.pid = None
+            r.done.set()
+
+    def _prepare(self, r: _Runner) -> tuple[list[str] | None, dict[str, str], str]:
+        spec = self.hooks.spec(r.agent_id)
+        entry = spec.get("entrypoint")
+        if not entry:
+            return None, {}, ""
+        secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
+        cwd = self.sandbox(r.agent_id)
+        if not os.path.isdir(cwd):
+            workspace.materialize(self.hooks.snapshot(r.agent_id), self.hooks.read_blob, cwd)
+        env = dict(self.base_env)
+        env.setdefault("PATH", os.defpath)
+        env.update(spec.get("env", {}))
+        env["HOME"] = os.path.dirname(cwd)
+        env["CAPSULE_DIR"] = self.hooks.capsule_dir(r.agent_id)
+        env["CAPSULE_AGENT_ID"] = r.agent_id
+        env.update(secrets)
+        return list(entry), env, cwd
+
+    async def _setup(self, r: _Runner, env: dict[str, str], cwd: str) -> bool:
+        for i, step in enumerate(self.hooks.spec(r.agent_id).get("setup", [])):
+            try:
+                proc = await trio.run_process(list(step), cwd=cwd, env=env, check=False,
+                                              capture_stdout=True, capture_stderr=True)
+            except OSError as exc:
+                r.status.detail = f"setup step {i + 1} ({step[0]}) could not start: {exc.strerror}"
+                return False
+            if proc.returncode != 0:
+                tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+                r.status.detail = f"setup step {i + 1} ({step[0]}) failed with status {proc.returncode}: {tail[0]}"
+                log.warning("agent %s: %s", r.agent_id, r.status.detail)
+                return False
+        return True
+
+    async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int:
+        try:
+            proc = await trio.lowlevel.open_process(argv, cwd=cwd, env=env, start_new_session=True)
+        except OSError as exc:
+            r.status.detail = f"the entrypoint {argv[0]} could not start: {exc.strerror}"
+            return 127
+        r.process = proc
+        r.status.state, r.status.pid = RunState.RUNNING, proc.pid
+        r.status.detail = "running"
+        log.info("agent %s started as pid %d", r.agent_id, proc.pid)
+        try:
+            return await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with trio.CancelScope(shield=True):
+                    await self._stop_process(r)
+
+    async def _stop_process(self, r: _Runner) -> None:
+        proc = r.process
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        with trio.move_on_after(self.grace):
+            await proc.wait()
+        if proc.returncode is None:
+            log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+        else:
+            try:  # the session's other processes (tool subprocesses) go too
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        r.process = None
+
+    def discard_sandbox(self, agent_id: str) -> None:
+        shutil.rmtree(os.path.join(self.sandbox_root, agent_id), ignore_errors=True)

@@ -1,0 +1,174 @@
+"""Supervision with real processes: env and secrets, sandbox, restarts, freeze."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from capsulefs import keychain
+from capsulefs.core import format as fmt
+from capsulefs.core import workspace
+from capsulefs.core.spec import default_spec, spec_bytes
+from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.supervisor import RunState, Supervisor
+
+from helpers import make_agent
+
+PROBE = r"""
+import json, os, signal, sys, time
+out = {"cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in ("CAPSULE_DIR", "GREETING", "API_TOKEN", "HOME")},
+       "files": sorted(os.listdir("."))}
+with open("probe.json", "w") as f:
+    json.dump(out, f)
+with open("made-by-agent.txt", "w") as f:
+    f.write("new work\n")
+print("ready", flush=True)
+if len(sys.argv) > 1 and sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    time.sleep(1)
+"""
+
+
+class StoreHooks:
+    def __init__(self, store: HostStore, capsule_root: str) -> None:
+        self.store, self.capsule_root = store, capsule_root
+        self.commits: list[workspace.ScanResult] = []
+
+    def agent(self, agent_id: str) -> AgentHandle:
+        return self.store.agent(agent_id)
+
+    def spec(self, agent_id: str):
+        return json.loads(self.agent(agent_id).read(fmt.SPEC))
+
+    def snapshot(self, agent_id: str):
+        return fmt.parse_snapshot(self.agent(agent_id).read(fmt.SNAPSHOT))
+
+    def read_blob(self, sha: str):
+        return self.store.iter_blob(sha)
+
+    def capsule_dir(self, agent_id: str) -> str:
+        return os.path.join(self.capsule_root, self.agent(agent_id).name)
+
+    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
+        self.commits.append(scan)
+        snap = dict(self.snapshot(agent_id))
+        with self.store.writing():
+            for sha, path in scan.new_files.items():
+                with open(path, "rb") as f:
+                    self.store.put_blob_stream(f, expect=sha)
+            for p, sha in scan.changes.items():
+                if sha is None:
+                    snap.pop(p, None)
+                else:
+                    snap[p] = sha
+            self.agent(agent_id).write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
+
+
+def _agent_with_spec(store: HostStore, spec: dict) -> AgentHandle:
+    agent = make_agent(store, "runner", workspace={"notes/todo.txt": b"write tests\n"})
+    agent.write_files({fmt.SPEC: spec_bytes(spec)})
+    return agent
+
+
+async def _wait_for(predicate, what: str, limit: float = 30.0) -> None:
+    """Poll ``predicate`` until ``limit`` seconds of trio's clock pass (virtual under MockClock)."""
+    with trio.move_on_after(limit):
+        while not predicate():
+            await trio.sleep(0.01)
+        return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, tmp_path: Path, caplog) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["env"] = {"GREETING": "hello"}
+    spec["secrets"] = ["API_TOKEN"]
+    agent = _agent_with_spec(store, spec)
+    keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
+    hooks = StoreHooks(store, str(tmp_path / "mnt"))
+    sup = Supervisor(store.root, hooks, grace=5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
+        await _wait_for(probe.exists, "the agent process to start")
+        await _wait_for(lambda: probe.stat().st_size > 0, "probe output")
+        seen = json.loads(probe.read_text())
+        assert sup.status(agent.agent_id).state is RunState.RUNNING
+        pid = sup.status(agent.agent_id).pid
+        assert seen["cwd"] == sup.sandbox(agent.agent_id)
+        assert seen["files"] == ["notes"]  # the workspace came from the snapshot
+        assert seen["env"] == {"CAPSULE_DIR": str(tmp_path / "mnt" / "runner"), "GREETING": "hello",
+                               "API_TOKEN": "s3cr3t-value", "HOME": os.path.dirname(seen["cwd"])}
+        await sup.freeze(agent.agent_id)
+        assert sup.status(agent.agent_id).state is RunState.FROZEN
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        nursery.cancel_scope.cancel()
+    # Freezing synced the agent's new files into the capsule.
+    snap = hooks.snapshot(agent.agent_id)
+    assert store.read_blob(snap["made-by-agent.txt"]) == b"new work\n"
+    assert "probe.json" in snap and snap["notes/todo.txt"]
+    assert "s3cr3t-value" not in caplog.text
+    for f in Path(agent.dir).rglob("*"):
+        if f.is_file():
+            assert b"s3cr3t-value" not in f.read_bytes()
+    assert oct(os.stat(os.path.join(store.root, keychain.SECRETS_FILE)).st_mode & 0o777) == "0o600"
+
+
+async def test_missing_secret_blocks_start_and_names_it(store: HostStore, tmp_path: Path) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["secrets"] = ["OPENAI_API_KEY"]
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
+        assert "OPENAI_API_KEY" in sup.status(agent.agent_id).detail
+        assert sup.status(agent.agent_id).pid is None
+        assert not os.path.exists(Path(sup.sandbox(agent.agent_id)) / "probe.json")
+        nursery.cancel_scope.cancel()
+
+
+async def test_crash_is_restarted_with_backoff(store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    spec = default_spec([sys.executable, "-c", "import sys; sys.exit(3)"])
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 4, "four restarts", limit=10_000)
+        st = sup.status(agent.agent_id)
+        assert st.last_exit == 3
+        assert "exited with status 3" in st.detail
+        assert st.next_start_in is not None and st.next_start_in >= 8  # 1, 2, 4, 8...
+        nursery.cancel_scope.cancel()
+
+
+async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStore, tmp_path: Path) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE, "stubborn"])
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
+        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
+        pid = sup.status(agent.agent_id).pid
+        await sup.unwant(agent.agent_id)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
