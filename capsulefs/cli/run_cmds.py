@@ -40,7 +40,16 @@ def cmd_secret_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    from capsulefs import agent
+
+    return agent.main(args)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent", help="run the reference agent loop (the default entrypoint of an agent's spec)")
+    p.set_defaults(func=cmd_agent)
+
     p = sub.add_parser("secret", help="manage the secrets agents' specs name (values never enter a capsule)")
     ssub = p.add_subparsers(dest="secret_command", metavar="ACTION", required=True)
     s = ssub.add_parser("set", help="store a secret; the value is read from stdin, never from the command line")

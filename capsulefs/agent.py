@@ -1,0 +1,345 @@
+"""The reference agent: ``capsulefs agent``, the default entrypoint of a spec.
+
+Theory of operation: a loop of steps, each ending at a journal append, so
+the agent can be stopped between any two of them and resumed anywhere:
+
+  1. Read the journal. Calls left without a result by an earlier run (the
+     process was killed or moved mid-call) get an explicit error result.
+  2. If the conversation waits on the model (its last dialogue event is a
+     user message or a tool result), render the journal for the current
+     provider and model (``.control/model``, i.e. the last model_switch),
+     call the provider through its official SDK, and journal the reply:
+     reasoning with its signature, text, tool calls.
+  3. Run the tool calls in the sandbox (the working directory) and journal
+     each result. Then repeat; with nothing to do, wait for new events.
+
+Rules:
+  * Every event goes through the journal port: appended as draft lines to
+    ``$CAPSULE_DIR/memory/timeline_events.jsonl`` (the mount stamps them),
+    or, outside a mount, through the journal API with ``$CAPSULE_MACHINE``.
+  * A tool call is journaled before it runs and its result after, so a call
+    interrupted by a crash or a move is visible as dangling and is answered
+    with an error on resume: never run twice silently, never lost.
+  * SIGTERM asks the loop to stop at the next step boundary.
+  * Tools cannot reach outside the sandbox: paths are resolved and checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from capsulefs.core import events as ev
+from capsulefs.core import format as fmt
+from capsulefs.core import render
+from capsulefs.core.errors import CapsuleError
+
+log = logging.getLogger(__name__)
+
+MAX_TOOL_OUTPUT = 16_000
+SHELL_TIMEOUT = 30.0
+POLL_SECONDS = 0.2
+
+TOOLS = (
+    render.ToolSpec(
+        name="read_file",
+        description="Read a text file of the workspace.",
+        parameters={"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    ),
+    render.ToolSpec(
+        name="write_file",
+        description="Create or replace a file of the workspace.",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    ),
+    render.ToolSpec(
+        name="shell",
+        description="Run a shell command in the workspace; its output is returned.",
+        parameters={
+            "type": "object",
+            "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+            "required": ["command"],
+        },
+    ),
+    render.ToolSpec(
+        name="recall",
+        description="Search this agent's own history and working memory.",
+        parameters={
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "k": {"type": "integer"}},
+            "required": ["query"],
+        },
+    ),
+)
+
+
+# -- what to do next (pure) ---------------------------------------------------------
+
+
+def dangling_calls(records: Sequence[ev.Record]) -> list[ev.ToolCall]:
+    answered = {r.event.call_id for r in records if isinstance(r.event, ev.ToolResult)}
+    return [r.event for r in records if isinstance(r.event, ev.ToolCall) and r.event.call_id not in answered]
+
+
+def waits_on_model(records: Sequence[ev.Record]) -> bool:
+    """True when the last dialogue event asks the model to speak."""
+    for r in reversed(records):
+        e = r.event
+        if isinstance(e, (ev.UserMessage, ev.ToolResult)):
+            return True
+        if isinstance(e, (ev.AssistantMessage, ev.ToolCall, ev.Reasoning)):
+            return False
+    return False
+
+
+def current_target(records: Sequence[ev.Record]) -> tuple[str, str] | None:
+    for r in reversed(records):
+        if isinstance(r.event, ev.ModelSwitch):
+            return r.event.provider, r.event.model
+    return None
+
+
+# -- the journal port -------------------------------------------------------------------
+
+
+class JournalPort(Protocol):
+    def records(self) -> list[ev.Record]: ...
+
+    def append(self, events: Sequence[ev.Event]) -> None: ...
+
+    def working_memory(self) -> str: ...
+
+    def size(self) -> int: ...
+
+
+class CapsuleDirPort:
+    """The agent's capsule directory in a capsulefs mount: appends are draft lines."""
+
+    def __init__(self, capsule_dir: str) -> None:
+        self.dir = capsule_dir
+        self.journal = os.path.join(capsule_dir, fmt.JOURNAL)
+
+    def records(self) -> list[ev.Record]:
+        with open(self.journal, "rb") as f:
+            data = f.read()
+        return [ev.Record.from_line(line) for line in data.split(b"\n") if line]
+
+    def append(self, events: Sequence[ev.Event]) -> None:
+        lines = b"".join(ev.canonical_json({"kind": e.kind, **e.payload()}) + b"\n" for e in events)
+        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+        try:
+            view = memoryview(lines)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        finally:
+            os.close(fd)
+
+    def working_memory(self) -> str:
+        with open(os.path.join(self.dir, fmt.WORKING_MEMORY), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def size(self) -> int:
+        return os.stat(self.journal).st_size
+
+
+class DirectPort(CapsuleDirPort):
+    """A capsule directory outside any mount: stamps events itself as ``machine``."""
+
+    def __init__(self, capsule_dir: str, machine: str) -> None:
+        super().__init__(capsule_dir)
+        import secrets
+
+        from capsulefs.core.journal import open_journal
+
+        self._j = open_journal(
+            self.journal, machine=machine, now=time.time, new_id=lambda: secrets.token_hex(12),
+            recovery_dir=os.path.join(os.path.dirname(capsule_dir), ".recovery"),
+        )
+
+    def append(self, events: Sequence[ev.Event]) -> None:
+        self._j.append_many(events)
+
+
+# -- tools ----------------------------------------------------------------------------------
+
+
+class ToolError(Exception):
+    pass
+
+
+@dataclass
+class Toolbox:
+    root: str  # the sandbox workspace
+    capsule_dir: str
+    shell_timeout: float = SHELL_TIMEOUT
+
+    def _path(self, rel: object) -> str:
+        if not isinstance(rel, str) or not rel:
+            raise ToolError("path must be a non-empty string")
+        full = os.path.realpath(os.path.join(self.root, rel))
+        root = os.path.realpath(self.root)
+        if full != root and not full.startswith(root + os.sep):
+            raise ToolError(f"{rel} is outside the workspace")
+        return full
+
+    def run(self, name: str, args: Mapping[str, Any]) -> str:
+        fn = getattr(self, f"tool_{name}", None)
+        if fn is None:
+            raise ToolError(f"unknown tool {name!r}")
+        return fn(args)
+
+    def tool_read_file(self, args: Mapping[str, Any]) -> str:
+        path = self._path(args.get("path"))
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read(MAX_TOOL_OUTPUT)
+        except OSError as exc:
+            raise ToolError(f"cannot read {args.get('path')}: {exc.strerror}") from None
+
+    def tool_write_file(self, args: Mapping[str, Any]) -> str:
+        path = self._path(args.get("path"))
+        content = args.get("content")
+        if not isinstance(content, str):
+            raise ToolError("content must be a string")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp-agent"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return f"wrote {len(content.encode())} bytes to {args['path']}"
+
+    def tool_shell(self, args: Mapping[str, Any]) -> str:
+        cmd = args.get("command")
+        if not isinstance(cmd, str) or not cmd:
+            raise ToolError("command must be a non-empty string")
+        timeout = float(args.get("timeout") or self.shell_timeout)
+        try:
+            proc = subprocess.run(["/bin/sh", "-c", cmd], cwd=self.root, capture_output=True, timeout=min(timeout, 600))
+        except subprocess.TimeoutExpired:
+            raise ToolError(f"the command timed out after {timeout:.0f} s") from None
+        out = (proc.stdout + proc.stderr).decode(errors="replace")[-MAX_TOOL_OUTPUT:]
+        return f"exit status {proc.returncode}\n{out}"
+
+    def tool_recall(self, args: Mapping[str, Any]) -> str:
+        from capsulefs.core.index import search_capsule
+
+        query = args.get("query")
+        if not isinstance(query, str) or not query:
+            raise ToolError("query must be a non-empty string")
+        k = int(args.get("k") or 5)
+        hits = search_capsule(self.capsule_dir, query, k, save=False)
+        return "\n".join(f"[{h.kind} {h.event} {h.time}] {h.snippet}" for h in hits) or "no matches"
+
+
+# -- calling the provider -----------------------------------------------------------------------
+
+
+def _dump(obj: Any) -> dict[str, Any]:
+    return obj.model_dump(mode="json", exclude_none=True) if hasattr(obj, "model_dump") else dict(obj)
+
+
+def call_provider(provider: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Send one rendered body through the provider's official SDK; the reply as JSON.
+
+    Keys and endpoints come from the SDKs' own environment variables
+    (ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL, OPENAI_API_KEY / OPENAI_BASE_URL).
+    """
+    if provider == "anthropic":
+        import anthropic
+
+        return _dump(anthropic.Anthropic(max_retries=2).messages.create(**body))
+    if provider in ("openai-chat", "openai-responses"):
+        import openai
+
+        client = openai.OpenAI(max_retries=2)
+        if provider == "openai-chat":
+            return _dump(client.chat.completions.create(**body))
+        return _dump(client.responses.create(**body))
+    raise CapsuleError(f"the reference agent cannot call provider {provider!r} (it speaks anthropic, openai-chat, openai-responses)")
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+
+class Agent:
+    def __init__(self, port: JournalPort, tools: Toolbox, *,
+                 call: Callable[[str, dict[str, Any]], dict[str, Any]] = call_provider,
+                 default_target: tuple[str, str] | None = None, budget: int | None = None) -> None:
+        self.port, self.tools, self.call = port, tools, call
+        self.default_target = default_target
+        self.budget = budget
+        self.stopping = False
+
+    def answer_interrupted(self) -> int:
+        """Journal an error result for every call an earlier run left dangling."""
+        dangling = dangling_calls(self.port.records())
+        if dangling:
+            self.port.append([
+                ev.ToolResult(call_id=c.call_id, content=render._plan.INTERRUPTED, is_error=True) for c in dangling
+            ])
+        return len(dangling)
+
+    def step(self) -> bool:
+        """One model turn and its tool calls. False if there was nothing to do."""
+        records = self.port.records()
+        if not waits_on_model(records):
+            return False
+        target = current_target(records) or self.default_target
+        if target is None:
+            raise CapsuleError("no model chosen: write provider:model to .control/model")
+        provider, model = target
+        rendered = render.render(records, provider=provider, model=model, working_memory=self.port.working_memory(),
+                                 budget=self.budget, tools=TOOLS)
+        reply = self.call(provider, rendered.body)
+        events = render.parse_response(provider, reply, model=model)
+        self.port.append(events)  # the calls are journaled before they run
+        for call in [e for e in events if isinstance(e, ev.ToolCall)]:
+            if self.stopping:
+                break  # left dangling; answered as interrupted on resume
+            try:
+                out, is_error = self.tools.run(call.name, call.arguments), False
+            except ToolError as exc:
+                out, is_error = str(exc), True
+            self.port.append([ev.ToolResult(call_id=call.call_id, content=out, is_error=is_error)])
+        return True
+
+    def run_forever(self, poll: float = POLL_SECONDS) -> None:
+        self.answer_interrupted()
+        while not self.stopping:
+            if self.step():
+                continue
+            size = self.port.size()
+            while not self.stopping and self.port.size() == size:
+                time.sleep(poll)
+
+
+def main(args: Any = None) -> int:
+    capsule_dir = os.environ.get("CAPSULE_DIR")
+    if not capsule_dir:
+        raise CapsuleError("CAPSULE_DIR is not set: the reference agent runs under the capsulefs daemon")
+    machine = os.environ.get("CAPSULE_MACHINE")
+    port: JournalPort = DirectPort(capsule_dir, machine) if machine else CapsuleDirPort(capsule_dir)
+    default = os.environ.get("CAPSULE_MODEL")
+    target = tuple(default.split(":", 1)) if default and ":" in default else None
+    budget = int(os.environ["CAPSULE_BUDGET"]) if os.environ.get("CAPSULE_BUDGET") else None
+    agent = Agent(port, Toolbox(os.getcwd(), capsule_dir), default_target=target, budget=budget)  # type: ignore[arg-type]
+
+    def stop(_sig: int, _frame: object) -> None:
+        agent.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    agent.run_forever()
+    return 0

@@ -1,0 +1,111 @@
+"""The reference agent's loop over a real journal, tools in a real sandbox.
+
+The provider is scripted here at the one seam the loop has for it (``call``);
+tests/test_agent_providers.py drives the same loop through the official SDKs
+against stub servers on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from capsulefs.agent import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
+from capsulefs.core import events as ev
+from capsulefs.core import format as fmt
+from capsulefs.core.journal import verify_lines
+
+MACHINE = "HOSTA"
+
+
+def anthropic_reply(*blocks: dict) -> dict:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": list(blocks), "stop_reason": "end_turn", "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+
+@pytest.fixture
+def capsule(tmp_path: Path) -> Path:
+    d = tmp_path / "cap"
+    (d / "memory").mkdir(parents=True)
+    (d / fmt.JOURNAL).write_bytes(b"")
+    (d / fmt.WORKING_MEMORY).write_text("the user likes short answers")
+    return d
+
+
+def test_tool_calls_run_in_the_sandbox_and_are_journaled_in_order(capsule: Path, tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([ev.ModelSwitch(provider="anthropic", model="claude-x"), ev.UserMessage(text="make a file")])
+    bodies = []
+    replies = iter([
+        anthropic_reply(
+            {"type": "thinking", "thinking": "plan", "signature": "sig-1"},
+            {"type": "tool_use", "id": "t1", "name": "write_file", "input": {"path": "a.txt", "content": "A"}},
+            {"type": "tool_use", "id": "t2", "name": "shell", "input": {"command": "cat a.txt; echo; ls"}},
+        ),
+        anthropic_reply({"type": "text", "text": "done"}),
+    ])
+
+    def call(provider: str, body: dict) -> dict:
+        bodies.append((provider, body))
+        return next(replies)
+
+    agent = Agent(port, Toolbox(str(ws), str(capsule)), call=call)
+    assert agent.step() and agent.step()
+    assert not agent.step()  # nothing left to do
+    kinds = [r.kind for r in port.records()]
+    assert kinds == ["model_switch", "user_message", "reasoning", "tool_call", "tool_call",
+                     "tool_result", "tool_result", "assistant_message"]
+    results = [r.event for r in port.records() if r.kind == "tool_result"]
+    assert results[0].content == "wrote 1 bytes to a.txt" and not results[0].is_error
+    assert results[1].content.startswith("exit status 0\nA\na.txt")
+    assert (ws / "a.txt").read_text() == "A"
+    # The working memory is system context; the reasoning went back verbatim to the same model.
+    assert "short answers" in json.dumps(bodies[0][1]["system"])
+    second = json.dumps(bodies[1][1])
+    assert '"signature": "sig-1"' in second
+    assert verify_lines(port._j.lines()) == []
+
+
+def test_dangling_calls_from_a_dead_run_get_error_results(capsule: Path, tmp_path: Path) -> None:
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([
+        ev.ModelSwitch(provider="anthropic", model="claude-x"),
+        ev.UserMessage(text="run it"),
+        ev.ToolCall(call_id="t9", name="shell", arguments={"command": "sleep 100"}),
+    ])
+    assert [c.call_id for c in dangling_calls(port.records())] == ["t9"]
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, b: anthropic_reply({"type": "text", "text": "ok"}))
+    assert agent.answer_interrupted() == 1
+    (result,) = [r.event for r in port.records() if r.kind == "tool_result"]
+    assert result.call_id == "t9" and result.is_error and "interrupted" in result.content
+    assert waits_on_model(port.records())
+    assert agent.answer_interrupted() == 0  # answered once, never twice
+
+
+def test_tools_cannot_leave_the_workspace(tmp_path: Path) -> None:
+    box = Toolbox(str(tmp_path / "ws"), str(tmp_path))
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "secret.txt").write_text("no")
+    for bad in ("../secret.txt", "/etc/passwd", "sub/../../secret.txt"):
+        with pytest.raises(ToolError, match="outside the workspace"):
+            box.run("read_file", {"path": bad})
+    with pytest.raises(ToolError, match="timed out"):
+        box.run("shell", {"command": "sleep 5", "timeout": 0.2})
+    with pytest.raises(ToolError, match="unknown tool"):
+        box.run("rm_rf", {})
+
+
+def test_stopping_leaves_remaining_calls_dangling_not_lost(capsule: Path, tmp_path: Path) -> None:
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([ev.ModelSwitch(provider="anthropic", model="claude-x"), ev.UserMessage(text="two things")])
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, b: anthropic_reply(
+        {"type": "tool_use", "id": "t1", "name": "shell", "input": {"command": "true"}},
+        {"type": "tool_use", "id": "t2", "name": "shell", "input": {"command": "true"}},
+    ))
+    agent.stopping = True
+    agent.step()
+    assert [c.call_id for c in dangling_calls(port.records())] == ["t1", "t2"]
