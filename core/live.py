@@ -49,7 +49,7 @@ from enum import Enum
 
 from . import format as fmt
 from .blobcheck import BlobCheck, BlobChecks
-from .errors import CapsuleError, ExistsError, FormatError, NotFoundError
+from .errors import CapsuleError, ExistsError, FormatError, NotFoundError, StoreError
 from .events import Event, MemoryEdit, ModelSwitch, Record, parse_draft
 from .hashing import hash_file
 from .live_errors import (
@@ -689,12 +689,18 @@ class LiveHost:
             a = self._agents[agent_id] = LiveAgent(self, agent_id)
         return a
 
-    def names(self) -> dict[str, str]:
-        """name -> agent_id of every agent shown."""
+    def names(self, *, strict: bool = True) -> dict[str, str]:
+        """name -> agent_id of every agent shown.
+
+        An agent whose stored manifest is unreadable raises StoreError when
+        ``strict`` (a listing), and is skipped otherwise (a lookup of another
+        name): the root never silently shows fewer agents.
+        """
         out = {}
         ids = set(self.store.agent_ids())
         for gone in set(self._agents) - ids:
             del self._agents[gone]
+        broken: StoreError | None = None
         for aid in sorted(ids):
             if self.state(aid) is AgentState.RETIRED:
                 continue
@@ -702,6 +708,10 @@ class LiveHost:
                 out[self.agent(aid).stored_manifest().name] = aid
             except NotFoundError:
                 continue  # removed meanwhile
+            except StoreError as exc:
+                broken = broken or exc
+        if broken is not None and strict:
+            raise broken
         return out
 
     # -- the tree ----------------------------------------------------------------
@@ -719,10 +729,10 @@ class LiveHost:
             c = self._snaps[key] = _SnapCache(m, tree)
         return c
 
-    def _children(self, node: Node) -> dict[str, Node]:
+    def _children(self, node: Node, *, strict: bool = True) -> dict[str, Node]:
         match node.kind:
             case Kind.ROOT:
-                return {name: Node(Kind.AGENT, aid) for name, aid in self.names().items()}
+                return {name: Node(Kind.AGENT, aid) for name, aid in self.names(strict=strict).items()}
             case Kind.AGENT:
                 return self.agent(node.agent).tree()[""]
             case Kind.DIR:
@@ -743,7 +753,7 @@ class LiveHost:
         if parent.kind is Kind.AGENT and name in (CONTROL, SNAPSHOTS):
             self.agent(parent.agent).stored_manifest()  # the agent still exists
             return Node(Kind.CONTROL if name == CONTROL else Kind.SNAPSHOTS, parent.agent)
-        child = self._children(parent).get(name)
+        child = self._children(parent, strict=False).get(name)
         if child is not None:
             return child
         if parent.kind is Kind.DIR and self.scratch.exists(parent.agent, parent.rel, name):

@@ -1,0 +1,315 @@
+"""Operations without a kernel: what the mount shows, and its guards."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core import archive
+from capsulefs.core import format as fmt
+from capsulefs.core.events import Record
+from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
+from capsulefs.core.store import HostStore
+from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations
+from helpers import make_agent
+from ops_kit import Client, Ctx, FakeKernel, errno_of, make_live
+
+
+@pytest.fixture
+def kernel() -> FakeKernel:
+    return FakeKernel()
+
+
+@pytest.fixture
+def ops(store: HostStore, tmp_path: Path, kernel: FakeKernel) -> Operations:
+    make_agent(store, "alice")
+    from ops_kit import _reply
+    return Operations(make_live(store, tmp_path / "work"), kernel=kernel, readdir_reply=_reply, uid=0, gid=0)
+
+
+@pytest.fixture
+def c(ops: Operations) -> Client:
+    return Client(ops)
+
+
+def journal_records(store: HostStore, name: str = "alice") -> list[Record]:
+    data = store.find(name).read(fmt.JOURNAL)
+    return [Record.from_line(line) for line in data.splitlines()]
+
+
+async def test_root_lists_agents_by_name_and_hides_nothing_else(c: Client, store: HostStore) -> None:
+    make_agent(store, "bob", workspace={})
+    assert await c.listdir("") == ["alice", "bob"]
+    assert await c.listdir("alice") == ["artifacts", "environment", "manifest.json", "memory"]
+    assert await c.listdir("alice/memory") == ["timeline_events.jsonl", "vector_index", "working_memory.md"]
+
+
+async def test_hidden_dirs_are_reachable_but_not_listed(c: Client) -> None:
+    assert CONTROL not in await c.listdir("alice")
+    assert SNAPSHOTS not in await c.listdir("alice")
+    assert await c.listdir(f"alice/{CONTROL}") == ["model", "move", "status"]
+    assert await c.listdir(f"alice/{SNAPSHOTS}") == []
+
+
+async def test_agent_dir_is_a_capsule_that_verifies(c: Client, tmp_path: Path) -> None:
+    await c.copy_tree("alice", tmp_path / "copy")
+    manifest, problems = archive.verify_capsule(str(tmp_path / "copy"))
+    assert problems == []
+    assert manifest is not None and manifest.name == "alice"
+    assert len(manifest.blobs()) == 2
+
+
+async def test_blobs_are_read_only_cached_and_long_lived(c: Client, store: HostStore) -> None:
+    sha = next(iter(store.find("alice").manifest().blobs()))
+    path = f"alice/{fmt.blob_path(sha)}"
+    st = await c.stat(path)
+    assert st.st_mode & 0o777 == 0o444
+    assert st.attr_timeout == IMMUTABLE_TIMEOUT
+    fi = await c.open(path)
+    assert fi.keep_cache and not fi.direct_io
+    await c.ops.release(fi.fh)
+    assert await errno_of(c.open(path, os.O_WRONLY)) == errno.EPERM
+    assert await errno_of(c.open("alice/manifest.json", os.O_WRONLY)) == errno.EPERM
+    assert await c.read(path) in (b"print('hi')\n", b"hello\n")
+
+
+@pytest.mark.expect_error_log
+async def test_corrupt_blob_gives_eio_and_the_mount_stays_up(c: Client, store: HostStore, kernel: FakeKernel,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    sha = next(iter(store.find("alice").manifest().blobs()))
+    obj = store.blob_file(sha)
+    os.chmod(obj, 0o644)
+    data = Path(obj).read_bytes()
+    Path(obj).write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    path = f"alice/{fmt.blob_path(sha)}"
+    assert await errno_of(c.read(path)) == errno.EIO
+    assert any("corrupt blob" in r.getMessage() for r in caplog.records)
+    assert kernel.inodes, "cached pages of the bad blob must be dropped"
+    assert await errno_of(c.open(path)) == errno.EIO  # stays bad
+    assert b"remember the milk" in await c.read("alice/memory/working_memory.md")
+    assert c.ops.live.failsafe is None
+
+
+async def test_mkdir_creates_an_agent_rmdir_refuses(c: Client, store: HostStore) -> None:
+    await c.mkdir("/carol")
+    assert "carol" in await c.listdir("")
+    assert store.find("carol").manifest().holder.epoch == 1
+    assert await errno_of(c.rmdir("/carol")) == errno.ENOTEMPTY
+    assert await errno_of(c.mkdir("/carol")) == errno.EEXIST
+    assert await errno_of(c.mkdir("/.hidden")) == errno.EINVAL
+    assert await errno_of(c.mkdir("/alice/memory/x")) == errno.EPERM
+    assert await errno_of(c.rmdir("/alice/memory")) == errno.ENOTEMPTY
+
+
+async def test_in_place_edit_is_one_memory_edit_event(c: Client, store: HostStore, tmp_path: Path) -> None:
+    await c.write("alice/memory/working_memory.md", b"new notes\n", fsync=True)
+    assert store.find("alice").read(fmt.WORKING_MEMORY) == b"new notes\n"
+    recs = journal_records(store)
+    assert [r.kind for r in recs] == ["memory_edit"]
+    assert recs[0].event.text == "new notes\n"  # type: ignore[attr-defined]
+    assert await c.read("alice/memory/working_memory.md") == b"new notes\n"
+    await c.copy_tree("alice", tmp_path / "copy")
+    assert archive.verify_capsule(str(tmp_path / "copy"))[1] == []
+
+
+async def test_editor_temp_file_renamed_over_memory(c: Client, store: HostStore, tmp_path: Path) -> None:
+    await c.create("alice/memory/.wm.swp", b"swap")
+    await c.create("alice/memory/sedAbC123", b"edited by sed\n")
+    assert await c.listdir("alice/memory") == ["timeline_events.jsonl", "vector_index", "working_memory.md"]
+    await c.rename("alice/memory/sedAbC123", "alice/memory/working_memory.md")
+    assert store.find("alice").read(fmt.WORKING_MEMORY) == b"edited by sed\n"
+    assert [r.kind for r in journal_records(store)] == ["memory_edit"]
+    assert await errno_of(c.lookup("alice/memory/sedAbC123")) == errno.ENOENT
+    assert await c.read("alice/memory/.wm.swp") == b"swap"
+    await c.unlink("alice/memory/.wm.swp")
+    manifest = json.loads(await c.read("alice/manifest.json"))
+    assert not any("swp" in p or "sed" in p for p in manifest["files"])
+    await c.copy_tree("alice", tmp_path / "copy")
+    assert archive.verify_capsule(str(tmp_path / "copy"))[1] == []
+
+
+async def test_backup_by_rename_keeps_the_memory(c: Client, store: HostStore) -> None:
+    # vim/emacs: rename the file to a backup, create it anew, write, delete the backup
+    await c.rename("alice/memory/working_memory.md", "alice/memory/working_memory.md~")
+    assert await c.read("alice/memory/working_memory.md~") == b"# notes\nremember the milk\n"
+    parent = await c.lookup("alice/memory")
+    fi, _ = await c.ops.create(parent, b"working_memory.md", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, c.ctx)
+    await c.ops.write(fi.fh, 0, b"rewritten\n")
+    await c.ops.flush(fi.fh)
+    await c.ops.release(fi.fh)
+    await c.unlink("alice/memory/working_memory.md~")
+    assert store.find("alice").read(fmt.WORKING_MEMORY) == b"rewritten\n"
+    assert [r.kind for r in journal_records(store)] == ["memory_edit"]
+
+
+async def test_unchanged_save_makes_no_event(c: Client, store: HostStore) -> None:
+    await c.write("alice/memory/working_memory.md", b"# notes\nremember the milk\n")
+    assert journal_records(store) == []
+
+
+async def test_memory_must_be_utf8(c: Client, store: HostStore) -> None:
+    assert await errno_of(c.write("alice/memory/working_memory.md", b"\xff\xfe")) == errno.EINVAL
+    assert store.find("alice").read(fmt.WORKING_MEMORY) == b"# notes\nremember the milk\n"
+
+
+async def test_large_memory_goes_to_a_blob(c: Client, store: HostStore, tmp_path: Path) -> None:
+    big = ("x" * 99 + "\n").encode() * 1000
+    await c.write("alice/memory/working_memory.md", big)
+    rec = journal_records(store)[-1]
+    assert rec.event.blob is not None  # type: ignore[attr-defined]
+    assert store.read_blob(rec.event.blob) == big  # type: ignore[attr-defined]
+    await c.copy_tree("alice", tmp_path / "copy")
+    assert archive.verify_capsule(str(tmp_path / "copy"))[1] == []
+
+
+async def test_journal_append_is_validated_and_stamped(c: Client, store: HostStore) -> None:
+    j = "alice/memory/timeline_events.jsonl"
+    await c.write(j, b'{"kind":"user_message","text":"hi"}\n{"kind":"note","text":"n"}\n', append=True)
+    recs = journal_records(store)
+    assert [r.kind for r in recs] == ["user_message", "note"]
+    assert recs[1].prev == recs[0].digest and recs[1].seq == 2
+    before = store.find("alice").read(fmt.JOURNAL)
+    for bad in (b"not json\n", b'{"kind":"nope"}\n', b'{"kind":"user_message","text":"x"}',
+                b'{"kind":"user_message","text":"ok"}\n{"kind":"user_message"}\n',
+                b'{"kind":"note","text":"x","seq":3}\n'):
+        assert await errno_of(c.write(j, bad, append=True)) == errno.EINVAL, bad
+    assert store.find("alice").read(fmt.JOURNAL) == before
+    assert await c.read(j) == before
+
+
+async def test_journal_cannot_be_overwritten_truncated_or_renamed(c: Client) -> None:
+    j = "alice/memory/timeline_events.jsonl"
+    assert await errno_of(c.open(j, os.O_WRONLY)) == errno.EPERM
+    assert await errno_of(c.open(j, os.O_RDWR)) == errno.EPERM
+    assert await errno_of(c.write(j, b"", append=False)) == errno.EPERM
+    from ops_kit import Fields
+    import pyfuse3
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    assert await errno_of(c.ops.setattr(await c.lookup(j), attr, Fields(update_size=True), None, c.ctx)) == errno.EPERM
+    assert await errno_of(c.rename(j, "alice/memory/x")) == errno.EPERM
+    await c.create("alice/memory/tmp", b"")
+    assert await errno_of(c.rename("alice/memory/tmp", j)) == errno.EPERM
+    assert await errno_of(c.unlink(j)) == errno.EPERM
+
+
+async def test_spec_edits_are_validated(c: Client, store: HostStore) -> None:
+    spec = "alice/environment/spec.json"
+    old = store.find("alice").read(fmt.SPEC)
+    bad = json.dumps({"version": 1, "env": {"API_TOKEN": "x"}}).encode()
+    assert await errno_of(c.write(spec, bad)) == errno.EINVAL
+    assert store.find("alice").read(fmt.SPEC) == old
+    assert await c.read(spec) == old
+    await c.create("alice/environment/spec.json.tmp", bad)
+    assert await errno_of(c.rename("alice/environment/spec.json.tmp", spec)) == errno.EINVAL
+    assert store.find("alice").read(fmt.SPEC) == old
+    good = json.dumps({"version": 1, "entrypoint": ["python", "agent.py"], "env": {"MODE": "x"}}).encode()
+    await c.write(spec, good)
+    assert store.find("alice").read(fmt.SPEC) == good
+
+
+async def test_control_model_and_status(c: Client, store: HostStore) -> None:
+    assert await c.read(f"alice/{CONTROL}/model") == b""
+    fi = await c.open(f"alice/{CONTROL}/model", os.O_WRONLY)
+    assert fi.direct_io
+    assert await c.ops.write(fi.fh, 0, b"anthropic:claude-sonnet-4-5\n") > 0
+    assert await errno_of(c.ops.write(fi.fh, 0, b"no-colon\n")) == errno.EINVAL
+    await c.ops.release(fi.fh)
+    assert await c.read(f"alice/{CONTROL}/model") == b"anthropic:claude-sonnet-4-5\n"
+    assert [r.kind for r in journal_records(store)] == ["model_switch"]
+    status = json.loads(await c.read(f"alice/{CONTROL}/status"))
+    assert status["state"] == "active" and status["epoch"] == 1
+    assert status["provider"] == "anthropic" and status["model"] == "claude-sonnet-4-5"
+    assert status["move"]["available"] is False
+
+
+async def test_control_writes_only_by_owner_and_move_is_reserved(c: Client) -> None:
+    assert await errno_of(c.open(f"alice/{CONTROL}/model", os.O_WRONLY, Ctx(uid=1234))) == errno.EACCES
+    assert await errno_of(c.open(f"alice/{CONTROL}/status", os.O_WRONLY)) == errno.EPERM
+    fi = await c.open(f"alice/{CONTROL}/move", os.O_WRONLY)
+    assert await errno_of(c.ops.write(fi.fh, 0, b"to hostb\n")) == errno.EOPNOTSUPP
+    await c.ops.release(fi.fh)
+    assert "not available" in json.loads(await c.read(f"alice/{CONTROL}/status"))["move"]["detail"]
+
+
+async def test_snapshots_freeze_a_verifiable_state(c: Client, store: HostStore, tmp_path: Path) -> None:
+    await c.mkdir(f"alice/{SNAPSHOTS}/before")
+    assert await c.listdir(f"alice/{SNAPSHOTS}") == ["before"]
+    await c.write("alice/memory/timeline_events.jsonl", b'{"kind":"note","text":"after"}\n', append=True)
+    await c.write("alice/memory/working_memory.md", b"changed\n")
+    await c.copy_tree(f"alice/{SNAPSHOTS}/before", tmp_path / "snap")
+    manifest, problems = archive.verify_capsule(str(tmp_path / "snap"))
+    assert problems == []
+    assert (tmp_path / "snap" / fmt.WORKING_MEMORY).read_bytes() == b"# notes\nremember the milk\n"
+    assert (tmp_path / "snap" / fmt.JOURNAL).read_bytes() == b""
+    st = await c.stat(f"alice/{SNAPSHOTS}/before/manifest.json")
+    assert st.attr_timeout == IMMUTABLE_TIMEOUT
+    assert await errno_of(c.open(f"alice/{SNAPSHOTS}/before/{fmt.WORKING_MEMORY}", os.O_WRONLY)) == errno.EROFS
+    assert await errno_of(c.mkdir(f"alice/{SNAPSHOTS}/before")) == errno.EEXIST
+    await c.rmdir(f"alice/{SNAPSHOTS}/before")
+    assert await c.listdir(f"alice/{SNAPSHOTS}") == []
+
+
+async def test_xattrs(c: Client, store: HostStore) -> None:
+    manifest = json.loads(await c.read("alice/manifest.json"))
+    for path, entry in manifest["files"].items():
+        assert (await c.getxattr(f"alice/{path}", XATTR_SHA256)).decode() == entry["sha256"]
+    agent = store.find("alice")
+    assert (await c.getxattr("alice", XATTR_AGENT_ID)).decode() == agent.agent_id
+    assert await c.getxattr("alice", XATTR_EPOCH) == b"1"
+    names = await c.ops.listxattr(await c.lookup("alice"), c.ctx)
+    assert sorted(names) == [XATTR_AGENT_ID.encode(), XATTR_EPOCH.encode()]
+    assert await errno_of(c.getxattr("alice", "user.other")) == errno.ENODATA
+    assert await errno_of(c.ops.setxattr(await c.lookup("alice"), b"user.x", b"1", c.ctx)) == errno.EOPNOTSUPP
+
+
+async def test_frozen_agent_refuses_writes_then_resumes(c: Client, store: HostStore) -> None:
+    live = c.ops.live
+    aid = store.find("alice").agent_id
+    live.freeze(aid)
+    assert await errno_of(c.write("alice/memory/working_memory.md", b"x")) == errno.EROFS
+    assert await errno_of(c.write("alice/memory/timeline_events.jsonl", b'{"kind":"note","text":"x"}\n', append=True)) == errno.EROFS
+    assert await errno_of(c.create("alice/memory/tmp", b"")) == errno.EROFS
+    assert json.loads(await c.read(f"alice/{CONTROL}/status"))["state"] == "frozen"
+    await c.mkdir(f"alice/{SNAPSHOTS}/during-move")  # reading is fine
+    live.resume(aid)
+    await c.write("alice/memory/working_memory.md", b"after\n")
+
+
+async def test_retired_agent_disappears(c: Client, store: HostStore) -> None:
+    aid = store.find("alice").agent_id
+    c.ops.live.retire(aid)
+    assert await c.listdir("") == []
+    assert await errno_of(c.lookup("alice")) == errno.ENOENT
+    assert c.ops.live.activate(aid) == "alice"
+    assert await c.listdir("") == ["alice"]
+
+
+@pytest.mark.expect_error_log
+async def test_internal_error_turns_the_mount_read_only(c: Client, store: HostStore) -> None:
+    make_agent(store, "bob", workspace={})
+    agent = store.find("alice")
+    ino = await c.lookup("alice/manifest.json")
+    Path(agent.dir, fmt.MANIFEST).write_bytes(b"{broken")
+    assert await errno_of(c.ops.getattr(ino, c.ctx)) == errno.EIO
+    assert c.ops.live.failsafe is not None
+    # Listing fails loudly rather than showing a root without the agent
+    # (a mirror tool would delete its copy); nothing unmounts.
+    assert await errno_of(c.listdir("")) == errno.EIO
+    assert await errno_of(c.mkdir("/dave")) == errno.EROFS
+    assert await errno_of(c.write("bob/memory/working_memory.md", b"x")) == errno.EROFS
+    status = json.loads(await c.read(f"bob/{CONTROL}/status"))
+    assert status["mount"] == "read-only (failsafe)" and "not valid JSON" in status["last_error"]
+    assert status["writable"] is False
+
+
+async def test_forget_drops_inodes(c: Client) -> None:
+    before = len(c.ops.inodes)
+    ino = await c.lookup("alice/memory/working_memory.md")
+    assert len(c.ops.inodes) == before + 3
+    c.ops.forget([(ino, 1)])
+    assert len(c.ops.inodes) == before + 2
