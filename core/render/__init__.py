@@ -118,10 +118,10 @@ def render(
     def build(items: list[tuple]) -> dict[str, Any]:
         return prov.body(items, model=model, system=system, tools=tools, max_output=max_output)
 
-    def unit_cost(unit: Any) -> int:
-        return count(prov.fragment(unit.items, model=model))
+    def cost(items: list[tuple]) -> int:
+        return count(prov.fragment(items, model=model))
 
-    body, kept = fit(p.units, budget, build, unit_cost, count)
+    body, kept = fit(p.units, budget, build, cost, count)
     return Rendered(
         body=body,
         provider=provider,

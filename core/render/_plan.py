@@ -247,39 +247,80 @@ def fit(
     units: list[Unit],
     budget: int | None,
     build: Callable[[list[tuple]], dict[str, Any]],
-    unit_cost: Callable[[Unit], int],
+    cost: Callable[[list[tuple]], int],
     count: Callable[[dict[str, Any]], int],
 ) -> tuple[dict[str, Any], int]:
     """Build the body from the newest units that fit ``budget``; return (body, kept).
 
-    ``unit_cost`` estimates one unit; the final body is always measured with
-    ``count`` and more units are dropped until it fits. Raises
-    :class:`BudgetTooSmall` if nothing but the lead-in fits and it still doesn't.
+    ``cost`` estimates what some items add to a body; the final body is
+    always measured with ``count``: more units are dropped until it fits,
+    then older units are taken back while it still fits.
+    Raises :class:`BudgetTooSmall` if even the digest-only body is too big.
     """
     if budget is None:
         return build(items_of(units, ())), len(units)
-    base = count(build(items_of((), units)))  # the body with everything dropped
-    room = budget - base
+    opener = [(USER, NO_CONVERSATION)]
+    room = budget - (count(build(opener)) - cost(opener))  # what the conversation may use
     start = len(units)
     costs: dict[int, int] = {}
     while start > 0:
-        cost = unit_cost(units[start - 1])
-        if cost > room:
+        c = costs[start - 1] = cost(units[start - 1].items)
+        if c > room:
             break
-        costs[start - 1] = cost
-        room -= cost
+        room -= c
         start -= 1
+    room -= cost(lead_in(units[start:], units[:start]))
+    if start > 0:  # the digest replaces what was dropped; make room for it
+        room += cost(lead_in(units[start:], units[:start])) - cost(lead_in((), units))
+        while start < len(units) and room < 0:
+            room += costs[start]
+            start += 1
     while True:
         body = build(items_of(units[start:], units[:start]))
         over = count(body) - budget
         if over <= 0:
-            return body, len(units) - start
+            break
         if start == len(units):
+            # the digest can outweigh a few short units: sending them all may still fit
+            body = build(items_of(units, ()))
+            if count(body) <= budget:
+                return body, len(units)
             raise BudgetTooSmall(
                 f"a budget of {budget} tokens cannot hold even the system prompt and the digest "
                 f"({over + budget} tokens by this provider's counter)"
             )
         # drop at least enough estimated cost to cover the overshoot
         while start < len(units) and over > 0:
-            over -= costs.get(start) or unit_cost(units[start])
+            over -= costs.get(start) or cost(units[start].items)
             start += 1
+    # estimates round up; take back older units while the real count still fits
+    while start > 0:
+        bigger = build(items_of(units[start - 1 :], units[: start - 1]))
+        if count(bigger) > budget:
+            break
+        body = bigger
+        start -= 1
+    if start > 0 and _all_may_fit(units, start, costs, cost, budget - count(body) + cost(lead_in((), units[:start]))):
+        full = build(items_of(units, ()))
+        if count(full) <= budget:
+            return full, len(units)
+    return body, len(units) - start
+
+
+#: How much a unit's estimate may exceed what it really adds to a body: the
+#: brackets of its own fragment, and the message wrapper it saves when it
+#: merges into its neighbour's message (Anthropic, Gemini).
+_UNIT_SLACK = 48
+
+
+def _all_may_fit(units: list[Unit], start: int, costs: dict[int, int], cost: Callable, slack: int) -> bool:
+    """True if the dropped units may weigh no more than the digest plus the slack left.
+
+    Stops summing as soon as they clearly weigh more, so this stays cheap.
+    """
+    total = 0
+    for i in range(start):
+        total += costs.get(i) or cost(units[i].items)
+        if total > slack + _UNIT_SLACK * (i + 1):
+            return False
+    return True

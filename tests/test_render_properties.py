@@ -1,0 +1,90 @@
+"""Property tests: random journals, every provider, every budget.
+
+Journals mix dangling calls, parallel calls, orphan and repeated results,
+reasoning from several models, interleaved model switches, notes, system
+events and messages from empty to a few kilobytes of any Unicode.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capsulefs.core.events import ModelSwitch, Reasoning, ToolCall
+from capsulefs.core.render import PROVIDERS, BudgetTooSmall, byte_upper_bound, check_request, render, system_prompt
+from capsulefs.core.render._plan import items_of, plan
+from render_journals import TARGETS, journals
+from render_sdk import validate_request
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _markers(journal, keep) -> set[str]:
+    out = set()
+    for e in journal:
+        if isinstance(e, Reasoning) and keep(e):
+            out.update(v for v in e.data.values() if isinstance(v, str) and v.startswith(("mk", "rs_mk")))
+    return out
+
+
+@SETTINGS
+@given(journal=journals(), target=st.sampled_from(TARGETS), budget=st.one_of(st.none(), st.integers(1, 60_000)))
+def test_every_request_keeps_its_providers_rules(journal, target, budget) -> None:
+    provider, model = target
+    try:
+        out = render(journal, provider=provider, model=model, budget=budget, working_memory="notes")
+    except BudgetTooSmall:
+        # only when even the digest-only request does not fit
+        p = plan(journal)
+        prov = PROVIDERS[provider]
+        system = system_prompt(p.system, "notes")
+        minimal = prov.body(items_of((), p.units), model=model, system=system, tools=(), max_output=None)
+        assert budget is not None and budget < byte_upper_bound(minimal)
+        return
+    body = out.body
+    assert check_request(provider, body) == []
+    validate_request(provider, body)
+    if budget is not None:
+        assert out.tokens == byte_upper_bound(body) <= budget
+    text = json.dumps(body)
+    # reasoning: nothing of another model, everything of this one when nothing was dropped
+    own = _markers(journal, lambda e: (e.provider, e.model) == target)
+    foreign = _markers(journal, lambda e: (e.provider, e.model) != target) - own
+    assert not any(m in text for m in foreign)
+    if out.dropped_units == 0 and provider != "openai-chat":
+        assert all(m in text for m in own)
+    # switches never change a request for a given target
+    plain = [e for e in journal if not isinstance(e, ModelSwitch)]
+    assert render(plain, provider=provider, model=model, budget=budget, working_memory="notes").body == body
+
+
+@settings(max_examples=25, deadline=None)
+@given(journal=journals(max_size=25), target=st.sampled_from(TARGETS))
+def test_more_budget_never_keeps_less(journal, target) -> None:
+    provider, model = target
+    full = render(journal, provider=provider, model=model, budget=10**8)
+    assert full.dropped_units == 0 and full.body == render(journal, provider=provider, model=model).body
+    kept = []
+    for budget in (full.tokens // 8, full.tokens // 4, full.tokens // 2, full.tokens):
+        try:
+            kept.append(render(journal, provider=provider, model=model, budget=budget).kept_units)
+        except BudgetTooSmall:
+            kept.append(-1)
+    assert kept == sorted(kept) and kept[-1] == full.kept_units
+
+
+@settings(max_examples=25, deadline=None)
+@given(journal=journals(max_size=25))
+def test_every_call_is_answered_exactly_once_everywhere(journal) -> None:
+    calls = sum(1 for e in journal if isinstance(e, ToolCall))
+    for provider in PROVIDERS:
+        text = json.dumps(render(journal, provider=provider, model="m").body)
+        results = {
+            "anthropic": text.count('"type": "tool_result"'),
+            "openai-chat": text.count('"role": "tool"'),
+            "openai-responses": text.count('"type": "function_call_output"'),
+            "gemini": text.count('"functionResponse"'),
+        }[provider]
+        assert results == calls

@@ -1,0 +1,325 @@
+"""The issue's rules, one example at a time, for every provider.
+
+Each body is also checked against its provider's pairing rules
+(check_request) and the official SDK request types (render_sdk).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from capsulefs.core.events import (
+    AssistantMessage,
+    ModelSwitch,
+    Note,
+    Record,
+    System,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+from capsulefs.core.render import (
+    PROVIDERS,
+    BudgetTooSmall,
+    RenderError,
+    ToolSpec,
+    byte_upper_bound,
+    check_request,
+    encoding_counter,
+    render,
+)
+from capsulefs.core.render._plan import INTERRUPTED
+
+from render_journals import records, reasoning
+from render_sdk import validate_request
+
+ALL = sorted(PROVIDERS)
+
+
+def rendered(journal, provider, model="m-1", **kw):
+    out = render(journal, provider=provider, model=model, **kw)
+    assert check_request(provider, out.body) == []
+    validate_request(provider, out.body)
+    return out.body
+
+
+def dumped(body) -> str:
+    return json.dumps(body, ensure_ascii=False)
+
+
+# -- rule 1: private reasoning only for the exact provider and model -----------------
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai-responses", "gemini"])
+def test_reasoning_goes_back_only_to_its_own_model(provider: str) -> None:
+    journal = [
+        UserMessage(text="list the files"),
+        reasoning(provider, "model-a", "SIGA"),
+        ToolCall(call_id="c1", name="ls", arguments={"path": "."}),
+        ToolResult(call_id="c1", content="a.txt"),
+        reasoning(provider, "model-b", "SIGB"),
+        AssistantMessage(text="there is a.txt"),
+    ]
+    for model, mine, other in [("model-a", "SIGA", "SIGB"), ("model-b", "SIGB", "SIGA")]:
+        body = dumped(rendered(journal, provider, model))
+        assert mine in body and other not in body
+    for elsewhere in ALL:
+        if elsewhere != provider:
+            body = dumped(rendered(journal, elsewhere, "model-a"))
+            assert "SIGA" not in body and "SIGB" not in body
+
+
+def test_anthropic_thinking_is_verbatim_and_in_place() -> None:
+    think = reasoning("anthropic", "claude-x", "SIG")
+    journal = [UserMessage(text="hi"), think, ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="ok")]
+    body = rendered(journal, "anthropic", "claude-x")
+    assert body["messages"][1] == {
+        "role": "assistant",
+        "content": [dict(think.data), {"type": "tool_use", "id": "c1", "name": "ls", "input": {}}],
+    }
+
+
+def test_responses_reasoning_item_precedes_its_call() -> None:
+    think = reasoning("openai-responses", "gpt-x", "ENC")
+    journal = [UserMessage(text="hi"), think, ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="ok")]
+    items = rendered(journal, "openai-responses", "gpt-x")["input"]
+    assert items[1] == dict(think.data) and items[2]["type"] == "function_call"
+
+
+def test_gemini_signature_rides_on_the_following_part() -> None:
+    journal = [UserMessage(text="hi"), reasoning("gemini", "gem", "U0lH"),
+               ToolCall(call_id="c1", name="ls", arguments={"p": 1}), ToolResult(call_id="c1", content="ok")]
+    contents = rendered(journal, "gemini", "gem")["contents"]
+    assert contents[1] == {"role": "model", "parts": [
+        {"functionCall": {"id": "c1", "name": "ls", "args": {"p": 1}}, "thoughtSignature": "U0lH"}]}
+    other = rendered(journal, "gemini", "gem-2")["contents"]
+    assert "thoughtSignature" not in dumped(other)
+
+
+# -- rule 2: interrupted calls, orphan results -------------------------------------
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_dangling_call_gets_an_explicit_interrupted_error(provider: str) -> None:
+    journal = [UserMessage(text="run it"), ToolCall(call_id="c1", name="run", arguments={}),
+               ToolCall(call_id="c2", name="run", arguments={}), ToolResult(call_id="c1", content="fine")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert "interrupted" in INTERRUPTED and INTERRUPTED in text
+    if provider == "anthropic":
+        results = body["messages"][2]["content"]
+        assert results[1] == {"type": "tool_result", "tool_use_id": "c2", "content": INTERRUPTED, "is_error": True}
+        assert "is_error" not in results[0]
+    elif provider == "openai-chat":
+        assert body["messages"][-1] == {"role": "tool", "tool_call_id": "c2", "content": "[error] " + INTERRUPTED}
+    elif provider == "openai-responses":
+        assert body["input"][-1] == {"type": "function_call_output", "call_id": "c2", "output": "[error] " + INTERRUPTED}
+    else:
+        part = body["contents"][-1]["parts"][-1]
+        assert part == {"functionResponse": {"id": "c2", "name": "run", "response": {"error": INTERRUPTED}}}
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_result_without_call_is_never_a_tool_result(provider: str) -> None:
+    journal = [UserMessage(text="hi"), ToolResult(call_id="ghost", content="ORPHAN OUTPUT"), AssistantMessage(text="ok")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert "ORPHAN OUTPUT" in text  # kept as a note in a user turn, not lost
+    for marker in ('"tool_result"', '"role": "tool"', "function_call_output", "functionResponse"):
+        assert marker not in text
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_late_result_is_moved_next_to_its_call(provider: str) -> None:
+    journal = [UserMessage(text="go"), ToolCall(call_id="c1", name="slow", arguments={}),
+               UserMessage(text="are you there?"), ToolResult(call_id="c1", content="LATE")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert text.index("LATE") < text.index("are you there?")
+    assert INTERRUPTED not in text
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_unsafe_ids_and_names_are_made_safe_consistently(provider: str) -> None:
+    journal = [UserMessage(text="go"), ToolCall(call_id="id with spaces/∂" * 3, name="my.tool", arguments={}),
+               ToolResult(call_id="id with spaces/∂" * 3, content="done")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert "∂" not in text and "my.tool" not in text and "my_tool" in text
+    assert rendered(journal, provider) == body  # deterministic
+
+
+# -- rule 3: window fitting and the digest ----------------------------------------
+
+
+def _long_journal(n: int) -> list:
+    out = [System(text="be brief")]
+    for i in range(n):
+        out += [UserMessage(text=f"question {i} " + "x" * 50),
+                ToolCall(call_id=f"a{i}", name="grep", arguments={"q": i}),
+                ToolCall(call_id=f"b{i}", name="read_file", arguments={"i": i}),
+                ToolResult(call_id=f"a{i}", content="hit " * 10),
+                ToolResult(call_id=f"b{i}", content="body " * 10),
+                AssistantMessage(text=f"answer {i}")]
+    return out
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_budget_keeps_the_newest_units_and_digests_the_rest(provider: str) -> None:
+    journal = records(_long_journal(30))
+    full = render(journal, provider=provider, model="m-1", budget=10**9)
+    assert full.dropped_units == 0
+    for budget in (full.tokens // 2, full.tokens // 5, 2000):
+        out = render(journal, provider=provider, model="m-1", budget=budget)
+        assert out.tokens <= budget and byte_upper_bound(out.body) == out.tokens
+        assert out.dropped_units > 0 and check_request(provider, out.body) == []
+        validate_request(provider, out.body)
+        text = dumped(out.body)
+        assert "answer 29" in text and "be brief" in text  # newest kept, system always
+        assert "[Earlier conversation omitted to fit the context window:" in text
+        assert "tools used: grep ×" in text and "read_file ×" in text
+        assert "from 2026-01-01T00:00:02.000Z to " in text
+        # parallel calls and their results travel together
+        for i in range(30):
+            present = [f'"a{i}"' in text, f'"b{i}"' in text]
+            assert all(present) or not any(present)
+
+
+def test_digest_counts_what_was_dropped() -> None:
+    journal = _long_journal(10)
+    out = render(journal, provider="openai-chat", model="m", budget=1500)
+    digest = out.body["messages"][1]["content"]
+    dropped_questions = sum(1 for i in range(10) if f"question {i} " not in dumped(out.body))
+    assert digest.startswith(f"[Earlier conversation omitted to fit the context window: {dropped_questions} user messages")
+    assert f"{2 * dropped_questions} tool calls" in digest
+    assert "from" not in digest  # plain events carry no time
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_budget_too_small_for_the_system_prompt(provider: str) -> None:
+    with pytest.raises(BudgetTooSmall):
+        render([UserMessage(text="hi")], provider=provider, model="m", budget=50, working_memory="m" * 500)
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_newest_message_too_big_for_the_budget_leaves_the_digest(provider: str) -> None:
+    journal = [UserMessage(text="small"), AssistantMessage(text="ok"), UserMessage(text="y" * 5000)]
+    out = render(journal, provider=provider, model="m", budget=1000)
+    assert out.kept_units == 0 and out.tokens <= 1000 and "y" * 100 not in dumped(out.body)
+    assert check_request(provider, out.body) == []
+
+
+def test_precise_counter_plugs_in() -> None:
+    words = encoding_counter(lambda s: s.split())
+    journal = _long_journal(20)
+    out = render(journal, provider="anthropic", model="m", budget=400, counter=words)
+    assert out.tokens == words(out.body) <= 400 < byte_upper_bound(out.body)
+    assert out.dropped_units > 0
+
+
+def test_byte_bound_never_undercounts_utf8_text() -> None:
+    for text in ["plain", "ünïcödé", "日本語のテキスト", "emoji 🎉🎉", "\x00\x01"]:
+        assert byte_upper_bound({"t": text}) >= len(text.encode())
+
+
+# -- rule 5: switching --------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider_a,model_a,provider_b,model_b", [
+    ("anthropic", "claude-a", "anthropic", "claude-b"),
+    ("anthropic", "claude-a", "openai-responses", "gpt-r"),
+    ("openai-responses", "gpt-r", "gemini", "gem-a"),
+    ("gemini", "gem-a", "openai-chat", "gpt-c"),
+])
+def test_switching_away_and_back_loses_nothing(provider_a, model_a, provider_b, model_b) -> None:
+    journal = [
+        ModelSwitch(provider=provider_a, model=model_a),
+        UserMessage(text="start"),
+        reasoning(provider_a, model_a, "SIGAONEE"),
+        ToolCall(call_id="c1", name="ls", arguments={}),
+        ToolResult(call_id="c1", content="x"),
+        AssistantMessage(text="A says hi", provider=provider_a, model=model_a),
+        ModelSwitch(provider=provider_b, model=model_b),
+        UserMessage(text="continue"),
+        reasoning(provider_b, model_b, "SIGBONEE"),
+        AssistantMessage(text="B says hi", provider=provider_b, model=model_b),
+        ModelSwitch(provider=provider_a, model=model_a),
+        UserMessage(text="and again"),
+    ]
+    as_a = render(journal)  # the last switch chooses A
+    assert (as_a.provider, as_a.model) == (provider_a, model_a)
+    never_switched = [e for e in journal if not isinstance(e, ModelSwitch)]
+    assert as_a.body == render(never_switched, provider=provider_a, model=model_a).body
+    text = dumped(as_a.body)
+    assert "B says hi" in text and "SIGBONEE" not in text
+    assert ("SIGAONEE" in text) == (provider_a != "openai-chat")
+    as_b = render(journal, provider=provider_b, model=model_b)
+    assert "SIGAONEE" not in dumped(as_b.body)
+    for p in (provider_a, provider_b):
+        assert check_request(p, render(journal, provider=p, model=model_a).body) == []
+
+
+# -- journal handling -----------------------------------------------------------
+
+
+def test_records_are_ordered_by_clock_machine_seq() -> None:
+    journal = records(_long_journal(5))
+    shuffled = list(journal)
+    random.Random(7).shuffle(shuffled)
+    assert render(shuffled, provider="gemini", model="m").body == render(journal, provider="gemini", model="m").body
+
+
+def test_non_dialogue_events_are_not_rendered() -> None:
+    journal = [UserMessage(text="hi"), Note(text="NOTE-TEXT"), ModelSwitch(provider="gemini", model="g")]
+    for p in ALL:
+        assert "NOTE-TEXT" not in dumped(render(journal, provider=p, model="m").body)
+
+
+def test_errors_name_the_problem() -> None:
+    with pytest.raises(RenderError, match="no model_switch"):
+        render([UserMessage(text="hi")])
+    with pytest.raises(RenderError, match="unknown provider 'nope'"):
+        render([UserMessage(text="hi")], provider="nope", model="m")
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_empty_journal_renders_a_valid_request(provider: str) -> None:
+    rendered([], provider)
+    rendered([AssistantMessage(text="I start")], provider)
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_system_working_memory_and_tools(provider: str) -> None:
+    tools = [ToolSpec(name="grep", description="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+    body = rendered([System(text="SYS"), UserMessage(text="hi")], provider, working_memory="MEMO", tools=tools,
+                    max_output=256)
+    text = dumped(body)
+    assert "SYS" in text and "<working_memory>\\nMEMO\\n</working_memory>" in text and "grep" in text
+
+
+# -- the rule checkers can fail ---------------------------------------------------
+
+
+BROKEN = {
+    "anthropic": {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "x", "input": {}}]},
+        {"role": "user", "content": "no result"}]},
+    "openai-chat": {"model": "m", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}]},
+        {"role": "user", "content": "no result"}]},
+    "openai-responses": {"model": "m", "input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+    "gemini": {"contents": [{"role": "user", "parts": [{"text": "hi"}]},
+                            {"role": "model", "parts": [{"functionCall": {"name": "x", "args": "[]"}}]}]},
+}
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_checkers_reject_broken_pairing(provider: str) -> None:
+    assert check_request(provider, BROKEN[provider])
