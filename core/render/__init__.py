@@ -32,13 +32,14 @@ from typing import Any
 from ..events import Event, Record
 from ._base import Provider, ToolSpec
 from ._count import DEFAULT_COUNTERS, Counter, byte_upper_bound, counter_for, encoding_counter
-from ._plan import BudgetTooSmall, RenderError, fit, plan
+from ._plan import INTERRUPTED, BudgetTooSmall, RenderError, fit, plan
 from .anthropic import PROVIDER as _ANTHROPIC
 from .gemini import PROVIDER as _GEMINI
 from .openai_chat import PROVIDER as _CHAT
 from .openai_responses import PROVIDER as _RESPONSES
 
 __all__ = [
+    "INTERRUPTED",
     "PROVIDERS",
     "BudgetTooSmall",
     "Counter",
