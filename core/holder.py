@@ -1,0 +1,315 @@
+"""Holder records: what this host knows about who holds each agent.
+
+Rules:
+  * One record per agent per host, ``<dir>/<agent_id>.json``, format
+    ``holder/1``. It is written with :func:`capsulefs.core.fsutil.atomic_write`
+    (temp file, fsync, rename, fsync dir) and carries a sha256 of its own
+    body, so a torn or bit-rotted record is detected, never trusted.
+  * A record is written *before* any reply or action that depends on it.
+    The move protocol (:mod:`capsulefs.core.move`) says when.
+  * ``epoch`` is the highest epoch this host has seen for the agent in any
+    role: held, offered, refused or handed over. It only grows. An offer is
+    accepted only for an epoch greater than it (the fence).
+  * ``activated`` lists every epoch this host itself activated, so a late
+    question "did epoch N activate here?" always has an exact answer.
+  * Only a record in state HELD lets the host run the agent.
+  * A record that is missing while the agent's files are present, or that is
+    corrupt, becomes UNKNOWN: the host does not run the agent until it has
+    learned from every peer that nobody holds a newer epoch
+    (:func:`learn_from_peers`), or an operator forces it (:func:`force_hold`).
+
+States, by role:
+  ======== ============ ======================================================
+  state    role         meaning
+  ======== ============ ======================================================
+  HELD     holder       holds ``held_epoch``; may run the agent
+  FROZEN   source       holds ``held_epoch``, frozen, moving to ``peer`` at
+                        ``epoch``; no activate was sent: may roll back alone
+  COMMITTING source     as FROZEN, but activate may have been sent: in doubt
+                        until ``peer`` answers for ``epoch``
+  RETIRED  source       handed the agent to ``peer`` at ``epoch``
+  OFFERED  target       accepted an offer of ``epoch`` from ``peer``; staging
+  VERIFIED target       every digest of that offer checked
+  PREPARED target       staging built; activates on ``activate(epoch)``
+  REFUSED  target       decided, durably, that ``epoch`` never activates here
+  UNKNOWN  any          record lost or corrupt: do not run, learn or be forced
+  ======== ============ ======================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import CapsuleError, FormatError
+from .format import check_agent_id, check_host_id
+from .fsutil import atomic_write, makedirs_durable
+
+__all__ = [
+    "HOLDER_FORMAT",
+    "HolderBook",
+    "HolderRecord",
+    "HolderState",
+    "PeerView",
+    "force_hold",
+    "learn_from_peers",
+]
+
+HOLDER_FORMAT = "holder/1"
+
+
+class HolderState(enum.Enum):
+    HELD = "held"
+    FROZEN = "frozen"
+    COMMITTING = "committing"
+    RETIRED = "retired"
+    OFFERED = "offered"
+    VERIFIED = "verified"
+    PREPARED = "prepared"
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+
+
+#: States in which this host holds the agent (at ``held_epoch``).
+HOLDING = frozenset({HolderState.HELD, HolderState.FROZEN, HolderState.COMMITTING})
+#: Target states of a move that has not activated yet.
+PENDING = frozenset({HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED})
+_NEEDS_PEER = PENDING | {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
+
+
+def _need_epoch(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FormatError(f"{what} {value!r} is not a non-negative integer")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HolderRecord:
+    agent_id: str  # 32 lowercase hex: the agent this record is about
+    state: HolderState  # see the table in the module docstring
+    epoch: int  # highest epoch seen for the agent here, in any role (the fence)
+    held_epoch: int | None = None  # epoch this host holds at; set iff state is HELD/FROZEN/COMMITTING
+    peer: str | None = None  # host id at the other end of the pending (or last) move
+    activated: tuple[int, ...] = ()  # epochs this host activated, ascending
+    note: str = ""  # why the record is in its state, for people (e.g. a refusal reason)
+
+    def __post_init__(self) -> None:
+        check_agent_id(self.agent_id)
+        if not isinstance(self.state, HolderState):
+            raise FormatError(f"holder state {self.state!r} is not a HolderState")
+        _need_epoch(self.epoch, "holder epoch")
+        if (self.held_epoch is not None) != (self.state in HOLDING):
+            raise FormatError(f"holder record in state {self.state.value} must "
+                              f"{'' if self.state in HOLDING else 'not '}have a held_epoch")
+        if self.held_epoch is not None:
+            _need_epoch(self.held_epoch, "held epoch")
+            if self.held_epoch > self.epoch:
+                raise FormatError(f"held epoch {self.held_epoch} is above the highest epoch seen {self.epoch}")
+            if self.state in (HolderState.FROZEN, HolderState.COMMITTING) and self.held_epoch >= self.epoch:
+                raise FormatError(f"a move from epoch {self.held_epoch} must be to a higher epoch, not {self.epoch}")
+        if self.peer is not None:
+            check_host_id(self.peer)
+        if self.state in _NEEDS_PEER and self.peer is None:
+            raise FormatError(f"holder record in state {self.state.value} must name its peer")
+        if list(self.activated) != sorted(set(self.activated)):
+            raise FormatError(f"activated epochs {self.activated!r} must be ascending and distinct")
+        for e in self.activated:
+            _need_epoch(e, "activated epoch")
+            if e > self.epoch:
+                raise FormatError(f"activated epoch {e} is above the highest epoch seen {self.epoch}")
+        if not isinstance(self.note, str):
+            raise FormatError("holder note must be a string")
+
+    # -- questions ---------------------------------------------------------
+    @property
+    def runnable(self) -> bool:
+        """May this host run the agent now?"""
+        return self.state is HolderState.HELD
+
+    @property
+    def holding(self) -> bool:
+        return self.state in HOLDING
+
+    @property
+    def pending(self) -> bool:
+        return self.state in PENDING
+
+    def with_(self, **changes: Any) -> "HolderRecord":
+        return replace(self, **changes)
+
+    # -- serialisation -----------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        return {
+            "format": HOLDER_FORMAT,
+            "agent_id": self.agent_id,
+            "state": self.state.value,
+            "epoch": self.epoch,
+            "held_epoch": self.held_epoch,
+            "peer": self.peer,
+            "activated": list(self.activated),
+            "note": self.note,
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self.body()
+        check = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return (json.dumps({**body, "check": check}, sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "HolderRecord":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"holder record is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise FormatError("holder record must be a JSON object")
+        check = doc.pop("check", None)
+        if hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest() != check:
+            raise FormatError("holder record does not match its check digest")
+        if doc.get("format") != HOLDER_FORMAT:
+            raise FormatError(f"holder record format {doc.get('format')!r} is not {HOLDER_FORMAT!r}")
+        try:
+            state = HolderState(doc["state"])
+            return cls(
+                agent_id=doc["agent_id"],
+                state=state,
+                epoch=doc["epoch"],
+                held_epoch=doc["held_epoch"],
+                peer=doc["peer"],
+                activated=tuple(doc["activated"]),
+                note=doc["note"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"holder record field missing or wrong: {exc}") from None
+
+
+def new_held(agent_id: str, epoch: int) -> HolderRecord:
+    """The record of an agent created or imported here, held at ``epoch``."""
+    return HolderRecord(agent_id=agent_id, state=HolderState.HELD, epoch=epoch, held_epoch=epoch, activated=(epoch,))
+
+
+def unknown(agent_id: str, note: str, epoch: int = 0) -> HolderRecord:
+    return HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=epoch, note=note)
+
+
+class HolderBook:
+    """The holder records of one host, one file per agent in ``directory``.
+
+    Not thread safe: callers serialise access per agent (the daemon does so
+    with one lock per agent).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+        makedirs_durable(self.directory, 0o700)
+
+    def _path(self, agent_id: str) -> str:
+        return os.path.join(self.directory, check_agent_id(agent_id) + ".json")
+
+    def get(self, agent_id: str) -> HolderRecord | None:
+        """The record, None if there is none, UNKNOWN if it is corrupt."""
+        try:
+            with open(self._path(agent_id), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            record = HolderRecord.from_bytes(data)
+        except FormatError as exc:
+            return unknown(agent_id, f"holder record corrupt: {exc}")
+        if record.agent_id != agent_id:
+            return unknown(agent_id, f"holder record names agent {record.agent_id}")
+        return record
+
+    def put(self, record: HolderRecord) -> None:
+        """Write ``record`` durably; return only once it is on disk."""
+        atomic_write(self._path(record.agent_id), record.to_bytes(), mode=0o600)
+
+    def agent_ids(self) -> list[str]:
+        return sorted(n[:-5] for n in os.listdir(self.directory) if n.endswith(".json") and not n.startswith("."))
+
+    def reconcile(self, present: Iterable[str]) -> list[HolderRecord]:
+        """Mark agents whose files are ``present`` here but who have no
+        readable record as UNKNOWN (durably); return those records."""
+        out = []
+        for agent_id in present:
+            rec = self.get(agent_id)
+            if rec is None:
+                rec = unknown(agent_id, "holder record lost")
+                self.put(rec)
+                out.append(rec)
+            elif rec.state is HolderState.UNKNOWN:
+                out.append(rec)
+        return out
+
+
+# -- leaving UNKNOWN ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerView:
+    """One peer's answer to ``fence(agent_id)``: its record, after it has
+    durably refused any pending (not yet activated) move of the agent."""
+
+    host: str  # the peer's host id
+    state: HolderState | None  # its record's state; None if it has none
+    epoch: int  # the highest epoch it has seen (0 if none)
+    held_epoch: int | None = None  # the epoch it holds at, if it holds the agent
+    activated: tuple[int, ...] = ()  # epochs it activated
+
+    def __post_init__(self) -> None:
+        check_host_id(self.host)
+        _need_epoch(self.epoch, "peer epoch")
+        if self.state is not None and not isinstance(self.state, HolderState):
+            raise FormatError(f"peer state {self.state!r} is not a HolderState")
+        if self.state in PENDING:
+            raise FormatError(f"peer {self.host} reports a pending move; fence() must have refused it")
+
+
+def learn_from_peers(
+    record: HolderRecord, *, local_epoch: int, views: Mapping[str, PeerView], peers: Iterable[str]
+) -> HolderRecord:
+    """Try to leave UNKNOWN with what the peers said.
+
+    ``local_epoch`` is the epoch the agent's files here say they were held
+    at (their manifest's holder epoch). Returns HELD if every peer answered
+    and none holds the agent or activated a newer epoch; RETIRED if one
+    did; otherwise the UNKNOWN record unchanged (some peer has not answered,
+    or an answer is itself unknown).
+    """
+    if record.state is not HolderState.UNKNOWN:
+        raise CapsuleError(f"agent {record.agent_id} is {record.state.value}, not unknown: nothing to learn")
+    peers = set(peers)
+    if not peers <= set(views):
+        return record
+    highest = max([local_epoch, record.epoch] + [v.epoch for v in views.values()])
+    newer = [v for v in views.values() if any(e > local_epoch for e in v.activated) or v.state in HOLDING]
+    if newer:
+        who = max(newer, key=lambda v: max(v.activated, default=0))
+        return HolderRecord(
+            agent_id=record.agent_id, state=HolderState.RETIRED, epoch=highest, peer=who.host,
+            note=f"learned that {who.host} holds a newer epoch",
+        )
+    if any(v.state is HolderState.UNKNOWN for v in views.values()):
+        return record
+    return HolderRecord(
+        agent_id=record.agent_id, state=HolderState.HELD, epoch=highest, held_epoch=local_epoch,
+        activated=(local_epoch,) if local_epoch <= highest else (), note="every peer agreed this host holds it",
+    )
+
+
+def force_hold(record: HolderRecord, *, local_epoch: int, why: str) -> HolderRecord:
+    """An operator's override: hold the agent at ``local_epoch`` now.
+
+    Risks two hosts running the agent if a peer does hold a newer epoch.
+    """
+    return HolderRecord(
+        agent_id=record.agent_id, state=HolderState.HELD, epoch=max(record.epoch, local_epoch),
+        held_epoch=local_epoch, activated=tuple(sorted(set(record.activated) | {local_epoch})),
+        note=f"forced by operator: {why}",
+    )
