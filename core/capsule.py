@@ -72,9 +72,16 @@ def _check_snapshot(data: bytes) -> list[str]:
     return []
 
 
+def _check_journal(data: bytes) -> list[str]:
+    from .journal import check_journal_bytes  # chains, seqs, order, forks; every line parsed
+
+    return check_journal_bytes(data)
+
+
 CONTENT_CHECKS: dict[str, Callable[[bytes], list[str]]] = {
     fmt.SPEC: _check_spec,
     fmt.SNAPSHOT: _check_snapshot,
+    fmt.JOURNAL: _check_journal,
 }
 
 

@@ -20,6 +20,7 @@ from capsulefs.core.errors import CapsuleError
 # Modules that register subcommands, in the order --help lists them.
 COMMAND_MODULES = (
     "capsulefs.cli.capsule_cmds",
+    "capsulefs.cli.journal_cmds",
     "capsulefs.cli.index_cmds",
     "capsulefs.cli.mount_cmds",
     "capsulefs.cli.run_cmds",

@@ -1,0 +1,258 @@
+"""Commands on journals: log, append, merge.
+
+``log`` and ``append`` take an agent of the host store (name or id); ``log``
+also reads a capsule directory or tar. ``append`` is for scripts: it prints
+the stamped line of each event it appended (after fsync). ``merge`` takes
+two capsules (directories, tars, or agents of the store) of one agent and
+writes a new capsule, a directory or a tar by the name of ``-o``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from capsulefs.cli import UsageError
+from capsulefs.cli.common import host_id, now_seconds, open_store, state_dir
+from capsulefs.core import format as fmt
+from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
+from capsulefs.core.errors import FormatError, NotFoundError
+from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
+from capsulefs.core.journal import Journal, open_journal, parse_draft_lines, split_lines
+from capsulefs.core.store import AgentHandle
+
+SUMMARY_CHARS = 100
+
+
+def new_event_id() -> str:
+    return secrets.token_hex(12)
+
+
+def recovery_dir(args: argparse.Namespace, agent_id: str) -> str:
+    """Where torn journal tails of an agent go: outside its capsule directory."""
+    return os.path.join(state_dir(args), "recovery", agent_id)
+
+
+def open_agent_journal(args: argparse.Namespace, agent: AgentHandle, *, machine: str | None) -> Journal:
+    return open_journal(
+        agent.path(fmt.JOURNAL),
+        machine=machine,
+        now=time.time,
+        new_id=new_event_id,
+        recovery_dir=recovery_dir(args, agent.agent_id),
+        create=False,
+    )
+
+
+# -- log ---------------------------------------------------------------------------
+
+
+def _one_line(text: str, limit: int = SUMMARY_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summary(rec: Record) -> str:
+    """One line saying what an event was."""
+    ev: Any = rec.event
+    kind = rec.kind
+    if kind in ("user_message", "assistant_message", "note", "system"):
+        who = f"[{ev.model}] " if kind == "assistant_message" and ev.model else ""
+        return who + _one_line(ev.text)
+    if kind == "reasoning":
+        shown = _one_line(ev.text) if ev.text else "(opaque payload)"
+        return f"{ev.provider}/{ev.model} {ev.payload_format}: {shown}"
+    if kind == "tool_call":
+        return _one_line(f"{ev.name}({json.dumps(dict(ev.arguments), sort_keys=True, ensure_ascii=False)}) call {ev.call_id}")
+    if kind == "tool_result":
+        flag = "ERROR " if ev.is_error else ""
+        return _one_line(f"{flag}call {ev.call_id}: {ev.content}")
+    if kind == "memory_edit":
+        if ev.text is not None:
+            return f"working memory, {len(ev.text.encode())} bytes: " + _one_line(ev.text, 60)
+        return f"working memory from blob {ev.blob[:12]}"
+    if kind == "workspace_update":
+        parts = [f"{p} deleted" if sha is None else f"{p} = {sha[:12]}" for p, sha in sorted(ev.changes.items())]
+        return _one_line(", ".join(parts))
+    if kind == "model_switch":
+        return f"{ev.provider}:{ev.model}"
+    keys = ", ".join(sorted(rec.event.payload()))
+    return f"(a kind from a newer capsulefs; fields: {keys or 'none'})"
+
+
+@contextmanager
+def _journal_bytes(args: argparse.Namespace, target: str) -> Iterator[bytes]:
+    """The journal of an agent (store), a capsule directory, or a capsule tar."""
+    if os.path.isdir(target) and os.path.isfile(os.path.join(target, fmt.MANIFEST)):
+        with open(os.path.join(target, fmt.JOURNAL), "rb") as f:
+            yield f.read()
+        return
+    if os.path.isfile(target):
+        from capsulefs.core.tarball import scan_tar
+
+        listing = scan_tar(target)
+        if fmt.JOURNAL not in listing.contents:
+            raise NotFoundError(f"{target} holds no {fmt.JOURNAL}")
+        yield listing.contents[fmt.JOURNAL]
+        return
+    agent = open_store(args).find(target)
+    with open_agent_journal(args, agent, machine=None) as journal:
+        yield journal.read()
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    with _journal_bytes(args, args.agent) as data:
+        if data and not data.endswith(b"\n"):
+            data = data[: data.rfind(b"\n") + 1]  # a line still being written
+        lines = split_lines(data)
+    out = sys.stdout
+    for no, line in enumerate(lines, 1):
+        try:
+            rec = Record.from_line(line)
+        except FormatError as exc:
+            if args.json:
+                continue
+            out.write(f"line {no}: unreadable: {exc}\n")
+            continue
+        if args.kind and rec.kind not in args.kind:
+            continue
+        if args.json:
+            out.write(line.decode() + "\n")
+        else:
+            when = rec.time.replace("T", " ").rstrip("Z")[:19]
+            out.write(f"{when}  {rec.machine[:8]:<8} #{rec.seq:<5} {rec.kind:<17} {summary(rec)}\n")
+    return 0
+
+
+# -- append ------------------------------------------------------------------------
+
+
+def _drafts(args: argparse.Namespace) -> list[Any]:
+    if args.stdin:
+        if args.kind or args.text is not None or args.json:
+            raise UsageError("--stdin reads whole draft events; do not combine it with --kind, --text or --json")
+        return parse_draft_lines(sys.stdin.buffer.read())
+    if not args.kind:
+        raise UsageError("append needs --kind KIND (or --stdin with one JSON event per line)")
+    fields: dict[str, Any] = {}
+    if args.json:
+        try:
+            extra = json.loads(args.json)
+        except ValueError as exc:
+            raise UsageError(f"--json is not valid JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise UsageError("--json must be a JSON object of the event's fields")
+        fields.update(extra)
+    if args.text is not None:
+        fields["text"] = args.text
+    if fields.get("kind", args.kind) != args.kind:
+        raise UsageError(f"--kind {args.kind} but --json says kind {fields['kind']!r}")
+    fields["kind"] = args.kind
+    return [parse_draft(fields)]
+
+
+def _check_blobs(agent: AgentHandle, events: list[Any]) -> list[str]:
+    """Blobs the events name must be in the store; returns them."""
+    shas = []
+    for ev in events:
+        if isinstance(ev, MemoryEdit) and ev.blob is not None:
+            shas.append(ev.blob)
+        elif isinstance(ev, WorkspaceUpdate):
+            shas.extend(sha for sha in ev.changes.values() if sha is not None)
+    missing = [sha for sha in shas if not agent.store.has_blob(sha)]
+    if missing:
+        raise NotFoundError(f"blob {missing[0]} is not in the store; put the file there first")
+    return shas
+
+
+def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
+    """Keep working_memory.md and snapshot.json equal to their projections."""
+    files: dict[str, bytes] = {}
+    snap = None
+    for ev in events:
+        if isinstance(ev, MemoryEdit):
+            files[fmt.WORKING_MEMORY] = ev.text.encode() if ev.text is not None else agent.store.read_blob(ev.blob or "")
+        elif isinstance(ev, WorkspaceUpdate):
+            if snap is None:
+                snap = fmt.parse_snapshot(agent.read(fmt.SNAPSHOT))
+            for path, sha in ev.changes.items():
+                if sha is None:
+                    snap.pop(path, None)
+                else:
+                    snap[path] = sha
+    if snap is not None:
+        files[fmt.SNAPSHOT] = fmt.snapshot_bytes(snap)
+    if files:
+        agent.write_files(files, add_blobs=blobs)
+
+
+def cmd_append(args: argparse.Namespace) -> int:
+    events = _drafts(args)
+    store = open_store(args)
+    agent = store.find(args.agent)
+    with store.writing():  # blobs the events name stay put until the manifest lists them
+        blobs = _check_blobs(agent, events)
+        with open_agent_journal(args, agent, machine=host_id(args)) as journal:
+            records = journal.append_many(events)
+        _project(agent, events, blobs)
+    if not args.quiet:
+        for rec in records:
+            sys.stdout.write(rec.line.decode() + "\n")
+    return 0
+
+
+# -- merge -------------------------------------------------------------------------
+
+
+def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch: str) -> Side:
+    if os.path.isdir(target):
+        return side_from_dir(target)
+    if os.path.isfile(target):
+        return stack.enter_context(side_from_tar(target, scratch))
+    return side_from_agent(open_store(args).find(target))
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    out = args.output
+    if os.path.lexists(out):
+        raise UsageError(f"{out} already exists; merge writes a new capsule")
+    scratch = os.path.dirname(os.path.abspath(out))
+    with ExitStack() as stack:
+        a = _load_side(args, stack, args.a, scratch)
+        b = _load_side(args, stack, args.b, scratch)
+        plan = merge_capsules(a, b, out, mtime=now_seconds())
+    events = plan.files[fmt.JOURNAL].count(b"\n")
+    for w in plan.warnings:
+        print(f"capsulefs: warning: {w}", file=sys.stderr)
+    print(f"merged {args.a} and {args.b} into {out}: {events} events, {len(plan.blobs)} blob(s)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("log", help="show an agent's journal as a readable timeline")
+    p.add_argument("agent", help="agent name or id, or a capsule directory or tar")
+    p.add_argument("--kind", action="append", metavar="K", help="only events of this kind (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the journal lines themselves")
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("append", help="append an event to an agent's journal (for scripts)")
+    p.add_argument("agent", help="agent name or id")
+    p.add_argument("--kind", metavar="KIND", help="event kind, e.g. user_message, note, memory_edit")
+    p.add_argument("--text", metavar="T", help="the event's text field")
+    p.add_argument("--json", metavar="OBJ", help="the event's fields as a JSON object")
+    p.add_argument("--stdin", action="store_true", help="read draft events, one JSON object per line, and append them all or none")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not print the stamped lines")
+    p.set_defaults(func=cmd_append)
+
+    p = sub.add_parser("merge", help="merge two diverged copies of one agent into a new capsule")
+    p.add_argument("a", metavar="A", help="capsule directory, tar, or agent name/id")
+    p.add_argument("b", metavar="B", help="capsule directory, tar, or agent name/id")
+    p.add_argument("-o", "--output", required=True, metavar="C", help="new capsule: a directory, or FILE.tar[.gz|.zst]")
+    p.set_defaults(func=cmd_merge)

@@ -1,0 +1,744 @@
+"""The journal: one immutable event per line, hash-chained per machine,
+ordered across machines by a Lamport clock, merged by set union.
+
+Rules:
+  * A line is canonical JSON (see :mod:`capsulefs.core.events`), so its
+    sha256 is its identity. ``prev`` is the hash of the same machine's
+    previous line, ``seq`` counts 1, 2, 3... per machine without gaps.
+  * The file is sorted by (clock, machine, seq). A local append gets
+    clock = (greatest clock in the file) + 1, so it always goes at the end.
+  * An append is acknowledged only after fdatasync. One ``write`` carries a
+    whole group of lines (:meth:`Journal.append_many` is group commit).
+  * A file that does not end with a newline has a torn tail: bytes of an
+    append that crashed before it was acknowledged. Opening (or catching up
+    with) the journal moves that tail into a recovery file outside the
+    capsule and logs a warning. It is never kept, never dropped silently.
+  * Nothing here rewrites or deletes an event. :func:`merge` builds a new
+    list of lines; writing it somewhere is the caller's business.
+
+Theory of operation (appends):
+  Appenders on one host are serialized by ``flock`` on the journal file
+  itself (no lock file to leak into the capsule) plus a thread lock. Each
+  :class:`Journal` keeps the chain state (per-machine tails, greatest clock,
+  size of the whole lines) in memory. Under the lock it compares the file's
+  size with the size it knows: if another process appended, it reads only
+  the new bytes and absorbs them before stamping. So an append costs one
+  fstat, one write and one fdatasync, whatever the journal's length.
+
+Theory of operation (verify and merge):
+  :func:`verify_lines` parses every line fully (schema and canonical form)
+  and lists every problem with its line number, machine and seq.
+  :func:`merge` works on bytes: it pulls out the envelope of each line
+  (a strict grammar match for JSON up to two levels deep, ``json.loads``
+  for anything deeper), checks each input's order and seq runs, merges the
+  two sorted inputs, and checks the union's chains by hashing each distinct
+  line once. An input whose chain does not verify is refused; so are two
+  different lines with the same (machine, seq), which is a fork.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from hashlib import sha256
+from typing import Any
+
+from .errors import FormatError, IntegrityError
+from .events import Event, Record, line_hash, parse_draft
+from .fsutil import atomic_write, fsync_dir, makedirs_durable
+
+log = logging.getLogger(__name__)
+
+#: Name of a recovery file for a torn tail: ``<journal name>.torn-<n>``.
+TORN_SUFFIX = ".torn-"
+#: Largest group of lines one append_many writes (bounds memory, not semantics).
+MAX_GROUP_BYTES = 64 << 20
+
+Key = tuple[int, str, int]  # (clock, machine, seq): the journal's sort key
+
+
+class ChainError(IntegrityError):
+    """A journal's chains do not verify; ``problems`` lists every finding."""
+
+    def __init__(self, what: str, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        shown = "; ".join(self.problems[:5])
+        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        super().__init__(f"{what}: {shown}{more}")
+
+
+# -- the envelope, fast --------------------------------------------------------
+#
+# A strict grammar for a JSON object whose values nest at most one level. The
+# named envelope keys may appear only once at the top level (the lookahead
+# keeps every other top-level key from being one of them), so a match proves
+# the captured values are the envelope's. Deeper lines go to json.loads.
+
+_STR = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
+_NUM = rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_SCALAR = rb"(?:" + _STR + rb"|" + _NUM + rb"|true|false|null)"
+_VALUE = (
+    rb"(?:" + _SCALAR
+    + rb"|\{(?:" + _STR + rb":" + _SCALAR + rb"(?:," + _STR + rb":" + _SCALAR + rb")*)?\}"
+    + rb"|\[(?:" + _SCALAR + rb"(?:," + _SCALAR + rb")*)?\])"
+)
+_OTHER = rb'(?!"(?:clock|id|kind|machine|prev|seq|time|v)")' + _STR + rb":" + _VALUE
+_SKIP = rb"(?:" + _OTHER + rb",)*?"
+_INT = rb"([1-9][0-9]{0,17})"
+_ENVELOPE_RE = re.compile(
+    rb"\{" + _SKIP + rb'"clock":' + _INT
+    + rb"," + _SKIP + rb'"id":"[0-9a-f]{8,64}"'
+    + rb"," + _SKIP + rb'"kind":"[a-z][a-z0-9_.]{0,63}"'
+    + rb"," + _SKIP + rb'"machine":"([A-Za-z0-9][A-Za-z0-9._-]{0,127})"'
+    + rb"," + _SKIP + rb'"prev":(null|"[0-9a-f]{64}")'
+    + rb"," + _SKIP + rb'"seq":' + _INT
+    + rb"," + _SKIP + rb'"time":' + _STR
+    + rb"," + _SKIP + rb'"v":' + _INT
+    + rb"(?:," + _OTHER + rb")*\}"
+)
+_fullmatch = _ENVELOPE_RE.fullmatch
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+_KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
+
+
+def _posint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def envelope(line: bytes) -> tuple[Key, str | None]:
+    """((clock, machine, seq), prev) of one line, checking it is a JSON object
+    with a well-formed envelope. Raises FormatError. Does not check the
+    event's own fields or the canonical form (:func:`verify_lines` does)."""
+    m = _fullmatch(line)
+    if m is not None and (line.isascii() or _utf8(line)):
+        clock, machine, prev, seq, _v = m.groups()
+        return (int(clock), machine.decode(), int(seq)), (None if prev == b"null" else prev[1:-1].decode())
+    try:
+        doc = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise FormatError("not a JSON object")
+    missing = [k for k in ("clock", "id", "kind", "machine", "prev", "seq", "time", "v") if k not in doc]
+    if missing:
+        raise FormatError(f"lacks {', '.join(missing)}")
+    clock, machine, seq, prev = doc["clock"], doc["machine"], doc["seq"], doc["prev"]
+    if not (_posint(clock) and _posint(seq) and _posint(doc["v"])):
+        raise FormatError("clock, seq and v must be positive integers")
+    if not isinstance(machine, str) or not _HOST_RE.fullmatch(machine):
+        raise FormatError(f"machine {machine!r} is not a host id")
+    if prev is not None and not (isinstance(prev, str) and _HEX64_RE.fullmatch(prev)):
+        raise FormatError(f"prev {prev!r} is neither null nor a sha256")
+    if not isinstance(doc["id"], str) or not _ID_RE.fullmatch(doc["id"]):
+        raise FormatError(f"id {doc['id']!r} is not 8-64 lowercase hex digits")
+    if not isinstance(doc["kind"], str) or not _KIND_RE.fullmatch(doc["kind"]):
+        raise FormatError(f"kind {doc['kind']!r} is not a valid event kind")
+    if not isinstance(doc["time"], str):
+        raise FormatError("time must be a string")
+    return (clock, machine, seq), prev
+
+
+def _utf8(line: bytes) -> bool:
+    try:
+        line.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def split_lines(data: bytes, what: str = "journal") -> list[bytes]:
+    """The lines of a journal's bytes (without newlines). Refuses a torn tail."""
+    if not data:
+        return []
+    if not data.endswith(b"\n"):
+        torn = len(data) - data.rfind(b"\n") - 1
+        raise FormatError(f"{what} does not end with a newline (torn tail of {torn} bytes)")
+    return data[:-1].split(b"\n")
+
+
+def join_lines(lines: Iterable[bytes]) -> bytes:
+    out = b"\n".join(lines)
+    return out + b"\n" if out else b""
+
+
+# -- verifying -----------------------------------------------------------------
+
+
+def verify_lines(lines: Sequence[bytes], *, full: bool = True) -> list[str]:
+    """Every problem of a journal, each naming its line (1-based), machine and seq.
+
+    Checks that each line parses (``full``: as a canonical Record, schema
+    included; otherwise only its envelope), that lines are strictly sorted by
+    (clock, machine, seq), and that each machine's seqs run 1, 2, 3... with
+    ``prev`` equal to the hash of the previous line of that machine and a
+    clock greater than that line's. The same (machine, seq) twice with
+    different bytes is reported as a fork or tampering.
+    """
+    problems: list[str] = []
+    # machine -> [seq, digest, clock, lineno] of its last line
+    tails: dict[str, list[Any]] = {}
+    # machine -> line numbers by seq (index seq-1), to name forks
+    where: dict[str, list[int]] = {}
+    last_key: Key | None = None
+    last_no = 0
+    for no, line in enumerate(lines, 1):
+        try:
+            if full:
+                rec = Record.from_line(line)
+                key: Key = rec.order
+                prev = rec.prev
+            else:
+                key, prev = envelope(line)
+        except FormatError as exc:
+            problems.append(f"line {no}: {exc}")
+            continue
+        clock, machine, seq = key
+        if last_key is not None and key <= last_key:
+            if key == last_key:
+                pass  # reported below as a duplicate or a fork
+            else:
+                problems.append(
+                    f"line {no}: machine {machine} seq {seq}: out of order, (clock {clock}, {machine}, seq {seq}) "
+                    f"sorts before line {last_no} (clock {last_key[0]}, {last_key[1]}, seq {last_key[2]})"
+                )
+        last_key, last_no = key, no
+        digest = line_hash(line)
+        seen = where.setdefault(machine, [])
+        tail = tails.get(machine)
+        if seq <= len(seen) and seen[seq - 1]:
+            other = seen[seq - 1]
+            if lines[other - 1] == line:
+                problems.append(f"line {no}: machine {machine} seq {seq}: duplicates line {other}")
+            else:
+                problems.append(
+                    f"line {no}: machine {machine} seq {seq}: differs from line {other}, which has the same "
+                    "machine and seq (a fork, or tampering)"
+                )
+            continue
+        if tail is None:
+            if seq != 1:
+                problems.append(f"line {no}: machine {machine} seq {seq}: the machine's first line must have seq 1")
+            elif prev is not None:
+                problems.append(f"line {no}: machine {machine} seq 1: prev must be null for a machine's first line")
+        else:
+            t_seq, t_digest, t_clock, t_no = tail
+            if seq != t_seq + 1:
+                problems.append(
+                    f"line {no}: machine {machine} seq {seq}: gap, the machine's previous line is seq {t_seq} "
+                    f"(line {t_no})"
+                )
+            elif prev != t_digest:
+                problems.append(
+                    f"line {no}: machine {machine} seq {seq}: prev does not match the hash of machine {machine} "
+                    f"seq {t_seq} (line {t_no}); one of them was altered (tampering or a fork)"
+                )
+            if clock <= t_clock:
+                problems.append(
+                    f"line {no}: machine {machine} seq {seq}: clock {clock} is not greater than clock {t_clock} "
+                    f"of seq {t_seq} (line {t_no})"
+                )
+        if seq > len(seen):
+            seen.extend([0] * (seq - len(seen)))
+        seen[seq - 1] = no
+        tails[machine] = [seq, digest, clock, no]
+    return problems
+
+
+def check_lines(lines: Sequence[bytes], what: str = "journal", *, full: bool = True) -> None:
+    """Raise ChainError listing every problem, if there is any."""
+    problems = verify_lines(lines, full=full)
+    if problems:
+        raise ChainError(f"{what} does not verify", problems)
+
+
+def check_journal_bytes(data: bytes) -> list[str]:
+    """Content check for ``memory/timeline_events.jsonl`` in a capsule."""
+    try:
+        lines = split_lines(data)
+    except FormatError as exc:
+        return [str(exc)]
+    return verify_lines(lines)
+
+
+# -- merging ---------------------------------------------------------------------
+
+
+def merge(a: Sequence[bytes], b: Sequence[bytes]) -> list[bytes]:
+    """The union of two journals' lines, sorted by (clock, machine, seq).
+
+    Commutative, associative and idempotent. Raises ChainError (naming the
+    input, line, machine and seq) if either input's chains do not verify,
+    or if the inputs hold different lines for the same (machine, seq).
+    """
+    out: list[bytes] = []
+    append = out.append
+    na, nb = len(a), len(b)
+    i = j = 0
+    # Per input: last key (order) and last seq per machine (runs without gaps).
+    last_a: Key = (0, "", 0)
+    last_b: Key = (0, "", 0)
+    seqs_a: dict[str, int] = {}
+    seqs_b: dict[str, int] = {}
+    # The union: per machine [seq, digest, clock].
+    tails: dict[str, list[Any]] = {}
+    ka = pa = kb = pb = None
+
+    def bad(which: str, lines: Sequence[bytes], no: int, msg: str) -> ChainError:
+        found = verify_lines(lines, full=False)
+        return ChainError(f"merge refused: input {which} does not verify", found or [f"line {no}: {msg}"])
+
+    while True:
+        # Pull the next envelope of each input that needs one.
+        if ka is None and i < na:
+            line = a[i]
+            try:
+                ka, pa = envelope(line) if not (j < nb and kb is not None and b[j] == line) else (kb, pb)
+            except FormatError as exc:
+                raise bad("A", a, i + 1, str(exc)) from None
+            if ka <= last_a:
+                raise bad("A", a, i + 1, "out of order")
+            if seqs_a.get(ka[1], 0) + 1 != ka[2]:
+                raise bad("A", a, i + 1, f"machine {ka[1]} seq {ka[2]}: gap")
+            seqs_a[ka[1]] = ka[2]
+            last_a = ka
+        if kb is None and j < nb:
+            line = b[j]
+            try:
+                kb, pb = envelope(line) if not (ka is not None and a[i] == line) else (ka, pa)
+            except FormatError as exc:
+                raise bad("B", b, j + 1, str(exc)) from None
+            if kb <= last_b:
+                raise bad("B", b, j + 1, "out of order")
+            if seqs_b.get(kb[1], 0) + 1 != kb[2]:
+                raise bad("B", b, j + 1, f"machine {kb[1]} seq {kb[2]}: gap")
+            seqs_b[kb[1]] = kb[2]
+            last_b = kb
+        # Take the smaller (both, when equal).
+        if ka is not None and (kb is None or ka < kb):
+            line, key, prev = a[i], ka, pa
+            i += 1
+            ka = None
+        elif kb is not None and (ka is None or kb < ka):
+            line, key, prev = b[j], kb, pb
+            j += 1
+            kb = None
+        elif ka is not None:  # same key in both
+            line, key, prev = a[i], ka, pa
+            if b[j] != line:
+                raise ChainError(
+                    "merge refused",
+                    [f"machine {ka[1]} seq {ka[2]}: input A line {i + 1} and input B line {j + 1} are different "
+                     "events with the same machine and seq (a fork, or tampering)"],
+                )
+            i += 1
+            j += 1
+            ka = kb = None
+        else:
+            break
+        # Check the union's chain for this line's machine.
+        clock, machine, seq = key
+        digest = sha256(line).hexdigest()
+        tail = tails.get(machine)
+        if tail is None:
+            if seq != 1 or prev is not None:
+                raise _merge_chain_error(machine, seq, "the machine's first line must have seq 1 and prev null")
+        else:
+            if seq != tail[0] + 1:
+                raise _merge_chain_error(
+                    machine, seq, f"follows seq {tail[0]}: the inputs hold different events for this machine (a fork)"
+                )
+            if prev != tail[1]:
+                raise _merge_chain_error(machine, seq, f"prev does not match the hash of seq {tail[0]} (tampering or a fork)")
+            if clock <= tail[2]:
+                raise _merge_chain_error(machine, seq, f"clock {clock} is not greater than the clock of seq {tail[0]}")
+        tails[machine] = [seq, digest, clock]
+        append(line)
+    return out
+
+
+def _merge_chain_error(machine: str, seq: int, msg: str) -> ChainError:
+    return ChainError("merge refused", [f"machine {machine} seq {seq}: {msg}"])
+
+
+def merge_bytes(a: bytes, b: bytes) -> bytes:
+    """:func:`merge` on whole journal files, vectorised (same result, same refusals).
+
+    The fast path (:mod:`capsulefs.core.journal_index`) hands anything it
+    does not accept to :func:`merge`, which raises the precise ChainError.
+    """
+    from .journal_index import Unreadable, fast_merge
+
+    try:
+        return fast_merge(a, b)
+    except Unreadable as exc:
+        log.debug("fast merge declined (%s); using the reference merge", exc)
+    return join_lines(merge(split_lines(a, "journal A"), split_lines(b, "journal B")))
+
+
+# -- stamping ----------------------------------------------------------------------
+
+
+def format_time(seconds: float) -> str:
+    """UTC ISO-8601 with milliseconds, e.g. 2026-12-02T14:04:58.123Z."""
+    dt = datetime.fromtimestamp(seconds, timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tail:
+    seq: int  # the machine's last seq
+    digest: str  # sha256 of its last line
+    clock: int  # clock of its last line
+
+
+class ChainState:
+    """What stamping needs to know about a journal, built line by line.
+
+    Pure and in memory: :class:`Journal` keeps one for its file, tests use
+    one to simulate replicas.
+    """
+
+    __slots__ = ("tails", "clock", "count", "last")
+
+    def __init__(self) -> None:
+        self.tails: dict[str, Tail] = {}  # machine -> its last line
+        self.clock = 0  # greatest clock seen
+        self.count = 0  # lines absorbed
+        self.last: Key | None = None  # key of the last line
+
+    def absorb(self, line: bytes) -> Key:
+        """Take one more line (the next in the file). Raises FormatError."""
+        key, _prev = envelope(line)
+        self._take(key, line_hash(line))
+        return key
+
+    def _take(self, key: Key, digest: str) -> None:
+        clock, machine, seq = key
+        self.tails[machine] = Tail(seq=seq, digest=digest, clock=clock)
+        if clock > self.clock:
+            self.clock = clock
+        self.count += 1
+        self.last = key
+
+    def stamp(
+        self,
+        events: Iterable[Event],
+        *,
+        machine: str,
+        now: Callable[[], float],
+        new_id: Callable[[], str],
+    ) -> list[Record]:
+        """Stamp events as the next lines of ``machine`` and absorb them."""
+        records = []
+        when = format_time(now())
+        for event in events:
+            if not isinstance(event, Event):
+                raise FormatError(f"cannot append {type(event).__name__}: not an event")
+            tail = self.tails.get(machine)
+            rec = Record(
+                id=new_id(),
+                machine=machine,
+                seq=tail.seq + 1 if tail else 1,
+                clock=self.clock + 1,
+                prev=tail.digest if tail else None,
+                time=when,
+                event=event,
+            )
+            self._take(rec.order, rec.digest)
+            records.append(rec)
+        return records
+
+
+# -- the journal file ---------------------------------------------------------------
+
+
+def _fdatasync(fd: int) -> None:
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+class Journal:
+    """An open journal file. Make one with :func:`open_journal`.
+
+    Thread-safe, and safe against other processes using their own Journal on
+    the same file. ``machine`` may be None for a read-only use (no appends).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        fd: int,
+        *,
+        machine: str | None,
+        now: Callable[[], float],
+        new_id: Callable[[], str],
+        recovery_dir: str,
+    ) -> None:
+        self.path = path
+        self.machine = machine
+        self.recovery_dir = recovery_dir
+        self._fd = fd
+        self._now = now
+        self._new_id = new_id
+        self._lock = threading.Lock()
+        self._state = ChainState()
+        self._size = 0  # bytes of whole lines absorbed
+
+    # -- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    # -- locking and catching up ------------------------------------------------
+    def _locked(self) -> "_Locked":
+        if self._fd < 0:
+            raise ValueError(f"journal {self.path} is closed")
+        return _Locked(self)
+
+    def _catch_up(self) -> None:
+        """Absorb whatever other writers appended; move a torn tail aside.
+        Caller holds both locks."""
+        size = os.fstat(self._fd).st_size
+        if size == self._size:
+            return
+        if size < self._size:
+            # Only a torn tail (never part of _size) is ever cut; a shorter
+            # file was rewritten behind our back: start over.
+            log.warning("journal %s shrank from %d to %d bytes; re-reading it", self.path, self._size, size)
+            self._state = ChainState()
+            self._size = 0
+        data = os.pread(self._fd, size - self._size, self._size)
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            self._move_torn_tail(self._size + end, data[end:])
+        start = 0
+        base_no = self._state.count
+        state = self._state
+        while start < end:
+            nl = data.index(b"\n", start)
+            try:
+                state.absorb(data[start:nl])
+            except FormatError as exc:
+                # Stop at the last good line: appending after a line we cannot
+                # read would stamp a wrong chain. verify names the line too.
+                self._size += start
+                raise FormatError(f"{self.path}: line {base_no + 1 + _count_lines(data, start)}: {exc}") from None
+            start = nl + 1
+        self._size += end
+
+    def _move_torn_tail(self, offset: int, tail: bytes) -> None:
+        makedirs_durable(self.recovery_dir)
+        name = os.path.basename(self.path) + TORN_SUFFIX
+        taken = [int(n[len(name):]) for n in os.listdir(self.recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
+        dest = os.path.join(self.recovery_dir, f"{name}{max(taken, default=0) + 1}")
+        atomic_write(dest, tail)  # saved durably before the journal is cut
+        os.ftruncate(self._fd, offset)
+        os.fsync(self._fd)
+        log.warning(
+            "journal %s: torn tail of %d bytes at offset %d was never acknowledged; moved it to %s",
+            self.path, len(tail), offset, dest,
+        )
+
+    def refresh(self) -> int:
+        """Catch up with appends of other processes; return the size."""
+        with self._locked():
+            return self._size
+
+    # -- appending -------------------------------------------------------------
+    def append(self, event: Event) -> Record:
+        """Stamp ``event``, append it durably, and return its record."""
+        return self.append_many([event])[0]
+
+    def append_many(self, events: Iterable[Event]) -> list[Record]:
+        """Append a group of events with one write and one fdatasync (all or none)."""
+        events = list(events)
+        if self.machine is None:
+            raise ValueError(f"journal {self.path} was opened read-only (no machine id)")
+        if not events:
+            return []
+        with self._locked():
+            saved_state = _copy_state(self._state)
+            records = self._state.stamp(events, machine=self.machine, now=self._now, new_id=self._new_id)
+            data = b"".join(r.line + b"\n" for r in records)
+            try:
+                self._write_all(data)
+                _fdatasync(self._fd)
+            except BaseException:
+                self._state = saved_state
+                self._undo(self._size)
+                raise
+            self._size += len(data)
+            return records
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            if n <= 0:  # pragma: no cover - a regular file never does this
+                raise OSError(errno.EIO, "short write", self.path)
+            view = view[n:]
+
+    def _undo(self, size: int) -> None:
+        # The group was not acknowledged: cut whatever part of it reached the file.
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as exc:  # pragma: no cover - the next open moves it aside
+            log.warning("journal %s: could not cut a failed append: %s", self.path, exc)
+
+    def append_drafts(self, data: bytes) -> list[Record]:
+        """Validate lines of draft events (kind + fields, as users and
+        scripts write them) and append them all, or none if one is bad."""
+        return self.append_many(parse_draft_lines(data))
+
+    # -- reading ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Bytes of whole lines this Journal knows (see :meth:`refresh`)."""
+        return self._size
+
+    @property
+    def count(self) -> int:
+        """Number of lines this Journal knows."""
+        return self._state.count
+
+    @property
+    def clock(self) -> int:
+        """The greatest clock in the journal."""
+        return self._state.clock
+
+    def tail(self, machine: str) -> Tail | None:
+        return self._state.tails.get(machine)
+
+    def read(self, offset: int = 0, size: int | None = None) -> bytes:
+        """Bytes of whole lines only, from ``offset`` (never a torn tail)."""
+        if self._fd < 0:
+            raise ValueError(f"journal {self.path} is closed")
+        end = self._size if size is None else min(self._size, offset + max(size, 0))
+        if offset >= end:
+            return b""
+        return os.pread(self._fd, end - offset, offset)
+
+    def lines(self) -> list[bytes]:
+        return split_lines(self.read())
+
+    def records(self) -> list[Record]:
+        return [Record.from_line(line) for line in self.lines()]
+
+
+class _Locked:
+    """Both locks held, and the state caught up with the file."""
+
+    __slots__ = ("_j",)
+
+    def __init__(self, journal: Journal) -> None:
+        self._j = journal
+
+    def __enter__(self) -> None:
+        j = self._j
+        j._lock.acquire()
+        try:
+            fcntl.flock(j._fd, fcntl.LOCK_EX)
+            try:
+                j._catch_up()
+            except BaseException:
+                fcntl.flock(j._fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            j._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        j = self._j
+        try:
+            fcntl.flock(j._fd, fcntl.LOCK_UN)
+        finally:
+            j._lock.release()
+
+
+def _copy_state(state: ChainState) -> ChainState:
+    copy = ChainState()
+    copy.tails = dict(state.tails)
+    copy.clock, copy.count, copy.last = state.clock, state.count, state.last
+    return copy
+
+
+def _count_lines(data: bytes, end: int) -> int:
+    return data.count(b"\n", 0, end)
+
+
+def open_journal(
+    path: str | os.PathLike[str],
+    *,
+    machine: str | None,
+    now: Callable[[], float],
+    new_id: Callable[[], str],
+    recovery_dir: str | os.PathLike[str],
+    create: bool = True,
+) -> Journal:
+    """Open (or create) a journal file and catch up with it.
+
+    ``machine`` is this host's id (None: read-only). ``now`` gives Unix
+    seconds, ``new_id`` a fresh event id (24 hex). A torn tail is moved to
+    ``recovery_dir``, which must lie outside the capsule so that the capsule
+    still verifies. Use it as a context manager, or call ``close()``.
+    """
+    path = os.fspath(path)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
+    created = False
+    if create:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, flags)
+    else:
+        fd = os.open(path, flags)
+    if created:
+        fsync_dir(os.path.dirname(path) or ".")
+    journal = Journal(path, fd, machine=machine, now=now, new_id=new_id, recovery_dir=os.fspath(recovery_dir))
+    try:
+        journal.refresh()
+    except BaseException:
+        journal.close()
+        raise
+    return journal
+
+
+def parse_draft_lines(data: bytes) -> list[Event]:
+    """Parse newline-separated draft events; each must be a whole line."""
+    if not data.endswith(b"\n"):
+        raise FormatError("draft events must be whole lines, each ending with a newline")
+    events = []
+    for no, raw in enumerate(data[:-1].split(b"\n"), 1):
+        if not raw.strip():
+            raise FormatError(f"draft line {no} is empty")
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise FormatError(f"draft line {no} is not valid JSON: {exc}") from None
+        try:
+            events.append(parse_draft(obj))
+        except FormatError as exc:
+            raise FormatError(f"draft line {no}: {exc}") from None
+    return events
