@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "capsulefs.cli.index_cmds",
     "capsulefs.cli.mount_cmds",
     "capsulefs.cli.run_cmds",
+    "capsulefs.cli.render_cmds",
 )
 
 

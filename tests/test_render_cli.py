@@ -1,0 +1,72 @@
+"""``capsulefs render``: an agent of the store, a capsule directory, errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from capsulefs.cli import main
+from capsulefs.core import format as fmt
+from capsulefs.core.events import ModelSwitch, ToolCall, UserMessage
+from capsulefs.core.journal import open_journal
+from capsulefs.core.render import INTERRUPTED
+from helpers import HOST, export_and_unpack, make_agent
+
+
+@pytest.fixture
+def alice(store, tmp_path: Path):
+    agent = make_agent(store, "alice", memory="remember the milk\n")
+    ids = (f"{n:024x}" for n in itertools.count(1))
+    with open_journal(agent.path(fmt.JOURNAL), machine=HOST, now=lambda: 1764684000.0, new_id=lambda: next(ids),
+                      recovery_dir=tmp_path / "recovery", create=False) as journal:
+        journal.append_many([
+            ModelSwitch(provider="anthropic", model="claude-a"),
+            UserMessage(text="list the files " + "word " * 400),
+            ToolCall(call_id="c1", name="shell", arguments={"command": "ls"}),
+        ])
+    return agent
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_render_an_agent_for_its_current_model(alice, state_dir, capsys) -> None:
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", "alice")
+    assert rc == 0, err
+    body = json.loads(out)
+    assert body["model"] == "claude-a" and "remember the milk" in body["system"]
+    assert body["messages"][-1]["content"][0]["content"] == INTERRUPTED  # the dangling call, answered
+
+
+def test_render_for_another_provider_with_a_budget(alice, state_dir, capsys) -> None:
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", alice.agent_id, "--provider", "openai-chat",
+                       "--model", "gpt-x", "--budget", "1000", "--compact", "--stats", "--no-memory")
+    assert rc == 0, err
+    assert out.count("\n") == 1 and len(out) <= 1001
+    body = json.loads(out)
+    assert body["model"] == "gpt-x" and body["messages"][0]["content"].startswith("[Earlier conversation omitted")
+    assert "1 units kept, 1 dropped" in err and "remember the milk" not in out
+
+
+def test_render_a_capsule_directory(alice, tmp_path, capsys) -> None:
+    _, capsule = export_and_unpack(alice, tmp_path)
+    rc, out, err = run(capsys, "render", str(capsule), "--provider", "gemini", "--model", "gem-a")
+    assert rc == 0, err
+    body = json.loads(out)
+    assert body["contents"][0]["parts"][0]["text"].startswith("list the files")
+    assert "remember the milk" in body["systemInstruction"]["parts"][0]["text"]
+
+
+def test_render_errors_name_the_problem(alice, state_dir, capsys) -> None:
+    rc, _, err = run(capsys, "--state", str(state_dir), "render", "nobody")
+    assert rc == 1 and "nobody" in err
+    rc, _, err = run(capsys, "--state", str(state_dir), "render", "alice", "--budget", "20")
+    assert rc == 1 and "budget of 20 tokens" in err
+    with pytest.raises(SystemExit):
+        main(["render", "alice", "--provider", "nope"])
