@@ -18,15 +18,16 @@ lower-cased, NFKC-normalised and split into word tokens (letters and digits;
 stem, so "deploys"/"deployed" meet) and its character 3- to 5-grams with
 word-boundary marks (so "deployment" and "deploying" share most mass);
 each pair of adjacent non-stopword tokens yields a bigram feature. Term
-frequency is sublinear (1 + ln tf). Every feature is hashed with BLAKE2b into
+frequency is sublinear (1 + ln tf). Every feature is hashed (64 bits) into
 one of ``dims`` buckets with a hash-derived sign (so collisions cancel on
 average instead of piling up), and the sum is L2 normalised. Per-token
-features are cached, so embedding costs a few dict look-ups per word.
+features are cached, so embedding costs a few dict look-ups per word;
+bigram hashes are mixed from the two stems' hashes in numpy, never hashed
+as strings.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import logging
@@ -34,6 +35,7 @@ import math
 import os
 import re
 import unicodedata
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,7 +138,24 @@ def tokenize(text: str) -> list[str]:
 
 
 def _hash64(feature: str) -> int:
-    return int.from_bytes(hashlib.blake2b(feature.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    """A stable 64-bit hash of a feature string (two CRC-32s: fast, in C)."""
+    data = feature.encode("utf-8", "surrogatepass")
+    return zlib.crc32(data) | (zlib.crc32(data, 0x9E3779B9) << 32)
+
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix_pairs(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """64-bit hashes of ordered pairs of 64-bit hashes (splitmix64 finaliser)."""
+    with np.errstate(over="ignore"):
+        h = left * _MIX ^ (right + np.uint64(0x632BE59BD9B4E019))
+        h ^= h >> np.uint64(30)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return h
 
 
 class HashedEmbedder:
@@ -154,8 +173,8 @@ class HashedEmbedder:
     def __init__(self, dims: int = 512) -> None:
         self._spec = EmbedderSpec(name=self.NAME, dims=dims, version=self.VERSION)
         self._dims = dims
-        self._word_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._bigram_cache: dict[str, tuple[int, float]] = {}
+        # token -> (bucket indices, signed weights, 64-bit hash of its stem)
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
 
     @property
     def spec(self) -> EmbedderSpec:
@@ -165,54 +184,41 @@ class HashedEmbedder:
         h = _hash64(feature)
         return h % self._dims, (weight if (h >> 63) else -weight)
 
-    def _word_features(self, token: str) -> tuple[np.ndarray, np.ndarray]:
-        hit = self._word_cache.get(token)
+    def _token(self, token: str) -> tuple[np.ndarray, np.ndarray, int]:
+        hit = self._cache.get(token)
         if hit is not None:
             return hit
-        pairs = [self._bucket("w:" + stem(token), self.WORD_WEIGHT)]
+        stemmed = stem(token)
+        pairs = [self._bucket("w:" + stemmed, self.WORD_WEIGHT)]
         if len(token) <= self.MAX_TOKEN:
             marked = f"<{token}>"
             grams = [marked[i : i + n] for n in self.CHAR_NGRAMS for i in range(len(marked) - n + 1)]
             if grams:
                 w = self.CHAR_WEIGHT / math.sqrt(len(grams))
                 pairs.extend(self._bucket("c:" + g, w) for g in grams)
-        idx = np.fromiter((p[0] for p in pairs), dtype=np.int64, count=len(pairs))
-        val = np.fromiter((p[1] for p in pairs), dtype=np.float64, count=len(pairs))
-        if len(self._word_cache) >= self.CACHE_LIMIT:
-            self._word_cache.clear()
-        self._word_cache[token] = (idx, val)
-        return idx, val
-
-    def _bigram(self, pair: str) -> tuple[int, float]:
-        hit = self._bigram_cache.get(pair)
-        if hit is None:
-            if len(self._bigram_cache) >= self.CACHE_LIMIT:
-                self._bigram_cache.clear()
-            hit = self._bigram_cache[pair] = self._bucket("b:" + pair, self.BIGRAM_WEIGHT)
+        idx = np.array([p[0] for p in pairs], dtype=np.int64)
+        val = np.array([p[1] for p in pairs], dtype=np.float64)
+        if len(self._cache) >= self.CACHE_LIMIT:
+            self._cache.clear()
+        hit = self._cache[token] = (idx, val, _hash64("b:" + stemmed))
         return hit
 
     def embed_one(self, text: str) -> np.ndarray:
-        vec = np.zeros(self._dims, dtype=np.float64)
         tokens = [t for t in tokenize(text) if t not in STOPWORDS]
         if not tokens:
-            return vec.astype(np.float32)
+            return np.zeros(self._dims, dtype=np.float32)
         idx_parts = []
         val_parts = []
         for token, tf in Counter(tokens).items():
-            idx, val = self._word_features(token)
+            idx, val, _h = self._token(token)
             idx_parts.append(idx)
             val_parts.append(val * (1.0 + math.log(tf)) if tf > 1 else val)
-        bigrams = Counter(f"{a} {b}" for a, b in zip(tokens, tokens[1:]))
-        if bigrams:
-            bi = [self._bigram(p) for p in bigrams]
-            idx_parts.append(np.fromiter((b[0] for b in bi), dtype=np.int64, count=len(bi)))
-            val_parts.append(
-                np.fromiter(
-                    (b[1] * (1.0 + math.log(tf)) for b, tf in zip(bi, bigrams.values())),
-                    dtype=np.float64,
-                    count=len(bi),
-                )
-            )
+        if len(tokens) > 1:
+            th = np.fromiter((self._cache[t][2] for t in tokens), dtype=np.uint64, count=len(tokens))
+            pairs, counts = np.unique(_mix_pairs(th[:-1], th[1:]), return_counts=True)
+            signs = np.where(pairs >> np.uint64(63), 1.0, -1.0)
+            idx_parts.append((pairs % np.uint64(self._dims)).astype(np.int64))
+            val_parts.append(signs * self.BIGRAM_WEIGHT * (1.0 + np.log(counts)))
         vec = np.bincount(np.concatenate(idx_parts), weights=np.concatenate(val_parts), minlength=self._dims)
         norm = float(np.linalg.norm(vec))
         if norm > 0:

@@ -34,10 +34,15 @@ Theory of operation:
   * Chunking. A text is cut at blank lines (and before markdown headings)
     into chunks of at most ``CHUNK_CHARS`` characters; an overlong paragraph
     is cut at a sentence end or space. At most ``MAX_CHUNKS`` per event.
-  * Search is an exact scan: the stored int8 rows are dequantised once into a
-    float32 matrix, a query is one matrix-vector product and a partial sort
-    (``argpartition``). Rows of one event collapse to its best chunk
-    (memory chunks stay separate: each is its own span).
+  * Search is an exact scan: the stored int8 rows are dequantised once into
+    a float32 matrix, a query is one matrix-vector product and a partial sort
+    (``argpartition``). At 100k rows that is ~10 ms, bound by memory
+    bandwidth. An inverted-file partition (k-means lists, probe the nearest)
+    was measured and rejected: on these lexical vectors a short query's
+    neighbours spread over many lists, so at 10x speed it kept only 40-50%
+    of the true top 10 (bench/bench_index.py shows the trade-off). Rows of
+    one event collapse to its best chunk (memory chunks stay separate: each
+    is its own span).
 
 On-disk layout (one JSON object, keys sorted, ``digest`` first)::
 
@@ -330,7 +335,7 @@ class VectorIndex:
         self.scale = scale if scale is not None else np.zeros(0, np.float32)
         self.position = position or JournalPosition()
         self.memory = memory  # (memory_edit id, its order) whose chunks are indexed
-        self._matrix: np.ndarray | None = None
+        self._layout: tuple[np.ndarray, np.ndarray] | None = None  # (float32 rows, kind codes)
         if self.codes.shape != (len(self.entries), dims) or self.scale.shape != (len(self.entries),):
             raise IndexCorrupt(
                 f"index has {len(self.entries)} entries but vectors of shape {self.codes.shape} / {self.scale.shape}"
@@ -347,7 +352,7 @@ class VectorIndex:
         self.entries.extend(entries)
         self.codes = np.concatenate([self.codes, q])
         self.scale = np.concatenate([self.scale, s])
-        self._matrix = None
+        self._layout = None
 
     def drop(self, keep: Callable[[Entry], bool]) -> int:
         mask = np.fromiter((keep(e) for e in self.entries), dtype=bool, count=len(self.entries))
@@ -356,14 +361,12 @@ class VectorIndex:
             self.entries = [e for e, k in zip(self.entries, mask) if k]
             self.codes = self.codes[mask]
             self.scale = self.scale[mask]
-            self._matrix = None
+            self._layout = None
         return removed
 
     def matrix(self) -> np.ndarray:
-        """The float32 row matrix (dequantised once, then cached)."""
-        if self._matrix is None:
-            self._matrix = self.codes.astype(np.float32) * self.scale[:, None]
-        return self._matrix
+        """The float32 rows, in row order (a fresh array)."""
+        return self.codes.astype(np.float32) * self.scale[:, None]
 
     def rows(self) -> dict[tuple[str, int, int], tuple[str, str, bytes, float]]:
         """(event, start, end) -> (kind, time, int8 row, scale): to compare indexes."""
@@ -372,16 +375,27 @@ class VectorIndex:
             for i, e in enumerate(self.entries)
         }
 
+    def _get_layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 rows, kind code of each row), computed once per change."""
+        if self._layout is None:
+            kinds = np.array([INDEXED_KINDS.index(e.kind) if e.kind in INDEXED_KINDS else -1 for e in self.entries], np.int8)
+            self._layout = (self.matrix(), kinds)
+        return self._layout
+
     # -- search -------------------------------------------------------------
     def search_vector(self, query: np.ndarray, k: int, *, kinds: Iterable[str] | None = None) -> list[tuple[float, int]]:
-        """Best ``k`` (score, row), one row per event (memory: per span)."""
-        n = len(self.entries)
-        if n == 0 or k <= 0:
+        """Best ``k`` (score, row) by an exact scan, one row per event (memory: per span)."""
+        if not self.entries or k <= 0:
             return []
-        scores = self.matrix() @ np.asarray(query, dtype=np.float32)
+        matrix, kind_codes = self._get_layout()
+        scores = matrix @ np.asarray(query, dtype=np.float32)
         if kinds is not None:
-            wanted = set(kinds)
-            scores = np.where([e.kind in wanted for e in self.entries], scores, -np.inf)
+            wanted = [INDEXED_KINDS.index(x) for x in kinds if x in INDEXED_KINDS]
+            scores = np.where(np.isin(kind_codes, wanted), scores, -np.inf)
+        return self._best(scores, k)
+
+    def _best(self, scores: np.ndarray, k: int) -> list[tuple[float, int]]:
+        n = len(scores)
         want = k
         while True:
             m = min(n, want * 4 + 8)
@@ -678,7 +692,12 @@ def parse_index(data: bytes) -> VectorIndex:
         except (KeyError, TypeError, ValueError):
             raise IndexCorrupt("index.json memory is not {event, order: [clock, machine, seq]}") from None
     return VectorIndex(
-        spec, entries=entries, codes=codes.reshape(len(entries), dims).copy(), scale=scale, position=position, memory=memory
+        spec,
+        entries=entries,
+        codes=codes.reshape(len(entries), dims).copy(),
+        scale=scale,
+        position=position,
+        memory=memory,
     )
 
 
