@@ -84,7 +84,7 @@ from typing import Any
 import numpy as np
 
 from .embedders import Embedder, EmbedderSpec, select_embedder
-from .errors import FormatError
+from .errors import CapsuleError, FormatError
 from .events import (
     AssistantMessage,
     MemoryEdit,
@@ -96,6 +96,7 @@ from .events import (
 )
 from .format import BLOBS_DIR, JOURNAL, VECTOR_INDEX, check_sha256
 from .fsutil import atomic_write, makedirs_durable
+from .journal import split_lines
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ def indexed_text(record: Record, blobs: BlobReader | None = None) -> str | None:
                 return None
             try:
                 return blobs(event.blob).decode("utf-8", "replace")  # type: ignore[arg-type]
-            except OSError as exc:
+            except (OSError, CapsuleError) as exc:
                 log.warning("memory_edit %s: cannot read blob %s (%s); memory not indexed", record.id, event.blob, exc)
                 return None
     return None  # reasoning (private), notes, system, workspace updates, unknown kinds
@@ -427,29 +428,22 @@ def _parse_lines(data: bytes, start: int) -> tuple[list[Record], int, int, str |
     """Records of the complete lines of ``data`` from ``start``.
 
     Returns (records, lines seen, end of the last complete line, sha256 of
-    that line). A trailing line without its newline is still being written:
-    it is left for the next update. A line that does not parse is skipped
-    with a warning (``journal verify`` is the place that reports it).
+    that line). A trailing line without its newline is a torn tail (see
+    :mod:`capsulefs.core.journal`): it is left alone, not indexed. A line
+    that does not parse is skipped with a warning (``journal verify`` is the
+    place that reports it).
     """
+    end = data.rfind(b"\n") + 1
+    if end <= start:
+        return [], 0, start, None
+    lines = split_lines(data[start:end])
     records = []
-    lines = 0
-    last = None
-    pos = start
-    while True:
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            break
-        line = data[pos:nl]
-        pos = nl + 1
-        if not line.strip():
-            continue
-        lines += 1
-        last = line_hash(line)
+    for no, line in enumerate(lines, 1):
         try:
             records.append(Record.from_line(line))
         except FormatError as exc:
-            log.warning("journal line %d is not indexed: %s", lines, exc)
-    return records, lines, pos, last
+            log.warning("journal line %d (after byte %d) is not indexed: %s", no, start, exc)
+    return records, len(lines), end, line_hash(lines[-1])
 
 
 def _heads_of(records: Iterable[Record], base: Mapping[str, tuple[int, str]] | None = None) -> dict[str, tuple[int, str]]:

@@ -282,3 +282,13 @@ def test_chunks_cover_the_text_in_order(text: str, limit: int) -> None:
         last = e
     covered = "".join(text[s:e] for s, e in spans)
     assert "".join(covered.split()) == "".join(text.split())
+
+
+def test_a_missing_memory_blob_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    w = Writer("hostA")
+    records = [w.write("u", "user_message", text="hello there"), w.write("m", "memory_edit", blob="ab" * 32)]
+    cap = _capsule(tmp_path, records)
+    with caplog.at_level(logging.WARNING):
+        hits = recall(cap, "hello", 5)
+    assert [h.event for h in hits] == [event_id("u")]
+    assert "cannot read blob" in caplog.text
