@@ -323,3 +323,15 @@ BROKEN = {
 @pytest.mark.parametrize("provider", ALL)
 def test_checkers_reject_broken_pairing(provider: str) -> None:
     assert check_request(provider, BROKEN[provider])
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_megabyte_messages(provider: str) -> None:
+    big = "ä" * 1_000_000
+    journal = [UserMessage(text="first"), AssistantMessage(text="ok"), UserMessage(text=big),
+               AssistantMessage(text="that was long"), UserMessage(text="and now?")]
+    assert big in dumped(rendered(journal, provider))
+    fitted = render(journal, provider=provider, model="m", budget=100_000)
+    text = dumped(fitted.body)
+    assert fitted.tokens <= 100_000 and big not in text
+    assert "that was long" in text and "and now?" in text and ": 2 user messages, 1 assistant message," in text

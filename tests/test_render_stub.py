@@ -169,3 +169,21 @@ def test_stub_refuses_broken_pairing(stub) -> None:
         assert len(state.refused) == 2 and state.requests == []
     finally:
         conv.close()
+
+
+def test_stub_runs_as_a_program() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "capsulefs.stubprovider", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().split()[3]
+        assert url.startswith("http://127.0.0.1:")
+        with openai.OpenAI(base_url=url + "/v1", api_key="stub", max_retries=0) as client:
+            reply = client.chat.completions.create(model="gpt-c", messages=[{"role": "user", "content": "ping"}])
+        assert reply.choices[0].message.content == "echo: ping"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
