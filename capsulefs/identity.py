@@ -43,7 +43,6 @@ __all__ = [
     "HOST_ID_LENGTH",
     "Identity",
     "IdentityError",
-    "default_state_dir",
     "host_id_from_der",
     "identity_path",
     "load_identity",
@@ -60,13 +59,6 @@ _NOT_AFTER = _dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=_dt.timezone.utc)
 
 class IdentityError(CapsuleError):
     """The host identity file is missing, unreadable or inconsistent."""
-
-
-def default_state_dir() -> Path:
-    """/var/lib/capsulefs as root, else ~/.local/share/capsulefs."""
-    if os.geteuid() == 0:
-        return Path("/var/lib/capsulefs")
-    return Path.home() / ".local" / "share" / "capsulefs"
 
 
 def host_id_from_der(cert_der: bytes) -> str:

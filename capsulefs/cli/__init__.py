@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "capsulefs.cli.mount_cmds",
     "capsulefs.cli.run_cmds",
     "capsulefs.cli.render_cmds",
+    "capsulefs.cli.peer_cmds",
 )
 
 

@@ -1,0 +1,176 @@
+"""The peer link over real TLS on loopback: pinning both ways, introduction,
+framing with streamed payloads, and errors mapped to our own types."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from capsulefs.identity import Identity, load_or_create_identity
+from capsulefs.peerlink import (
+    CallFailed,
+    Payload,
+    PeerBroken,
+    PeerRefused,
+    PeerUnreachable,
+    RemoteError,
+    open_peer,
+    serve_peers,
+)
+from capsulefs.peers import Peer, PeerBook
+
+
+@dataclass
+class Recorder:
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    hang: trio.Event | None = None
+    hanging: trio.Event = field(default_factory=trio.Event)
+
+    async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict, bytes]:
+        self.calls.append((peer.name, call))
+        if call == "echo":
+            data = await payload.read()
+            return {"args": args, "sha": hashlib.sha256(data).hexdigest(), "size": len(data)}, data
+        if call == "stream":
+            h = hashlib.sha256()
+            async for chunk in payload.chunks():
+                h.update(chunk)
+            return {"sha": h.hexdigest()}, b""
+        if call == "fail":
+            raise CallFailed("nope", "the handler said no")
+        if call == "hang":
+            assert self.hang is not None
+            self.hanging.set()
+            await self.hang.wait()
+        return {}, b""
+
+
+@dataclass
+class Pair:
+    a: Identity
+    b: Identity
+    book_a: PeerBook
+    book_b: PeerBook
+    port: int
+    handler: Recorder
+
+    def peer_b(self, host_id: str | None = None) -> Peer:
+        return Peer(name="b", address=f"127.0.0.1:{self.port}", host_id=host_id or self.b.host_id)
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[Pair]:
+    a = load_or_create_identity(tmp_path / "a")
+    b = load_or_create_identity(tmp_path / "b")
+    book_a, book_b = PeerBook(tmp_path / "a"), PeerBook(tmp_path / "b")
+    book_b.add(Peer(name="a", address="127.0.0.1:1", host_id=a.host_id))
+    handler = Recorder()
+    port = await nursery.start(lambda task_status: serve_peers(b, book_b, handler, host="127.0.0.1",
+                                                               task_status=task_status))
+    book_a.add(Peer(name="b", address=f"127.0.0.1:{port}", host_id=b.host_id))
+    yield Pair(a, b, book_a, book_b, port, handler)
+
+
+async def test_call_round_trip_with_payload_and_introduction(pair: Pair) -> None:
+    data = os.urandom(3 << 20)
+    async with open_peer(pair.a, pair.book_a.find("b")) as conn:
+        result, back = await conn.call("echo", {"x": 1}, payload=data)
+        assert result == {"args": {"x": 1}, "sha": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        assert back == data
+        assert conn.bytes_sent >= len(data) and conn.bytes_received >= len(data)
+    # the server learned a's certificate on the first link
+    assert (pair.book_b.certs_dir / f"{pair.a.host_id}.pem").exists()
+    async with open_peer(pair.a, pair.book_a.find("b")) as conn:
+        await conn.call("ping")
+    assert pair.handler.calls == [("a", "echo"), ("a", "ping")]
+
+
+async def test_streamed_payload(pair: Pair) -> None:
+    parts = [os.urandom(100_000) for _ in range(7)]
+
+    async def gen() -> AsyncIterator[bytes]:
+        for p in parts:
+            yield p
+
+    async with open_peer(pair.a, pair.peer_b()) as conn:
+        result, _ = await conn.call("stream", payload=gen(), size=sum(map(len, parts)))
+    assert result["sha"] == hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+async def test_client_refuses_a_server_with_another_id(pair: Pair, tmp_path: Path) -> None:
+    other = load_or_create_identity(tmp_path / "other")
+    with pytest.raises(PeerRefused, match="not the pinned"):
+        async with open_peer(pair.a, pair.peer_b(host_id=other.host_id)):
+            pass
+    assert pair.handler.calls == []
+
+
+async def test_server_refuses_an_unknown_client(pair: Pair, tmp_path: Path) -> None:
+    stranger = load_or_create_identity(tmp_path / "stranger")
+    with pytest.raises(PeerRefused, match="not a configured peer"):
+        async with open_peer(stranger, pair.peer_b()):
+            pass
+    assert pair.handler.calls == []
+    assert not (pair.book_b.certs_dir / f"{stranger.host_id}.pem").exists()
+
+
+async def test_a_removed_peer_is_refused_although_its_certificate_was_learned(pair: Pair) -> None:
+    async with open_peer(pair.a, pair.peer_b()) as conn:
+        await conn.call("ping")
+    pair.book_b.remove("a")
+    with pytest.raises(PeerRefused):
+        async with open_peer(pair.a, pair.peer_b()) as conn:
+            await conn.call("ping")
+    assert pair.handler.calls == [("a", "ping")]
+
+
+async def test_remote_failure_arrives_as_a_typed_error(pair: Pair) -> None:
+    async with open_peer(pair.a, pair.peer_b()) as conn:
+        with pytest.raises(RemoteError) as info:
+            await conn.call("fail", payload=b"ignored")
+        assert info.value.code == "nope"
+        result, _ = await conn.call("echo", payload=b"still usable")
+        assert result["size"] == 12
+
+
+async def test_unreachable_peer(pair: Pair) -> None:
+    s = trio.socket.socket()
+    await s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(PeerUnreachable):
+        async with open_peer(pair.a, Peer(name="gone", address=f"127.0.0.1:{port}", host_id=pair.b.host_id)):
+            pass
+
+
+async def test_link_dying_mid_call_is_broken_not_a_hang(tmp_path: Path) -> None:
+    a = load_or_create_identity(tmp_path / "a")
+    b = load_or_create_identity(tmp_path / "b")
+    book_a, book_b = PeerBook(tmp_path / "a"), PeerBook(tmp_path / "b")
+    book_b.add(Peer(name="a", address="127.0.0.1:1", host_id=a.host_id))
+    handler = Recorder(hang=trio.Event())
+    async with trio.open_nursery() as server:
+        port = await server.start(lambda task_status: serve_peers(b, book_b, handler, host="127.0.0.1",
+                                                                   task_status=task_status))
+        async with open_peer(a, Peer(name="b", address=f"127.0.0.1:{port}", host_id=b.host_id)) as conn:
+            async with trio.open_nursery() as n:
+                async def kill_when_hanging() -> None:
+                    await handler.hanging.wait()
+                    server.cancel_scope.cancel()  # the whole server dies, its links with it
+                n.start_soon(kill_when_hanging)
+                with pytest.raises(PeerBroken):
+                    await conn.call("hang")
+
+
+async def test_serve_peers_reports_its_port_only_once_listening(pair: Pair) -> None:
+    # connecting right after start() returned must work: started() came after bind
+    with trio.fail_after(5):
+        s = await trio.open_tcp_stream("127.0.0.1", pair.port)
+        await s.aclose()
