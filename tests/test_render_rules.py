@@ -15,7 +15,6 @@ from capsulefs.core.events import (
     AssistantMessage,
     ModelSwitch,
     Note,
-    Record,
     System,
     ToolCall,
     ToolResult,

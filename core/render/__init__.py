@@ -15,6 +15,16 @@ Rules:
     budget by the counter used (:class:`BudgetTooSmall` if even the system
     prompt and digest cannot fit).
 
+Providers and the reasoning each replays (``Reasoning.payload_format``, ``data``)::
+
+    anthropic         Messages API        anthropic.thinking           the thinking block
+                                          anthropic.redacted_thinking  the redacted_thinking block
+    openai-chat       Chat Completions    (none: the API takes no reasoning back)
+    openai-responses  Responses API       openai-responses.reasoning   the reasoning item
+    gemini            generateContent     gemini.thought_signature     {"thoughtSignature": ...},
+                                                                       rides on the next part
+                                          gemini.thought               {"part": the thought part}
+
 Theory of operation: :func:`._plan.plan` pairs and cuts the journal into
 units once; a provider module (``PROVIDERS[id]``) turns the kept units into
 its JSON; :func:`._plan.fit` chooses the window with the provider's counter.
@@ -39,6 +49,7 @@ from .openai_chat import PROVIDER as _CHAT
 from .openai_responses import PROVIDER as _RESPONSES
 
 __all__ = [
+    "DEFAULT_COUNTERS",
     "INTERRUPTED",
     "PROVIDERS",
     "BudgetTooSmall",

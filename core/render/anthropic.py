@@ -15,12 +15,12 @@ Rules this module guarantees for every body it renders:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import Provider, ToolSpec, verbatim
-from ._plan import CALL, CONTINUES, RESULT, TEXT, THINK, USER
+from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "anthropic"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import Provider, ToolSpec, args_from_json, args_json, error_text, verbatim
-from ._plan import CALL, RESULT, TEXT, THINK, USER
+from ._plan import CALL, RESULT, TEXT, USER
 
 ID = "openai-responses"
 
