@@ -334,3 +334,13 @@ def test_megabyte_messages(provider: str) -> None:
     text = dumped(fitted.body)
     assert fitted.tokens <= 100_000 and big not in text
     assert "that was long" in text and "and now?" in text and ": 2 user messages, 1 assistant message," in text
+
+
+def test_anthropic_counter_pays_for_the_hidden_tool_prompt() -> None:
+    tools = [ToolSpec(name="grep")]
+    journal = _long_journal(10)
+    plain = render(journal, provider="anthropic", model="m", budget=3000)
+    with_tools = render(journal, provider="anthropic", model="m", budget=3000, tools=tools)
+    assert with_tools.tokens == byte_upper_bound(with_tools.body) + 500 <= 3000
+    assert plain.tokens == byte_upper_bound(plain.body)
+    assert with_tools.kept_units < plain.kept_units

@@ -12,6 +12,10 @@ Rules:
     character's UTF-8 bytes), which also pays for the role markers and
     separators a provider adds around each message: they are fewer tokens
     than the JSON punctuation and keys that wrap the same message.
+  * A provider may add text the body does not show: Anthropic prepends a
+    tool-use system prompt (a few hundred tokens, per its docs) whenever
+    tools are offered. Such hidden prompts are added as a fixed allowance
+    (:data:`HIDDEN_WITH_TOOLS`) by the provider's default counter.
   * No tokenizer file can be fetched at run time here (network reaches only
     package registries) and none ships offline, so precise counting is opt-in:
     :func:`encoding_counter` turns any tokenizer's ``encode`` into a counter.
@@ -68,9 +72,22 @@ def encoding_counter(encode: Callable[[str], Sequence[int]]) -> Counter:
     return count
 
 
+#: Tokens a provider adds to a request that offers tools, beyond the tools'
+#: own JSON. Anthropic documents 313-346 for its tool-use system prompt.
+HIDDEN_WITH_TOOLS = {"anthropic": 500}
+
+
+def _with_hidden_prompt(extra: int) -> Counter:
+    def count(obj: Any) -> int:
+        hidden = extra if isinstance(obj, dict) and obj.get("tools") else 0
+        return byte_upper_bound(obj) + hidden
+
+    return count
+
+
 #: The counter each provider uses unless the caller passes one.
 DEFAULT_COUNTERS: dict[str, Counter] = {
-    "anthropic": byte_upper_bound,
+    "anthropic": _with_hidden_prompt(HIDDEN_WITH_TOOLS["anthropic"]),
     "openai-chat": byte_upper_bound,
     "openai-responses": byte_upper_bound,
     "gemini": byte_upper_bound,
