@@ -335,10 +335,9 @@ def merge(a: Sequence[bytes], b: Sequence[bytes]) -> list[bytes]:
         elif ka is not None:  # same key in both
             line, key, prev = a[i], ka, pa
             if b[j] != line:
-                raise ChainError(
-                    "merge refused",
-                    [f"machine {ka[1]} seq {ka[2]}: input A line {i + 1} and input B line {j + 1} are different "
-                     "events with the same machine and seq (a fork, or tampering)"],
+                raise _union_error(
+                    a, b, f"machine {ka[1]} seq {ka[2]}: input A line {i + 1} and input B line {j + 1} are "
+                    "different events with the same machine and seq (a fork, or tampering)"
                 )
             i += 1
             j += 1
@@ -351,23 +350,34 @@ def merge(a: Sequence[bytes], b: Sequence[bytes]) -> list[bytes]:
         tail = tails.get(machine)
         if tail is None:
             if seq != 1 or prev is not None:
-                raise _merge_chain_error(machine, seq, "the machine's first line must have seq 1 and prev null")
+                raise _union_error(a, b, f"machine {machine} seq {seq}: the machine's first line must have seq 1 and prev null")
         else:
             if seq != tail[0] + 1:
-                raise _merge_chain_error(
-                    machine, seq, f"follows seq {tail[0]}: the inputs hold different events for this machine (a fork)"
+                raise _union_error(
+                    a, b, f"machine {machine} seq {seq}: follows seq {tail[0]}: the inputs hold different events "
+                    "for this machine (a fork)"
                 )
             if prev != tail[1]:
-                raise _merge_chain_error(machine, seq, f"prev does not match the hash of seq {tail[0]} (tampering or a fork)")
+                raise _union_error(
+                    a, b, f"machine {machine} seq {seq}: prev does not match the hash of seq {tail[0]} (tampering or a fork)"
+                )
             if clock <= tail[2]:
-                raise _merge_chain_error(machine, seq, f"clock {clock} is not greater than the clock of seq {tail[0]}")
+                raise _union_error(
+                    a, b, f"machine {machine} seq {seq}: clock {clock} is not greater than the clock of seq {tail[0]}"
+                )
         tails[machine] = [seq, digest, clock]
         append(line)
     return out
 
 
-def _merge_chain_error(machine: str, seq: int, msg: str) -> ChainError:
-    return ChainError("merge refused", [f"machine {machine} seq {seq}: {msg}"])
+def _union_error(a: Sequence[bytes], b: Sequence[bytes], msg: str) -> ChainError:
+    """The union does not verify: blame an input that does not verify by
+    itself, else the two inputs together (a fork between them)."""
+    for which, lines in (("A", a), ("B", b)):
+        found = verify_lines(lines, full=False)
+        if found:
+            return ChainError(f"merge refused: input {which} does not verify", found)
+    return ChainError("merge refused", [msg])
 
 
 def merge_bytes(a: bytes, b: bytes) -> bytes:

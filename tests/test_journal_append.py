@@ -1,0 +1,181 @@
+"""Appending to a journal file: stamping, durability bookkeeping, reopen, torn tails."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from journal_helpers import future_event, note, open_test_journal
+
+from capsulefs.core.errors import FormatError
+from capsulefs.core.events import Record, ToolCall, UserMessage, line_hash
+from capsulefs.core.journal import TORN_SUFFIX, split_lines, verify_lines
+
+
+def test_append_stamps_chain_and_clock(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        r1 = j.append(UserMessage(text="hello"))
+        r2, r3 = j.append_many([note("a"), ToolCall(call_id="c1", name="ls", arguments={"p": {"q": [1]}})])
+        assert (r1.seq, r1.clock, r1.prev) == (1, 1, None)
+        assert (r2.seq, r2.clock, r2.prev) == (2, 2, line_hash(r1.line))
+        assert (r3.seq, r3.clock, r3.prev) == (3, 3, line_hash(r2.line))
+        assert j.size == path.stat().st_size and j.count == 3 and j.clock == 3
+    data = path.read_bytes()
+    assert data == r1.line + b"\n" + r2.line + b"\n" + r3.line + b"\n"
+    for line in split_lines(data):
+        assert Record.from_line(line).line == line  # canonical
+    assert verify_lines(split_lines(data)) == []
+
+
+def test_reopen_continues_the_chain(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        first = j.append(note("one"))
+    with open_test_journal(path, prefix=7) as j:
+        assert j.tail("host-a") is not None and j.tail("host-a").seq == 1
+        second = j.append(note("two"))
+    assert (second.seq, second.clock, second.prev) == (2, 2, first.digest)
+    assert verify_lines(split_lines(path.read_bytes())) == []
+
+
+def test_a_second_writer_sees_the_first_ones_appends(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    a = open_test_journal(path, "host-a", prefix=1)
+    b = open_test_journal(path, "host-b", prefix=2)
+    with a, b:
+        a.append(note("a1"))
+        rb = b.append(note("b1"))  # b catches up with a's line before stamping
+        assert rb.clock == 2
+        a.append_many([note("a2"), note("a3")])
+        rb2 = b.append(note("b2"))
+        assert (rb2.seq, rb2.clock, rb2.prev) == (2, 5, rb.digest)
+        assert a.refresh() == b.size == path.stat().st_size
+    lines = split_lines(path.read_bytes())
+    assert [json.loads(x)["machine"] for x in lines] == ["host-a", "host-b", "host-a", "host-a", "host-b"]
+    assert verify_lines(lines) == []
+
+
+def test_same_machine_two_handles_share_one_seq_run(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path, prefix=1) as a, open_test_journal(path, prefix=2) as b:
+        seqs = [a.append(note("x")).seq, b.append(note("y")).seq, a.append(note("z")).seq]
+    assert seqs == [1, 2, 3]
+    assert verify_lines(split_lines(path.read_bytes())) == []
+
+
+def test_read_serves_whole_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        r = j.append(note("one"))
+        assert j.read() == r.line + b"\n"
+        assert j.read(5, 10) == (r.line + b"\n")[5:15]
+        assert j.read(j.size) == b"" and j.read(0, 0) == b""
+        with open(path, "ab") as f:
+            f.write(b'{"half a line')
+        assert j.read() == r.line + b"\n"  # never the bytes of an append in flight
+        assert j.lines() == [r.line] and [x.line for x in j.records()] == [r.line]
+
+
+def test_read_only_journal_refuses_appends(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    open_test_journal(path).close()
+    with open_test_journal(path, None) as j, pytest.raises(ValueError, match="read-only"):
+        j.append(note("x"))
+
+
+def test_missing_journal_without_create(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        open_test_journal(tmp_path / "nope.jsonl", create=False)
+
+
+def test_drafts_are_all_or_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        good = b'{"kind":"user_message","text":"hi"}\n{"kind":"note","text":"n"}\n'
+        assert [r.kind for r in j.append_drafts(good)] == ["user_message", "note"]
+        before = path.read_bytes()
+        for bad, word in [
+            (b'{"kind":"note","text":"ok"}\n{"kind":"nope"}\n', "draft line 2"),
+            (b'{"kind":"note","text":"ok"}\n{"kind":"note","text":"x","seq":3}\n', "stamped"),
+            (b'{"kind":"note","text":"no newline"}', "whole lines"),
+            (b"not json\n", "not valid JSON"),
+        ]:
+            with pytest.raises(FormatError, match=word):
+                j.append_drafts(bad)
+        assert path.read_bytes() == before
+
+
+def test_unknown_kinds_are_kept_byte_for_byte(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        r = j.append(future_event())
+        j.append(note("after"))
+    lines = split_lines(path.read_bytes())
+    assert lines[0] == r.line
+    rec = Record.from_line(lines[0])
+    assert rec.kind == "hologram" and rec.line == lines[0]
+    assert verify_lines(lines) == []
+
+
+def test_appending_after_a_line_it_cannot_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        j.append(note("one"))
+    with open(path, "ab") as f:
+        f.write(b"this is not a journal line\n")
+    with pytest.raises(FormatError, match="line 2"):
+        open_test_journal(path)
+
+
+# -- torn tails --------------------------------------------------------------------
+
+
+def _recovery_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_torn_tail_is_moved_aside_on_open(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "j.jsonl"
+    rec_dir = tmp_path / "recovery"
+    with open_test_journal(path) as j:
+        r1 = j.append(note("kept"))
+    tail = b'{"clock":2,"id":"0000000000000000000000ff","kind":"note","mach'
+    with open(path, "ab") as f:
+        f.write(tail)
+    with caplog.at_level(logging.WARNING, logger="capsulefs.core.journal"):
+        with open_test_journal(path, recovery_dir=rec_dir) as j:
+            assert path.read_bytes() == r1.line + b"\n"
+            r2 = j.append(note("next"))
+    assert (r2.seq, r2.prev) == (2, r1.digest)
+    assert _recovery_files(rec_dir) == ["j.jsonl" + TORN_SUFFIX + "1"]
+    assert (rec_dir / ("j.jsonl" + TORN_SUFFIX + "1")).read_bytes() == tail
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("torn tail" in m and str(rec_dir) in m and str(len(tail)) in m for m in warned)
+    assert verify_lines(split_lines(path.read_bytes())) == []
+
+
+def test_each_torn_tail_gets_its_own_recovery_file(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    rec_dir = tmp_path / "recovery"
+    open_test_journal(path, recovery_dir=rec_dir).close()
+    for garbage in (b"\0\0\0\0", b'{"partial'):
+        with open(path, "ab") as f:
+            f.write(garbage)
+        open_test_journal(path, recovery_dir=rec_dir).close()
+        assert path.read_bytes() == b""
+    assert [(rec_dir / n).read_bytes() for n in _recovery_files(rec_dir)] == [b"\0\0\0\0", b'{"partial']
+
+
+def test_torn_tail_left_by_another_writer_is_recovered_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    rec_dir = tmp_path / "recovery"
+    with open_test_journal(path, recovery_dir=rec_dir) as j:
+        r1 = j.append(note("one"))
+        with open(path, "ab") as f:  # another process died in the middle of its write
+            f.write(b'{"clock":9')
+        r2 = j.append(note("two"))
+        assert path.read_bytes() == r1.line + b"\n" + r2.line + b"\n"
+    assert _recovery_files(rec_dir) == ["j.jsonl" + TORN_SUFFIX + "1"]

@@ -1,0 +1,153 @@
+"""The journal commands: log, append, merge. One test runs the real CLI in a
+subprocess; the others call ``capsulefs.cli.main`` in this process (fast)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from capsulefs.cli import main
+
+from capsulefs.core import format as fmt
+from capsulefs.core.archive import verify_capsule
+from capsulefs.core.journal import split_lines, verify_lines
+from capsulefs.core.store import HostStore
+
+
+@pytest.fixture
+def cli(state_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Run ``capsulefs --state STATE ARGS`` in this process; like subprocess.run's result."""
+
+    def run(*args: str, check: bool = False, input: str | None = None) -> SimpleNamespace:
+        argv = list(args)
+        if "--state" not in argv[:1]:
+            argv = ["--state", str(state_dir)] + argv
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((input or "").encode())))
+        rc = main(argv)
+        out, err = capsys.readouterr()
+        if check and rc != 0:
+            raise AssertionError(f"capsulefs {' '.join(args)} failed ({rc}): {out}{err}")
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+    return run
+
+
+def test_the_real_cli(state_dir: Path) -> None:
+    def run(*args: str, input: str | None = None) -> str:
+        argv = [sys.executable, "-m", "capsulefs", "--state", str(state_dir), *args]
+        return subprocess.run(argv, capture_output=True, text=True, check=True, input=input, timeout=120).stdout
+
+    run("new", "ada")
+    run("append", "ada", "--stdin", "-q", input='{"kind":"user_message","text":"hi"}\n{"kind":"note","text":"n"}\n')
+    assert [json.loads(x)["seq"] for x in run("log", "ada", "--json").splitlines()] == [1, 2]
+
+
+def test_append_and_log(cli, store: HostStore) -> None:  # type: ignore[no-untyped-def]
+    cli("new", "ada", check=True)
+    p = cli("append", "ada", "--kind", "user_message", "--text", "hello there", check=True)
+    first = json.loads(p.stdout)
+    assert (first["kind"], first["seq"], first["clock"], first["prev"]) == ("user_message", 1, 1, None)
+    cli("append", "ada", "--kind", "tool_call", "--json", '{"call_id":"c1","name":"ls","arguments":{"p":"/"}}', check=True)
+    drafts = '{"kind":"tool_result","call_id":"c1","content":"a b c"}\n{"kind":"note","text":"done"}\n'
+    p = cli("append", "ada", "--stdin", "-q", input=drafts, check=True)
+    assert p.stdout == ""
+
+    log = cli("log", "ada", check=True).stdout.splitlines()
+    assert len(log) == 4
+    assert "#1" in log[0] and "user_message" in log[0] and "hello there" in log[0]
+    assert "ls(" in log[1] and "call c1" in log[1]
+    assert "call c1: a b c" in log[2] and "note" in log[3]
+
+    only = cli("log", "ada", "--kind", "note", "--json", check=True).stdout.splitlines()
+    assert [json.loads(x)["text"] for x in only] == ["done"]
+    journal = store.find("ada").read(fmt.JOURNAL)
+    assert verify_lines(split_lines(journal)) == []
+
+
+def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def]
+    cli("new", "ada", check=True)
+    for args, word in [
+        (["--kind", "nonsense", "--text", "x"], "unknown event kind"),
+        (["--kind", "note"], "missing field"),
+        (["--kind", "note", "--json", "[1]"], "JSON object"),
+        (["--kind", "note", "--text", "x", "--json", '{"seq":4}'], "stamped"),
+        ([], "--kind"),
+    ]:
+        p = cli("append", "ada", *args)
+        assert p.returncode == 1 and word in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1
+    assert cli("log", "ada", check=True).stdout == ""
+    p = cli("append", "nobody", "--kind", "note", "--text", "x")
+    assert p.returncode == 1 and "nobody" in p.stderr
+
+
+def test_append_keeps_projections_current(cli, store: HostStore) -> None:  # type: ignore[no-untyped-def]
+    cli("new", "ada", check=True)
+    body = b"print('hi')\n"
+    h = store.put_blob(body)
+    cli("append", "ada", "--kind", "memory_edit", "--text", "remember the milk", "-q", check=True)
+    cli("append", "ada", "--kind", "workspace_update", "--json", json.dumps({"changes": {"src/x.py": h}}), "-q", check=True)
+    agent = store.find("ada")
+    assert agent.read(fmt.WORKING_MEMORY) == b"remember the milk"
+    assert fmt.parse_snapshot(agent.read(fmt.SNAPSHOT)) == {"src/x.py": h}
+    assert fmt.blob_path(h) in agent.manifest().files
+    missing = hashlib.sha256(b"not stored").hexdigest()
+    p = cli("append", "ada", "--kind", "workspace_update", "--json", json.dumps({"changes": {"y": missing}}))
+    assert p.returncode == 1 and "not in the store" in p.stderr
+
+
+def _diverged(cli, tmp_path: Path, state_b: Path) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
+    """Agent ada exported, imported on a second host, both sides go on."""
+    cli("new", "ada", check=True)
+    cli("append", "ada", "--kind", "user_message", "--text", "shared", "-q", check=True)
+    base = tmp_path / "base.tar"
+    cli("export", "ada", "-o", str(base), check=True)
+    other = ["--state", str(state_b)]
+    cli(*other, "import", str(base), check=True)
+    cli("append", "ada", "--kind", "memory_edit", "--text", "alpha memory", "-q", check=True)
+    cli(*other, "append", "ada", "--kind", "note", "--text", "bravo was here", "-q", check=True)
+    cli(*other, "append", "ada", "--kind", "memory_edit", "--text", "bravo memory", "-q", check=True)
+    a_tar, b_tar = tmp_path / "a.tar", tmp_path / "b.tar.zst"
+    cli("export", "ada", "-o", str(a_tar), check=True)
+    cli(*other, "export", "ada", "-o", str(b_tar), check=True)
+    return a_tar, b_tar
+
+
+def test_merge_two_diverged_capsules(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    a_tar, b_tar = _diverged(cli, tmp_path, tmp_path / "state-b")
+    out_dir, out_tar = tmp_path / "merged", tmp_path / "merged.tar"
+    p = cli("merge", str(a_tar), str(b_tar), "-o", str(out_dir), check=True)
+    assert "4 events" in p.stdout
+    assert verify_capsule(str(out_dir))[1] == []
+    lines = split_lines((out_dir / fmt.JOURNAL).read_bytes())
+    assert len(lines) == 4 and verify_lines(lines) == []
+    # Both edits have clock 2 + 1...; the later one by (clock, machine) is the working memory.
+    edits = [json.loads(x) for x in lines if b"memory_edit" in x]
+    last = max(edits, key=lambda d: (d["clock"], d["machine"], d["seq"]))
+    assert (out_dir / fmt.WORKING_MEMORY).read_text() == last["text"]
+    # Same result the other way round, and as a tar; the store agent works as an input too.
+    cli("merge", "ada", str(b_tar), "-o", str(out_tar), check=True)
+    assert verify_capsule(str(out_tar))[1] == []
+    p = cli("log", str(out_tar), check=True)
+    assert len(p.stdout.splitlines()) == 4
+
+
+def test_merge_refusals(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    a_tar, _ = _diverged(cli, tmp_path, tmp_path / "state-b")
+    cli("new", "bob", check=True)
+    p = cli("merge", "ada", "bob", "-o", str(tmp_path / "x"))
+    assert p.returncode == 1 and "same agent" in p.stderr and not (tmp_path / "x").exists()
+    p = cli("merge", str(a_tar), str(a_tar), "-o", str(a_tar))
+    assert p.returncode == 1 and "already exists" in p.stderr
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(a_tar.read_bytes()[:2000])
+    p = cli("merge", str(a_tar), str(broken), "-o", str(tmp_path / "y"))
+    assert p.returncode == 1 and "does not verify" in p.stderr and not (tmp_path / "y").exists()
