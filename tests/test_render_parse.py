@@ -119,3 +119,16 @@ def test_gemini_reply_round_trips_signatures_on_their_parts() -> None:
 @pytest.mark.parametrize("provider", ["anthropic", "openai-chat", "openai-responses", "gemini"])
 def test_empty_reply_parses_to_nothing(provider: str) -> None:
     assert parse_response(provider, {}, model="m") == []
+
+
+def test_responses_reasoning_sends_only_what_the_input_takes() -> None:
+    item = {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "ENC2", "status": "completed",
+            "content": [{"type": "reasoning_text", "text": "raw"}]}
+    bare = {"type": "reasoning", "id": "rs_3", "summary": []}  # no encrypted_content: not replayable statelessly
+    reply = dict(RESPONSES, output=[item, bare, RESPONSES["output"][2]])
+    events = parse_response("openai-responses", reply, model="gpt-r")
+    assert events[0].data == item  # the journal keeps the whole item
+    body = render([UserMessage(text="go"), *events], provider="openai-responses", model="gpt-r").body
+    validate_request("openai-responses", body)
+    assert body["input"][1] == {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "ENC2"}
+    assert "rs_3" not in json.dumps(body)

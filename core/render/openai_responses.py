@@ -5,8 +5,11 @@ Rules this module guarantees for every body it renders:
     exactly one ``function_call_output`` with the same ``call_id``; no output
     appears without its call.
   * ``reasoning`` items (payload format ``openai-responses.reasoning``) are
-    sent back verbatim, in place, with their ``encrypted_content``, only to
-    the exact model that wrote them.
+    sent back in place, with their ``id``, ``summary`` and ``encrypted_content``
+    unchanged, only to the exact model that wrote them. The journal keeps the
+    whole item; output-only keys (``status``, plaintext ``content``) are not
+    sent, and an item without ``encrypted_content`` is not sent at all (with
+    ``store: false`` the API could not resolve it).
   * The journal is the only state: bodies say ``store: false`` and ask for
     ``reasoning.encrypted_content`` so the next reply's reasoning can be
     journaled and replayed.
@@ -25,6 +28,9 @@ from ._base import Provider, ToolSpec, args_from_json, args_json, error_text, ve
 from ._plan import CALL, RESULT, TEXT, USER
 
 ID = "openai-responses"
+#: The keys of a reasoning item the API takes back as input; output-only keys
+#: (``status``, plaintext ``content``) are refused there, so they stay in the journal only.
+_REASONING_INPUT_KEYS = ("type", "id", "summary", "encrypted_content")
 
 
 class OpenAIResponses(Provider):
@@ -46,7 +52,11 @@ class OpenAIResponses(Provider):
                 out.append({"type": "function_call_output", "call_id": item[1],
                             "output": error_text(item[3], item[4])})
             elif self.keeps(item[1], model):
-                out.append(dict(item[1].data))
+                data = item[1].data
+                if data.get("encrypted_content"):  # without it a stateless request cannot carry it
+                    sent = {k: data[k] for k in _REASONING_INPUT_KEYS if k in data}
+                    sent.setdefault("summary", [])
+                    out.append(sent)
         return out
 
     def body(self, items, *, model, system, tools, max_output):
@@ -70,7 +80,6 @@ class OpenAIResponses(Provider):
             kind = item.get("type")
             if kind == "reasoning":
                 data = verbatim(item)
-                data.pop("status", None)  # a response-side field, not wanted on input
                 summary = "\n\n".join(s.get("text", "") for s in item.get("summary") or ()) or None
                 out.append(Reasoning(provider=ID, model=model, payload_format="openai-responses.reasoning",
                                      data=data, text=summary))
