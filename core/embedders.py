@@ -288,12 +288,23 @@ class SentenceTransformerEmbedder:
         return np.asarray(vecs, dtype=np.float32)
 
 
+_selected: dict[str, Embedder] = {}
+
+
 def select_embedder(prefer: str = "auto") -> Embedder:
-    """The embedder to use on this host.
+    """The embedder to use on this host (made once per process and kept:
+    loading a model takes seconds, and the hashed one caches its tokens).
 
     ``prefer`` is ``"auto"`` (a local sentence model when installed, else the
     hashed one), ``"hashed"`` or ``"model"`` (the model, or an error).
     """
+    hit = _selected.get(prefer)
+    if hit is None:
+        hit = _selected[prefer] = _select(prefer)
+    return hit
+
+
+def _select(prefer: str) -> Embedder:
     if prefer == "hashed":
         return HashedEmbedder()
     if prefer not in ("auto", "model"):

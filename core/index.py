@@ -77,6 +77,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -267,7 +268,10 @@ def _split_long(text: str, start: int, end: int, limit: int) -> Iterable[tuple[i
         if cut < 0:
             space = window.rfind(" ", limit // 2)
             cut = space if space > 0 else limit
-        yield start, start + cut
+        stop = start + cut
+        while stop > start + 1 and text[stop - 1].isspace():
+            stop -= 1
+        yield start, stop
         start += cut
         while start < end and text[start].isspace():
             start += 1
@@ -788,13 +792,45 @@ def refresh_index(
     and what was done."""
     files = CapsuleFiles.of(capsule)
     embedder = embedder or select_embedder()
-    journal = files.read_journal()
-    index, why = load_index(files.index)
-    index, report = update_index(index, journal, embedder, blobs=files.read_blob)
-    if save and (report.mode != "fresh" or why):
-        files.write_index(dump_index(index))
+    with _cache_lock:
+        journal = files.read_journal()
+        key = _file_key(files.index)
+        cached = _cache.get(files.index)
+        if cached is not None and key is not None and cached[0] == key:
+            index: VectorIndex | None
+            index, why = cached[1], ""
+        else:
+            index, why = load_index(files.index)
+        index, report = update_index(index, journal, embedder, blobs=files.read_blob)
+        if save and (report.mode != "fresh" or why):
+            data = dump_index(index)
+            files.write_index(data)
+            key = hashlib.sha256(data).hexdigest()
+        if key is not None:
+            _cache.pop(files.index, None)
+            _cache[files.index] = (key, index)
+            while len(_cache) > CACHE_INDEXES:
+                _cache.pop(next(iter(_cache)))
     log.debug("index %s: %s (%s), +%d -%d rows", files.index, report.mode, report.reason, report.added, report.removed)
     return index, journal, report
+
+
+# Indexes kept in memory between calls, by index.json path, while the file's
+# sha256 is unchanged: a recall tool called again and again neither parses
+# nor decodes a large index (hashing 77 MB takes ~0.1 s, loading it ~2 s). An index updated but not
+# saved (save=False) stays here too, so the next call is incremental. The
+# lock makes refresh + search one step for the threads of one process.
+CACHE_INDEXES = 4
+_cache: dict[str, tuple[str, VectorIndex]] = {}
+_cache_lock = threading.RLock()
+
+
+def _file_key(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def _find_records(journal: bytes, ids: set[str]) -> dict[str, Record]:
@@ -833,13 +869,14 @@ def search_capsule(
     """
     files = CapsuleFiles.of(capsule)
     embedder = embedder or select_embedder()
-    index, journal, _ = refresh_index(files, embedder, save=save)
     qvec = embedder.embed([query])[0]
-    ranked = index.search_vector(qvec, k, kinds=kinds)
-    records = _find_records(journal, {index.entries[row].event for _, row in ranked})
+    with _cache_lock:
+        index, journal, _ = refresh_index(files, embedder, save=save)
+        ranked = index.search_vector(qvec, k, kinds=kinds)
+        rows = [(score, index.entries[row]) for score, row in ranked]
+    records = _find_records(journal, {e.event for _, e in rows})
     hits = []
-    for score, row in ranked:
-        e = index.entries[row]
+    for score, e in rows:
         record = records.get(e.event)
         text = indexed_text(record, files.read_blob) if record is not None else None
         hits.append(

@@ -292,3 +292,17 @@ def test_a_missing_memory_blob_is_skipped_with_a_warning(tmp_path: Path, caplog:
         hits = recall(cap, "hello", 5)
     assert [h.event for h in hits] == [event_id("u")]
     assert "cannot read blob" in caplog.text
+
+
+def test_repeated_searches_only_embed_what_is_new(tmp_path: Path) -> None:
+    records = corpus_records()
+    cap = _capsule(tmp_path, records[:45])
+    emb = CountingEmbedder()
+    search_capsule(cap, "docker image", 3, embedder=emb, save=False)
+    first = emb.count
+    search_capsule(cap, "docker image", 3, embedder=emb, save=False)
+    assert emb.count == first + 1  # just the query: the unsaved index was kept in memory
+    (cap / fmt.JOURNAL).write_bytes(journal_bytes(records))
+    search_capsule(cap, "docker image", 3, embedder=emb, save=False)
+    added = emb.count - first - 2
+    assert added == len(_rebuild(records)) - len(_rebuild(records[:45]))  # the new rows, nothing else
