@@ -150,12 +150,13 @@ class Entry:
 
     @classmethod
     def from_json(cls, row: object) -> "Entry":
-        if not isinstance(row, list) or len(row) != 5:
+        # Plain type() tests: this runs once per row of a 100k-row index.
+        if type(row) is not list or len(row) != 5:
             raise IndexCorrupt("an index entry is not [event, kind, time, start, end]")
         event, kind, time, start, end = row
-        if not all(isinstance(x, str) for x in (event, kind, time)):
+        if type(event) is not str or type(kind) is not str or type(time) is not str:
             raise IndexCorrupt("an index entry has a non-string event, kind or time")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)) or not 0 <= start <= end:
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
             raise IndexCorrupt(f"index entry for {event} has a bad span {start!r}..{end!r}")
         return cls(event=event, kind=kind, time=time, start=start, end=end)
 
