@@ -1,6 +1,6 @@
 """Retrieval quality of the default (hashed n-gram) embedder on a labelled set.
 
-tests/data/index_corpus.json is one coding agent's session: 53 events (user
+tests/data/index_corpus.json is one coding agent's session: 52 events (user
 and assistant messages, tool calls and results, two reasoning events, two
 memory edits) and 40 questions, each labelled with the events that answer
 it; 6 are paraphrases that share no key word with their answer.

@@ -306,3 +306,53 @@ def test_repeated_searches_only_embed_what_is_new(tmp_path: Path) -> None:
     search_capsule(cap, "docker image", 3, embedder=emb, save=False)
     added = emb.count - first - 2
     assert added == len(_rebuild(records)) - len(_rebuild(records[:45]))  # the new rows, nothing else
+
+
+_WORDS = "deploy staging invoice migration backup redis cache tls certificate docker latency flag".split()
+_op = st.tuples(
+    st.sampled_from(["A", "B"]),
+    st.sampled_from(["user_message", "assistant_message", "tool_result", "memory_edit", "reasoning"]),
+    st.lists(st.sampled_from(_WORDS), min_size=1, max_size=8),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    base=st.lists(_op, max_size=6),
+    ops=st.lists(_op, max_size=14),
+    cuts=st.lists(st.integers(min_value=0, max_value=20), max_size=3),
+)
+def test_any_history_incremental_union_and_merge_equal_a_rebuild(base, ops, cuts) -> None:
+    a, b = Writer("hostA"), Writer("hostB")
+    n = 0
+
+    def write(w: Writer, kind: str, words: list[str]) -> object:
+        nonlocal n
+        n += 1
+        text = " ".join(words) + f" n{n}"
+        if kind == "tool_result":
+            return w.write(f"e{n}", kind, call_id="c", content=text)
+        return w.write(f"e{n}", kind, text=text)
+
+    shared = [write(a, kind, words) for _who, kind, words in base]
+    b.see(shared)
+    b.seq, b.prev = 0, None
+    side = {"A": list(shared), "B": list(shared)}
+    for who, kind, words in ops:
+        side[who].append(write(a if who == "A" else b, kind, words))
+    union = merged(side["A"], side["B"])
+    emb = HashedEmbedder(dims=64)
+    expected = _rebuild(union, emb)
+
+    index = None
+    for cut in sorted(cuts) + [len(side["A"])]:
+        index, _ = update_index(index, journal_bytes(side["A"][:cut]), emb)
+    index, report = update_index(index, journal_bytes(union), emb)
+    assert same_rows(index, expected)
+    assert report.mode in ("fresh", "append", "union")
+
+    ia, ib = _rebuild(side["A"], emb), _rebuild(side["B"], emb)
+    counting = CountingEmbedder(emb)
+    both, _ = merge_indexes(ia, ib, journal_bytes(union), counting)
+    assert same_rows(both, expected)
+    assert counting.count == 0  # everything came from one side or the other
