@@ -29,7 +29,7 @@ import logging
 import ssl
 import struct
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -229,11 +229,13 @@ class Payload:
     async def read(self, limit: int = 64 << 20) -> bytes:
         if self.remaining > limit:
             raise PeerProtocolError(f"payload of {self.remaining} bytes is over the {limit} byte limit")
-        return b"".join([c async for c in self.chunks()])
+        async with aclosing(self.chunks()) as chunks:
+            return b"".join([c async for c in chunks])
 
     async def drain(self) -> None:
-        async for _ in self.chunks():
-            pass
+        async with aclosing(self.chunks()) as chunks:
+            async for _ in chunks:
+                pass
 
 
 # -- the client ------------------------------------------------------------------------------

@@ -302,8 +302,10 @@ def test_an_offer_to_a_host_that_holds_the_same_agent_id_is_refused() -> None:
     w.start(A, B)
     while w.net:
         w.deliver(0)  # no check: the world is already broken; the move must not make it worse
-    assert w.hosts[A].running and state(w, B) is HolderState.HELD and w.hosts[B].record.epoch == 1
-    assert "holds the agent" in w.hosts[A].record.note
+    # A learns that another host holds it: it stops, and waits to learn or be forced
+    assert not w.hosts[A].running and state(w, A) is HolderState.UNKNOWN
+    assert state(w, B) is HolderState.HELD and w.hosts[B].record.epoch == 1
+    assert "holds the agent itself" in w.hosts[A].record.note
 
 
 # -- holder records ---------------------------------------------------------------------

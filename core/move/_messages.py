@@ -183,11 +183,13 @@ class OfferReply(_Answer):
     accepted: bool
     missing: tuple[str, ...] = ()  # content digests the target lacks (blobs and capsule files)
     highest: int = 0  # on refusal: the highest epoch the target has seen
+    held_there: bool = False  # on refusal: the target itself holds the agent
     reason: str = ""
 
     def __post_init__(self) -> None:
         super(OfferReply, self).__post_init__()
         _flag(self.accepted, "accepted")
+        _flag(self.held_there, "held_there")
         _shas(self.missing, "missing")
         if not isinstance(self.highest, int) or self.highest < 0:
             raise FormatError(f"highest epoch {self.highest!r} is not a non-negative integer")

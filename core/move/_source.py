@@ -140,7 +140,8 @@ def _s_accepted_complete(m: SourceMachine, ev: OfferReply) -> bool:
 
 
 def _s_refused_newer(m: SourceMachine, ev: OfferReply) -> bool:
-    return not ev.accepted and ev.highest > m.epoch
+    """Refused by a host that holds the agent, or has seen an epoch this host never made."""
+    return not ev.accepted and (ev.highest > m.epoch or ev.held_there)
 
 
 def _s_send_missing(m: SourceMachine, ev: OfferReply) -> list[Command]:
@@ -157,7 +158,8 @@ def _s_stale(m: SourceMachine, ev: OfferReply) -> list[Command]:
     stale = HolderRecord(
         agent_id=r.agent_id, state=HolderState.UNKNOWN, epoch=max(r.epoch, ev.highest), peer=r.peer,
         activated=r.activated,
-        note=f"{r.peer} has seen epoch {ev.highest}, newer than any this host made: another host may hold it",
+        note=(f"{r.peer} holds the agent itself" if ev.held_there else
+              f"{r.peer} has seen epoch {ev.highest}, newer than any this host made") + ": another host may hold it",
     )
     return [Persist(record=stale)]
 

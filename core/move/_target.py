@@ -129,7 +129,9 @@ def _t_refuse_offer(m: TargetMachine, ev: OfferReceived) -> list[Command]:
         why = "this host lost its record of the agent and cannot fence it"
     else:
         why = f"epoch {ev.epoch} is not newer than {m.highest}, the highest seen here"
-    return [Reply(answer=OfferReply(agent_id=ev.agent_id, epoch=ev.epoch, accepted=False, highest=m.highest, reason=why))]
+    held = r is not None and r.holding
+    return [Reply(answer=OfferReply(agent_id=ev.agent_id, epoch=ev.epoch, accepted=False, highest=m.highest,
+                                    held_there=held, reason=why))]
 
 
 def _t_blob_ok(m: TargetMachine, ev: BlobReceived) -> list[Command]:

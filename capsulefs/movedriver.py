@@ -1,0 +1,347 @@
+"""The source side of a move: runs SourceMachine against a target over the peer link.
+
+Rules:
+  * The machine decides, the driver only carries out its commands in order:
+    persist a record, freeze/resume/retire through the hooks, make a call and
+    feed the reply (or Timeout, IoFailure) back. A call that fails for any
+    reason (the link, a malformed reply, a remote error, our own corrupt
+    blob) is an IoFailure: never an answer.
+  * A failed call drops the connection; the next call reconnects. So a reply
+    that arrives late is never mistaken for the answer to a later call.
+  * Timers only pace: a call that takes longer than ``call_timeout`` is a
+    Timeout, and status is asked again after a growing pause. Whether the
+    agent runs here is decided only by the target's durable answer or an
+    operator's abandon.
+  * The driver holds the agent's lock from the first to the last command.
+
+Theory of operation: :func:`move_agent` freezes the agent, reads one
+consistent snapshot of its capsule files (the journal up to its last whole
+line) and offers the manifest of that snapshot. The target answers which
+contents it lacks, named by sha256; each is sent as one ``blob`` call whose
+payload streams from the store (re-hashed as read) or from the snapshot.
+:func:`resume_moves` finishes, after a restart, every move a record says
+was in progress; :func:`abandon_move` is the operator's way out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from capsulefs.core import archive
+from capsulefs.core import format as fmt
+from capsulefs.core import move as mv
+from capsulefs.core.errors import CapsuleError, NotFoundError
+from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
+from capsulefs.identity import Identity
+from capsulefs.movehost import MoveHost, result_to_answer
+from capsulefs.peerlink import PeerConnection, PeerError, open_peer
+from capsulefs.peers import Peer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_agent", "resume_moves"]
+
+Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
+_READ_CHUNK = 1 << 20
+
+
+@dataclass
+class MoveControl:
+    """Lets another task watch a move and abandon it while it is in doubt."""
+
+    on_progress: Callable[[str, int, int, int], None] | None = None  # (phase, blobs done, blobs total, bytes)
+    abandon_reason: str | None = None
+    _abandoned: trio.Event = field(default_factory=trio.Event)
+
+    def abandon(self, why: str) -> None:
+        self.abandon_reason = why
+        self._abandoned.set()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoveResult:
+    agent_id: str
+    target: str  # host id
+    epoch: int  # the epoch moved to (or tried)
+    state: mv.SourceState  # DONE, ROLLED_BACK, STALE or ABANDONED
+    reason: str  # the record's note: why it ended so
+    bytes_sent: int  # on the wire, framing and TLS payload included
+    contents_sent: int  # blobs and capsule files the target lacked
+
+    @property
+    def moved(self) -> bool:
+        return self.state is mv.SourceState.DONE
+
+
+class _Driver:
+    def __init__(self, host: MoveHost, machine: mv.SourceMachine, peer: Peer, *, connect: Connector,
+                 call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl) -> None:
+        self.host = host
+        self.m = machine
+        self.peer = peer
+        self.connect = connect
+        self.call_timeout = call_timeout
+        self.retry_pause = retry_pause
+        self.max_retry_pause = max_retry_pause
+        self.control = control
+        self.stack = AsyncExitStack()
+        self.conn: PeerConnection | None = None
+        self.files: dict[str, bytes] = {}  # sha -> bytes of the snapshot's capsule files
+        self.manifest: fmt.Manifest | None = None
+        self.bytes_sent = 0
+        self.sent = 0
+        self.status_asked = 0
+
+    # -- connection ---------------------------------------------------------------
+    async def _conn(self) -> PeerConnection:
+        if self.conn is None:
+            self.conn = await self.stack.enter_async_context(self.connect(self.host.identity, self.peer))
+        return self.conn
+
+    async def _drop(self) -> None:
+        if self.conn is not None:
+            self.bytes_sent += self.conn.bytes_sent
+        self.conn = None
+        await self.stack.aclose()
+        self.stack = AsyncExitStack()
+
+    # -- calls ----------------------------------------------------------------------
+    def _args(self, c: mv.Send) -> dict[str, Any]:
+        args: dict[str, Any] = {"agent_id": c.agent_id, "epoch": c.epoch}
+        if c.call is mv.Call.OFFER:
+            assert self.manifest is not None
+            args["manifest"] = self.manifest.to_bytes().decode()
+        if c.call is mv.Call.BLOB:
+            args["sha"] = c.sha
+        return args
+
+    async def _blob_chunks(self, sha: str) -> AsyncIterator[bytes]:
+        it = self.host.store.iter_blob(sha, chunk=_READ_CHUNK)  # re-hashes; raises at the end if corrupt
+        while True:
+            chunk = await trio.to_thread.run_sync(next, it, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    async def _call(self, c: mv.Send) -> object:
+        payload: Any = b""
+        size = None
+        if c.call is mv.Call.BLOB:
+            assert c.sha is not None
+            if c.sha in self.files:
+                payload = self.files[c.sha]
+            else:
+                size = self.host.store.blob_size(c.sha)
+                payload = self._blob_chunks(c.sha)
+        try:
+            conn = await self._conn()
+            with trio.fail_after(self.call_timeout):
+                result, _ = await conn.call(c.call.value, self._args(c), payload=payload, size=size)
+            return result_to_answer(c.call, c.agent_id, c.epoch, result)
+        except trio.TooSlowError:
+            log.warning("move of %s: %s got no answer from %s within %.0fs", c.agent_id, c.call.value,
+                        self.peer.name, self.call_timeout)
+            await self._drop()
+            return mv.Timeout()
+        except (PeerError, CapsuleError) as exc:
+            log.warning("move of %s: %s to %s failed: %s", c.agent_id, c.call.value, self.peer.name, exc)
+            await self._drop()
+            return mv.IoFailure(reason=f"{c.call.value}: {exc}")
+
+    async def _abort(self, c: mv.Send) -> None:
+        """Best effort: the target refuses a pending move on its own too."""
+        for attempt in range(3):
+            event = await self._call(c)
+            if isinstance(event, mv.AbortReply):
+                return
+            await trio.sleep(self.retry_pause * (attempt + 1))
+        log.info("move of %s: could not tell %s to abort; it will discard the staging on its own",
+                 c.agent_id, self.peer.name)
+
+    async def _pause_before_status(self) -> bool:
+        """Wait before asking status again; True if an operator abandoned meanwhile."""
+        if self.status_asked:
+            pause = min(self.max_retry_pause, self.retry_pause * 2 ** min(self.status_asked - 1, 16))
+            with trio.move_on_after(pause):
+                await self.control._abandoned.wait()
+        self.status_asked += 1
+        return self.control.abandon_reason is not None
+
+    # -- snapshot ---------------------------------------------------------------------
+    def _snapshot(self) -> None:
+        agent = self.host.store.agent(self.m.agent_id)
+        files = archive.snapshot_files(agent)
+        self.manifest = archive.frozen_manifest(agent, files)
+        self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
+
+    def _progress(self, phase: str) -> None:
+        if self.control.on_progress is not None:
+            total = len(self.m.pending) + self.sent
+            self.control.on_progress(phase, self.sent, total, self.bytes_sent + (self.conn.bytes_sent if self.conn else 0))
+
+    # -- the loop -----------------------------------------------------------------------
+    async def run(self, first: object) -> None:
+        try:
+            await self._run(first)
+        finally:
+            await self._drop()
+
+    async def _run(self, first: object) -> None:
+        m = self.m
+        queue = deque(m.handle(first))
+        while queue:
+            c = queue.popleft()
+            match c:
+                case mv.Freeze():
+                    await self.host.hooks.freeze(c.agent_id)
+                    try:
+                        await trio.to_thread.run_sync(self._snapshot)
+                    except CapsuleError as exc:
+                        queue = deque([c2 for c2 in queue if isinstance(c2, mv.Persist)])
+                        queue.extend([_Local(reason=str(exc))])
+                case _Local():
+                    queue.extend(m.handle(mv.IoFailure(reason=f"reading the agent here: {c.reason}")))
+                case mv.Persist(record=rec):
+                    self.host.holders.put(rec)
+                case mv.Resume():
+                    await self.host.hooks.resume(c.agent_id)
+                case mv.Retire():
+                    await self.host.hooks.retire(c.agent_id)
+                    try:
+                        await trio.to_thread.run_sync(self.host.store.remove_agent, c.agent_id)
+                    except NotFoundError:
+                        pass
+                case mv.Send(call=mv.Call.ABORT):
+                    await self._abort(c)
+                case mv.Send(call=mv.Call.BLOB):
+                    if m.state is not mv.SourceState.TRANSFERRING or c.sha not in m.pending:
+                        continue  # the move rolled back meanwhile
+                    event = await self._call(c)
+                    if isinstance(event, mv.BlobReply) and event.ok:
+                        self.sent += 1
+                    queue.extend(m.handle(event))
+                    self._progress("transferring")
+                case mv.Send(call=mv.Call.STATUS):
+                    if await self._pause_before_status():
+                        queue.extend(m.handle(mv.OperatorAbandon(why=self.control.abandon_reason or "")))
+                        continue
+                    self._progress("in doubt")
+                    queue.extend(m.handle(await self._call(c)))
+                case mv.Send():
+                    self._progress(c.call.value)
+                    queue.extend(m.handle(await self._call(c)))
+                case _:
+                    raise AssertionError(f"unexpected source command {c}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    reason: str  # reading the frozen agent here failed
+
+
+async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Connector = open_peer,
+                     call_timeout: float = 120.0, retry_pause: float = 1.0, max_retry_pause: float = 60.0,
+                     control: MoveControl | None = None) -> MoveResult:
+    """Move ``agent_id`` from this host to ``target``; return once it moved,
+    rolled back, or was abandoned. Blocks as long as the move is in doubt."""
+    async with host.lock(agent_id):
+        record = host.holders.get(agent_id)
+        if record is None:
+            raise mv.MoveError(f"agent {agent_id} has no holder record here")
+        machine = mv.SourceMachine(record, me=host.me)
+        if machine.state is not mv.SourceState.IDLE:
+            raise mv.MoveError(f"agent {agent_id} is already moving ({record.state.value}); see 'capsulefs move --resume'")
+        driver = _Driver(host, machine, target, connect=connect, call_timeout=call_timeout, retry_pause=retry_pause,
+                         max_retry_pause=max_retry_pause, control=control or MoveControl())
+        await driver.run(mv.MoveRequested(target=target.host_id))
+        return _result(driver)
+
+
+async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_timeout: float = 120.0,
+                       retry_pause: float = 1.0, max_retry_pause: float = 60.0,
+                       control: MoveControl | None = None) -> list[MoveResult]:
+    """After a restart: roll back every FROZEN move, resolve every COMMITTING one."""
+    results = []
+    for agent_id in host.holders.agent_ids():
+        async with host.lock(agent_id):
+            record = host.holders.get(agent_id)
+            if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
+                continue
+            assert record.peer is not None
+            peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
+            machine = mv.SourceMachine(record, me=host.me)
+            driver = _Driver(host, machine, peer, connect=connect, call_timeout=call_timeout, retry_pause=retry_pause,
+                             max_retry_pause=max_retry_pause, control=control or MoveControl())
+            log.info("resuming the move of %s to %s (%s)", agent_id, peer.name, record.state.value)
+            await driver.run(mv.Restarted())
+            results.append(_result(driver))
+    return results
+
+
+def _result(d: _Driver) -> MoveResult:
+    assert d.m.state in mv.TERMINAL_SOURCE_STATES, d.m.state
+    return MoveResult(agent_id=d.m.agent_id, target=d.peer.host_id, epoch=d.m.epoch, state=d.m.state,
+                      reason=d.m.record.note, bytes_sent=d.bytes_sent, contents_sent=d.sent)
+
+
+def abandon_move(holders: HolderBook, agent_id: str, *, me: str, why: str) -> HolderRecord:
+    """The operator's way out of an in-doubt move when no driver runs: hold the
+    agent here again at its old epoch. If the target did activate it, two
+    hosts now run the agent; the log says so."""
+    record = holders.get(agent_id)
+    if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
+        state = "absent" if record is None else record.state.value
+        raise mv.MoveError(f"agent {agent_id} has no move in progress here (its record is {state})")
+    machine = mv.SourceMachine(record, me=me)
+    commands = machine.handle(mv.Restarted())
+    if machine.state is mv.SourceState.IN_DOUBT:
+        commands = machine.handle(mv.OperatorAbandon(why=why))
+    for c in commands:
+        if isinstance(c, mv.Persist):
+            holders.put(c.record)
+    return machine.record
+
+
+async def learn_holder(host: MoveHost, agent_id: str, *, connect: Connector = open_peer,
+                       call_timeout: float = 30.0) -> HolderRecord:
+    """Leave UNKNOWN by asking every peer to fence the agent and report.
+
+    Returns the new record: HELD, RETIRED, or still UNKNOWN if a peer could
+    not be asked (try again later, or force it as an operator).
+    """
+    async with host.lock(agent_id):
+        record = host.holders.get(agent_id)
+        if record is None or record.state is not HolderState.UNKNOWN:
+            raise mv.MoveError(f"agent {agent_id} is not in doubt here")
+        try:
+            local_epoch = host.store.agent(agent_id).manifest().holder.epoch
+        except CapsuleError as exc:
+            raise mv.MoveError(f"agent {agent_id}: cannot read its files here: {exc}") from exc
+        views = {}
+        peers = host.peers.peers()
+        for peer in peers:
+            try:
+                async with connect(host.identity, peer) as conn:
+                    with trio.fail_after(call_timeout):
+                        result, _ = await conn.call(mv.Call.FENCE.value, {"agent_id": agent_id})
+                answer = result_to_answer(mv.Call.FENCE, agent_id, 1, result)
+                assert isinstance(answer, mv.FenceReply)
+                views[peer.host_id] = answer.view
+            except (PeerError, CapsuleError, trio.TooSlowError) as exc:
+                log.warning("agent %s: could not fence %s: %s", agent_id, peer.name, exc)
+        new = learn_from_peers(record, local_epoch=local_epoch, views=views, peers=[p.host_id for p in peers])
+        if new is not record:
+            host.holders.put(new)
+            if new.state is HolderState.RETIRED:
+                await host.hooks.retire(agent_id)
+                await trio.to_thread.run_sync(host.store.remove_agent, agent_id)
+            elif new.state is HolderState.HELD:
+                await host.hooks.resume(agent_id)
+        return new

@@ -1,0 +1,151 @@
+"""What the move driver and the move service share on one host.
+
+Rules:
+  * :class:`AgentHooks` is the seam to whoever runs agents (the mount
+    daemon). The move code calls it; it never starts or stops agents itself.
+    Every hook is idempotent: after a crash, recovery may call it again.
+  * All move work on one agent, source or target side, holds that agent's
+    lock (:meth:`MoveHost.lock`), so the holder record is read and written
+    by one task at a time. Different agents move concurrently.
+  * The wire form of every answer is defined here once
+    (:func:`answer_to_result`, :func:`result_to_answer`); docs/wire.md lists it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from capsulefs.core import move as mv
+from capsulefs.core.errors import FormatError
+from capsulefs.core.holder import HolderBook, HolderState, PeerView
+from capsulefs.core.store import HostStore
+from capsulefs.identity import Identity, load_or_create_identity
+from capsulefs.peers import PeerBook
+
+__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "result_to_answer"]
+
+
+class AgentHooks(Protocol):
+    """How the move code asks the daemon to start and stop an agent."""
+
+    async def freeze(self, agent_id: str) -> None:
+        """Stop the agent and flush its files; no file of it changes until resume or retire."""
+
+    async def resume(self, agent_id: str) -> None:
+        """The move rolled back: run the agent again here."""
+
+    async def retire(self, agent_id: str) -> None:
+        """The agent is active elsewhere: stop showing it (its files are removed next)."""
+
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        """Target side, before activate: render and build what the agent needs in
+        ``staged_dir`` (a capsule directory without blobs). Raise to refuse the move."""
+
+    async def activate(self, agent_id: str) -> None:
+        """Target side: the agent is installed and its record is HELD: show and run it."""
+
+
+class NoHooks:
+    """Hooks for a host that runs no agents (tests, the CLI without a daemon)."""
+
+    async def freeze(self, agent_id: str) -> None:
+        pass
+
+    async def resume(self, agent_id: str) -> None:
+        pass
+
+    async def retire(self, agent_id: str) -> None:
+        pass
+
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        pass
+
+    async def activate(self, agent_id: str) -> None:
+        pass
+
+
+@dataclass
+class MoveHost:
+    store: HostStore
+    holders: HolderBook
+    identity: Identity
+    peers: PeerBook
+    hooks: AgentHooks = field(default_factory=NoHooks)
+    _locks: dict[str, trio.Lock] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, state_dir: str | os.PathLike[str], hooks: AgentHooks | None = None) -> "MoveHost":
+        root = os.fspath(state_dir)
+        store = HostStore.open(root)
+        return cls(
+            store=store,
+            holders=HolderBook(os.path.join(root, "holders")),
+            identity=load_or_create_identity(root),
+            peers=PeerBook(root),
+            hooks=hooks if hooks is not None else NoHooks(),
+        )
+
+    @property
+    def me(self) -> str:
+        return self.identity.host_id
+
+    def lock(self, agent_id: str) -> trio.Lock:
+        return self._locks.setdefault(agent_id, trio.Lock())
+
+
+# -- the wire form of answers -------------------------------------------------------------
+
+
+def answer_to_result(answer: object) -> dict[str, Any]:
+    match answer:
+        case mv.OfferReply():
+            return {"accepted": answer.accepted, "missing": list(answer.missing), "highest": answer.highest,
+                    "held_there": answer.held_there, "reason": answer.reason}
+        case mv.BlobReply():
+            return {"sha": answer.sha, "ok": answer.ok, "reason": answer.reason}
+        case mv.VerifyReply():
+            return {"ok": answer.ok, "bad": list(answer.bad), "reason": answer.reason}
+        case mv.PrepareReply():
+            return {"ok": answer.ok, "reason": answer.reason}
+        case mv.ActivateReply() | mv.StatusReply():
+            return {"outcome": answer.outcome.value}
+        case mv.AbortReply():
+            return {}
+        case mv.FenceReply():
+            v = answer.view
+            return {"host": v.host, "state": None if v.state is None else v.state.value, "epoch": v.epoch,
+                    "held_epoch": v.held_epoch, "activated": list(v.activated)}
+    raise TypeError(f"not an answer: {answer!r}")
+
+
+def result_to_answer(call: mv.Call, agent_id: str, epoch: int, r: dict[str, Any]) -> object:
+    """Parse a reply's result; raise FormatError if it is malformed."""
+    base = dict(agent_id=agent_id, epoch=epoch)
+    try:
+        match call:
+            case mv.Call.OFFER:
+                return mv.OfferReply(**base, accepted=r["accepted"], missing=tuple(r["missing"]),
+                                     highest=r["highest"], held_there=r["held_there"], reason=r["reason"])
+            case mv.Call.BLOB:
+                return mv.BlobReply(**base, sha=r["sha"], ok=r["ok"], reason=r["reason"])
+            case mv.Call.VERIFY:
+                return mv.VerifyReply(**base, ok=r["ok"], bad=tuple(r["bad"]), reason=r["reason"])
+            case mv.Call.PREPARE:
+                return mv.PrepareReply(**base, ok=r["ok"], reason=r["reason"])
+            case mv.Call.ACTIVATE:
+                return mv.ActivateReply(**base, outcome=mv.Outcome(r["outcome"]))
+            case mv.Call.STATUS:
+                return mv.StatusReply(**base, outcome=mv.Outcome(r["outcome"]))
+            case mv.Call.ABORT:
+                return mv.AbortReply(**base)
+            case mv.Call.FENCE:
+                view = PeerView(host=r["host"], state=None if r["state"] is None else HolderState(r["state"]),
+                                epoch=r["epoch"], held_epoch=r["held_epoch"], activated=tuple(r["activated"]))
+                return mv.FenceReply(agent_id=agent_id, view=view)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"malformed {call.value} reply: {exc!r}") from None
+    raise AssertionError(call)

@@ -1,0 +1,364 @@
+"""The target side of a move: the peer-link handler that runs TargetMachine.
+
+Rules:
+  * Each request is judged by a :class:`~capsulefs.core.move.TargetMachine`
+    built from the agent's current holder record, under the agent's lock;
+    this module only carries out the commands, in order, and stops at the
+    first failure (the reply is then an error, which a source treats like a
+    lost reply: it never counts as a decision).
+  * The caller's host id comes from its authenticated certificate, never
+    from the request.
+  * Incoming content lands in a staging area of the store (``move-*``):
+    ``content/<sha256>`` for every piece, hashed as it arrives and kept only
+    if it matches. Received blobs are made durable (fsync) and moved into
+    ``objects/`` at verify; the capsule directory is assembled at prepare
+    and renamed into ``agents/`` at activate. A discarded move leaves no
+    staging behind; blobs already adopted stay (content addressed, gc frees
+    them if no agent lists them).
+  * Blobs the target already had are checked for presence and size at
+    verify; the store only ever names a blob after hashing it.
+
+Theory of operation: the staging areas of moves in progress live in
+``self._incoming``, keyed by (agent_id, epoch), each owning its staging
+context. A crash loses them; on restart :meth:`MoveService.recover` feeds
+TargetRestarted to every record, which refuses every pending move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from contextlib import ExitStack, aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from capsulefs.core import format as fmt
+from capsulefs.core import move as mv
+from capsulefs.core.errors import CapsuleError, FormatError
+from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable
+from capsulefs.core.hashing import parallel_map
+from capsulefs.core.holder import HolderRecord, HolderState
+from capsulefs.movehost import MoveHost, answer_to_result
+from capsulefs.peerlink import CallFailed, Payload
+from capsulefs.peers import Peer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MoveService"]
+
+_BATCH = 1 << 20  # bytes handed to the writer thread at a time
+DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness only)
+
+
+@dataclass
+class _Incoming:
+    agent_id: str
+    epoch: int
+    source: str
+    manifest: fmt.Manifest
+    area: str
+    stack: ExitStack
+    last_activity: float
+    received: set[str] = field(default_factory=set)
+
+    def content(self, sha: str) -> str:
+        return os.path.join(self.area, "content", sha)
+
+    @property
+    def capsule_dir(self) -> str:
+        return os.path.join(self.area, "capsule")
+
+
+class MoveService:
+    """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
+
+    def __init__(self, host: MoveHost, *, deep_verify: bool = False) -> None:
+        self.host = host
+        self.deep_verify = deep_verify  # re-hash blobs the target already had
+        self._incoming: dict[tuple[str, int], _Incoming] = {}
+        self.served: list[str] = []  # names of the calls served, for tests and logs
+        self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
+
+    # -- the peer-link entry point --------------------------------------------------------
+    async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:
+        try:
+            which = mv.Call(call)
+        except ValueError:
+            raise CallFailed("unknown-call", f"no call named {call!r}") from None
+        try:
+            agent_id = fmt.check_agent_id(args.get("agent_id"))
+            epoch = args.get("epoch")
+            if which is not mv.Call.FENCE and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1):
+                raise FormatError(f"epoch {epoch!r} is not a positive integer")
+        except FormatError as exc:
+            raise CallFailed("bad-request", str(exc)) from None
+        self.served.append(call)
+        async with self.host.lock(agent_id):
+            event = await self._event(which, peer.host_id, agent_id, epoch, args, payload)
+            answer = await self.run(agent_id, event)
+            offered = self._offered.pop((agent_id, epoch), None)
+            if isinstance(answer, mv.OfferReply) and answer.accepted and (agent_id, epoch) not in self._incoming:
+                assert offered is not None
+                self._open(agent_id, epoch, peer.host_id, offered)
+        return answer_to_result(answer), b""
+
+    async def _event(self, which: mv.Call, source: str, agent_id: str, epoch: Any, args: dict[str, Any],
+                     payload: Payload) -> object:
+        base = dict(agent_id=agent_id, epoch=epoch, source=source)
+        match which:
+            case mv.Call.OFFER:
+                try:
+                    manifest = fmt.Manifest.from_bytes(str(args["manifest"]).encode())
+                except (KeyError, FormatError) as exc:
+                    raise CallFailed("bad-request", f"offer without a valid manifest: {exc}") from None
+                if manifest.agent_id != agent_id:
+                    raise CallFailed("bad-request", f"manifest of {manifest.agent_id} offered as {agent_id}")
+                self._offered[(agent_id, epoch)] = manifest
+                inc = self._incoming.get((agent_id, epoch))
+                return mv.OfferReceived(**base, missing=self._missing(manifest, inc))
+            case mv.Call.BLOB:
+                sha = args.get("sha")
+                fmt.check_sha256(sha, "blob")
+                intact = await self._receive(agent_id, epoch, source, sha, payload)
+                return mv.BlobReceived(**base, sha=sha, intact=intact)
+            case mv.Call.VERIFY:
+                return mv.VerifyRequested(**base)
+            case mv.Call.PREPARE:
+                return mv.PrepareRequested(**base)
+            case mv.Call.ACTIVATE:
+                return mv.ActivateRequested(**base)
+            case mv.Call.STATUS:
+                return mv.StatusRequested(**base)
+            case mv.Call.ABORT:
+                return mv.AbortRequested(**base)
+            case mv.Call.FENCE:
+                return mv.FenceRequested(agent_id=agent_id, source=source)
+        raise AssertionError(which)
+
+    # -- running the machine ------------------------------------------------------------------
+    def record(self, agent_id: str) -> HolderRecord | None:
+        rec = self.host.holders.get(agent_id)
+        if rec is None and os.path.isdir(os.path.join(self.host.store.agents_dir, agent_id)):
+            rec = HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=0, note="holder record lost")
+            self.host.holders.put(rec)
+        return rec
+
+    async def run(self, agent_id: str, event: object) -> object | None:
+        """Feed ``event`` to a machine built from the current record; carry out its commands."""
+        tm = mv.TargetMachine(agent_id, self.record(agent_id), me=self.host.me)
+        queue = list(tm.handle(event))
+        answer = None
+        while queue:
+            cmd = queue.pop(0)
+            log.debug("target %s: %s", agent_id, cmd)
+            match cmd:
+                case mv.Persist(record=rec):
+                    self.host.holders.put(rec)
+                case mv.DiscardStaging(epoch=e):
+                    self._close(agent_id, e)
+                case mv.DropAgentFiles():
+                    if os.path.isdir(os.path.join(self.host.store.agents_dir, agent_id)):
+                        log.info("removing leftover files of agent %s (not held here)", agent_id)
+                        self.host.store.remove_agent(agent_id)
+                case mv.CheckBlobs(epoch=e):
+                    bad = await self._check(agent_id, e)
+                    queue[:0] = tm.handle(mv.BlobsChecked(agent_id=agent_id, epoch=e, source=event.source, bad=bad))
+                case mv.BuildStaging(epoch=e):
+                    ok, why = await self._build(agent_id, e)
+                    queue[:0] = tm.handle(mv.StagingBuilt(agent_id=agent_id, epoch=e, source=event.source, ok=ok, reason=why))
+                case mv.Install(epoch=e):
+                    await self._install(agent_id, e)
+                case mv.ActivateAgent():
+                    await self.host.hooks.activate(agent_id)
+                case mv.Reply(answer=a):
+                    answer = a
+                case _:
+                    raise AssertionError(f"unexpected target command {cmd}")
+        return answer
+
+    # -- staging areas ------------------------------------------------------------------------
+    def _open(self, agent_id: str, epoch: int, source: str, manifest: fmt.Manifest) -> _Incoming:
+        stack = ExitStack()
+        area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
+        os.mkdir(os.path.join(area, "content"))
+        inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time())
+        self._incoming[(agent_id, epoch)] = inc
+        return inc
+
+    def _close(self, agent_id: str, epoch: int) -> None:
+        inc = self._incoming.pop((agent_id, epoch), None)
+        if inc is not None:
+            inc.stack.close()
+
+    def close_all(self) -> None:
+        for key in list(self._incoming):
+            self._close(*key)
+
+    def _missing(self, manifest: fmt.Manifest, inc: _Incoming | None) -> tuple[str, ...]:
+        have = inc.received if inc is not None else set()
+        want: dict[str, None] = {}
+        for path, entry in sorted(manifest.files.items()):
+            sha = entry.sha256
+            if sha in have:
+                continue
+            if fmt.blob_name(path) is not None and self.host.store.has_blob(sha):
+                continue
+            want[sha] = None
+        return tuple(want)
+
+    # -- blobs ----------------------------------------------------------------------------------
+    async def _receive(self, agent_id: str, epoch: int, source: str, sha: str, payload: Payload) -> bool:
+        inc = self._incoming.get((agent_id, epoch))
+        rec = self.record(agent_id)
+        if inc is None or inc.source != source or rec is None or rec.state is not HolderState.OFFERED:
+            await payload.drain()
+            return False
+        inc.last_activity = trio.current_time()
+        part = inc.content(sha) + ".part"
+        h = hashlib.sha256()
+        f = open(part, "wb")
+
+        def write(data: bytes) -> None:
+            h.update(data)
+            f.write(data)
+
+        send, recv = trio.open_memory_channel[bytes](4)
+
+        async def writer() -> None:
+            async with recv:
+                async for data in recv:
+                    await trio.to_thread.run_sync(write, data)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                async with send:
+                    buf = bytearray()
+                    async with aclosing(payload.chunks()) as chunks:
+                        async for chunk in chunks:
+                            buf += chunk
+                            if len(buf) >= _BATCH:
+                                await send.send(bytes(buf))
+                                buf.clear()
+                    if buf:
+                        await send.send(bytes(buf))
+        except BaseException:
+            f.close()
+            os.unlink(part)
+            raise
+        f.close()
+        if h.hexdigest() != sha:
+            log.warning("agent %s epoch %d: a blob from %s does not hash to %s", agent_id, epoch, source, sha)
+            os.unlink(part)
+            return False
+        os.replace(part, inc.content(sha))
+        inc.received.add(sha)
+        return True
+
+    async def _check(self, agent_id: str, epoch: int) -> tuple[str, ...]:
+        inc = self._incoming[(agent_id, epoch)]
+        store = self.host.store
+
+        def durable(sha: str) -> None:
+            fd = os.open(inc.content(sha), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def check() -> tuple[str, ...]:
+            bad: list[str] = []
+            list(parallel_map(durable, sorted(inc.received)))
+            fsync_dir(os.path.dirname(inc.content("0" * 64)))
+            for sha, size in sorted(inc.manifest.blobs().items()):
+                if sha in inc.received:
+                    # copy-free: link the checked file into objects/, keep it for the capsule files
+                    tmp = inc.content(sha) + ".adopt"
+                    os.link(inc.content(sha), tmp)
+                    store.adopt_blob_file(tmp, sha)
+                    continue
+                try:
+                    if store.blob_size(sha) != size:
+                        bad.append(sha)
+                    elif self.deep_verify:
+                        store.verify_blob(sha)
+                except CapsuleError:
+                    bad.append(sha)
+            for path, entry in inc.manifest.files.items():
+                if fmt.blob_name(path) is None and entry.sha256 not in inc.received:
+                    bad.append(entry.sha256)
+            return tuple(dict.fromkeys(bad))
+
+        inc.last_activity = trio.current_time()
+        return await trio.to_thread.run_sync(check)
+
+    # -- prepare, install -------------------------------------------------------------------------
+    async def _build(self, agent_id: str, epoch: int) -> tuple[bool, str]:
+        inc = self._incoming[(agent_id, epoch)]
+        store = self.host.store
+        m = inc.manifest
+        for other in store.agents():
+            if other.agent_id != agent_id and other.manifest().name == m.name:
+                return False, f"another agent named {m.name!r} is held here ({other.agent_id})"
+
+        def build() -> None:
+            root = inc.capsule_dir
+            if os.path.isdir(root):
+                shutil.rmtree(root)
+            for path, entry in sorted(m.files.items()):
+                if fmt.blob_name(path) is not None:
+                    continue
+                dest = os.path.join(root, *path.split("/"))
+                makedirs_durable(os.path.dirname(dest))
+                shutil.copyfile(inc.content(entry.sha256), dest)
+                with open(dest, "rb+") as f:
+                    os.fsync(f.fileno())
+            makedirs_durable(root)
+            held = fmt.Manifest(agent_id=m.agent_id, name=m.name, holder=fmt.Holder(host=self.host.me, epoch=epoch),
+                                files=m.files, extra=m.extra)
+            atomic_write(os.path.join(root, fmt.MANIFEST), held.to_bytes())
+
+        try:
+            await trio.to_thread.run_sync(build)
+            await self.host.hooks.prepare(agent_id, inc.capsule_dir)
+        except (CapsuleError, OSError) as exc:
+            return False, str(exc)
+        inc.last_activity = trio.current_time()
+        return True, ""
+
+    async def _install(self, agent_id: str, epoch: int) -> None:
+        inc = self._incoming[(agent_id, epoch)]
+        await trio.to_thread.run_sync(self.host.store.install_agent, inc.capsule_dir)
+        self._close(agent_id, epoch)
+
+    # -- recovery and expiry -----------------------------------------------------------------------
+    async def recover(self) -> None:
+        """After a restart: mark agents without a record UNKNOWN, refuse every
+        pending move, drop leftovers, re-activate held agents."""
+        self.host.holders.reconcile(self.host.store.agent_ids())
+        for agent_id in self.host.holders.agent_ids():
+            async with self.host.lock(agent_id):
+                rec = self.record(agent_id)
+                if rec is None or rec.state in (HolderState.FROZEN, HolderState.COMMITTING):
+                    continue  # the source side resumes these (movedriver.resume_moves)
+                await self.run(agent_id, mv.TargetRestarted(agent_id=agent_id))
+
+    async def expire_idle(self, ttl: float = DEFAULT_IDLE_TTL) -> None:
+        now = trio.current_time()
+        for (agent_id, epoch), inc in list(self._incoming.items()):
+            if now - inc.last_activity >= ttl:
+                async with self.host.lock(agent_id):
+                    log.info("refusing the idle move of %s at epoch %d", agent_id, epoch)
+                    await self.run(agent_id, mv.Expired(agent_id=agent_id))
+                    self._close(agent_id, epoch)
+
+    async def serve_expiry(self, *, ttl: float = DEFAULT_IDLE_TTL, every: float = 60.0,
+                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(every)
+            await self.expire_idle(ttl)

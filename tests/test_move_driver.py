@@ -1,0 +1,416 @@
+"""Real moves between two host stores over real TLS on loopback, with a
+fault-injecting double around the target. After every scenario: one holder
+(never two), no staging left, a capsule that verifies on the holder, and a
+journal that lost nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import export_and_unpack, make_agent
+
+from capsulefs.core import archive
+from capsulefs.core import format as fmt
+from capsulefs.core import move as mv
+from capsulefs.core.events import UserMessage
+from capsulefs.core.journal import open_journal
+from capsulefs.core.holder import HolderState, new_held
+from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
+from capsulefs.movehost import MoveHost
+from capsulefs.moveservice import MoveService
+from capsulefs.peerlink import Payload, PeerBroken, open_peer, serve_peers
+from capsulefs.peers import Peer
+
+
+
+@dataclass
+class Hooks:
+    """Tracks which agents run on a host, as the mount daemon would."""
+
+    name: str
+    running: set[str] = field(default_factory=set)
+    log: list[str] = field(default_factory=list)
+
+    async def freeze(self, agent_id: str) -> None:
+        self.running.discard(agent_id)
+        self.log.append("freeze")
+
+    async def resume(self, agent_id: str) -> None:
+        self.running.add(agent_id)
+        self.log.append("resume")
+
+    async def retire(self, agent_id: str) -> None:
+        self.running.discard(agent_id)
+        self.log.append("retire")
+
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        assert os.path.isfile(os.path.join(staged_dir, fmt.MANIFEST))
+        self.log.append("prepare")
+
+    async def activate(self, agent_id: str) -> None:
+        self.running.add(agent_id)
+        self.log.append("activate")
+
+
+@dataclass
+class Fault:
+    call: str
+    when: str  # "before": the request is lost; "after": it ran, the reply is lost
+    times: int = 1
+
+
+class FaultyTarget:
+    """Wraps the target's service; fails named calls before or after they run."""
+
+    def __init__(self, inner: MoveService, *faults: Fault) -> None:
+        self.inner = inner
+        self.faults = list(faults)
+        self.corrupt_next_blob = False
+        self.break_in_blob = False
+        self.fired: list[str] = []
+
+    async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict, bytes]:
+        if call == "blob" and self.corrupt_next_blob:
+            self.corrupt_next_blob = False
+            payload = _Corrupt(payload)  # type: ignore[assignment]
+        if call == "blob" and self.break_in_blob and payload.size > 1000:
+            self.break_in_blob = False
+            async with aclosing(payload.chunks()) as chunks:
+                async for _ in chunks:
+                    break  # some bytes arrived, then the link dies
+            self.fired.append("blob:mid")
+            raise PeerBroken("injected: link died in the middle of a blob")
+        for f in self.faults:
+            if f.call == call and f.times > 0:
+                f.times -= 1
+                self.fired.append(f"{call}:{f.when}")
+                if f.when == "before":
+                    await payload.drain()
+                    raise PeerBroken(f"injected: {call} request lost")
+                await self.inner(peer, call, args, payload)
+                raise PeerBroken(f"injected: {call} reply lost")
+        return await self.inner(peer, call, args, payload)
+
+
+class _Corrupt:
+    def __init__(self, inner: Payload) -> None:
+        self.inner = inner
+        self.size = inner.size
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        first = True
+        async with aclosing(self.inner.chunks()) as chunks:
+            async for chunk in chunks:
+                if first and chunk:
+                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+                    first = False
+                yield chunk
+
+    async def drain(self) -> None:
+        await self.inner.drain()
+
+
+@dataclass
+class World:
+    a: MoveHost
+    b: MoveHost
+    hooks_a: Hooks
+    hooks_b: Hooks
+    service_b: MoveService
+    target: FaultyTarget
+    peer_b: Peer
+    agent_id: str
+    journal: bytes  # the agent's journal before any move
+
+    async def move(self, **kw: Any) -> Any:
+        kw.setdefault("retry_pause", 0)
+        return await move_agent(self.a, self.agent_id, self.peer_b, **kw)
+
+    def holders(self) -> list[str]:
+        out = []
+        for name, host in (("a", self.a), ("b", self.b)):
+            rec = host.holders.get(self.agent_id)
+            if rec is not None and rec.state is HolderState.HELD:
+                out.append(name)
+        return out
+
+    def check(self) -> str | None:
+        """The invariants after a scenario; returns the holder's name (or None in doubt)."""
+        holders = self.holders()
+        assert len(holders) <= 1, f"two holders: {holders}"
+        running = [h.name for h in (self.hooks_a, self.hooks_b) if self.agent_id in h.running]
+        assert running == holders, f"running {running} but holding {holders}"
+        for host in (self.a, self.b):
+            assert os.listdir(host.store.staging_dir) == [], f"staging left: {os.listdir(host.store.staging_dir)}"
+        if not holders:
+            return None
+        holder = self.a if holders == ["a"] else self.b
+        agent = holder.store.agent(self.agent_id)
+        assert agent.read(fmt.JOURNAL) == self.journal, "the journal lost something"
+        rec = holder.holders.get(self.agent_id)
+        assert agent.manifest().holder.epoch == rec.held_epoch
+        return holders[0]
+
+
+@pytest.fixture
+async def world(tmp_path: Path, nursery: trio.Nursery) -> World:
+    hooks_a, hooks_b = Hooks("a"), Hooks("b")
+    a = MoveHost.open(tmp_path / "a", hooks_a)
+    b = MoveHost.open(tmp_path / "b", hooks_b)
+    agent = make_agent(a.store, "mover", workspace={f"f{i}": os.urandom(5000 + i) for i in range(12)})
+    ids = iter(range(10**6))
+    with open_journal(agent.path(fmt.JOURNAL), machine=a.me, now=lambda: 1.7e9, new_id=lambda: f"{next(ids):024x}",
+                      recovery_dir=tmp_path / "recovery") as journal:
+        journal.append_many([UserMessage(text=f"message {i}") for i in range(50)])
+    agent.refresh_manifest()
+    a.store.agent(agent.agent_id).set_holder(a.me, 1)
+    a.holders.put(new_held(agent.agent_id, 1))
+    hooks_a.running.add(agent.agent_id)
+    # b already has a third of the blobs
+    for sha in sorted(agent.manifest().blobs())[:4]:
+        b.store.put_blob(a.store.read_blob(sha))
+    service = MoveService(b)
+    target = FaultyTarget(service)
+    b.peers.add(Peer(name="a", address="127.0.0.1:1", host_id=a.me))
+    port = await nursery.start(lambda task_status: serve_peers(b.identity, b.peers, target, host="127.0.0.1",
+                                                               task_status=task_status))
+    peer_b = Peer(name="b", address=f"127.0.0.1:{port}", host_id=b.me)
+    a.peers.add(peer_b)
+    yield World(a, b, hooks_a, hooks_b, service, target, peer_b, agent.agent_id, agent.read(fmt.JOURNAL))
+    service.close_all()
+
+
+def verify_on(host: MoveHost, agent_id: str, tmp: Path) -> None:
+    _tar, out = export_and_unpack(host.store.agent(agent_id), tmp, name=f"check-{os.urandom(3).hex()}")
+    manifest, problems = archive.verify_capsule(str(out))
+    assert problems == [] and manifest is not None and manifest.agent_id == agent_id
+
+
+async def test_a_clean_move(world: World, tmp_path: Path) -> None:
+    result = await world.move()
+    assert result.moved and result.epoch == 2
+    assert result.contents_sent == 8 + 5  # the blobs b lacked, and the capsule's files
+    assert world.check() == "b"
+    assert world.hooks_a.log == ["freeze", "retire"] and world.hooks_b.log == ["prepare", "activate"]
+    assert world.agent_id not in world.a.store.agent_ids()
+    verify_on(world.b, world.agent_id, tmp_path)
+    assert world.b.store.agent(world.agent_id).manifest().holder == fmt.Holder(host=world.b.me, epoch=2)
+
+
+@pytest.mark.parametrize("call", ["offer", "blob", "verify", "prepare", "activate"])
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_one_failed_call_at_every_phase(world: World, tmp_path: Path, call: str, when: str) -> None:
+    world.target.faults = [Fault(call, when)]
+    result = await world.move()
+    assert world.target.fired == [f"{call}:{when}"]
+    holder = world.check()
+    if call == "activate" and when == "after":
+        assert result.moved and holder == "b"  # in doubt, then status said active
+        assert world.target.inner.served[-1] == "status"
+    else:
+        assert result.state is mv.SourceState.ROLLED_BACK and holder == "a"
+        assert world.a.holders.get(world.agent_id).held_epoch == 1
+        rec_b = world.b.holders.get(world.agent_id)
+        assert rec_b is None or rec_b.state is HolderState.REFUSED
+    verify_on(world.a if holder == "a" else world.b, world.agent_id, tmp_path)
+    # whatever happened, the next move succeeds, at a fresh epoch
+    if holder == "a":
+        again = await world.move()
+        assert again.moved and again.epoch == 3
+        assert world.check() == "b"
+
+
+@pytest.mark.parametrize("first", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_status_failing_too_keeps_asking(world: World, first: str, when: str) -> None:
+    world.target.faults = [Fault("activate", first), Fault("status", when, times=3)]
+    result = await world.move()
+    assert world.target.fired.count(f"status:{when}") == 3
+    assert result.moved == (first == "after")
+    world.check()
+
+
+async def test_lost_abort_leaves_staging_until_the_target_expires_it(world: World) -> None:
+    world.target.faults = [Fault("verify", "before"), Fault("abort", "before", times=3)]
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK
+    assert os.listdir(world.b.store.staging_dir) != []
+    assert world.b.holders.get(world.agent_id).state is HolderState.OFFERED
+    await world.service_b.expire_idle(ttl=0)
+    assert world.b.holders.get(world.agent_id).state is HolderState.REFUSED
+    assert world.check() == "a"
+
+
+async def test_corrupted_chunk_rolls_back(world: World) -> None:
+    world.target.corrupt_next_blob = True
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK
+    assert world.check() == "a"
+    assert world.target.inner.served[-1] == "abort"
+
+
+async def test_dead_link_mid_transfer_rolls_back(world: World) -> None:
+    world.target.break_in_blob = True
+    result = await world.move()
+    assert world.target.fired == ["blob:mid"] and result.state is mv.SourceState.ROLLED_BACK
+    assert "blob" in result.reason
+    assert world.check() == "a"
+
+
+async def test_delayed_and_duplicated_activate_after_resolve_is_refused(world: World) -> None:
+    world.target.faults = [Fault("activate", "before")]
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK
+    async with open_peer(world.a.identity, world.peer_b) as conn:
+        for _ in range(2):
+            r, _ = await conn.call("activate", {"agent_id": world.agent_id, "epoch": 2})
+            assert r == {"outcome": "never"}
+    assert world.check() == "a"
+
+
+async def test_a_stale_offer_replayed_later_is_refused(world: World) -> None:
+    assert (await world.move()).moved
+    async with open_peer(world.a.identity, world.peer_b) as conn:
+        m = world.b.store.agent(world.agent_id).manifest()
+        r, _ = await conn.call("offer", {"agent_id": world.agent_id, "epoch": 2, "manifest": m.to_bytes().decode()})
+    assert r["accepted"] is False and r["held_there"] is True and r["highest"] == 2
+    assert world.check() == "b"
+
+
+async def test_a_partitioned_host_waking_up_with_a_stale_record_stops(world: World) -> None:
+    saved = world.a.holders.get(world.agent_id)
+    files = {rel: world.a.store.agent(world.agent_id).read(rel) for rel in world.a.store.agent(world.agent_id).local_files()}
+    assert (await world.move()).moved
+    # a wakes up from an old snapshot of its disk: it believes it holds epoch 1
+    world.a.holders.put(saved)
+    with world.a.store.staging("restore") as area:
+        for rel, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(area, rel)), exist_ok=True)
+            Path(area, rel).write_bytes(data)
+        m = world.b.store.agent(world.agent_id).manifest()
+        Path(area, fmt.MANIFEST).write_bytes(
+            fmt.Manifest(agent_id=m.agent_id, name=m.name, holder=fmt.Holder(host=world.a.me, epoch=1),
+                         files=m.files).to_bytes())
+        world.a.store.install_agent(area)
+    result = await world.move()
+    assert result.state is mv.SourceState.STALE
+    rec = world.a.holders.get(world.agent_id)
+    assert rec.state is HolderState.UNKNOWN and "holds the agent itself" in rec.note
+    assert world.agent_id not in world.hooks_a.running
+    assert world.check() == "b"
+    # learning from the peers retires the stale copy
+    learned = await learn_holder(world.a, world.agent_id)
+    assert learned.state is HolderState.RETIRED and world.agent_id not in world.a.store.agent_ids()
+
+
+async def test_crash_losing_the_holder_record_then_learning(world: World) -> None:
+    assert (await world.move()).moved
+    os.unlink(os.path.join(world.b.holders.directory, f"{world.agent_id}.json"))
+    world.hooks_b.running.clear()  # the daemon restarts
+    await MoveService(world.b).recover()
+    assert world.b.holders.get(world.agent_id).state is HolderState.UNKNOWN
+    assert world.holders() == [] and world.check() is None  # nobody runs it while in doubt
+    # b asks a (its only peer): a retired it and activated only epoch 1, so b holds epoch 2
+    assert [p.name for p in world.b.peers.peers()] == ["a"]
+    async with trio.open_nursery() as n:
+        service_a = MoveService(world.a)
+        port = await n.start(lambda task_status: serve_peers(world.a.identity, world.a.peers, service_a,
+                                                             host="127.0.0.1", task_status=task_status))
+        world.b.peers.remove("a")
+        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{port}", host_id=world.a.me))
+        learned = await learn_holder(world.b, world.agent_id)
+        n.cancel_scope.cancel()
+    assert learned.state is HolderState.HELD and learned.held_epoch == 2
+    assert world.check() == "b"
+
+
+async def test_source_crash_in_doubt_resumes_from_its_record(world: World) -> None:
+    world.target.faults = [Fault("activate", "after")]
+    world.target.faults.append(Fault("status", "before", times=1000))
+
+    async def crash_when_in_doubt(result: list) -> None:
+        await world.move()  # never returns: status keeps failing
+        result.append("returned")
+
+    done: list = []
+    async with trio.open_nursery() as n:
+        n.start_soon(crash_when_in_doubt, done)
+        while world.target.fired.count("status:before") < 3:
+            await trio.sleep(0.001)
+        n.cancel_scope.cancel()  # the source process dies here
+    assert done == [] and world.a.holders.get(world.agent_id).state is HolderState.COMMITTING
+    world.hooks_a.running.clear()
+    world.target.faults = []
+    (result,) = await resume_moves(world.a, retry_pause=0)
+    assert result.moved and world.check() == "b"
+
+
+async def test_operator_abandon_while_in_doubt(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world.target.faults = [Fault("activate", "before"), Fault("status", "before", times=10**6)]
+    control = MoveControl()
+    async with trio.open_nursery() as n:
+        async def abandon_soon() -> None:
+            while world.target.fired.count("status:before") < 5:
+                await trio.sleep(0.001)
+            control.abandon("target machine is gone for good")
+        n.start_soon(abandon_soon)
+        result = await world.move(control=control)
+    assert result.state is mv.SourceState.ABANDONED and "operator abandoned" in result.reason
+    assert "two hosts now run the agent" in caplog.text
+    await world.service_b.expire_idle(ttl=0)
+    assert world.check() == "a"
+
+
+def test_offline_abandon(tmp_path: Path) -> None:
+    from capsulefs.core.holder import HolderBook, HolderRecord
+
+    book = HolderBook(tmp_path)
+    aid = "c" * 32
+    book.put(HolderRecord(agent_id=aid, state=HolderState.COMMITTING, epoch=2, held_epoch=1, peer="B" * 52,
+                          activated=(1,)))
+    rec = abandon_move(book, aid, me="A" * 52, why="disk of B melted")
+    assert rec.state is HolderState.HELD and rec.held_epoch == 1 and rec.epoch == 2
+    with pytest.raises(mv.MoveError, match="no move in progress"):
+        abandon_move(book, aid, me="A" * 52, why="again")
+
+
+async def test_same_agent_id_on_both_sides(world: World, tmp_path: Path) -> None:
+    assert (await world.move()).moved
+    # back to a (b's service is the target only; serve a to move back)
+    async with trio.open_nursery() as n:
+        service_a = MoveService(world.a)
+        port = await n.start(lambda task_status: serve_peers(world.a.identity, world.a.peers, service_a,
+                                                             host="127.0.0.1", task_status=task_status))
+        world.b.peers.remove("a")
+        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{port}", host_id=world.a.me))
+        back = await move_agent(world.b, world.agent_id, world.b.peers.find("a"), retry_pause=0)
+        n.cancel_scope.cancel()
+    assert back.moved and back.epoch == 3 and world.check() == "a"
+    assert world.b.holders.get(world.agent_id).state is HolderState.RETIRED
+    # and to b again: b's retired record for the same agent_id is replaced
+    again = await world.move()
+    assert again.moved and again.epoch == 4 and world.check() == "b"
+    verify_on(world.b, world.agent_id, tmp_path)
+
+
+async def test_another_agent_with_the_same_name_on_the_target_refuses_at_prepare(world: World) -> None:
+    world.b.store.create_agent("mover", host_id=world.b.me, agent_id="d" * 32)  # same name, another agent_id
+    world.b.holders.put(new_held("d" * 32, 1))
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and "named 'mover'" in result.reason
+    assert world.check() == "a"
+
+
+async def test_the_same_agent_id_with_files_but_no_record_on_the_target_is_refused(world: World) -> None:
+    make_agent(world.b.store, "mover")  # the same agent_id: a copy nobody recorded as held
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and "lost its record" in result.reason
+    assert world.b.holders.get(world.agent_id).state is HolderState.UNKNOWN
+    assert world.holders() == ["a"] and world.hooks_a.running == {world.agent_id}
