@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 
 from .embedders import Embedder, EmbedderSpec, select_embedder
-from .errors import CapsuleError, FormatError
+from .errors import CapsuleError, FormatError, IntegrityError, NotFoundError
 from .events import (
     AssistantMessage,
     MemoryEdit,
@@ -706,11 +706,17 @@ def load_index(path: str | os.PathLike[str]) -> tuple[VectorIndex | None, str]:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
+        data = None
+    return _load(data, os.fspath(path))
+
+
+def _load(data: bytes | None, where: str) -> tuple[VectorIndex | None, str]:
+    if data is None:
         return None, "no index.json"
     try:
         return parse_index(data), ""
     except IndexCorrupt as exc:
-        log.warning("%s is not trusted and will be rebuilt: %s", os.fspath(path), exc)
+        log.warning("%s is not trusted and will be rebuilt: %s", where, exc)
         return None, str(exc)
 
 
@@ -724,20 +730,22 @@ def save_index(path: str | os.PathLike[str], index: VectorIndex) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CapsuleFiles:
-    """Where one agent's journal, index and blobs are on disk."""
+    """How to read one agent's capsule files, and to replace its index."""
 
-    journal: str  # memory/timeline_events.jsonl
-    index: str  # memory/vector_index/index.json
-    blob_path: Callable[[str], str]  # sha256 -> path of that blob
-    write_index: Callable[[bytes], None]  # replaces index.json (and its manifest entry, in a store)
+    label: str  # where the capsule is (for messages, and the in-memory cache key)
+    read: Callable[[str], bytes | None]  # capsule-relative path -> bytes, None if absent
+    write_index: Callable[[bytes], None] | None  # replaces index.json; None: read-only (a tar)
 
     @classmethod
     def of(cls, capsule: "str | os.PathLike[str] | CapsuleFiles | Any") -> "CapsuleFiles":
-        """From a capsule directory, a CapsuleFiles, or anything with ``.path(relpath)``
-        (the host store's agent handle; when it has ``write_files``, the index
-        is written through it so that the manifest stays in step)."""
+        """From a capsule directory, a capsule tar (read-only), a CapsuleFiles,
+        or anything with ``.path(relpath)`` (the host store's agent handle;
+        when it has ``write_files``, the index is written through it so that
+        the manifest stays in step)."""
         if isinstance(capsule, CapsuleFiles):
             return capsule
+        if isinstance(capsule, (str, os.PathLike)) and os.path.isfile(capsule):
+            return cls._of_tar(os.fspath(capsule))
         if isinstance(capsule, (str, os.PathLike)):
             root = os.fspath(capsule)
 
@@ -750,7 +758,7 @@ class CapsuleFiles:
                 return os.fspath(capsule.path(rel))
 
         else:
-            raise TypeError(f"not a capsule directory or agent handle: {capsule!r}")
+            raise TypeError(f"not a capsule directory, tar or agent handle: {capsule!r}")
         index_path = at(VECTOR_INDEX)
         if callable(getattr(capsule, "write_files", None)):
 
@@ -763,26 +771,50 @@ class CapsuleFiles:
                 makedirs_durable(os.path.dirname(os.path.abspath(index_path)))
                 atomic_write(index_path, data)
 
-        return cls(
-            journal=at(JOURNAL),
-            index=index_path,
-            blob_path=lambda sha: at(f"{BLOBS_DIR}/{check_sha256(sha, 'memory blob')}"),
-            write_index=write,
-        )
+        def read(rel: str) -> bytes | None:
+            try:
+                with open(at(rel), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        return cls(label=index_path, read=read, write_index=write)
+
+    @classmethod
+    def _of_tar(cls, path: str) -> "CapsuleFiles":
+        from .tarball import scan_tar
+
+        blobs: dict[str, bytes] = {}
+
+        def keep_small_blobs(rel: str, size: int, f: Any) -> str:
+            data = f.read(size) if rel.startswith(BLOBS_DIR + "/") and size <= TAR_BLOB_LIMIT else None
+            if data is None:
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                return h.hexdigest()
+            blobs[rel] = data
+            return hashlib.sha256(data).hexdigest()
+
+        listing = scan_tar(path, keep_small_blobs)
+        if listing.problems:
+            raise FormatError(f"{path}: {listing.problems[0]}")
+        files = {**blobs, **listing.contents}
+        return cls(label=f"tar:{os.path.abspath(path)}", read=files.get, write_index=None)
 
     def read_journal(self) -> bytes:
-        try:
-            with open(self.journal, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return b""
+        return self.read(JOURNAL) or b""
 
     def read_blob(self, sha256: str) -> bytes:
-        with open(self.blob_path(sha256), "rb") as f:
-            data = f.read()
+        data = self.read(f"{BLOBS_DIR}/{check_sha256(sha256, 'memory blob')}")
+        if data is None:
+            raise NotFoundError(f"blob {sha256} is not in the capsule")
         if hashlib.sha256(data).hexdigest() != sha256:
-            raise OSError(f"blob {sha256} does not match its name")
+            raise IntegrityError(f"blob {sha256} does not match its name")
         return data
+
+
+TAR_BLOB_LIMIT = 4 << 20  # blobs kept in memory when searching a tar (memory edits are small)
 
 
 def refresh_index(
@@ -795,28 +827,29 @@ def refresh_index(
     embedder = embedder or select_embedder()
     with _cache_lock:
         journal = files.read_journal()
-        key = _file_key(files.index)
-        cached = _cache.get(files.index)
+        raw = files.read(VECTOR_INDEX)
+        key = hashlib.sha256(raw).hexdigest() if raw is not None else None
+        cached = _cache.get(files.label)
+        index: VectorIndex | None
         if cached is not None and key is not None and cached[0] == key:
-            index: VectorIndex | None
             index, why = cached[1], ""
         else:
-            index, why = load_index(files.index)
+            index, why = _load(raw, files.label)
         index, report = update_index(index, journal, embedder, blobs=files.read_blob)
-        if save and (report.mode != "fresh" or why):
+        if save and files.write_index is not None and (report.mode != "fresh" or why):
             data = dump_index(index)
             files.write_index(data)
             key = hashlib.sha256(data).hexdigest()
         if key is not None:
-            _cache.pop(files.index, None)
-            _cache[files.index] = (key, index)
+            _cache.pop(files.label, None)
+            _cache[files.label] = (key, index)
             while len(_cache) > CACHE_INDEXES:
                 _cache.pop(next(iter(_cache)))
-    log.debug("index %s: %s (%s), +%d -%d rows", files.index, report.mode, report.reason, report.added, report.removed)
+    log.debug("index %s: %s (%s), +%d -%d rows", files.label, report.mode, report.reason, report.added, report.removed)
     return index, journal, report
 
 
-# Indexes kept in memory between calls, by index.json path, while the file's
+# Indexes kept in memory between calls, by capsule, while index.json's
 # sha256 is unchanged: a recall tool called again and again neither parses
 # nor decodes a large index (hashing 77 MB takes ~0.1 s, loading it ~2 s). An index updated but not
 # saved (save=False) stays here too, so the next call is incremental. The
@@ -825,13 +858,6 @@ CACHE_INDEXES = 4
 _cache: dict[str, tuple[str, VectorIndex]] = {}
 _cache_lock = threading.RLock()
 
-
-def _file_key(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError:
-        return None
 
 
 def _find_records(journal: bytes, ids: set[str]) -> dict[str, Record]:

@@ -72,3 +72,12 @@ def test_recall_on_an_agent_handle(store: HostStore) -> None:
     agent = _agent_with_history(store)
     hits = recall(agent, "who is on call this week", 5)
     assert hits and hits[0].event == event_id("m02") and "Priya" in hits[0].snippet
+
+
+def test_search_a_capsule_tar(store: HostStore, cli, tmp_path: Path) -> None:
+    agent = _agent_with_history(store)
+    tar, _cap = export_and_unpack(agent, tmp_path)
+    before = tar.read_bytes()
+    proc = cli("search", str(tar), "who is on call this week", "-k", "1", "--embedder", "hashed", check=True)
+    assert event_id("m02") in proc.stdout and "Priya" in proc.stdout
+    assert tar.read_bytes() == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,11 @@ def test_memory_in_a_blob_is_read_from_the_capsule(tmp_path: Path) -> None:
     hits = recall(cap, "which host runs the staging database", 1)
     assert hits[0].event == event_id("m") and hits[0].kind == "memory_edit"
     assert "pg-stage-3" in hits[0].snippet
+    tar = tmp_path / "cap.tar"
+    with tarfile.open(tar, "w") as tf:
+        tf.add(cap, arcname=".")
+    hits = search_capsule(tar, "which host runs the staging database", 1, embedder=HashedEmbedder())
+    assert hits[0].event == event_id("m") and "pg-stage-3" in hits[0].snippet
 
 
 def test_search_hits_carry_id_kind_time_and_snippet(tmp_path: Path) -> None:
@@ -264,7 +270,7 @@ def test_search_hits_carry_id_kind_time_and_snippet(tmp_path: Path) -> None:
     assert top.time == records[[r.id for r in records].index(top.event)].time
     assert "340 MB" in top.snippet
     assert (cap / fmt.VECTOR_INDEX).read_bytes() == fmt.empty_vector_index()  # save=False
-    assert CapsuleFiles.of(cap).journal.endswith("memory/timeline_events.jsonl")
+    assert CapsuleFiles.of(cap).label.endswith("memory/vector_index/index.json")
 
 
 # -- chunking ---------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Commands on the agent's semantic index: search, reindex.
 
-AGENT is an agent held in the host store (by name or id) or the path of a
-capsule directory. A store agent's index is brought up to date and saved
-through the store (so its manifest stays in step). A capsule directory is
-searched read-only unless ``--save-index`` is given, since rewriting
-index.json would no longer match the digest its manifest lists.
+AGENT is an agent held in the host store (by name or id), the path of a
+capsule directory, or a capsule tar. A store agent's index is brought up to
+date and saved through the store (so its manifest stays in step). A capsule
+directory is searched read-only unless ``--save-index`` is given, since
+rewriting index.json would no longer match the digest its manifest lists; a
+tar is always read-only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _target(args: argparse.Namespace) -> tuple[Any, bool]:
     """(capsule dir or agent handle, whether to save the index)."""
     if _is_capsule_dir(args.agent):
         return args.agent, args.save_index
+    if os.path.isfile(args.agent):
+        return args.agent, False
     return find_agent(args, args.agent), True
 
 
@@ -72,7 +75,9 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 
         files = CapsuleFiles.of(capsule)
         index, report = update_index(None, files.read_journal(), embedder, blobs=files.read_blob)
+        save = save and files.write_index is not None
         if save:
+            assert files.write_index is not None
             files.write_index(dump_index(index))
     else:
         index, _journal, report = refresh_index(capsule, embedder, save=save)
@@ -86,7 +91,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("agent", metavar="AGENT", help="agent name or id in the host store, or a capsule directory")
+    p.add_argument("agent", metavar="AGENT", help="agent name or id in the host store, a capsule directory, or a capsule tar")
     p.add_argument(
         "--embedder",
         choices=("auto", "hashed", "model"),
