@@ -27,6 +27,10 @@ Theory of operation:
     still in the journal with the same hash, the events past the heads are
     indexed (the union); if not (a head vanished or changed), the journal is
     not the one the index was built from and the index is rebuilt.
+  * Merge. :func:`merge_indexes` unions the rows of two indexes of the same
+    agent made by the same embedder when both sides' heads hold in the merged
+    journal: nothing either side had is embedded again. Otherwise it is an
+    update of our index against the merged journal.
   * Memory. Each memory_edit holds the whole new working memory. Only the
     latest one (by the journal order ``(clock, machine, seq)``) is indexed:
     when a later one arrives, the old memory's rows are dropped. So an
@@ -36,13 +40,17 @@ Theory of operation:
     is cut at a sentence end or space. At most ``MAX_CHUNKS`` per event.
   * Search is an exact scan: the stored int8 rows are dequantised once into
     a float32 matrix, a query is one matrix-vector product and a partial sort
-    (``argpartition``). At 100k rows that is ~10 ms, bound by memory
+    (``argpartition``). At 100k rows that is 10-25 ms, bound by memory
     bandwidth. An inverted-file partition (k-means lists, probe the nearest)
     was measured and rejected: on these lexical vectors a short query's
     neighbours spread over many lists, so at 10x speed it kept only 40-50%
     of the true top 10 (bench/bench_index.py shows the trade-off). Rows of
     one event collapse to its best chunk (memory chunks stay separate: each
     is its own span).
+  * Access. :class:`CapsuleFiles` reads a capsule directory, a capsule tar
+    (read-only) or a store agent (whose index is written through the store,
+    so its manifest stays in step). Between searches an index stays in
+    memory while its index.json's sha256 is unchanged.
 
 On-disk layout (one JSON object, keys sorted, ``digest`` first)::
 
