@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -53,6 +54,14 @@ class Kernel(Protocol):
 
 class FuseKernel:
     def invalidate_inode(self, ino: int) -> None:
+        # Never from the request handler itself: the kernel holds the pages
+        # of a read in progress, and would wait for it forever. A thread
+        # waits until the handler has replied.
+        threading.Thread(target=self._invalidate_inode, args=(ino,), daemon=True,
+                         name=f"invalidate-{ino}").start()
+
+    @staticmethod
+    def _invalidate_inode(ino: int) -> None:
         try:
             pyfuse3.invalidate_inode(ino)
         except OSError as exc:  # ENOENT: the kernel did not have it

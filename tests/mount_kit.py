@@ -1,0 +1,91 @@
+"""Real mounts for tests (tier: kernel): the daemon as a real subprocess.
+
+:func:`mounted` starts ``.venv/bin/capsulefs mount MNT --state S``, waits
+(bounded) for the mount to appear, and whatever happens unmounts, waits for
+the daemon and kills it if it does not exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core.events import Record, line_hash
+
+CAPSULEFS = str(Path(sys.executable).with_name("capsulefs"))
+MOUNT_POLLS = 600  # x 25 ms: how long a daemon may take to mount
+EXIT_WAIT = 30.0
+
+needs_fuse = pytest.mark.skipif(
+    not (os.path.exists("/dev/fuse") and os.geteuid() == 0 and shutil.which("fusermount3")),
+    reason="real mounts need /dev/fuse, root and fusermount3",
+)
+
+
+def capsulefs(*args: str, check: bool = True, **kw: object) -> subprocess.CompletedProcess:
+    proc = subprocess.run([CAPSULEFS, *args], capture_output=True, text=True, timeout=120, **kw)  # type: ignore[call-overload]
+    if check and proc.returncode != 0:
+        raise AssertionError(f"capsulefs {' '.join(args)}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def wait_mounted(mnt: Path, proc: subprocess.Popen, log: Path) -> None:
+    for _ in range(MOUNT_POLLS):
+        if os.path.ismount(mnt):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the daemon exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.025)
+    raise AssertionError(f"{mnt} was not mounted in time:\n{log.read_text()}")
+
+
+def force_unmount(mnt: Path) -> None:
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    if os.path.ismount(mnt):
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@contextmanager
+def mounted(state: Path, mnt: Path, *extra: str) -> Iterator[subprocess.Popen]:
+    mnt.mkdir(parents=True, exist_ok=True)
+    log = state.parent / f"daemon-{mnt.name}.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen([CAPSULEFS, "-v", "mount", str(mnt), "--state", str(state), *extra],
+                                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_mounted(mnt, proc, log)
+            yield proc
+        finally:
+            force_unmount(mnt)
+            try:
+                proc.wait(timeout=EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text
+
+
+def check_chains(data: bytes) -> list[Record]:
+    """Parse a journal and check every machine's chain (seq 1.., prev = hash of the last line)."""
+    recs = []
+    last: dict[str, tuple[int, str]] = {}
+    for line in data.splitlines():
+        r = Record.from_line(line)
+        seq, prev = last.get(r.machine, (0, None))
+        assert r.seq == seq + 1, f"{r.machine}: seq {r.seq} after {seq}"
+        assert r.prev == prev, f"{r.machine} seq {r.seq}: prev does not chain"
+        last[r.machine] = (r.seq, line_hash(line))
+        recs.append(r)
+    clocks = [r.clock for r in recs]
+    assert clocks == sorted(clocks)
+    return recs

@@ -1,0 +1,123 @@
+"""Real mounts: what `ls`, `cat`, `tar`, `getfattr` and signals see."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import xattr
+
+from capsulefs.core import format as fmt
+from capsulefs.core.store import HostStore
+from helpers import make_agent
+from mount_kit import capsulefs, mounted, needs_fuse
+
+pytestmark = [pytest.mark.fuse, needs_fuse]
+
+
+@pytest.fixture
+def mnt(tmp_path: Path) -> Path:
+    return tmp_path / "mnt"
+
+
+def test_ls_cat_find_tar_verify(store: HostStore, state_dir: Path, mnt: Path, tmp_path: Path) -> None:
+    make_agent(store, "alice")
+    make_agent(store, "bob", workspace={"big.bin": os.urandom(3 << 20)})
+    with mounted(state_dir, mnt):
+        assert sorted(os.listdir(mnt)) == ["alice", "bob"]
+        assert (mnt / "alice" / fmt.WORKING_MEMORY).read_text() == "# notes\nremember the milk\n"
+        found = subprocess.run(["find", "."], cwd=mnt / "alice", capture_output=True, text=True, check=True).stdout
+        assert "./memory/timeline_events.jsonl" in found and ".control" not in found
+        for name in ("alice", "bob"):
+            tar = tmp_path / f"{name}.tar"
+            subprocess.run(["tar", "-C", str(mnt / name), "-cf", str(tar), "."], check=True)
+            out = capsulefs("verify", str(tar)).stdout
+            assert out.startswith("OK:"), out
+        assert capsulefs("verify", str(mnt / "bob")).stdout.startswith("OK:")
+
+
+def test_hidden_dirs_absent_from_readdir(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    make_agent(store, "alice")
+    with mounted(state_dir, mnt):
+        agent = mnt / "alice"
+        ls = subprocess.run(["ls", "-a", str(agent)], capture_output=True, text=True, check=True).stdout.split()
+        assert ".control" not in ls and ".snapshots" not in ls
+        assert ".control" not in os.listdir(agent)
+        assert (agent / ".control").is_dir() and (agent / ".snapshots").is_dir()
+        status = json.loads((agent / ".control" / "status").read_text())
+        assert status["state"] == "active" and status["name"] == "alice"
+
+
+def test_xattrs_with_getfattr_and_the_xattr_package(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    agent = make_agent(store, "alice")
+    with mounted(state_dir, mnt):
+        manifest = json.loads((mnt / "alice" / "manifest.json").read_bytes())
+        for rel, entry in manifest["files"].items():
+            got = subprocess.run(["getfattr", "--only-values", "-n", "user.capsule.sha256", str(mnt / "alice" / rel)],
+                                 capture_output=True, text=True, check=True).stdout
+            assert got == entry["sha256"]
+        x = xattr.xattr(str(mnt / "alice"))
+        assert x.get("user.capsule.agent_id").decode() == agent.agent_id
+        assert x.get("user.capsule.epoch") == b"1"
+        assert set(x.list()) == {"user.capsule.agent_id", "user.capsule.epoch"}
+        assert len(xattr.getxattr(str(mnt / "alice" / "manifest.json"), "user.capsule.sha256")) == 64
+
+
+def test_mkdir_makes_an_agent_rmdir_refuses(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    with mounted(state_dir, mnt):
+        os.mkdir(mnt / "carol")
+        assert os.listdir(mnt) == ["carol"]
+        with pytest.raises(OSError) as exc:
+            os.rmdir(mnt / "carol")
+        assert exc.value.errno == errno.ENOTEMPTY
+    assert store.find("carol").manifest().name == "carol"
+
+
+@pytest.mark.expect_error_log
+def test_corrupt_blob_gives_eio_and_the_mount_stays(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    agent = make_agent(store, "alice", workspace={"a": b"A" * 300_000, "b": b"B" * 10})
+    bad = next(sha for sha, size in agent.manifest().blobs().items() if size == 300_000)
+    obj = Path(store.blob_file(bad))
+    obj.chmod(0o644)
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 1
+    obj.write_bytes(bytes(data))
+    with mounted(state_dir, mnt):
+        path = mnt / "alice" / fmt.blob_path(bad)
+        cat = subprocess.run(["cat", str(path)], capture_output=True)
+        assert cat.returncode != 0 and b"Input/output error" in cat.stderr
+        with pytest.raises(OSError) as exc:
+            path.read_bytes()
+        assert exc.value.errno == errno.EIO
+        assert os.listdir(mnt) == ["alice"]
+        assert (mnt / "alice" / fmt.WORKING_MEMORY).read_bytes()
+    log = (state_dir.parent / "daemon-mnt.log").read_text()
+    assert "corrupt blob" in log
+
+
+def test_sigterm_unmounts_cleanly(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    make_agent(store, "alice")
+    with mounted(state_dir, mnt) as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(mnt)
+
+
+def test_sigint_unmounts_cleanly(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    with mounted(state_dir, mnt) as proc:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(mnt)
+
+
+def test_capsulefs_umount(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    with mounted(state_dir, mnt) as proc:
+        capsulefs("umount", str(mnt))
+        assert not os.path.ismount(mnt)
+        assert proc.wait(timeout=30) == 0
+    assert capsulefs("umount", str(mnt), check=False).returncode == 1
