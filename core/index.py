@@ -529,19 +529,20 @@ def update_index(
 
     if not reason:
         assert index is not None and pos is not None
-        if pos.bytes <= len(journal) and hashlib.sha256(journal[: pos.bytes]).hexdigest() == (
-            pos.prefix or hashlib.sha256(b"").hexdigest()
-        ):
+        view = memoryview(journal)
+        prefix = hashlib.sha256(view[: pos.bytes]) if pos.bytes <= len(journal) else None
+        if prefix is not None and prefix.hexdigest() == (pos.prefix or hashlib.sha256(b"").hexdigest()):
             records, lines, end, last = _parse_lines(journal, pos.bytes)
             if not lines:
                 return index, UpdateReport(mode="fresh", reason="up to date", added=0, removed=0, events=0)
             new = [r for r in records if r.seq > pos.heads.get(r.machine, (0, ""))[0]]
             added, removed = _index_records(index, new, embedder, blobs)
+            prefix.update(view[pos.bytes : end])
             index.position = JournalPosition(
                 events=pos.events + lines,
                 last=last,
                 bytes=end,
-                prefix=hashlib.sha256(journal[:end]).hexdigest(),
+                prefix=prefix.hexdigest(),
                 heads=_heads_of(new, pos.heads),
             )
             return index, UpdateReport(mode="append", reason="journal grew", added=added, removed=removed, events=len(new))
@@ -554,17 +555,17 @@ def update_index(
             new = [r for r in records if r.seq > pos.heads.get(r.machine, (0, ""))[0]]
             added, removed = _index_records(index, new, embedder, blobs)
             index.position = JournalPosition(
-                events=lines, last=last, bytes=end, prefix=hashlib.sha256(journal[:end]).hexdigest(), heads=_heads_of(records)
+                events=lines, last=last, bytes=end, prefix=hashlib.sha256(memoryview(journal)[:end]).hexdigest(), heads=_heads_of(records)
             )
-            mode = "union" if new else "fresh"
-            return index, UpdateReport(mode=mode, reason="journal rewritten (merge)", added=added, removed=removed, events=len(new))
+            # Even with nothing new the position moved (the file was rewritten): save it.
+            return index, UpdateReport(mode="union", reason="journal rewritten (merge)", added=added, removed=removed, events=len(new))
 
     log.info("rebuilding the semantic index: %s", reason)
     records, lines, end, last = _parse_lines(journal, 0)
     fresh = VectorIndex(spec)
     added, _ = _index_records(fresh, records, embedder, blobs)
     fresh.position = JournalPosition(
-        events=lines, last=last, bytes=end, prefix=hashlib.sha256(journal[:end]).hexdigest(), heads=_heads_of(records)
+        events=lines, last=last, bytes=end, prefix=hashlib.sha256(memoryview(journal)[:end]).hexdigest(), heads=_heads_of(records)
     )
     return fresh, UpdateReport(mode="rebuild", reason=reason, added=added, removed=0, events=len(records))
 
@@ -614,7 +615,7 @@ def merge_indexes(
     new = [r for r in records if r.seq > heads.get(r.machine, (0, ""))[0]]
     added, removed = _index_records(merged, new, embedder, blobs)
     merged.position = JournalPosition(
-        events=lines, last=last, bytes=end, prefix=hashlib.sha256(journal[:end]).hexdigest(), heads=_heads_of(records)
+        events=lines, last=last, bytes=end, prefix=hashlib.sha256(memoryview(journal)[:end]).hexdigest(), heads=_heads_of(records)
     )
     return merged, UpdateReport(mode="union", reason="merged two indexes", added=added, removed=removed, events=len(new))
 
