@@ -1,0 +1,140 @@
+"""Real mounts: editors on working memory, the journal, the spec, control files."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core import format as fmt
+from capsulefs.core.store import HostStore
+from helpers import make_agent
+from mount_kit import capsulefs, check_chains, mounted, needs_fuse
+
+pytestmark = [pytest.mark.fuse, needs_fuse]
+
+MEMORY = "# notes\nremember the milk\n"
+
+
+@pytest.fixture
+def mnt(store: HostStore, state_dir: Path, tmp_path: Path):
+    make_agent(store, "alice", memory=MEMORY)
+    m = tmp_path / "mnt"
+    with mounted(state_dir, m):
+        yield m / "alice"
+
+
+def kinds(agent: Path) -> list[str]:
+    return [r.kind for r in check_chains((agent / fmt.JOURNAL).read_bytes())]
+
+
+def verifies(agent: Path) -> None:
+    out = capsulefs("verify", str(agent)).stdout
+    assert out.startswith("OK:"), out
+    listed = json.loads((agent / "manifest.json").read_bytes())["files"]
+    assert not [p for p in listed if "swp" in p or "sed" in p or "tmp" in p or p.endswith("~")]
+
+
+def test_sed_in_place(mnt: Path) -> None:
+    subprocess.run(["sed", "-i", "s/milk/bread/", str(mnt / fmt.WORKING_MEMORY)], check=True)
+    assert (mnt / fmt.WORKING_MEMORY).read_text() == "# notes\nremember the bread\n"
+    assert kinds(mnt) == ["memory_edit"]
+    assert os.listdir(mnt / "memory") == sorted(os.listdir(mnt / "memory"))
+    assert sorted(os.listdir(mnt / "memory")) == ["timeline_events.jsonl", "vector_index", "working_memory.md"]
+    verifies(mnt)
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed (scripts/setup.sh installs it)")
+def test_vim_ex_mode(mnt: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path))  # no user vimrc
+    subprocess.run(["vim", "-es", "-u", "NONE", "-c", "%s/milk/tea/", "-c", "wq", str(mnt / fmt.WORKING_MEMORY)],
+                   check=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert (mnt / fmt.WORKING_MEMORY).read_text() == "# notes\nremember the tea\n"
+    assert kinds(mnt) == ["memory_edit"]
+    verifies(mnt)
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed (scripts/setup.sh installs it)")
+def test_vim_with_swap_and_backup(mnt: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path))
+    subprocess.run(["vim", "-es", "-u", "NONE", "-c", "set swapfile backup writebackup", "-c", "%s/milk/coffee/",
+                    "-c", "wq", str(mnt / fmt.WORKING_MEMORY)], check=True, env=env, timeout=60,
+                   stdin=subprocess.DEVNULL)
+    assert (mnt / fmt.WORKING_MEMORY).read_text() == "# notes\nremember the coffee\n"
+    assert kinds(mnt) == ["memory_edit"]
+    verifies(mnt)
+
+
+def test_os_replace_and_in_place_with_fsync(mnt: Path) -> None:
+    tmp = mnt / "memory" / ".working_memory.md.tmp"
+    tmp.write_text("replaced\n")
+    os.replace(tmp, mnt / fmt.WORKING_MEMORY)
+    assert (mnt / fmt.WORKING_MEMORY).read_text() == "replaced\n"
+    with open(mnt / fmt.WORKING_MEMORY, "w") as f:
+        f.write("in place\n")
+        f.flush()
+        os.fsync(f.fileno())
+    assert (mnt / fmt.WORKING_MEMORY).read_text() == "in place\n"
+    assert kinds(mnt) == ["memory_edit", "memory_edit"]
+    verifies(mnt)
+
+
+def test_echo_append_to_the_journal(mnt: Path) -> None:
+    journal = mnt / fmt.JOURNAL
+    sh = subprocess.run(["bash", "-c", f"echo '{{\"kind\":\"user_message\",\"text\":\"hi\"}}' >> {journal}"])
+    assert sh.returncode == 0
+    recs = check_chains(journal.read_bytes())
+    assert [r.kind for r in recs] == ["user_message"] and recs[0].event.text == "hi"  # type: ignore[attr-defined]
+    before = journal.read_bytes()
+    bad = subprocess.run(["bash", "-c", f"echo '{{\"kind\":\"user_message\"}}' >> {journal}"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "Invalid argument" in bad.stderr
+    assert journal.read_bytes() == before
+    verifies(mnt)
+
+
+def test_journal_refuses_overwrite_truncate_rename(mnt: Path) -> None:
+    journal = mnt / fmt.JOURNAL
+    for action in (lambda: open(journal, "w"), lambda: open(journal, "r+b"), lambda: os.truncate(journal, 0),
+                   lambda: os.rename(journal, mnt / "memory" / "j"), lambda: os.unlink(journal)):
+        with pytest.raises(OSError) as exc:
+            action()
+        assert exc.value.errno == errno.EPERM
+    (mnt / "memory" / "fake").write_text("{}\n")
+    with pytest.raises(OSError) as exc:
+        os.replace(mnt / "memory" / "fake", journal)
+    assert exc.value.errno == errno.EPERM
+
+
+def test_spec_edit_is_validated(mnt: Path) -> None:
+    spec = mnt / fmt.SPEC
+    old = spec.read_bytes()
+    with pytest.raises(OSError) as exc:
+        with open(spec, "w") as f:
+            json.dump({"version": 1, "env": {"GITHUB_TOKEN": "ghp_x"}}, f)
+    assert exc.value.errno == errno.EINVAL
+    assert spec.read_bytes() == old
+    good = {"version": 1, "entrypoint": ["python", "main.py"], "env": {}, "secrets": ["GITHUB_TOKEN"]}
+    tmp = mnt / "environment" / "spec.json.new"
+    tmp.write_text(json.dumps(good))
+    os.replace(tmp, spec)
+    assert json.loads(spec.read_bytes()) == good
+    verifies(mnt)
+
+
+def test_control_model_and_move(mnt: Path) -> None:
+    ctl = mnt / ".control"
+    sh = subprocess.run(["bash", "-c", f"echo openai:gpt-5 > {ctl / 'model'}"], capture_output=True, text=True)
+    assert sh.returncode == 0, sh.stderr
+    assert (ctl / "model").read_text() == "openai:gpt-5\n"
+    assert kinds(mnt) == ["model_switch"]
+    bad = subprocess.run(["bash", "-c", f"echo nonsense > {ctl / 'model'}"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "Invalid argument" in bad.stderr
+    move = subprocess.run(["bash", "-c", f"echo hostb > {ctl / 'move'}"], capture_output=True, text=True)
+    assert move.returncode != 0 and "not supported" in move.stderr
+    status = json.loads((ctl / "status").read_text())
+    assert (status["provider"], status["model"]) == ("openai", "gpt-5")
