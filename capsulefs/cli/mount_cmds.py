@@ -20,6 +20,8 @@ from capsulefs.cli.common import state_dir
 
 log = logging.getLogger(__name__)
 
+#: Mount options (-o) the daemon acts on; the rest belong to mount(8) or systemd.
+FUSE_OPTIONS = frozenset({"allow_other"})
 #: How long ``umount`` waits for the daemon to let go of the mount point.
 UMOUNT_WAIT = 10.0
 
@@ -60,9 +62,11 @@ def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
 
     from capsulefs.daemon import Daemon
 
-    extra = tuple(o for o in (args.o or "").split(",") if o and o not in ("rw", "defaults", "allow_other", "_netdev", "auto", "noauto", "user", "nouser"))
-    daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in (args.o or "").split(","),
-                    options=extra)
+    opts = [o for o in (args.o or "").split(",") if o]
+    ignored = [o for o in opts if o not in FUSE_OPTIONS]
+    if ignored:
+        log.info("ignoring mount options %s (for mount(8) or systemd)", ",".join(ignored))
+    daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in opts)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,100 @@
+"""contrib/: the mount(8) helper and the systemd unit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core import format as fmt
+from capsulefs.core.store import HostStore
+from helpers import make_agent
+from mount_kit import CAPSULEFS, MOUNT_POLLS, capsulefs, force_unmount, needs_fuse
+
+REPO = Path(__file__).resolve().parent.parent
+HELPER = REPO / "contrib" / "mount.fuse.capsulefs"
+UNIT = REPO / "contrib" / "systemd" / "capsulefs.service"
+
+
+def _daemon_pids(mnt: Path) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(str(mnt)) in cmd and b"mount" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.fuse
+@needs_fuse
+def test_mount_helper_mounts_in_the_background(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    make_agent(store, "alice")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, CAPSULEFS=CAPSULEFS)
+    try:
+        proc = subprocess.run([str(HELPER), str(state_dir), str(mnt), "-o", "rw,_netdev,nofail"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert os.path.ismount(mnt)  # mounted before the helper returned
+        assert os.listdir(mnt) == ["alice"]
+        assert (mnt / "alice" / fmt.WORKING_MEMORY).read_bytes()
+        assert "fuse.capsulefs" in Path("/proc/mounts").read_text()
+        capsulefs("umount", str(mnt))
+        for _ in range(MOUNT_POLLS):
+            if not _daemon_pids(mnt):
+                break
+            time.sleep(0.025)
+        assert not _daemon_pids(mnt)
+        assert (state_dir / "mount" / "daemon.log").exists()
+    finally:
+        force_unmount(mnt)
+        for pid in _daemon_pids(mnt):
+            os.kill(pid, 9)
+
+
+@pytest.mark.fuse
+@needs_fuse
+def test_mount_helper_reports_a_failed_mount(state_dir: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, CAPSULEFS=CAPSULEFS)
+    proc = subprocess.run([str(HELPER), str(state_dir), str(tmp_path / "missing")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "not a directory" in proc.stderr
+
+
+@pytest.mark.fuse
+@needs_fuse
+def test_systemd_mode_notifies_ready(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    sock_path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(sock_path)
+        sock.settimeout(60)
+        env = dict(os.environ, NOTIFY_SOCKET=sock_path)
+        proc = subprocess.Popen([CAPSULEFS, "mount", str(mnt), "--state", str(state_dir), "--systemd"], env=env,
+                                stderr=subprocess.DEVNULL)
+        try:
+            assert sock.recv(256) == b"READY=1"
+            assert os.path.ismount(mnt)
+            proc.terminate()
+            assert sock.recv(256) == b"STOPPING=1"
+            assert proc.wait(timeout=30) == 0
+        finally:
+            force_unmount(mnt)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_systemd_unit_is_type_notify() -> None:
+    text = UNIT.read_text()
+    assert "Type=notify" in text and "--systemd" in text and "ExecStart=" in text
