@@ -109,3 +109,16 @@ def test_stopping_leaves_remaining_calls_dangling_not_lost(capsule: Path, tmp_pa
     agent.stopping = True
     agent.step()
     assert [c.call_id for c in dangling_calls(port.records())] == ["t1", "t2"]
+
+
+def test_recall_tool_finds_the_agents_own_history(capsule: Path, tmp_path: Path) -> None:
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([
+        ev.UserMessage(text="The staging database lives on port 5433, not the default."),
+        ev.AssistantMessage(text="Noted: staging uses 5433."),
+        ev.UserMessage(text="Lunch is at noon on Fridays."),
+    ])
+    (capsule / fmt.VECTOR_INDEX).parent.mkdir(parents=True, exist_ok=True)
+    (capsule / fmt.VECTOR_INDEX).write_bytes(fmt.empty_vector_index())
+    out = Toolbox(str(tmp_path), str(capsule)).run("recall", {"query": "which port does the staging database use", "k": 1})
+    assert "5433" in out and "user_message" in out
