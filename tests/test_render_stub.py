@@ -1,6 +1,6 @@
 """Real SDK clients against the loopback stub provider, switching providers mid-conversation.
 
-The official ``anthropic`` and ``openai`` clients send rendered bodies to
+The official ``anthropic``, ``openai`` and ``google-genai`` clients send rendered bodies to
 capsulefs.stubprovider, which enforces the pairing rules and refuses any
 reasoning not signed for the requested model. Replies are parsed back into
 events and journaled; then the conversation moves to another provider and
@@ -10,12 +10,13 @@ back, and every request along the way must be accepted.
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 
 import anthropic
 import openai
 import pytest
+from google import genai
+from google.genai import types as gt
 
 from capsulefs import stubprovider
 from capsulefs.core.events import Event, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
@@ -40,10 +41,12 @@ class Conversation:
         self.journal: list[Event] = []
         self.anthropic = anthropic.Anthropic(base_url=url, api_key="stub", max_retries=0)
         self.openai = openai.OpenAI(base_url=url + "/v1", api_key="stub", max_retries=0)
+        self.gemini = genai.Client(api_key="stub", http_options=gt.HttpOptions(base_url=url, api_version="v1beta"))
 
     def close(self) -> None:
         self.anthropic.close()
         self.openai.close()
+        self.gemini.close()
 
     def send(self, provider: str, body: dict) -> dict:
         if provider == "anthropic":
@@ -52,12 +55,19 @@ class Conversation:
             reply = self.openai.chat.completions.create(**body)
         elif provider == "openai-responses":
             reply = self.openai.responses.create(**body)
-        else:  # no SDK needed to prove Gemini's shape: plain HTTP
-            req = urllib.request.Request(
-                f"{self.url}/v1beta/models/{self.model}:generateContent",
-                data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return json.loads(resp.read())
+        else:  # the genai client takes typed objects: build them from the REST JSON, base64 and all
+            def typed(cls, obj):
+                return cls.model_validate_json(json.dumps(obj))
+
+            config = gt.GenerateContentConfig(
+                system_instruction=typed(gt.Content, body["systemInstruction"]),
+                tools=[typed(gt.Tool, t) for t in body.get("tools", ())],
+                max_output_tokens=body["generationConfig"]["maxOutputTokens"],
+                automatic_function_calling=gt.AutomaticFunctionCallingConfig(disable=True),
+            )
+            reply = self.gemini.models.generate_content(
+                model=self.model, contents=[typed(gt.Content, c) for c in body["contents"]], config=config)
+            return reply.model_dump(mode="json", exclude_none=True, by_alias=True)
         return reply.model_dump(mode="json", exclude_none=True)
 
     def turn(self, text: str | None = None) -> list[Event]:
@@ -106,6 +116,7 @@ def test_switch_providers_mid_conversation_and_back(stub) -> None:
         conv.switch("gemini", "gem-a")
         got = conv.turn("call lookup from gemini")
         assert any(isinstance(e, Reasoning) and e.payload_format == "gemini.thought_signature" for e in got)
+        assert got[-1].text == 'Tool results: {"output": "lookup found \'call lookup from gemini\'"}'
 
         conv.switch("anthropic", "claude-b")  # a different Claude: claude-a's signatures must not go
         assert conv.turn("hello b")[-1].text == "echo: hello b"
@@ -145,6 +156,14 @@ def test_stub_refuses_reasoning_of_another_model(stub) -> None:
         body["model"] = "gpt-s"
         with pytest.raises(openai.BadRequestError, match="could not be verified"):
             conv.send("openai-responses", body)
+
+        conv.switch("gemini", "gem-a")
+        conv.turn("hi")
+        body = render(conv.journal, provider="gemini", model="gem-a", working_memory="m").body
+        conv.model = "gem-b"  # gem-a's thought signatures sent to gem-b
+        with pytest.raises(genai.errors.ClientError, match="thought signature"):
+            conv.send("gemini", {**body, "generationConfig": {"maxOutputTokens": 64}})
+        assert len(state.refused) == 3
     finally:
         conv.close()
 
