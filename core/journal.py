@@ -42,8 +42,10 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -59,8 +61,11 @@ log = logging.getLogger(__name__)
 
 #: Name of a recovery file for a torn tail: ``<journal name>.torn-<n>``.
 TORN_SUFFIX = ".torn-"
-#: Largest group of lines one append_many writes (bounds memory, not semantics).
-MAX_GROUP_BYTES = 64 << 20
+#: Blocks reserved past the end of the journal (without changing its size),
+#: so that an append's fdatasync does not also allocate: a quarter of the
+#: journal's size, within these bounds.
+PREALLOCATE_MIN = 256 << 10
+PREALLOCATE_MAX = 16 << 20
 
 Key = tuple[int, str, int]  # (clock, machine, seq): the journal's sort key
 
@@ -386,13 +391,19 @@ def merge_bytes(a: bytes, b: bytes) -> bytes:
     The fast path (:mod:`capsulefs.core.journal_index`) hands anything it
     does not accept to :func:`merge`, which raises the precise ChainError.
     """
+    return b"".join(merge_pieces(a, b))
+
+
+def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> list[bytes | memoryview]:
+    """:func:`merge_bytes` as pieces of the inputs (which may be mmaps of the
+    journal files), for writing without building the whole result."""
     from .journal_index import Unreadable, fast_merge
 
     try:
-        return fast_merge(a, b)
+        return list(fast_merge(a, b))
     except Unreadable as exc:
         log.debug("fast merge declined (%s); using the reference merge", exc)
-    return join_lines(merge(split_lines(a, "journal A"), split_lines(b, "journal B")))
+    return [join_lines(merge(split_lines(bytes(a), "journal A"), split_lines(bytes(b), "journal B")))]
 
 
 # -- stamping ----------------------------------------------------------------------
@@ -476,6 +487,34 @@ def _fdatasync(fd: int) -> None:
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+_fallocate: Any = None  # libc's fallocate, loaded on first use; False where there is none
+
+
+def _preallocate(fd: int, offset: int, length: int) -> bool:
+    """Reserve blocks past the end without changing the file's size (Linux
+    ``fallocate(FALLOC_FL_KEEP_SIZE)``), so an append's fdatasync need not
+    allocate. Best effort: False where unsupported."""
+    global _fallocate
+    if _fallocate is None:
+        _fallocate = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                import ctypes.util
+
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                fn = libc.fallocate
+                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+                fn.restype = ctypes.c_int
+                _fallocate = fn
+            except (OSError, AttributeError):
+                pass
+    if not _fallocate:
+        return False
+    return bool(_fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0)
+
+
 class Journal:
     """An open journal file. Make one with :func:`open_journal`.
 
@@ -502,6 +541,7 @@ class Journal:
         self._lock = threading.Lock()
         self._state = ChainState()
         self._size = 0  # bytes of whole lines absorbed
+        self._reserved = 0  # blocks are preallocated up to this offset
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -591,6 +631,11 @@ class Journal:
             saved_state = _copy_state(self._state)
             records = self._state.stamp(events, machine=self.machine, now=self._now, new_id=self._new_id)
             data = b"".join(r.line + b"\n" for r in records)
+            end = self._size + len(data)
+            if end > self._reserved:
+                ahead = min(max(end // 4, PREALLOCATE_MIN), PREALLOCATE_MAX)
+                if _preallocate(self._fd, self._size, end - self._size + ahead):
+                    self._reserved = end + ahead
             try:
                 self._write_all(data)
                 _fdatasync(self._fd)

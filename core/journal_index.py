@@ -22,12 +22,17 @@ Theory of operation:
   inputs' keys together, and checks order, seq runs and chains with array
   comparisons; the only per-line Python work left is hashing each distinct
   line once and cutting the output.
+  Two copies of one journal usually share a long common prefix (the history
+  before they diverged): it is found with one byte comparison, indexed once,
+  and copied to the output as one piece.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,21 +41,17 @@ from .errors import FormatError
 
 log = logging.getLogger(__name__)
 
+#: What the fast path reads: bytes, or an mmap of a journal file.
+Buffer = bytes | mmap.mmap
+
 _CHUNK = 1 << 16  # lines parsed per vectorised step (bounds temporary memory)
 _INT_WIDTH = 20  # digits window: 18 digits at most, then a terminator
 _MACHINE_WIDTH = 67  # '"' + up to 64 chars + '"' + terminator; longer host ids go one by one
+_NAME_BYTES = 64  # host id bytes kept per line (as 8 uint64)
 _WIDEST = 67  # widest window; lines whose values sit closer to the end go one by one
 _BLOCK = 4 << 20  # bytes scanned per vectorised step
 _KEYS = (b"clock", b"machine", b"prev", b"seq")
-_HOST_CHARS = np.zeros(256, dtype=bool)
-for _c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-":
-    _HOST_CHARS[_c] = True
-_ALNUM = _HOST_CHARS.copy()
-_ALNUM[[ord("."), ord("_"), ord("-")]] = False
-_HEX_VALUE = np.full(256, -1, dtype=np.int16)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX_VALUE[_c] = _i
-_POW10 = np.array([10**k for k in range(19)], dtype=np.int64)
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _COMMA, _BRACE, _QUOTE, _COLON, _NL = ord(","), ord("}"), ord('"'), ord(":"), ord("\n")
 
 
@@ -60,26 +61,28 @@ class Unreadable(Exception):
 
 @dataclass(slots=True)
 class EnvelopeIndex:
-    """Envelopes of every line of one journal's bytes."""
+    """Envelopes of every line of ``data[start:]``; offsets are into ``data``."""
 
-    data: bytes
+    data: Buffer
     starts: np.ndarray  # int64: offset of each line
     ends: np.ndarray  # int64: offset of each line's newline
     clock: np.ndarray  # int64
-    machine: list[str]  # host id of each line
+    names: list[str]  # the distinct host ids
+    mid: np.ndarray  # int64: index into names of each line's machine
     seq: np.ndarray  # int64
     has_prev: np.ndarray  # bool
-    prev: np.ndarray  # (n, 32) uint8: prev digest (zeros when null)
+    prev: np.ndarray  # (n, 8) uint64: the 64 hex characters of prev (zeros when null)
 
     def __len__(self) -> int:
         return len(self.starts)
 
 
-def _key_positions(buf: np.ndarray, colons: np.ndarray, key: bytes) -> np.ndarray:
-    """Offsets just after each ``"<key>":`` (colons already follow a quote)."""
+def _key_positions(buf: np.ndarray, colons: np.ndarray, before: np.ndarray, key: bytes) -> np.ndarray:
+    """Offsets just after each ``"<key>":``. ``colons`` follow a quote and
+    ``before`` is the byte before that quote."""
     token = b'"' + key + b'"'
-    pos = colons[colons >= len(token)]
-    for k in range(2, len(token) + 1):  # token[-1] (the quote) is pre-filtered
+    pos = colons[(before == token[-2]) & (colons >= len(token))]
+    for k in range(3, len(token) + 1):  # the quote and the key's last letter are checked
         pos = pos[buf[pos - k] == token[-k]]
     return pos + 1
 
@@ -93,53 +96,87 @@ def _parse_uints(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.nd
     """(values, ok) of positive integers without leading zeros, then ',' or '}'."""
     w = _windows(buf, starts, _INT_WIDTH)
     digit = (w >= 48) & (w <= 57)
-    length = np.argmin(digit, axis=1)  # first non-digit
+    length = np.argmin(digit, axis=1)  # first non-digit (0 if all are digits: not ok)
     term = w[np.arange(len(w)), length]
     ok = (length >= 1) & (length <= 18) & (w[:, 0] != 48) & ((term == _COMMA) | (term == _BRACE))
-    exps = length[:, None] - 1 - np.arange(_INT_WIDTH)
-    weights = np.where(exps >= 0, _POW10[np.clip(exps, 0, 18)], 0)
-    values = ((w.astype(np.int64) - 48) * weights * digit).sum(axis=1)
+    values = np.zeros(len(w), dtype=np.int64)
+    longest = int(length[ok].max()) if ok.any() else 0
+    for k in range(longest):
+        values = np.where(k < length, values * 10 + (w[:, k].astype(np.int64) - 48), values)
     return values, ok
 
 
 def _parse_machines(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(end offsets of the host id, ok) for values '"<host id>"' then ',' or '}'."""
+    """(host ids as 64 zero-padded bytes viewed as 8 uint64, ok) for values
+    '"<host id>"' then ',' or '}'. The host id's characters are checked once
+    per distinct host id (:func:`_machine_ids`); longer ones are not ok here."""
     w = _windows(buf, starts, _MACHINE_WIDTH)
     quote = w[:, 1:] == _QUOTE
     length = np.argmax(quote, axis=1)  # chars before the closing quote
-    found = quote[np.arange(len(w)), length]
-    inside = np.arange(_MACHINE_WIDTH - 1) < length[:, None]
-    chars_ok = np.all(_HOST_CHARS[w[:, 1:]] | ~inside, axis=1)
-    term = w[np.arange(len(w)), np.minimum(length + 2, _MACHINE_WIDTH - 1)]
-    ok = (
-        (w[:, 0] == _QUOTE) & found & (length >= 1) & _ALNUM[w[:, 1]] & chars_ok
-        & ((term == _COMMA) | (term == _BRACE))
-    )
-    return starts + 1 + length, ok
+    rows = np.arange(len(w))
+    term = w[rows, np.minimum(length + 2, _MACHINE_WIDTH - 1)]
+    ok = (w[:, 0] == _QUOTE) & quote[rows, length] & (length <= _NAME_BYTES) & ((term == _COMMA) | (term == _BRACE))
+    inside = np.arange(_NAME_BYTES) < length[:, None]
+    names = np.ascontiguousarray(w[:, 1 : 1 + _NAME_BYTES] * inside)
+    return names.view(np.uint64), ok
 
 
 def _parse_prevs(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(has_prev, digests (n, 32), ok) for values null or '"<64 hex>"', then ',' or '}'."""
+    """(has_prev, the 64 characters of prev as 8 uint64, ok) for values null or
+    '"<64 characters>"', then ',' or '}'. The characters are not checked here:
+    they must equal the lowercase hex of a computed digest, or the chain fails."""
     w = _windows(buf, starts, 67)
     is_null = (w[:, 0] == ord("n")) & (w[:, 1] == ord("u")) & (w[:, 2] == ord("l")) & (w[:, 3] == ord("l"))
     null_ok = is_null & ((w[:, 4] == _COMMA) | (w[:, 4] == _BRACE))
-    nib = _HEX_VALUE[w[:, 1:65]]
-    hex_ok = (w[:, 0] == _QUOTE) & np.all(nib >= 0, axis=1) & (w[:, 65] == _QUOTE) & (
-        (w[:, 66] == _COMMA) | (w[:, 66] == _BRACE)
-    )
-    nib = np.maximum(nib, 0).astype(np.uint8)
-    digests = (nib[:, 0::2] << 4) | nib[:, 1::2]
-    digests[~hex_ok] = 0
-    return hex_ok, digests, null_ok | hex_ok
+    quoted = (w[:, 0] == _QUOTE) & (w[:, 65] == _QUOTE) & ((w[:, 66] == _COMMA) | (w[:, 66] == _BRACE))
+    text = np.ascontiguousarray(w[:, 1:65]).view(np.uint64)
+    return quoted, text, null_ok | quoted
 
 
-def index_journal(data: bytes) -> EnvelopeIndex:
-    """Index every line's envelope. Raises Unreadable if a line cannot be read."""
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+def _hex_rows(digests: np.ndarray) -> np.ndarray:
+    """Lowercase hex of (n, 32) digests, as (n, 8) uint64 (64 characters)."""
+    out = np.empty((len(digests), 64), dtype=np.uint8)
+    out[:, 0::2] = _HEX_DIGITS[digests >> 4]
+    out[:, 1::2] = _HEX_DIGITS[digests & 15]
+    return out.view(np.uint64)
+
+
+_NAME_MIX = (np.arange(1, _NAME_BYTES // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+
+
+def _machine_ids(rows: np.ndarray, lines: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Distinct host ids among ``lines`` (rows: 64 zero-padded bytes as 8 uint64)
+    and the id of each of those lines. Exact: a key shared by two host ids is
+    detected (and left to the reference merge)."""
+    if len(lines) == 0:
+        return [], np.zeros(0, dtype=np.int64)
+    keys = np.zeros(len(lines), dtype=np.uint64)
+    for lo in range(0, len(lines), _CHUNK):
+        sub = rows[lines[lo : lo + _CHUNK]]
+        keys[lo : lo + _CHUNK] = (sub * _NAME_MIX).sum(axis=1, dtype=np.uint64)
+    _uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1).astype(np.int64)
+    rep = rows[lines[first]]
+    for lo in range(0, len(lines), _CHUNK):
+        if not (rows[lines[lo : lo + _CHUNK]] == rep[inv[lo : lo + _CHUNK]]).all():
+            raise Unreadable("two host ids share a key")
+    names = [r.tobytes().rstrip(b"\0").decode("latin-1") for r in rep]
+    if not all(_HOST_RE.fullmatch(name) for name in names):
+        raise Unreadable("a machine is not a host id")
+    return names, inv
+
+
+def index_journal(data: Buffer, start: int = 0) -> EnvelopeIndex:
+    """Index the envelope of every line of ``data[start:]`` (``start`` is 0 or
+    just after a newline). Raises Unreadable if a line cannot be read."""
     from .journal import envelope  # the per-line reader, for the odd lines
 
-    if data and not data.endswith(b"\n"):
+    if len(data) > start and data[-1:] != b"\n":
         raise Unreadable("torn tail")
-    buf = np.frombuffer(data, dtype=np.uint8)
+    buf = np.frombuffer(data, dtype=np.uint8)[start:]
     # One pass over the bytes, in blocks small enough for the allocator to
     # reuse (fresh memory costs page faults): newlines and key tokens.
     newlines, found = [], {key: [] for key in _KEYS}
@@ -147,11 +184,12 @@ def index_journal(data: bytes) -> EnvelopeIndex:
         block = buf[lo : lo + _BLOCK]
         newlines.append(np.flatnonzero(block == _NL) + lo)
         colons = np.flatnonzero(block == _COLON) + lo
-        colons = colons[colons > 0]
+        colons = colons[colons > 1]
         colons = colons[buf[colons - 1] == _QUOTE]
+        before = buf[colons - 2]
         for key in _KEYS:
-            found[key].append(_key_positions(buf, colons, key))
-    nl = np.concatenate(newlines) if newlines else np.zeros(0, dtype=np.int64)
+            found[key].append(_key_positions(buf, colons, before, key))
+    nl = np.concatenate(newlines).astype(np.int64) if newlines else np.zeros(0, dtype=np.int64)
     n = len(nl)
     starts = np.zeros(n, dtype=np.int64)
     starts[1:] = nl[:-1] + 1
@@ -159,10 +197,10 @@ def index_journal(data: bytes) -> EnvelopeIndex:
     clock = np.zeros(n, dtype=np.int64)
     seq = np.zeros(n, dtype=np.int64)
     has_prev = np.zeros(n, dtype=bool)
-    prev = np.zeros((n, 32), dtype=np.uint8)
-    m_end = np.zeros(n, dtype=np.int64)
+    prev = np.zeros((n, 8), dtype=np.uint64)
+    name_rows = np.zeros((n, _NAME_BYTES // 8), dtype=np.uint64)
     if n == 0:
-        return EnvelopeIndex(data, starts, ends, clock, [], seq, has_prev, prev)
+        return EnvelopeIndex(data, starts + start, ends + start, clock, [], np.zeros(0, dtype=np.int64), seq, has_prev, prev)
 
     good = (ends - starts >= 2) & (buf[starts] == ord("{")) & (buf[np.maximum(ends - 1, 0)] == _BRACE)
     last_row = len(buf) - _WIDEST  # windows must fit in the buffer
@@ -182,36 +220,38 @@ def index_journal(data: bytes) -> EnvelopeIndex:
         hi = min(n, lo + _CHUNK)
         clock[lo:hi], ok1 = _parse_uints(buf, value_at[b"clock"][lo:hi])
         seq[lo:hi], ok2 = _parse_uints(buf, value_at[b"seq"][lo:hi])
-        m_end[lo:hi], ok3 = _parse_machines(buf, value_at[b"machine"][lo:hi])
+        name_rows[lo:hi], ok3 = _parse_machines(buf, value_at[b"machine"][lo:hi])
         has_prev[lo:hi], prev[lo:hi], ok4 = _parse_prevs(buf, value_at[b"prev"][lo:hi])
         good[lo:hi] &= ok1 & ok2 & ok3 & ok4
-    m_start = value_at[b"machine"] + 1
 
-    names: dict[bytes, str] = {}
-    machine = []
-    for s, e in zip(m_start.tolist(), m_end.tolist()):
-        raw = data[s:e]
-        name = names.get(raw)
-        if name is None:
-            name = names[raw] = raw.decode("ascii", "replace")
-        machine.append(name)
-
+    names, ids = _machine_ids(name_rows, np.flatnonzero(good))
+    mid = np.zeros(n, dtype=np.int64)
+    mid[good] = ids
+    name_id = {name: i for i, name in enumerate(names)}
     for i in np.flatnonzero(~good).tolist():
         try:
-            (c, mach, s), p = envelope(data[starts[i] : ends[i]])
+            (c, mach, s), p = envelope(bytes(data[start + starts[i] : start + ends[i]]))
         except FormatError as exc:
             raise Unreadable(str(exc)) from None
-        clock[i], machine[i], seq[i] = c, mach, s
+        clock[i], seq[i] = c, s
+        if mach not in name_id:
+            name_id[mach] = len(names)
+            names.append(mach)
+        mid[i] = name_id[mach]
         has_prev[i] = p is not None
-        prev[i] = np.frombuffer(bytes.fromhex(p), dtype=np.uint8) if p is not None else 0
-    return EnvelopeIndex(data, starts, ends, clock, machine, seq, has_prev, prev)
+        prev[i] = np.frombuffer(p.encode(), dtype=np.uint64) if p is not None else 0
+    return EnvelopeIndex(data, starts + start, ends + start, clock, names, mid, seq, has_prev, prev)
 
 
 def _ranks(*indexes: EnvelopeIndex) -> list[np.ndarray]:
     """Machine names as int ranks in string order, shared across indexes."""
-    names = sorted({m for ix in indexes for m in set(ix.machine)})
+    names = sorted({m for ix in indexes for m in ix.names})
     rank = {m: i for i, m in enumerate(names)}
-    return [np.fromiter((rank[m] for m in ix.machine), dtype=np.int64, count=len(ix)) for ix in indexes]
+    out = []
+    for ix in indexes:
+        table = np.array([rank[m] for m in ix.names], dtype=np.int64)
+        out.append(table[ix.mid] if len(ix) else np.zeros(0, dtype=np.int64))
+    return out
 
 
 def _strictly_sorted(clock: np.ndarray, mach: np.ndarray, seq: np.ndarray) -> bool:
@@ -234,54 +274,85 @@ def _runs_ok(mach: np.ndarray, seq: np.ndarray) -> bool:
     return bool((seq[order] == np.arange(len(m)) - group_start + 1).all())
 
 
-def fast_merge(a: bytes, b: bytes) -> bytes:
-    """Merge two journals' bytes; raises Unreadable when the reference must decide."""
-    ia, ib = index_journal(a), index_journal(b)
-    ma, mb = _ranks(ia, ib)
-    for ix, m in ((ia, ma), (ib, mb)):
-        if not (_strictly_sorted(ix.clock, m, ix.seq) and _runs_ok(m, ix.seq)):
-            raise Unreadable("an input is out of order or has a gap")
+def common_prefix(a: Buffer, b: Buffer) -> int:
+    """Length of the longest run of whole lines both start with."""
+    n = min(len(a), len(b))
+    lo, step = 0, 1 << 20
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            diff = np.flatnonzero(np.frombuffer(a, np.uint8, hi - lo, lo) != np.frombuffer(b, np.uint8, hi - lo, lo))
+            lo += int(diff[0])
+            break
+        lo = hi
+    return a.rfind(b"\n", 0, lo) + 1
 
-    na = len(ia)
-    clock = np.concatenate([ia.clock, ib.clock])
-    mach = np.concatenate([ma, mb])
-    seq = np.concatenate([ia.seq, ib.seq])
+
+def _pick(from_b: np.ndarray, rows: np.ndarray, xa: np.ndarray, xb: np.ndarray) -> np.ndarray:
+    """``xb[rows]`` where ``from_b``, else ``xa[rows]``."""
+    out = np.empty((len(rows),) + xa.shape[1:], dtype=xa.dtype)
+    out[~from_b] = xa[rows[~from_b]]
+    out[from_b] = xb[rows[from_b]]
+    return out
+
+
+def fast_merge(a: Buffer, b: Buffer) -> list[memoryview]:
+    """Merge two journals' bytes (bytes or mmap); return the merged journal as
+    pieces of the inputs to join or write. Raises Unreadable when the
+    reference must decide."""
+    p = common_prefix(a, b)
+    ia = index_journal(a)
+    ib = index_journal(b, p)  # B's lines after the shared prefix
+    kp = int(np.searchsorted(ia.ends, p))  # lines in the shared prefix
+    ra, rb = _ranks(ia, ib)
+    if not (_strictly_sorted(ia.clock, ra, ia.seq) and _runs_ok(ra, ia.seq)):
+        raise Unreadable("input A is out of order or has a gap")
+    bc, bm, bs = (np.concatenate([x[:kp], y]) for x, y in ((ia.clock, ib.clock), (ra, rb), (ia.seq, ib.seq)))
+    if not (_strictly_sorted(bc, bm, bs) and _runs_ok(bm, bs)):
+        raise Unreadable("input B is out of order or has a gap")
+
+    # The tails after the prefix, merged: rows 0..nta-1 are A's, then B's.
+    nta = len(ia) - kp
+    clock = np.concatenate([ia.clock[kp:], ib.clock])
+    mach = np.concatenate([ra[kp:], rb])
+    seq = np.concatenate([ia.seq[kp:], ib.seq])
     order = np.lexsort((seq, mach, clock))
     c, m, s = clock[order], mach[order], seq[order]
     dup = np.zeros(len(order), dtype=bool)
     if len(order) > 1:
         dup[1:] = (c[1:] == c[:-1]) & (m[1:] == m[:-1]) & (s[1:] == s[:-1])
-    # Every duplicate key must hold the same bytes in both inputs.
-    for k in np.flatnonzero(dup).tolist():
-        x, y = order[k - 1], order[k]
-        if _line(ia, ib, na, x) != _line(ia, ib, na, y):
+    for k in np.flatnonzero(dup).tolist():  # the same key must hold the same bytes
+        x, y = sorted((int(order[k - 1]), int(order[k])))
+        if y < nta or x >= nta:
+            raise Unreadable("a key twice in one input")
+        xa, yb = kp + x, y - nta
+        if a[ia.starts[xa] : ia.ends[xa]] != b[ib.starts[yb] : ib.ends[yb]]:
             raise Unreadable("fork")
     keep = order[~dup]
-    c, m, s = clock[keep], mach[keep], seq[keep]
-    has_prev = np.concatenate([ia.has_prev, ib.has_prev])[keep]
-    prev = np.concatenate([ia.prev, ib.prev])[keep]
+
+    # The union: the prefix, then the kept tail rows; (source, row) of each line.
+    from_b = np.concatenate([np.zeros(kp, dtype=bool), keep >= nta])
+    row = np.concatenate([np.arange(kp), np.where(keep >= nta, keep - nta, keep + kp)])
+    uc = np.concatenate([ia.clock[:kp], clock[keep]])
+    um = np.concatenate([ra[:kp], mach[keep]])
+    us = np.concatenate([ia.seq[:kp], seq[keep]])
+    has_prev = _pick(from_b, row, ia.has_prev, ib.has_prev)
+    prev = _pick(from_b, row, ia.prev, ib.prev)
 
     # Hash each distinct line once.
-    views = (memoryview(a), memoryview(b))
-    bounds = (ia.starts, ia.ends, ib.starts, ib.ends)
-    src = keep >= na
-    row = np.where(src, keep - na, keep)
-    sa, ea, sb, eb = (x.tolist() for x in bounds)
+    digests_all = np.empty((len(row), 32), dtype=np.uint8)
     sha = hashlib.sha256
-    pieces: list[bytes] = []
-    digests = bytearray()
-    for from_b, r in zip(src.tolist(), row.tolist()):
-        if from_b:
-            piece = views[1][sb[r] : eb[r] + 1]
-        else:
-            piece = views[0][sa[r] : ea[r] + 1]
-        digests += sha(piece[:-1]).digest()
-        pieces.append(piece)  # type: ignore[arg-type]
-    hashes = np.frombuffer(bytes(digests), dtype=np.uint8).reshape(-1, 32)
+    for ix, mask, data in ((ia, ~from_b, a), (ib, from_b, b)):
+        rows = row[mask]
+        if len(rows):
+            mv = memoryview(data)
+            digests = b"".join([sha(mv[s:e]).digest() for s, e in zip(ix.starts[rows].tolist(), ix.ends[rows].tolist())])
+            digests_all[mask] = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 32)
+    hashes = _hex_rows(digests_all)
 
     # The union's chains: per machine, seqs 1, 2, 3... each prev the hash of the one before.
-    by = np.lexsort((s, m))
-    mm, ss, cc = m[by], s[by], c[by]
+    by = np.lexsort((us, um))
+    mm, ss, cc = um[by], us[by], uc[by]
     first = np.ones(len(by), dtype=bool)
     first[1:] = mm[1:] != mm[:-1]
     if not (ss[first] == 1).all() or has_prev[by][first].any():
@@ -293,9 +364,18 @@ def fast_merge(a: bytes, b: bytes) -> bytes:
             raise Unreadable("fork or gap in the union")
         if not (has_prev[cur].all() and (prev[cur] == hashes[before]).all()):
             raise Unreadable("prev mismatch")
-    return b"".join(pieces)
 
-
-def _line(ia: EnvelopeIndex, ib: EnvelopeIndex, na: int, k: int) -> bytes:
-    ix, r = (ia, k) if k < na else (ib, k - na)
-    return ix.data[ix.starts[r] : ix.ends[r]]
+    # Cut the output: the prefix in one piece, then runs of consecutive lines of one input.
+    pieces: list[memoryview] = [memoryview(a)[:p]]
+    tail_b, tail_row = from_b[kp:], row[kp:]
+    if len(tail_row):
+        brk = np.ones(len(tail_row), dtype=bool)
+        brk[1:] = (tail_b[1:] != tail_b[:-1]) | (tail_row[1:] != tail_row[:-1] + 1)
+        first_row = tail_row[brk]
+        last_row = tail_row[np.append(np.flatnonzero(brk)[1:] - 1, len(tail_row) - 1)]
+        run_b = tail_b[brk]
+        lo = _pick(run_b, first_row, ia.starts, ib.starts)
+        hi = _pick(run_b, last_row, ia.ends, ib.ends) + 1
+        views = (memoryview(a), memoryview(b))
+        pieces += [views[src][x:y] for src, x, y in zip(run_b.tolist(), lo.tolist(), hi.tolist())]
+    return pieces

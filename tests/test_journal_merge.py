@@ -88,7 +88,7 @@ def test_fast_merge_equals_the_reference(js: tuple[list[bytes], list[bytes], lis
     for x in js:
         for y in js:
             want = join_lines(merge(x, y))
-            assert fast_merge(join_lines(x), join_lines(y)) == want
+            assert b"".join(fast_merge(join_lines(x), join_lines(y))) == want
             assert merge_bytes(join_lines(x), join_lines(y)) == want
 
 
@@ -101,7 +101,7 @@ def test_fast_merge_on_a_larger_journal() -> None:
         b.append(UserMessage(text=f"b{i} " * (i % 13)))
         if i % 11 == 0:
             a.pull(b)
-    assert fast_merge(a.data(), b.data()) == join_lines(merge(a.lines, b.lines))
+    assert b"".join(fast_merge(a.data(), b.data())) == join_lines(merge(a.lines, b.lines))
 
 
 # -- refusals ------------------------------------------------------------------------
