@@ -251,24 +251,65 @@ def _dump(obj: Any) -> dict[str, Any]:
     return obj.model_dump(mode="json", exclude_none=True) if hasattr(obj, "model_dump") else dict(obj)
 
 
-def call_provider(provider: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Send one rendered body through the provider's official SDK; the reply as JSON.
+class ProviderClients:
+    """The official SDK clients, made once per process.
 
     Keys and endpoints come from the SDKs' own environment variables
-    (ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL, OPENAI_API_KEY / OPENAI_BASE_URL).
+    (ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL, OPENAI_API_KEY / OPENAI_BASE_URL),
+    and GEMINI_API_KEY / GEMINI_BASE_URL for google-genai.
     """
-    if provider == "anthropic":
-        import anthropic
 
-        return _dump(anthropic.Anthropic(max_retries=2).messages.create(**body))
-    if provider in ("openai-chat", "openai-responses"):
-        import openai
+    def __init__(self) -> None:
+        self._clients: dict[str, Any] = {}
 
-        client = openai.OpenAI(max_retries=2)
+    def _client(self, name: str) -> Any:
+        if name not in self._clients:
+            if name == "anthropic":
+                import anthropic
+
+                self._clients[name] = anthropic.Anthropic(max_retries=2)
+            elif name == "openai":
+                import openai
+
+                self._clients[name] = openai.OpenAI(max_retries=2)
+            else:
+                from google import genai
+                from google.genai import types as gt
+
+                base = os.environ.get("GEMINI_BASE_URL")
+                opts = gt.HttpOptions(base_url=base, api_version="v1beta") if base else None
+                self._clients[name] = genai.Client(api_key=os.environ.get("GEMINI_API_KEY"), http_options=opts)
+        return self._clients[name]
+
+    def __call__(self, provider: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Send one rendered body; return the reply as the provider's JSON."""
+        if provider == "anthropic":
+            return _dump(self._client("anthropic").messages.create(**body))
         if provider == "openai-chat":
-            return _dump(client.chat.completions.create(**body))
-        return _dump(client.responses.create(**body))
-    raise CapsuleError(f"the reference agent cannot call provider {provider!r} (it speaks anthropic, openai-chat, openai-responses)")
+            return _dump(self._client("openai").chat.completions.create(**body))
+        if provider == "openai-responses":
+            return _dump(self._client("openai").responses.create(**body))
+        if provider == "gemini":
+            return self._gemini(model, body)
+        raise CapsuleError(f"the reference agent cannot call provider {provider!r}")
+
+    def _gemini(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        import json as _json
+
+        from google.genai import types as gt
+
+        def typed(cls: Any, obj: Any) -> Any:  # REST JSON -> the SDK's typed objects
+            return cls.model_validate_json(_json.dumps(obj))
+
+        config = gt.GenerateContentConfig(
+            system_instruction=typed(gt.Content, body["systemInstruction"]) if "systemInstruction" in body else None,
+            tools=[typed(gt.Tool, t) for t in body.get("tools", ())] or None,
+            max_output_tokens=body.get("generationConfig", {}).get("maxOutputTokens"),
+            automatic_function_calling=gt.AutomaticFunctionCallingConfig(disable=True),
+        )
+        reply = self._client("gemini").models.generate_content(
+            model=model, contents=[typed(gt.Content, c) for c in body["contents"]], config=config)
+        return reply.model_dump(mode="json", exclude_none=True, by_alias=True)
 
 
 # -- the loop ------------------------------------------------------------------------------------------
@@ -276,9 +317,10 @@ def call_provider(provider: str, body: dict[str, Any]) -> dict[str, Any]:
 
 class Agent:
     def __init__(self, port: JournalPort, tools: Toolbox, *,
-                 call: Callable[[str, dict[str, Any]], dict[str, Any]] = call_provider,
+                 call: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None,
                  default_target: tuple[str, str] | None = None, budget: int | None = None) -> None:
-        self.port, self.tools, self.call = port, tools, call
+        self.port, self.tools = port, tools
+        self.call = call if call is not None else ProviderClients()
         self.default_target = default_target
         self.budget = budget
         self.stopping = False
@@ -288,7 +330,7 @@ class Agent:
         dangling = dangling_calls(self.port.records())
         if dangling:
             self.port.append([
-                ev.ToolResult(call_id=c.call_id, content=render._plan.INTERRUPTED, is_error=True) for c in dangling
+                ev.ToolResult(call_id=c.call_id, content=render.INTERRUPTED, is_error=True) for c in dangling
             ])
         return len(dangling)
 
@@ -303,7 +345,7 @@ class Agent:
         provider, model = target
         rendered = render.render(records, provider=provider, model=model, working_memory=self.port.working_memory(),
                                  budget=self.budget, tools=TOOLS)
-        reply = self.call(provider, rendered.body)
+        reply = self.call(provider, model, rendered.body)
         events = render.parse_response(provider, reply, model=model)
         self.port.append(events)  # the calls are journaled before they run
         for call in [e for e in events if isinstance(e, ev.ToolCall)]:

@@ -49,7 +49,7 @@ def test_tool_calls_run_in_the_sandbox_and_are_journaled_in_order(capsule: Path,
         anthropic_reply({"type": "text", "text": "done"}),
     ])
 
-    def call(provider: str, body: dict) -> dict:
+    def call(provider: str, model: str, body: dict) -> dict:
         bodies.append((provider, body))
         return next(replies)
 
@@ -78,7 +78,7 @@ def test_dangling_calls_from_a_dead_run_get_error_results(capsule: Path, tmp_pat
         ev.ToolCall(call_id="t9", name="shell", arguments={"command": "sleep 100"}),
     ])
     assert [c.call_id for c in dangling_calls(port.records())] == ["t9"]
-    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, b: anthropic_reply({"type": "text", "text": "ok"}))
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, m, b: anthropic_reply({"type": "text", "text": "ok"}))
     assert agent.answer_interrupted() == 1
     (result,) = [r.event for r in port.records() if r.kind == "tool_result"]
     assert result.call_id == "t9" and result.is_error and "interrupted" in result.content
@@ -102,7 +102,7 @@ def test_tools_cannot_leave_the_workspace(tmp_path: Path) -> None:
 def test_stopping_leaves_remaining_calls_dangling_not_lost(capsule: Path, tmp_path: Path) -> None:
     port = DirectPort(str(capsule), MACHINE)
     port.append([ev.ModelSwitch(provider="anthropic", model="claude-x"), ev.UserMessage(text="two things")])
-    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, b: anthropic_reply(
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda p, m, b: anthropic_reply(
         {"type": "tool_use", "id": "t1", "name": "shell", "input": {"command": "true"}},
         {"type": "tool_use", "id": "t2", "name": "shell", "input": {"command": "true"}},
     ))
