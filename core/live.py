@@ -398,6 +398,8 @@ class LiveAgent:
         self._digests: dict[str, tuple[tuple[int, int, int, int], fmt.FileEntry]] = {}
         self._stored: tuple[tuple[int, int, int, int], fmt.Manifest] | None = None
         self._tree: tuple[object, dict[str, dict[str, Node]]] | None = None
+        self._manifest_cache: tuple[object, bytes] | None = None
+        self._blobs: tuple[fmt.Manifest, dict[str, int]] | None = None
         self._appender: Appender | JournalAppender | None = None
         self.move_progress: dict[str, object] | None = None
         # Directories show one fixed time: their entries change only when the
@@ -416,6 +418,13 @@ class LiveAgent:
         if self._stored is None or self._stored[0] != _ident(st):
             self._stored = (_ident(st), self.handle.manifest())
         return self._stored[1]
+
+    def blobs(self) -> dict[str, int]:
+        """sha256 -> size of the agent's blobs (from the stored manifest)."""
+        stored = self.stored_manifest()
+        if self._blobs is None or self._blobs[0] is not stored:
+            self._blobs = (stored, stored.blobs())
+        return self._blobs[1]
 
     def tree(self) -> dict[str, dict[str, Node]]:
         stored = self.stored_manifest()
@@ -462,8 +471,35 @@ class LiveAgent:
         return fmt.Manifest(agent_id=stored.agent_id, name=stored.name, holder=stored.holder,
                             files=files, extra=stored.extra)
 
+    def _manifest_key(self) -> tuple[object, int] | None:
+        """What the served manifest depends on, and the newest file mtime;
+        None while an edit is in progress (then nothing is cached)."""
+        if any(e.dirty for e in self.edits.values()):
+            return None
+        self.stored_manifest()
+        idents = []
+        mtime = self._stored[0][2] if self._stored else 0  # manifest.json's mtime
+        for rel in self.handle.local_files():
+            st = os.stat(self.handle.path(rel))
+            idents.append((rel, _ident(st)))
+            mtime = max(mtime, st.st_mtime_ns)
+        self.tail.refresh()
+        return (self._stored[0] if self._stored else None, tuple(idents), self.tail.size), mtime
+
     def manifest_bytes(self) -> bytes:
-        return self.manifest().to_bytes()
+        """The manifest as served; rebuilt only when a file changed."""
+        return self.manifest_attr()[0]
+
+    def manifest_attr(self) -> tuple[bytes, int]:
+        """(manifest bytes as served, newest mtime of the files it covers)."""
+        keyed = self._manifest_key()
+        if keyed is not None and self._manifest_cache is not None and self._manifest_cache[0] == keyed[0]:
+            return self._manifest_cache[1], keyed[1]
+        data = self.manifest().to_bytes()
+        mtime = keyed[1] if keyed is not None else self.host.now_ns()
+        if keyed is not None:
+            self._manifest_cache = (keyed[0], data)
+        return data, mtime
 
     def file_attr(self, rel: str) -> Attr:
         st = os.stat(self.handle.path(rel))
@@ -515,7 +551,10 @@ class LiveAgent:
 
     def append(self, events: Sequence[Event]) -> list[Record]:
         self.host.check_writable(self.agent_id)
-        return self._journal().append(events)
+        try:
+            return self._journal().append(events)
+        finally:
+            self.host.changed(self.agent_id, fmt.JOURNAL)
 
     def append_lines(self, data: bytes) -> list[Record]:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
@@ -591,6 +630,7 @@ class LiveAgent:
         if rel == fmt.SPEC:
             parse_spec(data)
             self.handle.write_files({rel: data})
+            self.host.changed(self.agent_id, rel)
             log.info("agent %s: spec updated (%d bytes)", self.agent_id, len(data))
             return
         if rel != fmt.WORKING_MEMORY:
@@ -610,6 +650,7 @@ class LiveAgent:
                 sha = store.put_blob(data)
                 self.append([MemoryEdit(blob=sha)])
                 self.handle.write_files({rel: data}, add_blobs=[sha])
+        self.host.changed(self.agent_id, rel)
         log.info("agent %s: working memory edited (%d bytes)", self.agent_id, len(data))
 
     def set_holder(self, host: str, epoch: int) -> None:
@@ -655,6 +696,11 @@ class LiveHost:
         self._agents: dict[str, LiveAgent] = {}
         self._states: dict[str, AgentState] = {}
         self._snaps: dict[tuple[str, str], _SnapCache] = {}
+        self._names: tuple[object, dict[str, str]] | None = None
+        #: Called with (agent_id, capsule path) after a change made through
+        #: this view, so that the adapter can tell the kernel (attributes
+        #: of that file, the manifest and the status change).
+        self.on_change: Callable[[str, str], None] = lambda agent_id, rel: None
 
     # -- states (the daemon's API for the move driver) -----------------------
     def state(self, agent_id: str) -> AgentState:
@@ -674,6 +720,9 @@ class LiveHost:
             self.failsafe = reason
             log.error("the mount is now read-only (failsafe) after an internal error: %s", reason)
 
+    def changed(self, agent_id: str, rel: str) -> None:
+        self.on_change(agent_id, rel)
+
     def check_writable(self, agent_id: str) -> None:
         if self.failsafe is not None:
             raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
@@ -692,10 +741,15 @@ class LiveHost:
     def names(self, *, strict: bool = True) -> dict[str, str]:
         """name -> agent_id of every agent shown.
 
-        An agent whose stored manifest is unreadable raises StoreError when
-        ``strict`` (a listing), and is skipped otherwise (a lookup of another
-        name): the root never silently shows fewer agents.
+        A listing (``strict``) reads every agent's manifest and raises
+        StoreError if one is unreadable: the root never silently shows fewer
+        agents. A lookup (not strict) uses the last answer while the agents
+        directory and the retired set are unchanged, and skips unreadable
+        agents so that the others stay reachable.
         """
+        key = (os.stat(self.store.agents_dir).st_mtime_ns, frozenset(self._states.items()))
+        if not strict and self._names is not None and self._names[0] == key:
+            return self._names[1]
         out = {}
         ids = set(self.store.agent_ids())
         for gone in set(self._agents) - ids:
@@ -712,6 +766,7 @@ class LiveHost:
                 broken = broken or exc
         if broken is not None and strict:
             raise broken
+        self._names = (key, out) if broken is None else None
         return out
 
     # -- the tree ----------------------------------------------------------------
@@ -774,15 +829,13 @@ class LiveHost:
                 return self.agent(node.agent).file_attr(node.rel)
             case Kind.BLOB:
                 sha = fmt.blob_name(node.rel) or ""
-                size = self.agent(node.agent).stored_manifest().blobs().get(sha)
+                size = self.agent(node.agent).blobs().get(sha)
                 if size is None:
                     raise NotFoundError(f"{node.rel}: no such blob in this agent")
                 st = os.stat(self.store.blob_file(sha))
                 return Attr(False, 0o444, size, st.st_mtime_ns, immutable=True)
             case Kind.MANIFEST:
-                a = self.agent(node.agent)
-                data = a.manifest_bytes()
-                mtime = max(os.stat(a.handle.path(r)).st_mtime_ns for r in [*a.handle.local_files(), fmt.MANIFEST])
+                data, mtime = self.agent(node.agent).manifest_attr()
                 return Attr(False, 0o444, len(data), mtime)
             case Kind.SCRATCH:
                 d, _, n = node.rel.rpartition("/")

@@ -22,8 +22,9 @@ from capsulefs.core.live import ROOT, Node
 
 class InodeTable:
     def __init__(self) -> None:
-        self._by_node: dict[Node, int] = {ROOT: pyfuse3.ROOT_INODE}
+        self._by_node: dict[Node, int] = {ROOT: pyfuse3.ROOT_INODE}  # the newest inode of a node
         self._by_ino: dict[int, Node] = {pyfuse3.ROOT_INODE: ROOT}
+        self._all: dict[Node, set[int]] = {}  # every inode standing for a node
         self._count: dict[int, int] = {}
         self._next = pyfuse3.ROOT_INODE + 1
 
@@ -40,6 +41,10 @@ class InodeTable:
         """The inode of ``node`` if the kernel knows it, without a reference."""
         return self._by_node.get(node)
 
+    def all_of(self, node: Node) -> list[int]:
+        """Every inode standing for ``node`` (after renames there may be several)."""
+        return sorted(self._all.get(node, ()))
+
     def ref(self, node: Node) -> int:
         """The inode of ``node``, its lookup count raised by one."""
         ino = self._by_node.get(node)
@@ -48,6 +53,7 @@ class InodeTable:
             self._next += 1
             self._by_node[node] = ino
             self._by_ino[ino] = node
+            self._all.setdefault(node, set()).add(ino)
         if ino != pyfuse3.ROOT_INODE:
             self._count[ino] = self._count.get(ino, 0) + 1
         return ino
@@ -64,8 +70,17 @@ class InodeTable:
         ino = self._by_node.pop(src, None)
         if ino is None:
             return
+        self._discard(src, ino)
         self._by_ino[ino] = dst
         self._by_node[dst] = ino
+        self._all.setdefault(dst, set()).add(ino)
+
+    def _discard(self, node: Node, ino: int) -> None:
+        inos = self._all.get(node)
+        if inos is not None:
+            inos.discard(ino)
+            if not inos:
+                del self._all[node]
 
     def forget(self, ino: int, n: int) -> None:
         if ino == pyfuse3.ROOT_INODE or ino not in self._count:
@@ -76,5 +91,6 @@ class InodeTable:
             return
         del self._count[ino]
         node = self._by_ino.pop(ino)
+        self._discard(node, ino)
         if self._by_node.get(node) == ino:
             del self._by_node[node]

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import pyfuse3
 
+from capsulefs.core import format as fmt
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
 from capsulefs.core.live import Attr, Handle, Kind, LiveHost, Node
 from capsulefs.core.live_errors import NotPermitted, NotSupported
@@ -36,11 +37,20 @@ from .inodes import InodeTable
 
 log = logging.getLogger(__name__)
 
-#: Timeouts (seconds) for content that never changes, directories, and mutable files.
+#: Timeouts (seconds). Content that never changes (blobs, snapshots) is cached
+#: long. Names inside a capsule never change behind the kernel's back (only
+#: through this mount, which the kernel sees), nor do the attributes of its
+#: directories. The root's entries (agents) change outside the kernel's
+#: sight (CLI, moves), and so do the sizes of mutable files (the agent
+#: runtime appends to the journal directly): those are checked each time.
 IMMUTABLE_TIMEOUT = 3600.0
-DIR_TIMEOUT = 1.0
-MUTABLE_ATTR_TIMEOUT = 0.0
-MUTABLE_ENTRY_TIMEOUT = 1.0
+CAPSULE_TIMEOUT = 60.0
+ROOT_TIMEOUT = 1.0
+#: Mutable files: a change made through the mount invalidates the kernel's
+#: copy at once (:meth:`Operations._changed`); one made beside the mount
+#: (the agent runtime appending to the journal in the store) shows within
+#: this many seconds.
+MUTABLE_ATTR_TIMEOUT = 1.0
 BLKSIZE = 128 * 1024
 
 
@@ -50,6 +60,8 @@ class Kernel(Protocol):
     def invalidate_inode(self, ino: int) -> None: ...
 
     def invalidate_entry(self, parent_ino: int, name: bytes) -> None: ...
+
+    def invalidate_attr(self, ino: int) -> None: ...
 
 
 class FuseKernel:
@@ -69,6 +81,14 @@ class FuseKernel:
 
     def invalidate_entry(self, parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+
+    def invalidate_attr(self, ino: int) -> None:
+        # Attributes only: the kernel takes no page or inode lock for this,
+        # so it is safe inside a request handler, even one on that inode.
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as exc:
+            log.debug("invalidate_inode(%d, attr_only): %s", ino, exc)
 
 
 def _name(raw: bytes) -> str:
@@ -98,6 +118,7 @@ class Operations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
+        live.on_change = self._changed
 
     # -- helpers -------------------------------------------------------------
     def _fh(self) -> int:
@@ -105,16 +126,20 @@ class Operations(pyfuse3.Operations):
         self._next_fh += 1
         return fh
 
-    def _entry(self, ino: int, a: Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, ino: int, a: Attr, node: Node) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = ino
         e.generation = 0
         if a.immutable:
             e.entry_timeout = e.attr_timeout = IMMUTABLE_TIMEOUT
+        elif node.kind is Kind.ROOT:
+            e.entry_timeout = e.attr_timeout = ROOT_TIMEOUT
+        elif node.kind is Kind.AGENT:
+            e.entry_timeout, e.attr_timeout = ROOT_TIMEOUT, CAPSULE_TIMEOUT
         elif a.is_dir:
-            e.entry_timeout = e.attr_timeout = DIR_TIMEOUT
+            e.entry_timeout = e.attr_timeout = CAPSULE_TIMEOUT
         else:
-            e.entry_timeout, e.attr_timeout = MUTABLE_ENTRY_TIMEOUT, MUTABLE_ATTR_TIMEOUT
+            e.entry_timeout, e.attr_timeout = CAPSULE_TIMEOUT, MUTABLE_ATTR_TIMEOUT
         e.st_mode = (stat.S_IFDIR if a.is_dir else stat.S_IFREG) | a.perm
         e.st_nlink = 2 if a.is_dir else 1
         e.st_uid = self.uid if a.uid is None else a.uid
@@ -125,10 +150,6 @@ class Operations(pyfuse3.Operations):
         e.st_blocks = (a.size + 511) // 512
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
         return e
-
-    def _attr_of(self, node: Node) -> pyfuse3.EntryAttributes:
-        ino = self.inodes.peek(node)
-        return self._entry(ino or 0, self.live.attr(node))
 
     def _handle(self, fh: int) -> Handle:
         try:
@@ -141,12 +162,23 @@ class Operations(pyfuse3.Operations):
         self._handles[fh] = handle
         return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache)
 
+    def _changed(self, agent_id: str, rel: str) -> None:
+        """A file changed through the mount: drop the kernel's attributes of it,
+        of the manifest and of the control files, if the kernel has them."""
+        nodes = [Node(Kind.FILE, agent_id, rel), Node(Kind.MANIFEST, agent_id, fmt.MANIFEST)]
+        nodes += [Node(Kind.CONTROL_FILE, agent_id, n) for n in ("status", "model")]
+        if rel == fmt.WORKING_MEMORY:
+            nodes.append(Node(Kind.FILE, agent_id, fmt.JOURNAL))  # its memory_edit event
+        for node in nodes:
+            for ino in self.inodes.all_of(node):
+                self.kernel.invalidate_attr(ino)
+
     # -- names -----------------------------------------------------------------
     @fuse_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self.live.lookup(self.inodes.node(parent_inode), _name(name))
         attr = self.live.attr(node)
-        return self._entry(self.inodes.ref(node), attr)
+        return self._entry(self.inodes.ref(node), attr, node)
 
     def forget(self, inode_list: list[tuple[int, int]]) -> None:  # type: ignore[override]
         for ino, n in inode_list:
@@ -154,7 +186,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(inode, self.live.attr(self.inodes.node(inode)))
+        node = self.inodes.node(inode)
+        return self._entry(inode, self.live.attr(node), node)
 
     @fuse_op
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -175,7 +208,7 @@ class Operations(pyfuse3.Operations):
         if fields.update_atime or fields.update_mtime:
             self.live.utimens(node, attr.st_atime_ns if fields.update_atime else None,
                               attr.st_mtime_ns if fields.update_mtime else None)
-        return self._entry(inode, self.live.attr(node))
+        return self._entry(inode, self.live.attr(node), node)
 
     # -- directories -------------------------------------------------------------
     @fuse_op
@@ -195,7 +228,7 @@ class Operations(pyfuse3.Operations):
             except (NotFoundError, FileNotFoundError):
                 continue  # gone since opendir: skip it, as a real directory would
             ino = self.inodes.ref(node)
-            if not self._readdir_reply(token, os.fsencode(name), self._entry(ino, attr), i + 1):
+            if not self._readdir_reply(token, os.fsencode(name), self._entry(ino, attr, node), i + 1):
                 self.inodes.forget(ino, 1)
                 return
 
@@ -208,7 +241,7 @@ class Operations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self.live.mkdir(self.inodes.node(parent_inode), _name(name))
         attr = self.live.attr(node)
-        return self._entry(self.inodes.ref(node), attr)
+        return self._entry(self.inodes.ref(node), attr, node)
 
     @fuse_op
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -260,7 +293,7 @@ class Operations(pyfuse3.Operations):
             handle.release()
             raise
         info = self._open_info(handle)
-        return info, self._entry(self.inodes.ref(node), attr)
+        return info, self._entry(self.inodes.ref(node), attr, node)
 
     @fuse_op
     async def read(self, fh: int, off: int, size: int) -> bytes:

@@ -46,12 +46,16 @@ class Fields:
 class FakeKernel:
     inodes: list[int] = field(default_factory=list)
     entries: list[tuple[int, bytes]] = field(default_factory=list)
+    attrs: list[int] = field(default_factory=list)
 
     def invalidate_inode(self, ino: int) -> None:
         self.inodes.append(ino)
 
     def invalidate_entry(self, parent_ino: int, name: bytes) -> None:
         self.entries.append((parent_ino, name))
+
+    def invalidate_attr(self, ino: int) -> None:
+        self.attrs.append(ino)
 
 
 def _reply(token: list[tuple[str, Any]], name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:

@@ -313,3 +313,14 @@ async def test_forget_drops_inodes(c: Client) -> None:
     assert len(c.ops.inodes) == before + 3
     c.ops.forget([(ino, 1)])
     assert len(c.ops.inodes) == before + 2
+
+
+async def test_changes_through_the_mount_invalidate_cached_attributes(c: Client, kernel: FakeKernel) -> None:
+    wm = await c.lookup("alice/memory/working_memory.md")
+    manifest = await c.lookup("alice/manifest.json")
+    journal = await c.lookup("alice/memory/timeline_events.jsonl")
+    await c.write("alice/memory/working_memory.md", b"changed\n")
+    assert {wm, manifest, journal} <= set(kernel.attrs)
+    kernel.attrs.clear()
+    await c.write("alice/memory/timeline_events.jsonl", b'{"kind":"note","text":"x"}\n', append=True)
+    assert {manifest, journal} <= set(kernel.attrs) and wm not in kernel.attrs
