@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +37,11 @@ import trio
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
-from capsulefs.core.errors import CapsuleError, NotFoundError
+from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
 from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
+from capsulefs.moveservice import BLOBS_CALL
 from capsulefs.peerlink import PeerConnection, PeerError, open_peer
 from capsulefs.peers import Peer
 
@@ -50,6 +51,8 @@ __all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_ag
 
 Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
 _READ_CHUNK = 1 << 20
+BATCH_ITEMS = 256  # pieces per blobs call
+BATCH_BYTES = 64 << 20  # about this many bytes per blobs call
 
 
 @dataclass
@@ -118,32 +121,60 @@ class _Driver:
         if c.call is mv.Call.OFFER:
             assert self.manifest is not None
             args["manifest"] = self.manifest.to_bytes().decode()
-        if c.call is mv.Call.BLOB:
-            args["sha"] = c.sha
         return args
 
+    def _size(self, sha: str) -> int:
+        return len(self.files[sha]) if sha in self.files else self.host.store.blob_size(sha)
+
+    async def _pieces(self, shas: list[str]) -> AsyncIterator[bytes]:
+        for sha in shas:
+            if sha in self.files:
+                yield self.files[sha]
+            else:
+                async with aclosing(self._blob_chunks(sha)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+
+    async def _send_blobs(self, batch: list[mv.Send]) -> list[object]:
+        """One ``blobs`` call for consecutive blob sends: one event per piece,
+        or a single Timeout/IoFailure."""
+        first = batch[0]
+        try:
+            items = [[c.sha, self._size(c.sha)] for c in batch if c.sha is not None]
+            total = sum(size for _, size in items)
+            conn = await self._conn()
+            args = {"agent_id": first.agent_id, "epoch": first.epoch, "items": items}
+            with trio.fail_after(self.call_timeout):
+                result, _ = await conn.call(BLOBS_CALL, args, payload=self._pieces([sha for sha, _ in items]), size=total)
+            answers = [result_to_answer(mv.Call.BLOB, first.agent_id, first.epoch, r) for r in result["results"]]
+            if [a.sha for a in answers] != [sha for sha, _ in items]:  # type: ignore[attr-defined]
+                raise FormatError("blobs: the results do not match the pieces sent")
+            return answers
+        except trio.TooSlowError:
+            log.warning("move of %s: blobs got no answer from %s within %.0fs", first.agent_id, self.peer.name,
+                        self.call_timeout)
+            await self._drop()
+            return [mv.Timeout()]
+        except (PeerError, CapsuleError, KeyError, TypeError) as exc:
+            log.warning("move of %s: blobs to %s failed: %s", first.agent_id, self.peer.name, exc)
+            await self._drop()
+            return [mv.IoFailure(reason=f"blobs: {exc}")]
+
     async def _blob_chunks(self, sha: str) -> AsyncIterator[bytes]:
-        it = self.host.store.iter_blob(sha, chunk=_READ_CHUNK)  # re-hashes; raises at the end if corrupt
-        while True:
-            chunk = await trio.to_thread.run_sync(next, it, None)
-            if chunk is None:
-                return
-            yield chunk
+        # Read the stored file as it is, without hashing it here: the target
+        # hashes every piece on arrival and refuses the move if one does not
+        # match, so a blob that rotted here rolls the move back. Reads of the
+        # page cache are short; doing them inline keeps the loop off threads.
+        with open(self.host.store.blob_file(sha), "rb", buffering=0) as f:
+            while chunk := f.read(_READ_CHUNK):
+                yield chunk
+                await trio.lowlevel.checkpoint()
 
     async def _call(self, c: mv.Send) -> object:
-        payload: Any = b""
-        size = None
-        if c.call is mv.Call.BLOB:
-            assert c.sha is not None
-            if c.sha in self.files:
-                payload = self.files[c.sha]
-            else:
-                size = self.host.store.blob_size(c.sha)
-                payload = self._blob_chunks(c.sha)
         try:
             conn = await self._conn()
             with trio.fail_after(self.call_timeout):
-                result, _ = await conn.call(c.call.value, self._args(c), payload=payload, size=size)
+                result, _ = await conn.call(c.call.value, self._args(c))
             return result_to_answer(c.call, c.agent_id, c.epoch, result)
         except trio.TooSlowError:
             log.warning("move of %s: %s got no answer from %s within %.0fs", c.agent_id, c.call.value,
@@ -221,12 +252,21 @@ class _Driver:
                 case mv.Send(call=mv.Call.ABORT):
                     await self._abort(c)
                 case mv.Send(call=mv.Call.BLOB):
-                    if m.state is not mv.SourceState.TRANSFERRING or c.sha not in m.pending:
+                    batch, size = [c], self._size(c.sha or "")
+                    while (queue and isinstance(queue[0], mv.Send) and queue[0].call is mv.Call.BLOB
+                           and len(batch) < BATCH_ITEMS and size < BATCH_BYTES):
+                        nxt = queue.popleft()
+                        batch.append(nxt)
+                        size += self._size(nxt.sha or "")
+                    batch = [b for b in batch if m.state is mv.SourceState.TRANSFERRING and b.sha in m.pending]
+                    if not batch:
                         continue  # the move rolled back meanwhile
-                    event = await self._call(c)
-                    if isinstance(event, mv.BlobReply) and event.ok:
-                        self.sent += 1
-                    queue.extend(m.handle(event))
+                    for event in await self._send_blobs(batch):
+                        if m.state is not mv.SourceState.TRANSFERRING:
+                            break
+                        if isinstance(event, mv.BlobReply) and event.ok:
+                            self.sent += 1
+                        queue.extend(m.handle(event))
                     self._progress("transferring")
                 case mv.Send(call=mv.Call.STATUS):
                     if await self._pause_before_status():

@@ -180,12 +180,13 @@ class _Framer:
             await self.stream.send_all(prefix + head)
             self.sent_bytes += len(prefix) + len(head)
             sent = 0
-            async for chunk in payload:
-                sent += len(chunk)
-                if sent > size:
-                    raise PeerProtocolError(f"{self.what}: payload longer than its declared {size} bytes")
-                await self.stream.send_all(chunk)
-                self.sent_bytes += len(chunk)
+            async with _closing(payload) as chunks:
+                async for chunk in chunks:
+                    sent += len(chunk)
+                    if sent > size:
+                        raise PeerProtocolError(f"{self.what}: payload longer than its declared {size} bytes")
+                    await self.stream.send_all(chunk)
+                    self.sent_bytes += len(chunk)
         if sent != size:
             # The frame cannot be completed: the link is now unusable.
             raise PeerBroken(f"{self.what}: payload ended at {sent} of {size} bytes")
@@ -207,6 +208,17 @@ class _Framer:
         return header, Payload(self, size)
 
 
+@asynccontextmanager
+async def _closing(it: AsyncIterable[bytes]) -> AsyncIterator[AsyncIterable[bytes]]:
+    """Close an async generator payload even when sending it fails midway."""
+    try:
+        yield it
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class Payload:
     """A frame's payload, read as it arrives. Must be read (or drained) before the next frame."""
 
@@ -218,12 +230,21 @@ class Payload:
     async def chunks(self) -> AsyncIterator[bytes]:
         f = self._framer
         while self.remaining:
-            if not f._buf:
-                await f._fill(1)
-            n = min(len(f._buf), self.remaining)
-            chunk = bytes(f._buf[:n])
-            del f._buf[:n]
-            self.remaining -= n
+            if f._buf:
+                n = min(len(f._buf), self.remaining)
+                chunk = bytes(f._buf[:n])
+                del f._buf[:n]
+            else:  # straight from the stream, without a copy through the buffer
+                with _map_errors(f.what):
+                    data = await f.stream.receive_some(RECEIVE_CHUNK)
+                if not data:
+                    raise PeerBroken(f"{f.what}: the peer closed the link")
+                f.received_bytes += len(data)
+                if len(data) > self.remaining:
+                    f._buf += data[self.remaining:]
+                    data = data[: self.remaining]
+                chunk = bytes(data)
+            self.remaining -= len(chunk)
             yield chunk
 
     async def read(self, limit: int = 64 << 20) -> bytes:
@@ -289,7 +310,11 @@ class PeerConnection:
                 pass
 
 
-async def _connect(identity: Identity | None, peer: Peer, timeout: float) -> tuple[trio.SSLStream, _Framer]:
+StreamWrapper = Callable[[trio.abc.Stream], trio.abc.Stream]
+
+
+async def _connect(identity: Identity | None, peer: Peer, timeout: float,
+                   wrap: StreamWrapper | None = None) -> tuple[trio.SSLStream, _Framer]:
     host, port = parse_address(peer.address)
     what = f"peer {peer.name} ({peer.address})"
     with trio.move_on_after(timeout) as scope:
@@ -297,7 +322,7 @@ async def _connect(identity: Identity | None, peer: Peer, timeout: float) -> tup
             tcp = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise PeerUnreachable(f"{what}: cannot connect: {exc.strerror or exc}") from exc
-        tls = trio.SSLStream(tcp, client_context(identity), server_hostname=None)
+        tls = trio.SSLStream(wrap(tcp) if wrap else tcp, client_context(identity), server_hostname=None)
         try:
             with _map_errors(what):
                 await tls.do_handshake()
@@ -341,13 +366,16 @@ async def _introduce(identity: Identity, peer: Peer, timeout: float) -> None:
 
 
 @asynccontextmanager
-async def open_peer(identity: Identity, peer: Peer, *, timeout: float = 30.0) -> AsyncIterator[PeerConnection]:
+async def open_peer(identity: Identity, peer: Peer, *, timeout: float = 30.0,
+                    wrap: StreamWrapper | None = None) -> AsyncIterator[PeerConnection]:
     """Connect to ``peer``, authenticate both ways, yield the connection.
+
+    ``wrap`` may wrap the TCP stream under TLS (e.g. to count bytes on the wire).
 
     Raises PeerUnreachable, PeerRefused, PeerBroken or PeerProtocolError.
     """
     for attempt in (1, 2):
-        tls, framer = await _connect(identity, peer, timeout)
+        tls, framer = await _connect(identity, peer, timeout, wrap)
         try:
             with trio.fail_after(timeout):
                 await _hello(framer)

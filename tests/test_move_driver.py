@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ from capsulefs.core.journal import open_journal
 from capsulefs.core.holder import HolderState, new_held
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
-from capsulefs.moveservice import MoveService
-from capsulefs.peerlink import Payload, PeerBroken, open_peer, serve_peers
+from capsulefs.moveservice import MoveService, serve_moves
+from capsulefs.peerlink import Payload, PeerBroken, open_peer
 from capsulefs.peers import Peer
 
 
@@ -77,10 +78,10 @@ class FaultyTarget:
         self.fired: list[str] = []
 
     async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict, bytes]:
-        if call == "blob" and self.corrupt_next_blob:
+        if call == "blobs" and self.corrupt_next_blob:
             self.corrupt_next_blob = False
             payload = _Corrupt(payload)  # type: ignore[assignment]
-        if call == "blob" and self.break_in_blob and payload.size > 1000:
+        if call == "blobs" and self.break_in_blob and payload.size > 1000:
             self.break_in_blob = False
             async with aclosing(payload.chunks()) as chunks:
                 async for _ in chunks:
@@ -176,15 +177,13 @@ async def world(tmp_path: Path, nursery: trio.Nursery) -> World:
     # b already has a third of the blobs
     for sha in sorted(agent.manifest().blobs())[:4]:
         b.store.put_blob(a.store.read_blob(sha))
-    service = MoveService(b)
-    target = FaultyTarget(service)
     b.peers.add(Peer(name="a", address="127.0.0.1:1", host_id=a.me))
-    port = await nursery.start(lambda task_status: serve_peers(b.identity, b.peers, target, host="127.0.0.1",
-                                                               task_status=task_status))
-    peer_b = Peer(name="b", address=f"127.0.0.1:{port}", host_id=b.me)
+    wrapped: list[FaultyTarget] = []
+    serving = await nursery.start(partial(serve_moves, b, listen_host="127.0.0.1", port=0,
+                                          wrap=lambda svc: wrapped.append(FaultyTarget(svc)) or wrapped[0]))
+    peer_b = Peer(name="b", address=f"127.0.0.1:{serving.port}", host_id=b.me)
     a.peers.add(peer_b)
-    yield World(a, b, hooks_a, hooks_b, service, target, peer_b, agent.agent_id, agent.read(fmt.JOURNAL))
-    service.close_all()
+    return World(a, b, hooks_a, hooks_b, serving.service, wrapped[0], peer_b, agent.agent_id, agent.read(fmt.JOURNAL))
 
 
 def verify_on(host: MoveHost, agent_id: str, tmp: Path) -> None:
@@ -204,7 +203,17 @@ async def test_a_clean_move(world: World, tmp_path: Path) -> None:
     assert world.b.store.agent(world.agent_id).manifest().holder == fmt.Holder(host=world.b.me, epoch=2)
 
 
-@pytest.mark.parametrize("call", ["offer", "blob", "verify", "prepare", "activate"])
+async def test_empty_files_and_a_shared_digest_move(world: World, tmp_path: Path) -> None:
+    agent = world.a.store.agent(world.agent_id)
+    agent.write_files({fmt.WORKING_MEMORY: b"", "memory/extra.md": b""})  # two empty files, one digest
+    world.a.store.agent(world.agent_id).refresh_manifest()
+    result = await world.move()
+    assert result.moved and world.check() == "b"
+    assert world.b.store.agent(world.agent_id).read("memory/extra.md") == b""
+    verify_on(world.b, world.agent_id, tmp_path)
+
+
+@pytest.mark.parametrize("call", ["offer", "blobs", "verify", "prepare", "activate"])
 @pytest.mark.parametrize("when", ["before", "after"])
 async def test_one_failed_call_at_every_phase(world: World, tmp_path: Path, call: str, when: str) -> None:
     world.target.faults = [Fault(call, when)]
@@ -320,11 +329,9 @@ async def test_crash_losing_the_holder_record_then_learning(world: World) -> Non
     # b asks a (its only peer): a retired it and activated only epoch 1, so b holds epoch 2
     assert [p.name for p in world.b.peers.peers()] == ["a"]
     async with trio.open_nursery() as n:
-        service_a = MoveService(world.a)
-        port = await n.start(lambda task_status: serve_peers(world.a.identity, world.a.peers, service_a,
-                                                             host="127.0.0.1", task_status=task_status))
+        serving = await n.start(partial(serve_moves, world.a, listen_host="127.0.0.1", port=0))
         world.b.peers.remove("a")
-        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{port}", host_id=world.a.me))
+        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{serving.port}", host_id=world.a.me))
         learned = await learn_holder(world.b, world.agent_id)
         n.cancel_scope.cancel()
     assert learned.state is HolderState.HELD and learned.held_epoch == 2
@@ -385,11 +392,9 @@ async def test_same_agent_id_on_both_sides(world: World, tmp_path: Path) -> None
     assert (await world.move()).moved
     # back to a (b's service is the target only; serve a to move back)
     async with trio.open_nursery() as n:
-        service_a = MoveService(world.a)
-        port = await n.start(lambda task_status: serve_peers(world.a.identity, world.a.peers, service_a,
-                                                             host="127.0.0.1", task_status=task_status))
+        serving = await n.start(partial(serve_moves, world.a, listen_host="127.0.0.1", port=0))
         world.b.peers.remove("a")
-        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{port}", host_id=world.a.me))
+        world.b.peers.add(Peer(name="a", address=f"127.0.0.1:{serving.port}", host_id=world.a.me))
         back = await move_agent(world.b, world.agent_id, world.b.peers.find("a"), retry_pause=0)
         n.cancel_scope.cancel()
     assert back.moved and back.epoch == 3 and world.check() == "a"

@@ -1,0 +1,223 @@
+"""Benchmark: moving an agent between two host stores over the TLS peer link.
+
+Run: ``.venv/bin/python bench/bench_move.py [--mib 1024] [--blobs 1000]``
+
+Everything runs in one process on loopback, as the issue's reference numbers
+were measured. Three figures, each a ratio or a bound from issue 6:
+
+1. throughput of a move of N MiB in B blobs, against a raw TLS stream
+   (same TLS settings, same bytes, read from the same files) sent in the
+   same script: target >= 0.7x;
+2. bytes on the wire (TCP payload, so TLS overhead included) when the
+   target already has 90% of the blobs: target <= missing + 1% + 64 KiB;
+3. freeze-to-activate time when the target has every blob: target <= 0.5 s.
+
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from capsulefs.core import format as fmt  # noqa: E402
+from capsulefs.core.holder import new_held  # noqa: E402
+from capsulefs.movedriver import MoveControl, move_agent  # noqa: E402
+from capsulefs.movehost import MoveHost  # noqa: E402
+from capsulefs.moveservice import serve_moves  # noqa: E402
+from capsulefs.peerlink import client_context, open_peer, server_context  # noqa: E402
+from capsulefs.peers import Peer  # noqa: E402
+
+
+class CountingStream(trio.abc.Stream):
+    """Counts the TCP payload bytes a stream sends: what goes on the wire."""
+
+    def __init__(self, inner: trio.abc.Stream, counter: list[int]) -> None:
+        self.inner = inner
+        self.counter = counter
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.counter[0] += len(data)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.inner.receive_some(max_bytes)
+        self.counter[0] += len(data)
+        return data
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass
+class Hooks:
+    times: dict[str, float] = field(default_factory=dict)
+
+    async def freeze(self, agent_id: str) -> None:
+        self.times["freeze"] = time.perf_counter()
+
+    async def resume(self, agent_id: str) -> None:
+        pass
+
+    async def retire(self, agent_id: str) -> None:
+        pass
+
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        pass
+
+    async def activate(self, agent_id: str) -> None:
+        self.times["activate"] = time.perf_counter()
+
+
+def make_source(root: Path, mib: int, nblobs: int) -> tuple[MoveHost, str, list[str]]:
+    host = MoveHost.open(root / "a", Hooks())
+    size = (mib << 20) // nblobs
+    shas = []
+    with host.store.writing():
+        for i in range(nblobs):
+            shas.append(host.store.put_blob(os.urandom(size)))
+    agent = host.store.create_agent("bench", host_id=host.me, agent_id="b" * 32)
+    snap = {f"data/{i:04d}": sha for i, sha in enumerate(shas)}
+    agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(shas))
+    host.holders.put(new_held(agent.agent_id, 1))
+    return host, agent.agent_id, shas
+
+
+def make_target(root: Path, name: str, source: MoveHost, seed: list[str]) -> MoveHost:
+    host = MoveHost.open(root / name, Hooks())
+    for sha in seed:
+        dest = host.store.blob_file(sha)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(source.store.blob_file(sha), dest)
+        os.chmod(dest, 0o444)
+    host.peers.add(Peer(name="a", address="127.0.0.1:1", host_id=source.me))
+    return host
+
+
+async def raw_tls(source: MoveHost, target: MoveHost, shas: list[str]) -> float:
+    """Seconds to push the blobs' bytes through one TLS stream, framed as 1 MiB writes."""
+    total = sum(os.path.getsize(source.store.blob_file(s)) for s in shas)
+    done = trio.Event()
+
+    async def server(tcp: trio.SocketStream) -> None:
+        tls = trio.SSLStream(tcp, server_context(target.identity, [source.identity.cert_pem]), server_side=True)
+        got = 0
+        while got < total:
+            data = await tls.receive_some(1 << 20)
+            if not data:
+                break
+            got += len(data)
+        await tls.send_all(b"k")
+        done.set()
+        await tls.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, server, 0)
+        port = listeners[0].socket.getsockname()[1]
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        tls = trio.SSLStream(tcp, client_context(source.identity), server_hostname=None)
+        await tls.do_handshake()
+        t0 = time.perf_counter()
+        for sha in shas:
+            with open(source.store.blob_file(sha), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    await tls.send_all(chunk)
+        await tls.receive_some(1)
+        elapsed = time.perf_counter() - t0
+        await done.wait()
+        await tls.aclose()
+        nursery.cancel_scope.cancel()
+    return elapsed
+
+
+async def one_move(source: MoveHost, target: MoveHost, agent_id: str) -> tuple[float, int, object]:
+    wire = [0]
+
+    def connect(identity, peer):  # type: ignore[no-untyped-def]
+        return open_peer(identity, peer, wrap=lambda s: CountingStream(s, wire))
+
+    async with trio.open_nursery() as nursery:
+        serving = await nursery.start(partial(serve_moves, target, listen_host="127.0.0.1", port=0))
+        peer = Peer(name="t", address=f"127.0.0.1:{serving.port}", host_id=target.me)
+        for p in source.peers.peers():
+            source.peers.remove(p.name)
+        source.peers.add(peer)
+        # warm the introduction so that it is not timed
+        async with open_peer(source.identity, peer):
+            pass
+        phases: list[tuple[str, float]] = []
+
+        def progress(phase: str, done: int, total: int, nbytes: int) -> None:
+            if not phases or phases[-1][0] != phase:
+                phases.append((phase, time.perf_counter()))
+
+        t0 = time.perf_counter()
+        result = await move_agent(source, agent_id, peer, connect=connect, control=MoveControl(on_progress=progress))
+        elapsed = time.perf_counter() - t0
+        marks = [("start", t0), *phases, ("end", t0 + elapsed)]
+        print("   phases: " + ", ".join(f"{a} {b - ta:.2f}s" for (a, ta), (_, b) in zip(marks, marks[1:])))
+        nursery.cancel_scope.cancel()
+    assert result.moved, result
+    return elapsed, wire[0], result
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--blobs", type=int, default=1000)
+    ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir under /var/tmp)")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-move-", dir=args.dir or "/var/tmp"))
+    try:
+        t = time.perf_counter()
+        print(f"building an agent of {args.mib} MiB in {args.blobs} blobs ...", flush=True)
+        sources = [make_source(root / name, args.mib, args.blobs) for name in ("s1", "s2", "s3")]
+        print(f"  built in {time.perf_counter() - t:.1f}s", flush=True)
+
+        # 1. throughput against raw TLS
+        s1, agent_id, shas = sources[0]
+        t1 = make_target(root, "t1", s1, [])
+        total = sum(os.path.getsize(s1.store.blob_file(s)) for s in shas)
+        raw = await raw_tls(s1, t1, shas)
+        moved, wire1, _ = await one_move(s1, t1, agent_id)
+        raw_rate, move_rate = total / raw / 1e6, total / moved / 1e6
+        print(f"1. raw TLS  {total / 2**20:.0f} MiB in {raw:.2f}s = {raw_rate:.0f} MB/s")
+        print(f"   move     {total / 2**20:.0f} MiB in {moved:.2f}s = {move_rate:.0f} MB/s")
+        print(f"   ratio    {move_rate / raw_rate:.2f}x (target >= 0.70x)", flush=True)
+
+        # 2. bytes on the wire with 90% of the blobs present
+        s2, agent_id, shas = sources[1]
+        present = shas[: len(shas) * 9 // 10]
+        t2 = make_target(root, "t2", s2, present)
+        missing = sum(os.path.getsize(s2.store.blob_file(s)) for s in shas[len(present):])
+        _, wire2, r2 = await one_move(s2, t2, agent_id)
+        bound = missing + missing // 100 + 64 * 1024
+        print(f"2. 90% present: missing {missing} B, on the wire {wire2} B "
+              f"= missing x {wire2 / missing:.4f}; bound {bound} B: {'OK' if wire2 <= bound else 'OVER'}", flush=True)
+
+        # 3. freeze-to-activate with every blob present
+        s3, agent_id, shas = sources[2]
+        t3 = make_target(root, "t3", s3, shas)
+        _, _, _ = await one_move(s3, t3, agent_id)
+        fa = t3.hooks.times["activate"] - s3.hooks.times["freeze"]  # type: ignore[attr-defined]
+        print(f"3. freeze-to-activate with every blob present: {fa * 1000:.0f} ms (target <= 500 ms)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    trio.run(main)
