@@ -38,8 +38,10 @@ class PeerBookError(CapsuleError):
     """A peer name, address or host id is malformed, or peers.json is unreadable."""
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` (or ``[v6]:port``, or a bare host) -> (host, port)."""
+def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``, or a bare host) -> (host, port).
+
+    With ``listen``, port 0 (any free port) is allowed."""
     if address.startswith("["):
         host, sep, rest = address[1:].partition("]")
         port_s = rest[1:] if rest.startswith(":") else ""
@@ -55,7 +57,7 @@ def parse_address(address: str) -> tuple[str, int]:
         port = int(port_s) if port_s else DEFAULT_PORT
     except ValueError:
         raise PeerBookError(f"address {address!r}: port {port_s!r} is not a number") from None
-    if not 0 < port < 65536:
+    if not (0 if listen else 1) <= port < 65536:
         raise PeerBookError(f"address {address!r}: port {port} is out of range")
     return host, port
 

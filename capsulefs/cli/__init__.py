@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "capsulefs.cli.run_cmds",
     "capsulefs.cli.render_cmds",
     "capsulefs.cli.peer_cmds",
+    "capsulefs.cli.move_cmds",
 )
 
 

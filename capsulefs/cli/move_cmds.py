@@ -1,0 +1,120 @@
+"""Moving agents between hosts from the command line: move, move --abandon, move --resume, peer-serve.
+
+These run the move driver and service in this process, on the host store
+alone. While a mount daemon serves the same state directory, moves go
+through it (``.control/move``) so that it can freeze the agent; these
+commands are for hosts where no daemon runs the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from functools import partial
+
+import trio
+
+from capsulefs.cli.common import state_dir
+from capsulefs.core.errors import CapsuleError
+from capsulefs.core.holder import HolderRecord, HolderState, force_hold
+from capsulefs.movedriver import MoveControl, abandon_move, move_agent, resume_moves
+from capsulefs.movehost import MoveHost
+from capsulefs.moveservice import serve_moves
+from capsulefs.peers import DEFAULT_PORT, parse_address
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("move", help="move an agent to a peer (fenced two-phase commit over TLS)")
+    p.add_argument("agent", help="agent name or id")
+    p.add_argument("peer", nargs="?", help="peer name or host id (see 'capsulefs peer ls')")
+    p.add_argument("--abandon", action="store_true",
+                   help="end an in-doubt move here by resuming the agent; RISK: if the target did "
+                        "activate it, two hosts run it")
+    p.add_argument("--force-hold", action="store_true",
+                   help="hold an agent whose holder record is lost or missing here, at the epoch its files "
+                        "say; RISK: if a peer holds a newer epoch, two hosts run it")
+    p.add_argument("--why", default="", help="with --abandon or --force-hold: the reason, logged")
+    p.add_argument("--resume", action="store_true", help="finish moves a crash interrupted (no AGENT needed: use -)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one call may take (default 120)")
+    p.set_defaults(func=cmd_move)
+
+    p = sub.add_parser("peer-serve", help="answer peers' moves in the foreground (without a mount daemon)")
+    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}", help=f"HOST:PORT (default 0.0.0.0:{DEFAULT_PORT})")
+    p.set_defaults(func=cmd_peer_serve)
+
+
+class _Bar:
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, phase: str, done: int, total: int, nbytes: int) -> None:
+        line = f"{phase}: {done}/{total} pieces, {nbytes / 2**20:.1f} MiB sent"
+        if self.tty:
+            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def cmd_move(args: argparse.Namespace) -> int:
+    host = MoveHost.open(state_dir(args))
+    if args.resume:
+        results = trio.run(partial(resume_moves, host, call_timeout=args.timeout))
+        for r in results:
+            print(f"{r.agent_id}: {r.state.value} ({r.reason})")
+        return 0
+    agent_id = host.store.find(args.agent).agent_id
+    if args.force_hold:
+        if not args.why.strip():
+            raise CapsuleError("--force-hold needs --why REASON: it is logged with the risk it takes")
+        rec = host.holders.get(agent_id) or HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=0)
+        if rec.state is not HolderState.UNKNOWN:
+            raise CapsuleError(f"agent {agent_id} is {rec.state.value} here, not in doubt: nothing to force")
+        epoch = host.store.agent(agent_id).manifest().holder.epoch
+        host.holders.put(force_hold(rec, local_epoch=epoch, why=args.why))
+        log.warning("agent %s: held at epoch %d by operator force (%s)", agent_id, epoch, args.why)
+        print(f"{agent_id}: held here at epoch {epoch} (forced). If a peer holds a newer epoch, two hosts run it.")
+        return 0
+    if args.abandon:
+        if not args.why.strip():
+            raise CapsuleError("--abandon needs --why REASON: it is logged with the risk it takes")
+        rec = abandon_move(host.holders, agent_id, me=host.me, why=args.why)
+        log.warning("agent %s: move abandoned by the operator (%s)", agent_id, args.why)
+        print(f"{agent_id}: held here again at epoch {rec.held_epoch}. If the target activated it, "
+              f"two hosts now run it: check the target before starting the agent.")
+        return 0
+    if not args.peer:
+        raise CapsuleError("move: name the peer to move to (see 'capsulefs peer ls')")
+    peer = host.peers.find(args.peer)
+    bar = _Bar()
+    result = trio.run(partial(move_agent, host, agent_id, peer, call_timeout=args.timeout,
+                              control=MoveControl(on_progress=bar)))
+    bar.done()
+    if result.moved:
+        print(f"{agent_id}: moved to {peer.name} at epoch {result.epoch} "
+              f"({result.contents_sent} pieces, {result.bytes_sent / 2**20:.1f} MiB on the link)")
+        return 0
+    print(f"{agent_id}: not moved: {result.state.value}: {result.reason}", file=sys.stderr)
+    return 1
+
+
+def cmd_peer_serve(args: argparse.Namespace) -> int:
+    host = MoveHost.open(state_dir(args))
+    listen_host, port = parse_address(args.listen, listen=True)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            serving = await nursery.start(partial(serve_moves, host, listen_host=listen_host, port=port))
+            print(f"serving moves on {listen_host}:{serving.port} as {host.me}", flush=True)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,59 @@
+"""Two capsulefs processes on loopback: one serving moves, one moving an agent to it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from conftest import CAPSULEFS, REPO, run_cli
+
+from capsulefs.core.holder import HolderBook, HolderState
+
+
+def test_move_between_two_processes(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_cli("init", state=a, check=True)
+    run_cli("init", state=b, check=True)
+    ida = run_cli("id", state=a, check=True).stdout.strip()
+    idb = run_cli("id", state=b, check=True).stdout.strip()
+    run_cli("new", "walker", state=a, check=True)
+    aid = run_cli("ls", "--json", state=a, check=True).stdout
+    agent_id = re.search(r"[0-9a-f]{32}", aid).group(0)
+
+    # made before holder records existed: no record, so it may not move until forced
+    refused = run_cli("move", "walker", "b", state=a)
+    assert refused.returncode == 1
+    forced = run_cli("move", "walker", "--force-hold", "--why", "created by new", state=a, check=True)
+    assert "held here at epoch 1" in forced.stdout
+
+    run_cli("peer", "add", "a", "127.0.0.1:1", ida, state=b, check=True)
+    with subprocess.Popen([*CAPSULEFS, "--state", str(b), "peer-serve", "--listen", "127.0.0.1:0"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as server:
+        try:
+            line = server.stdout.readline()
+            found = re.search(r":(\d+) as ", line)
+            assert found, f"peer-serve did not start: {line!r}"
+            run_cli("peer", "add", "b", f"127.0.0.1:{found.group(1)}", idb, state=a, check=True)
+            moved = run_cli("move", "walker", "b", state=a, check=True)
+            assert "moved to b at epoch 2" in moved.stdout
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
+    assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
+    assert "walker" in run_cli("ls", state=b, check=True).stdout
+    assert "walker" not in run_cli("ls", state=a, check=True).stdout
+    exported = tmp_path / "walker.tar"
+    run_cli("export", "walker", "-o", str(exported), state=b, check=True)
+    assert "OK" in run_cli("verify", str(exported), state=b, check=True).stdout
+
+
+def test_abandon_needs_a_reason_and_a_move(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    run_cli("init", state=a, check=True)
+    run_cli("new", "stay", state=a, check=True)
+    r = run_cli("move", "stay", "--abandon", state=a)
+    assert r.returncode == 1 and "--why" in r.stderr
+    r = run_cli("move", "stay", "--abandon", "--why", "x", state=a)
+    assert r.returncode == 1 and "no move in progress" in r.stderr
