@@ -33,6 +33,7 @@ import hashlib
 import logging
 import mmap
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,7 @@ _MACHINE_WIDTH = 67  # '"' + up to 64 chars + '"' + terminator; longer host ids 
 _NAME_BYTES = 64  # host id bytes kept per line (as 8 uint64)
 _WIDEST = 67  # widest window; lines whose values sit closer to the end go one by one
 _BLOCK = 4 << 20  # bytes scanned per vectorised step
+_PARALLEL_MIN = 16 << 20  # journals at least this big are indexed on two threads
 _KEYS = (b"clock", b"machine", b"prev", b"seq")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _COMMA, _BRACE, _QUOTE, _COLON, _NL = ord(","), ord("}"), ord('"'), ord(":"), ord("\n")
@@ -133,17 +135,6 @@ def _parse_prevs(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.nd
     return quoted, text, null_ok | quoted
 
 
-_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-
-
-def _hex_rows(digests: np.ndarray) -> np.ndarray:
-    """Lowercase hex of (n, 32) digests, as (n, 8) uint64 (64 characters)."""
-    out = np.empty((len(digests), 64), dtype=np.uint8)
-    out[:, 0::2] = _HEX_DIGITS[digests >> 4]
-    out[:, 1::2] = _HEX_DIGITS[digests & 15]
-    return out.view(np.uint64)
-
-
 _NAME_MIX = (np.arange(1, _NAME_BYTES // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
 
 
@@ -169,19 +160,20 @@ def _machine_ids(rows: np.ndarray, lines: np.ndarray) -> tuple[list[str], np.nda
     return names, inv
 
 
-def index_journal(data: Buffer, start: int = 0) -> EnvelopeIndex:
-    """Index the envelope of every line of ``data[start:]`` (``start`` is 0 or
-    just after a newline). Raises Unreadable if a line cannot be read."""
+def index_journal(data: Buffer, start: int = 0, end: int | None = None) -> EnvelopeIndex:
+    """Index the envelope of every line of ``data[start:end]`` (both at line
+    boundaries). Raises Unreadable if a line cannot be read."""
     from .journal import envelope  # the per-line reader, for the odd lines
 
     if len(data) > start and data[-1:] != b"\n":
         raise Unreadable("torn tail")
-    buf = np.frombuffer(data, dtype=np.uint8)[start:]
+    buf = np.frombuffer(data, dtype=np.uint8)[start:]  # windows may look past ``end``
+    scan = len(buf) if end is None else end - start
     # One pass over the bytes, in blocks small enough for the allocator to
     # reuse (fresh memory costs page faults): newlines and key tokens.
     newlines, found = [], {key: [] for key in _KEYS}
-    for lo in range(0, len(buf), _BLOCK):
-        block = buf[lo : lo + _BLOCK]
+    for lo in range(0, scan, _BLOCK):
+        block = buf[lo : min(lo + _BLOCK, scan)]
         newlines.append(np.flatnonzero(block == _NL) + lo)
         colons = np.flatnonzero(block == _COLON) + lo
         colons = colons[colons > 1]
@@ -243,6 +235,46 @@ def index_journal(data: Buffer, start: int = 0) -> EnvelopeIndex:
     return EnvelopeIndex(data, starts + start, ends + start, clock, names, mid, seq, has_prev, prev)
 
 
+def index_parallel(data: Buffer, start: int = 0, *, parts: int = 2, min_size: int = _PARALLEL_MIN) -> EnvelopeIndex:
+    """:func:`index_journal` of ``data[start:]``, cut at newlines into ``parts``
+    indexed on threads (numpy releases the GIL in its loops), when it holds at
+    least ``min_size`` bytes."""
+    size = len(data) - start
+    if parts < 2 or size < min_size:
+        return index_journal(data, start)
+    cuts = [start]
+    for k in range(1, parts):
+        nl = data.find(b"\n", start + size * k // parts)
+        if nl < 0 or nl + 1 >= len(data):
+            break
+        if nl + 1 > cuts[-1]:
+            cuts.append(nl + 1)
+    cuts.append(len(data))
+    with ThreadPoolExecutor(max_workers=len(cuts) - 1) as pool:
+        pieces = list(pool.map(lambda r: index_journal(data, r[0], r[1]), zip(cuts, cuts[1:])))
+    names: list[str] = []
+    name_id: dict[str, int] = {}
+    mids = []
+    for part in pieces:
+        for name in part.names:
+            if name not in name_id:
+                name_id[name] = len(names)
+                names.append(name)
+        table = np.array([name_id[m] for m in part.names] or [0], dtype=np.int64)
+        mids.append(table[part.mid])
+    return EnvelopeIndex(
+        data,
+        np.concatenate([x.starts for x in pieces]),
+        np.concatenate([x.ends for x in pieces]),
+        np.concatenate([x.clock for x in pieces]),
+        names,
+        np.concatenate(mids),
+        np.concatenate([x.seq for x in pieces]),
+        np.concatenate([x.has_prev for x in pieces]),
+        np.concatenate([x.prev for x in pieces]),
+    )
+
+
 def _ranks(*indexes: EnvelopeIndex) -> list[np.ndarray]:
     """Machine names as int ranks in string order, shared across indexes."""
     names = sorted({m for ix in indexes for m in ix.names})
@@ -290,19 +322,21 @@ def common_prefix(a: Buffer, b: Buffer) -> int:
 
 def _pick(from_b: np.ndarray, rows: np.ndarray, xa: np.ndarray, xb: np.ndarray) -> np.ndarray:
     """``xb[rows]`` where ``from_b``, else ``xa[rows]``."""
+    if not from_b.any():
+        return xa[rows]
     out = np.empty((len(rows),) + xa.shape[1:], dtype=xa.dtype)
     out[~from_b] = xa[rows[~from_b]]
     out[from_b] = xb[rows[from_b]]
     return out
 
 
-def fast_merge(a: Buffer, b: Buffer) -> list[memoryview]:
+def fast_merge(a: Buffer, b: Buffer) -> list[bytes | memoryview]:
     """Merge two journals' bytes (bytes or mmap); return the merged journal as
     pieces of the inputs to join or write. Raises Unreadable when the
     reference must decide."""
     p = common_prefix(a, b)
-    ia = index_journal(a)
-    ib = index_journal(b, p)  # B's lines after the shared prefix
+    ia = index_parallel(a)
+    ib = index_parallel(b, p)  # B's lines after the shared prefix
     kp = int(np.searchsorted(ia.ends, p))  # lines in the shared prefix
     ra, rb = _ranks(ia, ib)
     if not (_strictly_sorted(ia.clock, ra, ia.seq) and _runs_ok(ra, ia.seq)):
@@ -337,18 +371,32 @@ def fast_merge(a: Buffer, b: Buffer) -> list[memoryview]:
     um = np.concatenate([ra[:kp], mach[keep]])
     us = np.concatenate([ia.seq[:kp], seq[keep]])
     has_prev = _pick(from_b, row, ia.has_prev, ib.has_prev)
-    prev = _pick(from_b, row, ia.prev, ib.prev)
 
-    # Hash each distinct line once.
-    digests_all = np.empty((len(row), 32), dtype=np.uint8)
     sha = hashlib.sha256
-    for ix, mask, data in ((ia, ~from_b, a), (ib, from_b, b)):
-        rows = row[mask]
-        if len(rows):
-            mv = memoryview(data)
-            digests = b"".join([sha(mv[s:e]).digest() for s, e in zip(ix.starts[rows].tolist(), ix.ends[rows].tolist())])
-            digests_all[mask] = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 32)
-    hashes = _hex_rows(digests_all)
+    # Hash each distinct line once (as the hex text a prev holds), keeping the
+    # tail lines' bytes for the output: slicing bytes or an mmap copies, and
+    # is still cheaper than a memoryview.
+    hex_all = np.empty((len(row), 8), dtype=np.uint64)
+    by_source: list[list[bytes]] = [[], []]
+    tail_at: list[np.ndarray] = []
+    for src, (ix, mask, data) in enumerate(((ia, ~from_b, a), (ib, from_b, b))):
+        at = np.flatnonzero(mask)
+        split = int(np.searchsorted(at, kp))  # union positions before kp are the prefix
+        bounds = list(zip(ix.starts[row[at]].tolist(), ix.ends[row[at]].tolist()))
+        digests = [sha(data[x:y]).hexdigest() for x, y in bounds[:split]]
+        lines = [data[x:y] for x, y in bounds[split:]]
+        digests += [sha(line).hexdigest() for line in lines]
+        if digests:
+            hex_all[at] = np.frombuffer("".join(digests).encode("ascii"), dtype=np.uint64).reshape(-1, 8)
+        by_source[src] = lines
+        tail_at.append(at[split:] - kp)
+    # Tail lines in union order: A's then B's, permuted.
+    order_t = np.empty(len(row) - kp, dtype=np.int64)
+    order_t[tail_at[0]] = np.arange(len(tail_at[0]))
+    order_t[tail_at[1]] = len(tail_at[0]) + np.arange(len(tail_at[1]))
+    pool_t = by_source[0] + by_source[1]
+    tail_lines = [pool_t[i] for i in order_t.tolist()]
+    hashes = hex_all
 
     # The union's chains: per machine, seqs 1, 2, 3... each prev the hash of the one before.
     by = np.lexsort((us, um))
@@ -362,20 +410,12 @@ def fast_merge(a: Buffer, b: Buffer) -> list[memoryview]:
         cur, before = by[later], by[later - 1]
         if not ((ss[later] == ss[later - 1] + 1).all() and (cc[later] > cc[later - 1]).all()):
             raise Unreadable("fork or gap in the union")
-        if not (has_prev[cur].all() and (prev[cur] == hashes[before]).all()):
+        prev = _pick(from_b[cur], row[cur], ia.prev, ib.prev)  # gathered once, where needed
+        if not (has_prev[cur].all() and (prev == hashes[before]).all()):
             raise Unreadable("prev mismatch")
 
-    # Cut the output: the prefix in one piece, then runs of consecutive lines of one input.
-    pieces: list[memoryview] = [memoryview(a)[:p]]
-    tail_b, tail_row = from_b[kp:], row[kp:]
-    if len(tail_row):
-        brk = np.ones(len(tail_row), dtype=bool)
-        brk[1:] = (tail_b[1:] != tail_b[:-1]) | (tail_row[1:] != tail_row[:-1] + 1)
-        first_row = tail_row[brk]
-        last_row = tail_row[np.append(np.flatnonzero(brk)[1:] - 1, len(tail_row) - 1)]
-        run_b = tail_b[brk]
-        lo = _pick(run_b, first_row, ia.starts, ib.starts)
-        hi = _pick(run_b, last_row, ia.ends, ib.ends) + 1
-        views = (memoryview(a), memoryview(b))
-        pieces += [views[src][x:y] for src, x, y in zip(run_b.tolist(), lo.tolist(), hi.tolist())]
+    # The output: the prefix in one piece, then the tail lines.
+    pieces: list[bytes | memoryview] = [memoryview(a)[:p]]
+    if tail_lines:
+        pieces.append(b"\n".join(tail_lines) + b"\n")
     return pieces

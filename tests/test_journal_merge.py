@@ -14,7 +14,7 @@ from journal_helpers import Replica, future_event, note, replicas, retext
 from capsulefs.core.errors import FormatError
 from capsulefs.core.events import AssistantMessage, Event, MemoryEdit, ToolCall, UserMessage
 from capsulefs.core.journal import ChainError, ChainState, join_lines, merge, merge_bytes, verify_lines
-from capsulefs.core.journal_index import Unreadable, fast_merge
+from capsulefs.core.journal_index import Unreadable, fast_merge, index_journal, index_parallel
 
 EVENTS = st.one_of(
     st.builds(note, st.text(max_size=30)),
@@ -102,6 +102,18 @@ def test_fast_merge_on_a_larger_journal() -> None:
         if i % 11 == 0:
             a.pull(b)
     assert b"".join(fast_merge(a.data(), b.data())) == join_lines(merge(a.lines, b.lines))
+
+
+@SETTINGS
+@given(three_journals(), st.integers(2, 5), st.integers(0, 3))
+def test_parallel_index_equals_serial(js: tuple[list[bytes], list[bytes], list[bytes]], parts: int, skip: int) -> None:
+    lines = js[0]
+    data = join_lines(lines)
+    start = len(join_lines(lines[:skip]))
+    one, many = index_journal(data, start), index_parallel(data, start, parts=parts, min_size=0)
+    for name in ("starts", "ends", "clock", "seq", "has_prev", "prev"):
+        assert (getattr(one, name) == getattr(many, name)).all(), name
+    assert [one.names[i] for i in one.mid] == [many.names[i] for i in many.mid]
 
 
 # -- refusals ------------------------------------------------------------------------
