@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import mmap
@@ -411,8 +412,13 @@ def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> list[bytes |
 
 def format_time(seconds: float) -> str:
     """UTC ISO-8601 with milliseconds, e.g. 2026-12-02T14:04:58.123Z."""
-    dt = datetime.fromtimestamp(seconds, timezone.utc)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+    ms = int(seconds * 1000)
+    return _second(ms // 1000) + f"{ms % 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(whole: int) -> str:
+    return datetime.fromtimestamp(whole, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -451,6 +457,36 @@ class ChainState:
         self.count += 1
         self.last = key
 
+    def plan(
+        self,
+        events: Iterable[Event],
+        *,
+        machine: str,
+        now: Callable[[], float],
+        new_id: Callable[[], str],
+    ) -> list[Record]:
+        """Stamp events as the next lines of ``machine``, without taking them
+        (see :meth:`take`): nothing changes if writing them fails."""
+        records = []
+        when = format_time(now())
+        tail = self.tails.get(machine)
+        seq, prev = (tail.seq, tail.digest) if tail else (0, None)
+        clock = self.clock
+        for event in events:
+            if not isinstance(event, Event):
+                raise FormatError(f"cannot append {type(event).__name__}: not an event")
+            seq += 1
+            clock += 1
+            rec = Record(id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when, event=event)
+            prev = rec.digest
+            records.append(rec)
+        return records
+
+    def take(self, records: Iterable[Record]) -> None:
+        """Absorb records made by :meth:`plan` (after they were written)."""
+        for rec in records:
+            self._take(rec.order, line_hash(rec.line))
+
     def stamp(
         self,
         events: Iterable[Event],
@@ -460,23 +496,8 @@ class ChainState:
         new_id: Callable[[], str],
     ) -> list[Record]:
         """Stamp events as the next lines of ``machine`` and absorb them."""
-        records = []
-        when = format_time(now())
-        for event in events:
-            if not isinstance(event, Event):
-                raise FormatError(f"cannot append {type(event).__name__}: not an event")
-            tail = self.tails.get(machine)
-            rec = Record(
-                id=new_id(),
-                machine=machine,
-                seq=tail.seq + 1 if tail else 1,
-                clock=self.clock + 1,
-                prev=tail.digest if tail else None,
-                time=when,
-                event=event,
-            )
-            self._take(rec.order, rec.digest)
-            records.append(rec)
+        records = self.plan(events, machine=machine, now=now, new_id=new_id)
+        self.take(records)
         return records
 
 
@@ -628,9 +649,8 @@ class Journal:
         if not events:
             return []
         with self._locked():
-            saved_state = _copy_state(self._state)
-            records = self._state.stamp(events, machine=self.machine, now=self._now, new_id=self._new_id)
-            data = b"".join(r.line + b"\n" for r in records)
+            records = self._state.plan(events, machine=self.machine, now=self._now, new_id=self._new_id)
+            data = b"".join([r.line + b"\n" for r in records])
             end = self._size + len(data)
             if end > self._reserved:
                 ahead = min(max(end // 4, PREALLOCATE_MIN), PREALLOCATE_MAX)
@@ -640,9 +660,9 @@ class Journal:
                 self._write_all(data)
                 _fdatasync(self._fd)
             except BaseException:
-                self._state = saved_state
                 self._undo(self._size)
                 raise
+            self._state.take(records)
             self._size += len(data)
             return records
 
@@ -729,13 +749,6 @@ class _Locked:
             fcntl.flock(j._fd, fcntl.LOCK_UN)
         finally:
             j._lock.release()
-
-
-def _copy_state(state: ChainState) -> ChainState:
-    copy = ChainState()
-    copy.tails = dict(state.tails)
-    copy.clock, copy.count, copy.last = state.clock, state.count, state.last
-    return copy
 
 
 def _count_lines(data: bytes, end: int) -> int:
