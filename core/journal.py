@@ -793,6 +793,31 @@ def open_journal(
     return journal
 
 
+#: Where torn tails of the host store's agents go: ``<state>/recovery/<agent_id>/``,
+#: outside the agent's capsule directory, so the capsule still verifies.
+RECOVERY_DIR = "recovery"
+
+
+def open_agent_journal(
+    agent: Any,
+    *,
+    machine: str | None,
+    now: Callable[[], float],
+    new_id: Callable[[], str],
+) -> Journal:
+    """Open the journal of an agent of the host store (an ``AgentHandle``)."""
+    from .format import JOURNAL
+
+    return open_journal(
+        agent.path(JOURNAL),
+        machine=machine,
+        now=now,
+        new_id=new_id,
+        recovery_dir=os.path.join(agent.store.root, RECOVERY_DIR, agent.agent_id),
+        create=False,
+    )
+
+
 def parse_draft_lines(data: bytes) -> list[Event]:
     """Parse newline-separated draft events; each must be a whole line."""
     if not data.endswith(b"\n"):

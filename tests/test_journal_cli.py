@@ -151,3 +151,18 @@ def test_merge_refusals(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped
     broken.write_bytes(a_tar.read_bytes()[:2000])
     p = cli("merge", str(a_tar), str(broken), "-o", str(tmp_path / "y"))
     assert p.returncode == 1 and "does not verify" in p.stderr and not (tmp_path / "y").exists()
+
+
+def test_torn_tail_of_a_store_agent_goes_outside_the_capsule(cli, store: HostStore, state_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cli("new", "ada", check=True)
+    cli("append", "ada", "--kind", "note", "--text", "before", "-q", check=True)
+    agent = store.find("ada")
+    with open(agent.path(fmt.JOURNAL), "ab") as f:
+        f.write(b'{"clock":2,"id":"ab')  # an append that crashed half way
+    cli("append", "ada", "--kind", "note", "--text", "after", "-q", check=True)
+    torn = state_dir / "recovery" / agent.agent_id / "timeline_events.jsonl.torn-1"
+    assert torn.read_bytes() == b'{"clock":2,"id":"ab'
+    lines = split_lines(agent.read(fmt.JOURNAL))
+    assert [json.loads(x)["text"] for x in lines] == ["before", "after"]
+    cli("export", "ada", "-o", str(tmp_path / "ada.tar"), check=True)
+    assert verify_capsule(str(tmp_path / "ada.tar"))[1] == []

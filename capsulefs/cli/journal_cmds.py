@@ -20,12 +20,12 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from capsulefs.cli import UsageError
-from capsulefs.cli.common import host_id, now_seconds, open_store, state_dir
+from capsulefs.cli.common import host_id, now_seconds, open_store
 from capsulefs.core import format as fmt
 from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
-from capsulefs.core.journal import Journal, open_journal, parse_draft_lines, split_lines
+from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
 from capsulefs.core.store import AgentHandle
 
 SUMMARY_CHARS = 100
@@ -35,20 +35,8 @@ def new_event_id() -> str:
     return secrets.token_hex(12)
 
 
-def recovery_dir(args: argparse.Namespace, agent_id: str) -> str:
-    """Where torn journal tails of an agent go: outside its capsule directory."""
-    return os.path.join(state_dir(args), "recovery", agent_id)
-
-
-def open_agent_journal(args: argparse.Namespace, agent: AgentHandle, *, machine: str | None) -> Journal:
-    return open_journal(
-        agent.path(fmt.JOURNAL),
-        machine=machine,
-        now=time.time,
-        new_id=new_event_id,
-        recovery_dir=recovery_dir(args, agent.agent_id),
-        create=False,
-    )
+def agent_journal(agent: AgentHandle, *, machine: str | None) -> Journal:
+    return open_agent_journal(agent, machine=machine, now=time.time, new_id=new_event_id)
 
 
 # -- log ---------------------------------------------------------------------------
@@ -103,7 +91,7 @@ def _journal_bytes(args: argparse.Namespace, target: str) -> Iterator[bytes]:
         yield listing.contents[fmt.JOURNAL]
         return
     agent = open_store(args).find(target)
-    with open_agent_journal(args, agent, machine=None) as journal:
+    with agent_journal(agent, machine=None) as journal:
         yield journal.read()
 
 
@@ -199,7 +187,7 @@ def cmd_append(args: argparse.Namespace) -> int:
     agent = store.find(args.agent)
     with store.writing():  # blobs the events name stay put until the manifest lists them
         blobs = _check_blobs(agent, events)
-        with open_agent_journal(args, agent, machine=host_id(args)) as journal:
+        with agent_journal(agent, machine=host_id(args)) as journal:
             records = journal.append_many(events)
         _project(agent, events, blobs)
     if not args.quiet:
