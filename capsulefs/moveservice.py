@@ -32,8 +32,8 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable
-from contextlib import ExitStack, aclosing, asynccontextmanager
+from collections.abc import Callable
+from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any

@@ -39,6 +39,18 @@ whose guard holds fires. :func:`describe` renders them for docs/move.md.
 
 from ._describe import describe, update_doc
 from ._messages import *  # noqa: F403
-from ._messages import Edge
+from ._messages import __all__ as _message_names
 from ._source import SOURCE_TABLE, TERMINAL_SOURCE_STATES, SourceMachine, SourceState
 from ._target import TARGET_TABLE, TargetMachine
+
+__all__ = [
+    *_message_names,
+    "SOURCE_TABLE",
+    "TARGET_TABLE",
+    "TERMINAL_SOURCE_STATES",
+    "SourceMachine",
+    "SourceState",
+    "TargetMachine",
+    "describe",
+    "update_doc",
+]

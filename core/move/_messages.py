@@ -7,13 +7,13 @@ fields in its constructor, so a malformed message never reaches a machine.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Union
 
 from ..errors import CapsuleError, FormatError
 from ..format import check_agent_id, check_host_id, check_sha256
-from ..holder import HOLDING, PENDING, HolderRecord, HolderState, PeerView
+from ..holder import HolderRecord, PeerView
 
 __all__ = [
     "MoveError",
