@@ -21,12 +21,29 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.holder import HolderBook, HolderState, PeerView
+from capsulefs.core.holder import HolderBook, HolderState, PeerView, new_held
 from capsulefs.core.store import HostStore
 from capsulefs.identity import Identity, load_or_create_identity
 from capsulefs.peers import PeerBook
 
-__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "result_to_answer"]
+__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "record_new_agent",
+           "result_to_answer"]
+
+
+def holders_dir(state_dir: str | os.PathLike[str]) -> str:
+    return os.path.join(os.fspath(state_dir), "holders")
+
+
+def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: int = 1) -> None:
+    """Record that this host holds an agent it just created or imported.
+
+    ``capsulefs new`` and ``import`` must call this (with the epoch in the
+    agent's manifest): an agent whose files are here without a holder record
+    is taken for one whose record was lost, and is not run until peers or an
+    operator settle it (see docs/move.md)."""
+    book = HolderBook(holders_dir(state_dir))
+    if book.get(agent_id) is None:
+        book.put(new_held(agent_id, epoch))
 
 
 class AgentHooks(Protocol):
@@ -83,7 +100,7 @@ class MoveHost:
         store = HostStore.open(root)
         return cls(
             store=store,
-            holders=HolderBook(os.path.join(root, "holders")),
+            holders=HolderBook(holders_dir(root)),
             identity=load_or_create_identity(root),
             peers=PeerBook(root),
             hooks=hooks if hooks is not None else NoHooks(),
