@@ -307,21 +307,28 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
 async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_timeout: float = 120.0,
                        retry_pause: float = 1.0, max_retry_pause: float = 60.0,
                        control: MoveControl | None = None) -> list[MoveResult]:
-    """After a restart: roll back every FROZEN move, resolve every COMMITTING one."""
-    results = []
-    for agent_id in host.holders.agent_ids():
+    """After a restart: roll back every FROZEN move, resolve every COMMITTING
+    one. The agents are resumed concurrently: one whose target is
+    unreachable waits (in doubt, asking) without holding up the others."""
+    results: list[MoveResult] = []
+
+    async def one(agent_id: str) -> None:
         async with host.lock(agent_id):
             record = host.holders.get(agent_id)
             if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
-                continue
+                return
             assert record.peer is not None
             peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
-            machine = mv.SourceMachine(record, me=host.me)
-            driver = _Driver(host, machine, peer, connect=connect, call_timeout=call_timeout, retry_pause=retry_pause,
-                             max_retry_pause=max_retry_pause, control=control or MoveControl())
+            driver = _Driver(host, mv.SourceMachine(record, me=host.me), peer, connect=connect,
+                             call_timeout=call_timeout, retry_pause=retry_pause, max_retry_pause=max_retry_pause,
+                             control=control or MoveControl())
             log.info("resuming the move of %s to %s (%s)", agent_id, peer.name, record.state.value)
             await driver.run(mv.Restarted())
             results.append(_result(driver))
+
+    async with trio.open_nursery() as nursery:
+        for agent_id in host.holders.agent_ids():
+            nursery.start_soon(one, agent_id)
     return results
 
 
