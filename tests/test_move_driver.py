@@ -76,6 +76,7 @@ class FaultyTarget:
         self.corrupt_next_blob = False
         self.break_in_blob = False
         self.fired: list[str] = []
+        self.on_crash: Any = None  # called for "crash-before"/"crash-after" faults
 
     async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict, bytes]:
         if call == "blobs" and self.corrupt_next_blob:
@@ -92,10 +93,16 @@ class FaultyTarget:
             if f.call == call and f.times > 0:
                 f.times -= 1
                 self.fired.append(f"{call}:{f.when}")
-                if f.when == "before":
+                if f.when in ("before", "crash-before"):
                     await payload.drain()
+                    if f.when == "crash-before":
+                        self.on_crash()
+                        await trio.sleep_forever()  # the crash cancels us
                     raise PeerBroken(f"injected: {call} request lost")
                 await self.inner(peer, call, args, payload)
+                if f.when == "crash-after":
+                    self.on_crash()
+                    await trio.sleep_forever()
                 raise PeerBroken(f"injected: {call} reply lost")
         return await self.inner(peer, call, args, payload)
 
@@ -129,6 +136,40 @@ class World:
     peer_b: Peer
     agent_id: str
     journal: bytes  # the agent's journal before any move
+    nursery: trio.Nursery
+    b_root: Path
+    b_scope: trio.CancelScope | None = None
+    b_stopped: trio.Event | None = None
+    restarts: int = 0
+
+    async def serve_b(self, port: int, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        self.b_stopped = trio.Event()
+
+        def wrap(svc: MoveService) -> FaultyTarget:
+            self.target = FaultyTarget(svc)
+            self.target.on_crash = self.crash_b
+            self.service_b = svc
+            return self.target
+
+        try:
+            with trio.CancelScope() as self.b_scope:
+                await serve_moves(self.b, listen_host="127.0.0.1", port=port, wrap=wrap, task_status=task_status)
+        finally:
+            self.b_stopped.set()
+
+    def crash_b(self) -> None:
+        """The target daemon dies (losing memory and staging), then restarts."""
+        assert self.b_scope is not None
+        self.b_scope.cancel()
+        self.nursery.start_soon(self._restart_b)
+
+    async def _restart_b(self) -> None:
+        assert self.b_stopped is not None
+        await self.b_stopped.wait()
+        self.hooks_b.running.clear()
+        self.b = MoveHost.open(self.b_root, self.hooks_b)  # reopening the store sweeps its staging
+        self.restarts += 1
+        await self.nursery.start(self.serve_b, int(self.peer_b.address.rsplit(":", 1)[1]))
 
     async def move(self, **kw: Any) -> Any:
         kw.setdefault("retry_pause", 0)
@@ -178,12 +219,12 @@ async def world(tmp_path: Path, nursery: trio.Nursery) -> World:
     for sha in sorted(agent.manifest().blobs())[:4]:
         b.store.put_blob(a.store.read_blob(sha))
     b.peers.add(Peer(name="a", address="127.0.0.1:1", host_id=a.me))
-    wrapped: list[FaultyTarget] = []
-    serving = await nursery.start(partial(serve_moves, b, listen_host="127.0.0.1", port=0,
-                                          wrap=lambda svc: wrapped.append(FaultyTarget(svc)) or wrapped[0]))
-    peer_b = Peer(name="b", address=f"127.0.0.1:{serving.port}", host_id=b.me)
-    a.peers.add(peer_b)
-    return World(a, b, hooks_a, hooks_b, serving.service, wrapped[0], peer_b, agent.agent_id, agent.read(fmt.JOURNAL))
+    w = World(a, b, hooks_a, hooks_b, None, None, None, agent.agent_id, agent.read(fmt.JOURNAL),  # type: ignore[arg-type]
+              nursery=nursery, b_root=tmp_path / "b")
+    port = (await nursery.start(w.serve_b, 0)).port
+    w.peer_b = Peer(name="b", address=f"127.0.0.1:{port}", host_id=b.me)
+    a.peers.add(w.peer_b)
+    return w
 
 
 def verify_on(host: MoveHost, agent_id: str, tmp: Path) -> None:
@@ -419,3 +460,36 @@ async def test_the_same_agent_id_with_files_but_no_record_on_the_target_is_refus
     assert result.state is mv.SourceState.ROLLED_BACK and "lost its record" in result.reason
     assert world.b.holders.get(world.agent_id).state is HolderState.UNKNOWN
     assert world.holders() == ["a"] and world.hooks_a.running == {world.agent_id}
+
+
+PHASES = ["offer", "blobs", "verify", "prepare", "activate"]
+
+
+@pytest.mark.parametrize("call", PHASES)
+@pytest.mark.parametrize("when", ["crash-before", "crash-after"])
+async def test_target_daemon_dies_at_every_phase_and_restarts(world: World, tmp_path: Path, call: str,
+                                                              when: str) -> None:
+    world.target.faults = [Fault(call, when)]
+    result = await world.move()
+    assert world.restarts == 1
+    holder = world.check()
+    # a restarted target refuses whatever was pending; only a finished activate survives
+    assert holder == ("b" if (call, when) == ("activate", "crash-after") else "a")
+    assert result.moved == (holder == "b")
+    verify_on(world.a if holder == "a" else world.b, world.agent_id, tmp_path)
+
+
+@pytest.mark.parametrize("call", PHASES)
+async def test_source_daemon_dies_at_every_phase_and_resumes(world: World, tmp_path: Path, call: str) -> None:
+    with trio.CancelScope() as move_scope:
+        world.target.faults = [Fault(call, "crash-after")]
+        world.target.on_crash = move_scope.cancel  # the source dies once the target ran the call
+        await world.move()
+    assert move_scope.cancelled_caught
+    state = world.a.holders.get(world.agent_id).state
+    assert state is (HolderState.COMMITTING if call == "activate" else HolderState.FROZEN)
+    world.hooks_a.running.clear()  # the source daemon restarts: nothing runs until the records say so
+    (result,) = await resume_moves(world.a, retry_pause=0)
+    holder = world.check()
+    assert holder == ("b" if call == "activate" else "a") and result.moved == (holder == "b")
+    verify_on(world.a if holder == "a" else world.b, world.agent_id, tmp_path)
