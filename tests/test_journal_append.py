@@ -179,3 +179,52 @@ def test_torn_tail_left_by_another_writer_is_recovered_before_appending(tmp_path
         r2 = j.append(note("two"))
         assert path.read_bytes() == r1.line + b"\n" + r2.line + b"\n"
     assert _recovery_files(rec_dir) == ["j.jsonl" + TORN_SUFFIX + "1"]
+
+
+def _big_journal(min_bytes: int) -> list[bytes]:
+    """Two machines writing in turns, with nested keys that look like the envelope."""
+    from journal_helpers import fixed_now, id_source
+
+    from capsulefs.core.journal import ChainState
+
+    state, ids, lines, size = ChainState(), id_source(5), [], 0
+    while size < min_bytes:
+        for machine in ("host-a", "host-a", "host-b"):
+            ev = note("x" * 300) if machine == "host-a" else ToolCall(
+                call_id="c", name="t", arguments={"seq": 1, "clock": {"machine": "m"}})
+            (rec,) = state.stamp([ev], machine=machine, now=fixed_now, new_id=ids)
+            lines.append(rec.line)
+            size += len(rec.line) + 1
+    return lines
+
+
+def test_opening_a_big_journal_catches_up_in_bulk_exactly(tmp_path: Path) -> None:
+    from capsulefs.core.journal import BULK_CATCH_UP, ChainState
+
+    lines = _big_journal(2 * BULK_CATCH_UP)
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    one_by_one, bulk = ChainState(), ChainState()
+    for line in lines:
+        one_by_one.absorb(line)
+    assert bulk.absorb_bulk(path.read_bytes())  # the vectorised path takes it all
+    assert (bulk.tails, bulk.clock, bulk.count, bulk.last) == (
+        one_by_one.tails, one_by_one.clock, one_by_one.count, one_by_one.last)
+    with open_test_journal(path, "host-a", prefix=9) as j:
+        assert (j.count, j.clock) == (one_by_one.count, one_by_one.clock) == (len(lines), len(lines))
+        for machine in ("host-a", "host-b"):
+            assert j.tail(machine) == one_by_one.tails[machine]
+        r = j.append(note("next"))
+    assert verify_lines(split_lines(path.read_bytes())) == []
+    assert (r.seq, r.clock, r.prev) == (one_by_one.tails["host-a"].seq + 1, len(lines) + 1, one_by_one.tails["host-a"].digest)
+
+
+def test_a_bad_line_in_a_big_journal_is_named(tmp_path: Path) -> None:
+    from capsulefs.core.journal import BULK_CATCH_UP
+
+    lines = _big_journal(2 * BULK_CATCH_UP)
+    lines[1000] = b"{broken"
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(FormatError, match="line 1001"):
+        open_test_journal(path)
