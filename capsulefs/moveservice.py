@@ -34,6 +34,7 @@ import os
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack, aclosing
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -61,14 +62,22 @@ DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness o
 BLOBS_CALL = "blobs"  # the wire name of Call.BLOB: many pieces per call
 
 
+def _start_writeback(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 class _Sink:
     """Where one arriving piece goes: hashed and written into the move's
     staging area as its bytes come (inline: hashing and page-cache writes
     are short, and cheaper than hopping to a thread, measured on a loaded
     2-core box), or dropped when there is no open move for it."""
 
-    def __init__(self, inc: "_Incoming | None", sha: str, size: int) -> None:
+    def __init__(self, inc: "_Incoming | None", sha: str, size: int, writeback: Executor | None = None) -> None:
         self.inc = inc
+        self.writeback = writeback
         self.sha = sha
         self.left = size
         self._hash = hashlib.sha256()
@@ -88,7 +97,12 @@ class _Sink:
             return False
         try:
             f.flush()
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # start write-back; verify fsyncs
+            # Start the write-back now, so verify's fsync finds little left to
+            # do; on a thread, since starting it can block on a busy disk.
+            if self.writeback is not None:
+                self.writeback.submit(_start_writeback, os.dup(f.fileno()))
+            else:
+                _start_writeback(os.dup(f.fileno()))
         finally:
             f.close()
         inc.sent.add(self.sha)
@@ -133,9 +147,10 @@ class _Incoming:
 class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
-    def __init__(self, host: MoveHost, *, deep_verify: bool = False) -> None:
+    def __init__(self, host: MoveHost, *, deep_verify: bool = False, writeback: Executor | None = None) -> None:
         self.host = host
         self.deep_verify = deep_verify  # re-hash blobs the target already had
+        self.writeback = writeback  # a thread that starts write-back of arrived pieces (None: inline)
         self._incoming: dict[tuple[str, int], _Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
@@ -251,7 +266,7 @@ class MoveService:
         if inc is None or inc.source != source or rec is None or rec.state is not HolderState.OFFERED:
             return _Sink(None, sha, size)  # judged stale by the machine; the bytes are read and dropped
         inc.last_activity = trio.current_time()
-        return _Sink(inc, sha, size)
+        return _Sink(inc, sha, size, self.writeback)
 
     # -- running the machine ------------------------------------------------------------------
     def record(self, agent_id: str) -> HolderRecord | None:
@@ -453,10 +468,16 @@ async def serve_moves(
     ``started()`` reports the bound port once it listens. ``wrap`` may put
     something around the service (tests put a fault injector there).
     """
-    service = MoveService(host)
-    await service.recover()
-    async with trio.open_nursery() as nursery:
-        handler = wrap(service) if wrap is not None else service
-        bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler, host=listen_host, port=port))
-        nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
-        task_status.started(ServingMoves(bound, service))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsulefs-writeback") as writeback:
+        service = MoveService(host, writeback=writeback)
+        await service.recover()
+        try:
+            async with trio.open_nursery() as nursery:
+                handler = wrap(service) if wrap is not None else service
+                bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler,
+                                                    host=listen_host, port=port))
+                nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
+                task_status.started(ServingMoves(bound, service))
+        finally:
+            with trio.CancelScope(shield=True):
+                await service.aclose_all()
