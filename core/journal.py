@@ -8,7 +8,8 @@ Rules:
   * The file is sorted by (clock, machine, seq). A local append gets
     clock = (greatest clock in the file) + 1, so it always goes at the end.
   * An append is acknowledged only after fdatasync. One ``write`` carries a
-    whole group of lines (:meth:`Journal.append_many` is group commit).
+    whole group of lines (:meth:`Journal.append_many`), and threads sharing
+    a Journal share commits: the others queue while one writes and syncs.
   * A file that does not end with a newline has a torn tail: bytes of an
     append that crashed before it was acknowledged. Opening (or catching up
     with) the journal moves that tail into a recovery file outside the
@@ -55,7 +56,7 @@ from hashlib import sha256
 from typing import Any
 
 from .errors import FormatError, IntegrityError
-from .events import Event, Record, line_hash, parse_draft
+from .events import Event, Record, UnknownEvent, line_hash, parse_draft
 from .fsutil import atomic_write, fsync_dir, makedirs_durable
 
 log = logging.getLogger(__name__)
@@ -451,6 +452,12 @@ class ChainState:
         self._take(key, line_hash(line))
         return key
 
+    def copy(self) -> "ChainState":
+        other = ChainState()
+        other.tails = dict(self.tails)
+        other.clock, other.count, other.last = self.clock, self.count, self.last
+        return other
+
     def absorb_bulk(self, data: bytes) -> bool:
         """Take many whole lines at once (vectorised); False, with nothing
         taken, if some line needs the line-by-line path (which names it)."""
@@ -503,6 +510,8 @@ class ChainState:
             seq += 1
             clock += 1
             rec = Record(id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when, event=event)
+            if isinstance(event, UnknownEvent):
+                Record.from_line(rec.line)  # a kind we do not know must still make a readable line
             prev = rec.digest
             records.append(rec)
         return records
@@ -588,6 +597,10 @@ class Journal:
         self._state = ChainState()
         self._size = 0  # bytes of whole lines absorbed
         self._reserved = 0  # blocks are preallocated up to this offset
+        self._cond = threading.Condition()  # guards _pending and _leading
+        self._pending: list[_Request] = []  # events queued for the next group commit
+        self._leading = False  # a thread is writing a group
+        self.commits = 0  # groups written (one write and one fdatasync each)
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -670,29 +683,75 @@ class Journal:
         return self.append_many([event])[0]
 
     def append_many(self, events: Iterable[Event]) -> list[Record]:
-        """Append a group of events with one write and one fdatasync (all or none)."""
+        """Append a group of events with one write and one fdatasync (all or none).
+
+        Group commit: while one thread writes and syncs, others queue their
+        events; the next of them to lead writes every queued group with one
+        write and one fdatasync. Each caller returns once its own events are
+        durable, or raises; a bad event fails only its own caller.
+        """
         events = list(events)
         if self.machine is None:
             raise ValueError(f"journal {self.path} was opened read-only (no machine id)")
         if not events:
             return []
-        with self._locked():
-            records = self._state.plan(events, machine=self.machine, now=self._now, new_id=self._new_id)
-            data = b"".join([r.line + b"\n" for r in records])
-            end = self._size + len(data)
-            if end > self._reserved:
-                ahead = min(max(end // 4, PREALLOCATE_MIN), PREALLOCATE_MAX)
-                if _preallocate(self._fd, self._size, end - self._size + ahead):
-                    self._reserved = end + ahead
+        req = _Request(events)
+        with self._cond:
+            self._pending.append(req)
+            while self._leading and not req.done:
+                self._cond.wait()
+            if not req.done:
+                self._leading = True
+                group, self._pending = self._pending, []
+        if not req.done:
             try:
-                self._write_all(data)
-                _fdatasync(self._fd)
-            except BaseException:
-                self._undo(self._size)
+                self._commit(group)
+            finally:
+                with self._cond:
+                    self._leading = False
+                    self._cond.notify_all()
+        return req.result()
+
+    def _commit(self, group: list["_Request"]) -> None:
+        """Write the queued groups of events as one; settle every request."""
+        assert self.machine is not None
+        try:
+            with self._locked():
+                state = self._state.copy()
+                planned = []
+                for req in group:
+                    try:
+                        records = state.plan(req.events, machine=self.machine, now=self._now, new_id=self._new_id)
+                    except Exception as exc:  # a bad event fails its own request only
+                        req.settle(error=exc)
+                        continue
+                    state.take(records)
+                    planned.append((req, records))
+                if not planned:
+                    return
+                data = b"".join([r.line + b"\n" for _req, records in planned for r in records])
+                end = self._size + len(data)
+                if end > self._reserved:
+                    ahead = min(max(end // 4, PREALLOCATE_MIN), PREALLOCATE_MAX)
+                    if _preallocate(self._fd, self._size, end - self._size + ahead):
+                        self._reserved = end + ahead
+                try:
+                    self._write_all(data)
+                    _fdatasync(self._fd)
+                except BaseException:
+                    self._undo(self._size)
+                    raise
+                self._state = state
+                self._size = end
+                self.commits += 1
+                for req, records in planned:
+                    req.settle(records=records)
+        except BaseException as exc:
+            for req in group:
+                if not req.done:
+                    req.settle(error=exc)
+            if not isinstance(exc, Exception):
                 raise
-            self._state.take(records)
-            self._size += len(data)
-            return records
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -747,6 +806,28 @@ class Journal:
 
     def records(self) -> list[Record]:
         return [Record.from_line(line) for line in self.lines()]
+
+
+class _Request:
+    """One caller's events waiting for a group commit."""
+
+    __slots__ = ("events", "done", "records", "error")
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+        self.done = False
+        self.records: list[Record] = []
+        self.error: BaseException | None = None
+
+    def settle(self, *, records: list[Record] | None = None, error: BaseException | None = None) -> None:
+        self.records = records or []
+        self.error = error
+        self.done = True
+
+    def result(self) -> list[Record]:
+        if self.error is not None:
+            raise self.error
+        return self.records
 
 
 class _Locked:

@@ -228,3 +228,40 @@ def test_a_bad_line_in_a_big_journal_is_named(tmp_path: Path) -> None:
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(FormatError, match="line 1001"):
         open_test_journal(path)
+
+
+def test_threads_share_group_commits_and_a_bad_event_fails_alone(tmp_path: Path) -> None:
+    import threading
+
+    from capsulefs.core.events import UnknownEvent
+
+    path = tmp_path / "j.jsonl"
+    results: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+    with open_test_journal(path) as j, open_test_journal(path, prefix=99) as other:
+
+        def writer(k: int) -> None:
+            target = other if k == 0 else j
+            ids = []
+            for i in range(100):
+                ids.append(target.append(note(f"w{k}-{i}")).id)
+                if k == 1 and i == 50:
+                    try:
+                        target.append(UnknownEvent(unknown_kind="Bad Kind"))  # type: ignore[arg-type]
+                    except FormatError as exc:
+                        errors.append(exc)
+            results[k] = ids
+
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert 1 <= j.commits + other.commits <= 800
+    assert len(errors) == 1 and "kind" in str(errors[0])
+    records = [Record.from_line(x) for x in split_lines(path.read_bytes())]
+    assert len(records) == 800 and verify_lines([r.line for r in records]) == []
+    assert sorted(r.id for r in records) == sorted(i for ids in results.values() for i in ids)
+    for k in range(8):  # each writer's events are in its own order
+        mine = [int(r.event.text.split("-")[1]) for r in records if r.event.text.startswith(f"w{k}-")]  # type: ignore[attr-defined]
+        assert mine == list(range(100))
