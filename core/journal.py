@@ -29,12 +29,15 @@ Theory of operation (appends):
 Theory of operation (verify and merge):
   :func:`verify_lines` parses every line fully (schema and canonical form)
   and lists every problem with its line number, machine and seq.
-  :func:`merge` works on bytes: it pulls out the envelope of each line
-  (a strict grammar match for JSON up to two levels deep, ``json.loads``
-  for anything deeper), checks each input's order and seq runs, merges the
-  two sorted inputs, and checks the union's chains by hashing each distinct
-  line once. An input whose chain does not verify is refused; so are two
-  different lines with the same (machine, seq), which is a fork.
+  :func:`merge` is the reference merge, line by line: it pulls out the
+  envelope of each line (a strict grammar match for JSON up to two levels
+  deep, ``json.loads`` for anything deeper), checks each input's order and
+  seq runs, merges the two sorted inputs, and checks the union's chains by
+  hashing each distinct line once. An input whose chain does not verify is
+  refused; so are two different lines with the same (machine, seq), which
+  is a fork. :func:`merge_bytes` gives the same result vectorised (see
+  :mod:`capsulefs.core.journal_index`), and defers to :func:`merge` for
+  anything it does not accept, so the errors are the reference's.
 """
 
 from __future__ import annotations
