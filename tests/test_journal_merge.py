@@ -116,6 +116,30 @@ def test_parallel_index_equals_serial(js: tuple[list[bytes], list[bytes], list[b
     assert [one.names[i] for i in one.mid] == [many.names[i] for i in many.mid]
 
 
+@pytest.mark.parametrize("machine", ["h" * 64, "H" * 65 + ".x_y-z", "n"])
+def test_fast_merge_host_ids_of_any_length(machine: str) -> None:
+    a = Replica(machine=machine)
+    b = Replica(machine="host-b")
+    for i in range(40):
+        a.append(note(f"a{i}"))
+        if i % 9 == 0:
+            b.pull(a)
+            b.append(note(f"b{i}"))
+    want = join_lines(merge(a.lines, b.lines))
+    assert b"".join(fast_merge(a.data(), b.data())) == want == merge_bytes(b.data(), a.data())
+
+
+def test_huge_clocks_go_to_the_reference() -> None:
+    a = Replica(machine="host-a")
+    a.append(note("one"))
+    a.state.clock = 10**20  # a writer that had seen a huge clock
+    a.append(note("two"))
+    assert json.loads(a.lines[1])["clock"] == 10**20 + 1
+    assert merge_bytes(a.data(), a.data()) == a.data()
+    with pytest.raises(Unreadable):
+        fast_merge(a.data(), a.data())
+
+
 # -- refusals ------------------------------------------------------------------------
 
 
