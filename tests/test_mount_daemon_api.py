@@ -1,0 +1,88 @@
+"""The daemon's API for the move driver, on a real mount served in this process.
+
+The FUSE loop runs in this test's trio loop, so every file access goes
+through a worker thread (a blocking call on our own mount from the loop's
+thread would wait for itself).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from capsulefs.core import format as fmt
+from capsulefs.core.events import Note
+from capsulefs.core.live import AgentState
+from capsulefs.core.live_journal import open_appender
+from capsulefs.core.store import HostStore
+from capsulefs.daemon import Daemon
+from helpers import make_agent
+from mount_kit import force_unmount, needs_fuse
+
+pytestmark = [pytest.mark.fuse, needs_fuse]
+
+
+def _errno(fn, *args) -> int:  # type: ignore[no-untyped-def]
+    try:
+        fn(*args)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
+
+
+def _append(path: Path, line: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(line)
+
+
+async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    agent = make_agent(store, "alice")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    sent: list[str] = []
+    # The journal may run a helper process on its first append (to find
+    # libc); a process must not fork while its own threads hold files open
+    # on a mount it serves itself. Make that first append before mounting.
+    warm = tmp_path / "warm.jsonl"
+    warm.write_bytes(b"")
+    open_appender(str(warm), machine="WARM", new_id=lambda: "0" * 24, now_ns=lambda: 1,
+                  recovery_dir=str(tmp_path / "rec")).append([Note(text="warm")])
+    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: bool(sent.append(m)))
+    run = trio.to_thread.run_sync
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            assert sent == ["READY=1"]
+            wm = mnt / "alice" / fmt.WORKING_MEMORY
+            journal = mnt / "alice" / fmt.JOURNAL
+            line = b'{"kind":"note","text":"x"}\n'
+
+            daemon.freeze(agent.agent_id)
+            assert daemon.state(agent.agent_id) is AgentState.FROZEN
+            assert await run(_errno, wm.write_bytes, b"during move\n") == errno.EROFS
+            assert await run(_errno, _append, journal, line) == errno.EROFS
+            status = json.loads(await run((mnt / "alice" / ".control" / "status").read_bytes))
+            assert status["state"] == "frozen" and status["writable"] is False
+            daemon.set_move_progress(agent.agent_id, {"phase": "copying", "bytes": 10, "total": 20})
+            status = json.loads(await run((mnt / "alice" / ".control" / "status").read_bytes))
+            assert status["move"]["phase"] == "copying"
+
+            daemon.resume(agent.agent_id)
+            await run(_append, journal, line)
+            assert (await run(journal.read_bytes)).count(b"\n") == 1
+
+            daemon.retire(agent.agent_id)
+            assert await run(os.listdir, mnt) == []
+            assert not await run((mnt / "alice").exists)
+            daemon.activate(agent.agent_id)
+            assert await run(os.listdir, mnt) == ["alice"]
+            daemon.stop()
+        assert sent[-1] == "STOPPING=1"
+        assert not os.path.ismount(mnt)
+    finally:
+        force_unmount(mnt)
