@@ -8,6 +8,10 @@ Layout (``LAYOUT`` = 1), under the state directory::
                                artifacts/blobs/ (its blobs live in objects/)
     staging/<label>-<rand>/    scratch areas for import and move; swept on open
     gc.lock                    flock: shared by writers, exclusive by gc
+    mount/                     the FUSE mount's own area (see capsulefs.core.live):
+      snapshots/<agent_id>/<name>/manifest.json
+                               read-only snapshots; gc keeps the blobs they list
+      scratch/, recovery/      editors' temp files, torn journal tails
 
 Rules:
   * A blob is stored once per host however many agents use it; the agents'
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT = 1
 STORE_FILE = "store.json"
+SNAPSHOTS_DIR = os.path.join("mount", "snapshots")
 
 
 def default_state_dir() -> str:
@@ -279,6 +284,7 @@ class HostStore:
             referenced: set[str] = set()
             for agent in self.agents():
                 referenced.update(agent.manifest().blobs())
+            referenced.update(self._snapshot_blobs())
             removed = freed = kept = 0
             for sha in list(self.all_blobs()):
                 if sha in referenced:
@@ -290,6 +296,17 @@ class HostStore:
                 removed += 1
             sweep_temps(self.objects_dir)
             return GcReport(removed=removed, freed=freed, kept=kept)
+
+    def _snapshot_blobs(self) -> set[str]:
+        """Blobs listed by the mount's snapshots (mount/snapshots/*/*/manifest.json)."""
+        out: set[str] = set()
+        root = os.path.join(self.root, SNAPSHOTS_DIR)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            if fmt.MANIFEST in filenames and os.path.relpath(dirpath, root).count(os.sep) == 1:
+                with open(os.path.join(dirpath, fmt.MANIFEST), "rb") as f:
+                    out.update(fmt.Manifest.from_bytes(f.read()).blobs())
+        return out
 
     # -- agents ----------------------------------------------------------------
     def agent_ids(self) -> list[str]:
