@@ -12,7 +12,8 @@ Rules:
     and the manifest is computed from exactly those bytes, so a snapshot
     verifies however much the agent writes meanwhile.
   * Blobs are not copied: a snapshot lists them and they are served from
-    the host store, like the live agent's.
+    the host store, like the live agent's; ``HostStore.gc`` keeps every
+    blob a snapshot lists (the store knows this directory's layout).
   * A snapshot appears whole or not at all: it is written into a temporary
     directory and renamed into place; removing it renames it away first.
   * Snapshot names follow the agent-name rules (one path component, not
@@ -65,20 +66,21 @@ class Snapshots:
             raise ExistsError(f"snapshot {name!r} of agent {agent.agent_id} already exists")
         parent = self._agent_dir(agent.agent_id)
         makedirs_durable(parent, 0o755)
-        files = snapshot_files(agent)
-        manifest = frozen_manifest(agent, files)
-        tmp = os.path.join(parent, TMP_PREFIX + secrets.token_hex(8))
-        os.mkdir(tmp, 0o755)
-        try:
-            for rel, data in files.items():
-                p = os.path.join(tmp, rel)
-                makedirs_durable(os.path.dirname(p))
-                atomic_write(p, data, mode=0o444)
-            atomic_write(os.path.join(tmp, fmt.MANIFEST), manifest.to_bytes(), mode=0o444)
-            os.rename(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with agent.store.writing():  # gc must not take a blob the snapshot is about to list
+            files = snapshot_files(agent)
+            manifest = frozen_manifest(agent, files)
+            tmp = os.path.join(parent, TMP_PREFIX + secrets.token_hex(8))
+            os.mkdir(tmp, 0o755)
+            try:
+                for rel, data in files.items():
+                    p = os.path.join(tmp, rel)
+                    makedirs_durable(os.path.dirname(p))
+                    atomic_write(p, data, mode=0o444)
+                atomic_write(os.path.join(tmp, fmt.MANIFEST), manifest.to_bytes(), mode=0o444)
+                os.rename(tmp, dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         fsync_dir(parent)
         return manifest
 

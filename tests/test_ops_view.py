@@ -324,3 +324,22 @@ async def test_changes_through_the_mount_invalidate_cached_attributes(c: Client,
     kernel.attrs.clear()
     await c.write("alice/memory/timeline_events.jsonl", b'{"kind":"note","text":"x"}\n', append=True)
     assert {manifest, journal} <= set(kernel.attrs) and wm not in kernel.attrs
+
+
+async def test_gc_keeps_the_blobs_of_snapshots(store: HostStore, tmp_path: Path) -> None:
+    from ops_kit import _reply
+    from capsulefs.core.fsutil import atomic_write
+    make_agent(store, "alice")
+    live = make_live(store, Path(store.root) / "mount")  # where the daemon keeps it
+    c = Client(Operations(live, kernel=FakeKernel(), readdir_reply=_reply, uid=0, gid=0))
+    await c.mkdir(f"alice/{SNAPSHOTS}/keep")
+    agent = store.find("alice")
+    old = agent.manifest()
+    atomic_write(os.path.join(agent.dir, fmt.MANIFEST), fmt.Manifest(
+        agent_id=old.agent_id, name=old.name, holder=old.holder,
+        files={p: e for p, e in old.files.items() if fmt.blob_name(p) is None}).to_bytes())
+    assert store.gc().removed == 0
+    await c.copy_tree(f"alice/{SNAPSHOTS}/keep", tmp_path / "snap")
+    assert archive.verify_capsule(str(tmp_path / "snap"))[1] == []
+    await c.rmdir(f"alice/{SNAPSHOTS}/keep")
+    assert store.gc().removed == 2
