@@ -141,6 +141,7 @@ class World:
     b_scope: trio.CancelScope | None = None
     b_stopped: trio.Event | None = None
     restarts: int = 0
+    restarted: trio.Event = field(default_factory=trio.Event)
 
     async def serve_b(self, port: int, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         self.b_stopped = trio.Event()
@@ -170,6 +171,7 @@ class World:
         self.b = MoveHost.open(self.b_root, self.hooks_b)  # reopening the store sweeps its staging
         self.restarts += 1
         await self.nursery.start(self.serve_b, int(self.peer_b.address.rsplit(":", 1)[1]))
+        self.restarted.set()
 
     async def move(self, **kw: Any) -> Any:
         kw.setdefault("retry_pause", 0)
@@ -471,7 +473,8 @@ async def test_target_daemon_dies_at_every_phase_and_restarts(world: World, tmp_
                                                               when: str) -> None:
     world.target.faults = [Fault(call, when)]
     result = await world.move()
-    assert world.restarts == 1
+    await world.restarted.wait()  # a move that rolled back may be done before the target is back
+    assert world.restarts == 1, result
     holder = world.check()
     # a restarted target refuses whatever was pending; only a finished activate survives
     assert holder == ("b" if (call, when) == ("activate", "crash-after") else "a")
