@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -175,12 +176,84 @@ async def one_move(source: MoveHost, target: MoveHost, agent_id: str) -> tuple[f
     return elapsed, wire[0], result
 
 
+async def raw_sink_process(state: str, total: int) -> None:
+    """--raw-sink: the receiving end of the raw TLS baseline, in its own process."""
+    target = MoveHost.open(state, Hooks())
+    source_pems = target.peers.trusted_pems() or [p.encode() for p in os.environ.get("BENCH_SOURCE_PEM", "").split("\0") if p]
+
+    async def server(tcp: trio.SocketStream) -> None:
+        tls = trio.SSLStream(tcp, server_context(target.identity, source_pems), server_side=True)
+        got = 0
+        while got < total:
+            data = await tls.receive_some(1 << 20)
+            if not data:
+                break
+            got += len(data)
+        await tls.send_all(b"k")
+        await tls.aclose()
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, server, 0, host="127.0.0.1"))
+        print(listeners[0].socket.getsockname()[1], flush=True)
+
+
+async def raw_tls_two_processes(source: MoveHost, target_state: Path, shas: list[str]) -> float:
+    total = sum(os.path.getsize(source.store.blob_file(s)) for s in shas)
+    env = dict(os.environ, BENCH_SOURCE_PEM=source.identity.cert_pem.decode())
+    with subprocess.Popen([sys.executable, __file__, "--raw-sink", str(target_state), "--mib", str(total)],
+                          stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        tls = trio.SSLStream(tcp, client_context(source.identity), server_hostname=None)
+        await tls.do_handshake()
+        t0 = time.perf_counter()
+        for sha in shas:
+            with open(source.store.blob_file(sha), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    await tls.send_all(chunk)
+        await tls.receive_some(1)
+        elapsed = time.perf_counter() - t0
+        await tls.aclose()
+        proc.wait(timeout=60)
+    return elapsed
+
+
+async def move_two_processes(source: MoveHost, target: MoveHost, agent_id: str) -> float:
+    cmd = [sys.executable, "-m", "capsulefs", "--state", target.store.root, "peer-serve", "--listen", "127.0.0.1:0"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            port = int(proc.stdout.readline().split(" as ")[0].rsplit(":", 1)[1])
+            peer = Peer(name="t", address=f"127.0.0.1:{port}", host_id=target.me)
+            for p in source.peers.peers():
+                source.peers.remove(p.name)
+            source.peers.add(peer)
+            async with open_peer(source.identity, peer):
+                pass  # the introduction is not timed
+            t0 = time.perf_counter()
+            result = await move_agent(source, agent_id, peer)
+            elapsed = time.perf_counter() - t0
+            assert result.moved, result
+            return elapsed
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--blobs", type=int, default=1000)
     ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir under /var/tmp)")
+    ap.add_argument("--two-processes", action="store_true",
+                    help="also measure figure 1 with the receiving end in a second process")
+    ap.add_argument("--raw-sink", metavar="STATE", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.raw_sink:
+        await raw_sink_process(args.raw_sink, args.mib)  # --mib carries the byte count here
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-move-", dir=args.dir or "/var/tmp"))
     try:
         t = time.perf_counter()
@@ -198,6 +271,14 @@ async def main() -> None:
         print(f"1. raw TLS  {total / 2**20:.0f} MiB in {raw:.2f}s = {raw_rate:.0f} MB/s")
         print(f"   move     {total / 2**20:.0f} MiB in {moved:.2f}s = {move_rate:.0f} MB/s")
         print(f"   ratio    {move_rate / raw_rate:.2f}x (target >= 0.70x)", flush=True)
+
+        if args.two_processes:
+            s4, agent_id4, shas4 = make_source(root / "s4", args.mib, args.blobs)
+            t4 = make_target(root, "t4", s4, [])
+            raw2 = await raw_tls_two_processes(s4, Path(t4.store.root), shas4)
+            moved2 = await move_two_processes(s4, t4, agent_id4)
+            print(f"1b. two processes: raw TLS {total / raw2 / 1e6:.0f} MB/s, move {total / moved2 / 1e6:.0f} MB/s, "
+                  f"ratio {raw2 / moved2:.2f}x", flush=True)
 
         # 2. bytes on the wire with 90% of the blobs present
         s2, agent_id, shas = sources[1]
