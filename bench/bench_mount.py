@@ -180,7 +180,7 @@ def bench_append(tmp: Path, n: int, rounds: int) -> None:
 
         def direct() -> None:
             for _ in range(n):
-                appender.append([Note(text="a note of moderate length, like most events")])
+                appender.append(Note(text="a note of moderate length, like most events"))
 
         r = pairs(through, direct, rounds=rounds, warmup=1)
         print(f"durable appends, 1 writer: mount {n / r['candidate_s']:.0f}/s, journal API {n / r['baseline_s']:.0f}/s, "

@@ -20,10 +20,10 @@ Theory of operation: :class:`Daemon` wires a :class:`~capsulefs.core.live.LiveHo
 (the pyfuse3 adapter). :meth:`Daemon.serve` mounts, calls ``task_status.started()``
 once the kernel has the mount, and returns when the mount is gone.
 
-The move driver (same process, same trio loop) calls :meth:`Daemon.freeze`,
-:meth:`Daemon.resume`, :meth:`Daemon.retire`, :meth:`Daemon.activate` and
-:meth:`Daemon.set_move_progress`; each is synchronous and takes effect for
-the next FUSE request.
+The move driver (same process, same trio loop) uses the daemon as its
+``AgentHooks`` (capsulefs.movehost): ``await freeze/resume/retire/prepare/activate(agent_id)``,
+plus :meth:`Daemon.set_move_progress` for ``.control/status``. Each takes
+effect for the next FUSE request; ``freeze`` also waits for writes in flight.
 """
 
 from __future__ import annotations
@@ -101,23 +101,28 @@ class Daemon:
         self.ops = Operations(self.live)
         self._stopped_by_us = False
 
-    # -- the move driver's API ---------------------------------------------------
-    def freeze(self, agent_id: str) -> None:
-        """Every write to the agent fails with EROFS from now on (a move begins)."""
+    # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
+    async def freeze(self, agent_id: str) -> None:
+        """Every write to the agent fails with EROFS from now on; returns once
+        no write begun before is still in flight (a move may copy the files)."""
         self.live.freeze(agent_id)
+        await self.ops.drain(agent_id)
 
-    def resume(self, agent_id: str) -> None:
-        """Writes to the agent work again (a move was abandoned)."""
+    async def resume(self, agent_id: str) -> None:
+        """Writes to the agent work again (the move was rolled back)."""
         self.live.resume(agent_id)
 
-    def retire(self, agent_id: str) -> None:
-        """The agent moved away: it disappears from the root."""
+    async def retire(self, agent_id: str) -> None:
+        """The agent is active elsewhere: it disappears from the root."""
         name = self.live.retire(agent_id)
         if name is not None:
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
 
-    def activate(self, agent_id: str) -> None:
-        """The agent (moved in, or retired by mistake) is shown and writable."""
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        """Target side, before activate: nothing for the mount to build."""
+
+    async def activate(self, agent_id: str) -> None:
+        """The agent (moved in, or resumed after a retire) is shown and writable."""
         name = self.live.activate(agent_id)
         self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
 

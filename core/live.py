@@ -62,7 +62,8 @@ from .live_errors import (
     NotSupported,
     ReadOnly,
 )
-from .live_journal import Appender, JournalAppender, JournalTail, open_appender
+from .journal import Journal
+from .live_journal import JournalTail, open_appender
 from .scratch import SCRATCH_DIRS, ScratchArea
 from .snapshots import Snapshots
 from .spec import parse_spec
@@ -144,6 +145,13 @@ class Handle:
 
     direct_io = False  # bypass the page cache (content may differ from what was written)
     keep_cache = False  # keep the page cache across opens (content never changes)
+    #: ``write`` blocks (fsync) and is thread-safe: the adapter may run it in
+    #: a worker thread, then calls ``written`` back on its own thread.
+    blocking_write = False
+    agent_id = ""  # the agent whose files this handle writes, if any
+
+    def written(self) -> None:
+        """After a successful ``write``, on the adapter's thread."""
 
     def read(self, offset: int, size: int) -> bytes:
         raise NotPermitted("this file is not open for reading")
@@ -232,13 +240,21 @@ class ScratchHandle(Handle):
 
 
 class JournalHandle(Handle):
-    """The journal: reads up to its last whole line; O_APPEND writes of whole lines."""
+    """The journal: reads up to its last whole line; O_APPEND writes of whole lines.
+
+    ``write`` may run in a worker thread (the journal is thread-safe and
+    commits concurrent appends as one group): it only parses, checks and
+    appends; ``written`` then tells the view, on the adapter's thread.
+    """
 
     direct_io = True
+    blocking_write = True
 
     def __init__(self, agent: "LiveAgent", writable: bool) -> None:
         self.agent = agent
+        self.agent_id = agent.agent_id
         self.writable = writable
+        self.journal = agent.journal() if writable else None
 
     def read(self, offset: int, size: int) -> bytes:
         tail = self.agent.tail
@@ -251,10 +267,15 @@ class JournalHandle(Handle):
             return f.read(n)
 
     def write(self, offset: int, data: bytes) -> int:
-        if not self.writable:
+        if self.journal is None:
             raise NotPermitted("the journal is not open for writing")
-        self.agent.append_lines(bytes(data))
+        events = parse_lines(bytes(data))
+        self.agent.host.check_writable(self.agent_id)
+        self.journal.append_many(events)
         return len(data)
+
+    def written(self) -> None:
+        self.agent.host.changed(self.agent_id, fmt.JOURNAL)
 
     def truncate(self, size: int) -> None:
         raise NotPermitted("the journal is append-only: it cannot be truncated")
@@ -352,6 +373,23 @@ class MoveHandle(Handle):
         pass
 
 
+def parse_lines(data: bytes) -> list[Event]:
+    """Event drafts, one JSON object a line, as written to the journal; all valid or FormatError."""
+    if not data.endswith(b"\n"):
+        raise FormatError("journal writes must be whole JSON lines, each ending with a newline")
+    events = []
+    for i, line in enumerate(data[:-1].split(b"\n"), 1):
+        try:
+            obj = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"journal line {i} is not valid JSON: {exc}") from None
+        try:
+            events.append(parse_draft(obj))
+        except FormatError as exc:
+            raise FormatError(f"journal line {i}: {exc}") from None
+    return events
+
+
 def _resize(buf: bytearray, size: int) -> None:
     if size < len(buf):
         del buf[size:]
@@ -400,7 +438,7 @@ class LiveAgent:
         self._tree: tuple[object, dict[str, dict[str, Node]]] | None = None
         self._manifest_cache: tuple[object, bytes] | None = None
         self._blobs: tuple[fmt.Manifest, dict[str, int]] | None = None
-        self._appender: Appender | JournalAppender | None = None
+        self._appender: Journal | None = None
         self.move_progress: dict[str, object] | None = None
         # Directories show one fixed time: their entries change only when the
         # capsule's shape does, and a moving directory time makes `tar` of an
@@ -541,7 +579,7 @@ class LiveAgent:
         return (json.dumps(self.status(), indent=2, sort_keys=True) + "\n").encode()
 
     # -- writing -------------------------------------------------------------
-    def _journal(self) -> Appender | JournalAppender:
+    def journal(self) -> Journal:
         if self._appender is None:
             h = self.host
             self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,
@@ -552,25 +590,13 @@ class LiveAgent:
     def append(self, events: Sequence[Event]) -> list[Record]:
         self.host.check_writable(self.agent_id)
         try:
-            return self._journal().append(events)
+            return self.journal().append_many(events)
         finally:
             self.host.changed(self.agent_id, fmt.JOURNAL)
 
     def append_lines(self, data: bytes) -> list[Record]:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
-        if not data.endswith(b"\n"):
-            raise FormatError("journal writes must be whole JSON lines, each ending with a newline")
-        events = []
-        for i, line in enumerate(data[:-1].split(b"\n"), 1):
-            try:
-                obj = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise FormatError(f"journal line {i} is not valid JSON: {exc}") from None
-            try:
-                events.append(parse_draft(obj))
-            except FormatError as exc:
-                raise FormatError(f"journal line {i}: {exc}") from None
-        return self.append(events)
+        return self.append(parse_lines(data))
 
     def switch_model(self, data: bytes) -> Record:
         try:

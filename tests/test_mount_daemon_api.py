@@ -51,7 +51,7 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
     warm = tmp_path / "warm.jsonl"
     warm.write_bytes(b"")
     open_appender(str(warm), machine="WARM", new_id=lambda: "0" * 24, now_ns=lambda: 1,
-                  recovery_dir=str(tmp_path / "rec")).append([Note(text="warm")])
+                  recovery_dir=str(tmp_path / "rec")).append(Note(text="warm"))
     daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: bool(sent.append(m)))
     run = trio.to_thread.run_sync
     try:
@@ -62,7 +62,7 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
             journal = mnt / "alice" / fmt.JOURNAL
             line = b'{"kind":"note","text":"x"}\n'
 
-            daemon.freeze(agent.agent_id)
+            await daemon.freeze(agent.agent_id)
             assert daemon.state(agent.agent_id) is AgentState.FROZEN
             assert await run(_errno, wm.write_bytes, b"during move\n") == errno.EROFS
             assert await run(_errno, _append, journal, line) == errno.EROFS
@@ -72,14 +72,14 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
             status = json.loads(await run((mnt / "alice" / ".control" / "status").read_bytes))
             assert status["move"]["phase"] == "copying"
 
-            daemon.resume(agent.agent_id)
+            await daemon.resume(agent.agent_id)
             await run(_append, journal, line)
             assert (await run(journal.read_bytes)).count(b"\n") == 1
 
-            daemon.retire(agent.agent_id)
+            await daemon.retire(agent.agent_id)
             assert await run(os.listdir, mnt) == []
             assert not await run((mnt / "alice").exists)
-            daemon.activate(agent.agent_id)
+            await daemon.activate(agent.agent_id)
             assert await run(os.listdir, mnt) == ["alice"]
             daemon.stop()
         assert sent[-1] == "STOPPING=1"
