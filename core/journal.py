@@ -401,13 +401,14 @@ def merge_bytes(a: bytes, b: bytes) -> bytes:
     return b"".join(merge_pieces(a, b))
 
 
-def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> list[bytes | memoryview]:
-    """:func:`merge_bytes` as pieces of the inputs (which may be mmaps of the
-    journal files), for writing without building the whole result."""
+def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> Iterable[bytes | memoryview]:
+    """:func:`merge_bytes` as pieces (the inputs may be mmaps of the journal
+    files), for writing without building the whole result. Every check is
+    done before this returns."""
     from .journal_index import Unreadable, fast_merge
 
     try:
-        return list(fast_merge(a, b))
+        return fast_merge(a, b)
     except Unreadable as exc:
         log.debug("fast merge declined (%s); using the reference merge", exc)
     return [join_lines(merge(split_lines(bytes(a), "journal A"), split_lines(bytes(b), "journal B")))]

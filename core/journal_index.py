@@ -33,6 +33,7 @@ import hashlib
 import logging
 import mmap
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -333,10 +334,11 @@ def _pick(from_b: np.ndarray, rows: np.ndarray, xa: np.ndarray, xb: np.ndarray) 
     return out
 
 
-def fast_merge(a: Buffer, b: Buffer) -> list[bytes | memoryview]:
+def fast_merge(a: Buffer, b: Buffer) -> Iterator[bytes | memoryview]:
     """Merge two journals' bytes (bytes or mmap); return the merged journal as
-    pieces of the inputs to join or write. Raises Unreadable when the
-    reference must decide."""
+    pieces to join or write (made as they are consumed, after every check
+    passed). Raises Unreadable, before returning, when the reference must
+    decide."""
     p = common_prefix(a, b)
     ia = index_parallel(a)
     ib = index_parallel(b, p)  # B's lines after the shared prefix
@@ -376,30 +378,15 @@ def fast_merge(a: Buffer, b: Buffer) -> list[bytes | memoryview]:
     has_prev = _pick(from_b, row, ia.has_prev, ib.has_prev)
 
     sha = hashlib.sha256
-    # Hash each distinct line once (as the hex text a prev holds), keeping the
-    # tail lines' bytes for the output: slicing bytes or an mmap copies, and
-    # is still cheaper than a memoryview.
-    hex_all = np.empty((len(row), 8), dtype=np.uint64)
-    by_source: list[list[bytes]] = [[], []]
-    tail_at: list[np.ndarray] = []
-    for src, (ix, mask, data) in enumerate(((ia, ~from_b, a), (ib, from_b, b))):
+    # Hash each distinct line once, as the hex text a prev holds. In chunks,
+    # dropping each slice at once: small buffers are reused, fresh ones fault.
+    hashes = np.empty((len(row), 8), dtype=np.uint64)
+    for ix, mask, data in ((ia, ~from_b, a), (ib, from_b, b)):
         at = np.flatnonzero(mask)
-        split = int(np.searchsorted(at, kp))  # union positions before kp are the prefix
-        bounds = list(zip(ix.starts[row[at]].tolist(), ix.ends[row[at]].tolist()))
-        digests = [sha(data[x:y]).hexdigest() for x, y in bounds[:split]]
-        lines = [data[x:y] for x, y in bounds[split:]]
-        digests += [sha(line).hexdigest() for line in lines]
-        if digests:
-            hex_all[at] = np.frombuffer("".join(digests).encode("ascii"), dtype=np.uint64).reshape(-1, 8)
-        by_source[src] = lines
-        tail_at.append(at[split:] - kp)
-    # Tail lines in union order: A's then B's, permuted.
-    order_t = np.empty(len(row) - kp, dtype=np.int64)
-    order_t[tail_at[0]] = np.arange(len(tail_at[0]))
-    order_t[tail_at[1]] = len(tail_at[0]) + np.arange(len(tail_at[1]))
-    pool_t = by_source[0] + by_source[1]
-    tail_lines = [pool_t[i] for i in order_t.tolist()]
-    hashes = hex_all
+        for lo in range(0, len(at), _CHUNK):
+            rows = row[at[lo : lo + _CHUNK]]
+            digests = [sha(data[x:y]).hexdigest() for x, y in zip(ix.starts[rows].tolist(), ix.ends[rows].tolist())]
+            hashes[at[lo : lo + _CHUNK]] = np.frombuffer("".join(digests).encode("ascii"), dtype=np.uint64).reshape(-1, 8)
 
     # The union's chains: per machine, seqs 1, 2, 3... each prev the hash of the one before.
     by = np.lexsort((us, um))
@@ -413,12 +400,31 @@ def fast_merge(a: Buffer, b: Buffer) -> list[bytes | memoryview]:
         cur, before = by[later], by[later - 1]
         if not ((ss[later] == ss[later - 1] + 1).all() and (cc[later] > cc[later - 1]).all()):
             raise Unreadable("fork or gap in the union")
-        prev = _pick(from_b[cur], row[cur], ia.prev, ib.prev)  # gathered once, where needed
-        if not (has_prev[cur].all() and (prev == hashes[before]).all()):
-            raise Unreadable("prev mismatch")
+        if not has_prev[cur].all():
+            raise Unreadable("a later line without prev")
+        for lo in range(0, len(cur), _CHUNK):
+            c, bf = cur[lo : lo + _CHUNK], before[lo : lo + _CHUNK]
+            if not (_pick(from_b[c], row[c], ia.prev, ib.prev) == hashes[bf]).all():
+                raise Unreadable("prev mismatch")
 
-    # The output: the prefix in one piece, then the tail lines.
-    pieces: list[bytes | memoryview] = [memoryview(a)[:p]]
-    if tail_lines:
-        pieces.append(b"\n".join(tail_lines) + b"\n")
-    return pieces
+    # The output: the prefix in one piece, then runs of consecutive lines of
+    # one input, cut lazily in chunks (so their buffers are reused).
+    tail_b, tail_row = from_b[kp:], row[kp:]
+    if not len(tail_row):
+        return iter([memoryview(a)[:p]])
+    brk = np.ones(len(tail_row), dtype=bool)
+    brk[1:] = (tail_b[1:] != tail_b[:-1]) | (tail_row[1:] != tail_row[:-1] + 1)
+    first_row = tail_row[brk]
+    last_row = tail_row[np.append(np.flatnonzero(brk)[1:] - 1, len(tail_row) - 1)]
+    run_b = tail_b[brk]
+    lo = _pick(run_b, first_row, ia.starts, ib.starts)
+    hi = _pick(run_b, last_row, ia.ends, ib.ends) + 1
+    return _pieces(a, b, p, run_b, lo, hi)
+
+
+def _pieces(a: Buffer, b: Buffer, p: int, run_b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Iterator[bytes | memoryview]:
+    yield memoryview(a)[:p]
+    src = (a, b)
+    for k in range(0, len(lo), _CHUNK // 4):
+        runs = zip(run_b[k : k + _CHUNK // 4].tolist(), lo[k : k + _CHUNK // 4].tolist(), hi[k : k + _CHUNK // 4].tolist())
+        yield b"".join([src[s][x:y] for s, x, y in runs])
