@@ -1,0 +1,289 @@
+"""Open files of the live view: what ``read``/``write``/``flush`` do per kind of file.
+
+Rules:
+  * A handle raises only domain errors; the adapter maps them to errno.
+  * Blobs and snapshot files are served as they are stored (the page cache
+    may keep them); computed or validated content (manifest, status, the
+    journal, a file being edited) bypasses it (``direct_io``) so that what
+    a reader gets is what the view says, never what a refused write left.
+  * Only a ``blocking_write`` handle's ``write`` may run in a worker thread;
+    it touches nothing shared but the (thread-safe) journal.
+
+See :mod:`capsulefs.core.live` for the view that makes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import format as fmt
+from .blobcheck import BlobCheck
+from .errors import FormatError, NotFoundError
+from .events import Event, parse_draft
+from .live_errors import NotPermitted, NotSupported
+
+if TYPE_CHECKING:
+    from .live import LiveAgent
+
+MOVE_UNAVAILABLE = "moving agents through the mount is not available yet (.control/move is reserved)"
+
+
+class Handle:
+    """An open file. The adapter calls these; each raises domain errors."""
+
+    direct_io = False  # bypass the page cache (content may differ from what was written)
+    keep_cache = False  # keep the page cache across opens (content never changes)
+    #: ``write`` blocks (fsync) and is thread-safe: the adapter may run it in
+    #: a worker thread, then calls ``written`` back on its own thread.
+    blocking_write = False
+    agent_id = ""  # the agent whose files this handle writes, if any
+
+    def written(self) -> None:
+        """After a successful ``write``, on the adapter's thread."""
+
+    def read(self, offset: int, size: int) -> bytes:
+        raise NotPermitted("this file is not open for reading")
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise NotPermitted("this file is read-only")
+
+    def truncate(self, size: int) -> None:
+        raise NotPermitted("this file cannot be truncated")
+
+    def flush(self) -> None:
+        pass
+
+    def fsync(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class BytesHandle(Handle):
+    """Serves bytes fixed at open (manifest.json, .control/status)."""
+
+    def __init__(self, data: bytes, *, direct_io: bool = False) -> None:
+        self.data = data
+        self.direct_io = direct_io
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset: offset + size]
+
+
+class FileHandle(Handle):
+    """A read-only file on disk."""
+
+    def __init__(self, path: str, *, keep_cache: bool = False) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(f"{path}: no such file") from None
+        self.keep_cache = keep_cache
+
+    def read(self, offset: int, size: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class BlobHandle(FileHandle):
+    """A stored blob: cached by the kernel, never served as good if corrupt."""
+
+    keep_cache = True
+
+    def __init__(self, check: BlobCheck) -> None:
+        check.check_open()
+        super().__init__(check.path, keep_cache=True)
+        self.check = check
+        self.sha256 = check.sha256
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        self.check.served(offset, data)
+        return data
+
+
+class ScratchHandle(Handle):
+    """An editor's scratch file: a plain file, passed through."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self, offset: int, size: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def write(self, offset: int, data: bytes) -> int:
+        return os.pwrite(self.fd, data, offset)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class JournalHandle(Handle):
+    """The journal: reads up to its last whole line; O_APPEND writes of whole lines.
+
+    ``write`` may run in a worker thread (the journal is thread-safe and
+    commits concurrent appends as one group): it only parses, checks and
+    appends; ``written`` then tells the view, on the adapter's thread.
+    """
+
+    direct_io = True
+    blocking_write = True
+
+    def __init__(self, agent: "LiveAgent", writable: bool) -> None:
+        self.agent = agent
+        self.agent_id = agent.agent_id
+        self.writable = writable
+        self.journal = agent.journal() if writable else None
+
+    def read(self, offset: int, size: int) -> bytes:
+        tail = self.agent.tail
+        tail.refresh()
+        n = max(0, min(size, tail.size - offset))
+        if not n:
+            return b""
+        with open(tail.path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
+    def write(self, offset: int, data: bytes) -> int:
+        if self.journal is None:
+            raise NotPermitted("the journal is not open for writing")
+        events = parse_lines(bytes(data))
+        self.agent.host.check_writable(self.agent_id)
+        self.journal.append_many(events)
+        return len(data)
+
+    def written(self) -> None:
+        self.agent.host.changed(self.agent_id, fmt.JOURNAL)
+
+    def truncate(self, size: int) -> None:
+        raise NotPermitted("the journal is append-only: it cannot be truncated")
+
+
+@dataclass(slots=True)
+class Edit:
+    """An editable file being written: its bytes as writers see them."""
+
+    data: bytearray
+    dirty: bool = False
+    writers: int = 0
+
+
+class EditHandle(Handle):
+    """working_memory.md or spec.json, open for reading or writing."""
+
+    def __init__(self, agent: "LiveAgent", rel: str, writable: bool) -> None:
+        self.agent = agent
+        self.rel = rel
+        self.writable = writable
+        if writable:
+            self.direct_io = True  # a refused commit must not linger in the page cache
+            self.edit = agent.begin_edit(rel)
+            self.snapshot = b""
+        else:
+            self.snapshot = agent.handle.read(rel)
+
+    def _current(self) -> bytes | bytearray:
+        edit = self.agent.edits.get(self.rel)
+        return edit.data if edit is not None else self.snapshot
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(self._current()[offset: offset + size])
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.agent.host.check_writable(self.agent.agent_id)
+        buf = self.edit.data
+        if offset > len(buf):
+            buf.extend(b"\0" * (offset - len(buf)))
+        buf[offset: offset + len(data)] = data
+        self.edit.dirty = True
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        if not self.writable:
+            raise NotPermitted(f"{self.rel} is not open for writing")
+        self.agent.host.check_writable(self.agent.agent_id)
+        resize(self.edit.data, size)
+        self.edit.dirty = True
+
+    def flush(self) -> None:
+        if self.writable and self.edit.dirty:
+            self.agent.commit_edit(self.rel)
+
+    def fsync(self) -> None:
+        self.flush()
+
+    def release(self) -> None:
+        if self.writable:
+            self.agent.end_edit(self.rel)
+
+
+class ModelHandle(Handle):
+    """.control/model: reads ``provider:model``; a write switches the model."""
+
+    direct_io = True
+
+    def __init__(self, agent: "LiveAgent", writable: bool) -> None:
+        self.agent = agent
+        self.writable = writable
+        self.data = agent.model_bytes()
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset: offset + size]
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.agent.switch_model(bytes(data))
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        pass  # `echo x > model` truncates first; the write that follows is what counts
+
+
+class MoveHandle(Handle):
+    direct_io = True
+
+    def read(self, offset: int, size: int) -> bytes:
+        return b""
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise NotSupported(MOVE_UNAVAILABLE)
+
+    def truncate(self, size: int) -> None:
+        pass
+
+
+def parse_lines(data: bytes) -> list[Event]:
+    """Event drafts, one JSON object a line, as written to the journal; all valid or FormatError."""
+    if not data.endswith(b"\n"):
+        raise FormatError("journal writes must be whole JSON lines, each ending with a newline")
+    events = []
+    for i, line in enumerate(data[:-1].split(b"\n"), 1):
+        try:
+            obj = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"journal line {i} is not valid JSON: {exc}") from None
+        try:
+            events.append(parse_draft(obj))
+        except FormatError as exc:
+            raise FormatError(f"journal line {i}: {exc}") from None
+    return events
+
+
+def resize(buf: bytearray, size: int) -> None:
+    """Cut or zero-extend ``buf`` to ``size`` bytes, like ftruncate."""
+    if size < len(buf):
+        del buf[size:]
+    else:
+        buf.extend(b"\0" * (size - len(buf)))
