@@ -28,6 +28,8 @@ from .live_errors import NotPermitted, NotSupported
 if TYPE_CHECKING:
     from .live import LiveAgent
 
+#: Longest incomplete line a journal handle holds while waiting for its newline.
+MAX_PARTIAL_LINE = 16 << 20
 MOVE_UNAVAILABLE = "moving agents through the mount is not available yet (.control/move is reserved)"
 
 
@@ -131,11 +133,18 @@ class ScratchHandle(Handle):
 
 
 class JournalHandle(Handle):
-    """The journal: reads up to its last whole line; O_APPEND writes of whole lines.
+    """The journal: reads up to its last whole line; O_APPEND writes of lines.
 
-    ``write`` may run in a worker thread (the journal is thread-safe and
-    commits concurrent appends as one group): it only parses, checks and
-    appends; ``written`` then tells the view, on the adapter's thread.
+    Each write appends, durably and all or none, the lines it completes; a
+    bad line fails that write with FormatError and appends nothing of it.
+    Bytes after the last newline wait in the handle for the rest of their
+    line (the kernel splits large writes, and buffered writers such as
+    Python's cut at their buffer size, not at newlines); a line still
+    incomplete at close fails the close and is dropped.
+
+    ``write`` may run in a worker thread (the journal is thread-safe): it
+    only parses, checks and appends; ``written`` then tells the view, on
+    the adapter's thread.
     """
 
     direct_io = True
@@ -146,6 +155,7 @@ class JournalHandle(Handle):
         self.agent_id = agent.agent_id
         self.writable = writable
         self.journal = agent.journal() if writable else None
+        self.partial = b""  # the start of a line whose newline has not come yet
 
     def read(self, offset: int, size: int) -> bytes:
         tail = self.agent.tail
@@ -160,13 +170,23 @@ class JournalHandle(Handle):
     def write(self, offset: int, data: bytes) -> int:
         if self.journal is None:
             raise NotPermitted("the journal is not open for writing")
-        events = parse_lines(bytes(data))
         self.agent.host.check_writable(self.agent_id)
-        self.journal.append_many(events)
+        buf = self.partial + bytes(data)
+        end = buf.rfind(b"\n") + 1
+        if len(buf) - end > MAX_PARTIAL_LINE:
+            raise FormatError(f"a journal line is longer than {MAX_PARTIAL_LINE} bytes")
+        if end:
+            self.journal.append_many(parse_lines(buf[:end]))
+        self.partial = buf[end:]
         return len(data)
 
     def written(self) -> None:
         self.agent.host.changed(self.agent_id, fmt.JOURNAL)
+
+    def flush(self) -> None:
+        if self.partial:
+            n, self.partial = len(self.partial), b""
+            raise FormatError(f"the journal write ended without a newline; {n} bytes of an incomplete line dropped")
 
     def truncate(self, size: int) -> None:
         raise NotPermitted("the journal is append-only: it cannot be truncated")

@@ -97,6 +97,15 @@ def test_echo_append_to_the_journal(mnt: Path) -> None:
     verifies(mnt)
 
 
+def test_buffered_python_appends_many_events(mnt: Path) -> None:
+    journal = mnt / fmt.JOURNAL
+    with open(journal, "a") as f:  # an 8 KiB buffer: flushes cut lines anywhere
+        for i in range(2000):
+            f.write(json.dumps({"kind": "note", "text": f"event {i}"}) + "\n")
+    recs = check_chains(journal.read_bytes())
+    assert [r.event.text for r in recs] == [f"event {i}" for i in range(2000)]  # type: ignore[attr-defined]
+
+
 def test_journal_refuses_overwrite_truncate_rename(mnt: Path) -> None:
     journal = mnt / fmt.JOURNAL
     for action in (lambda: open(journal, "w"), lambda: open(journal, "r+b"), lambda: os.truncate(journal, 0),

@@ -175,10 +175,22 @@ async def test_journal_append_is_validated_and_stamped(c: Client, store: HostSto
     before = store.find("alice").read(fmt.JOURNAL)
     for bad in (b"not json\n", b'{"kind":"nope"}\n', b'{"kind":"user_message","text":"x"}',
                 b'{"kind":"user_message","text":"ok"}\n{"kind":"user_message"}\n',
-                b'{"kind":"note","text":"x","seq":3}\n'):
+                b'{"kind":"note","text":"x","seq":3}\n', b"\n"):
         assert await errno_of(c.write(j, bad, append=True)) == errno.EINVAL, bad
     assert store.find("alice").read(fmt.JOURNAL) == before
     assert await c.read(j) == before
+
+
+async def test_journal_lines_may_arrive_in_pieces(c: Client, store: HostStore) -> None:
+    fi = await c.open("alice/memory/timeline_events.jsonl", os.O_WRONLY | os.O_APPEND)
+    line = b'{"kind":"note","text":"split across writes"}\n'
+    assert await c.ops.write(fi.fh, 0, line[:10]) == 10
+    assert journal_records(store) == []
+    assert await c.ops.write(fi.fh, 0, line[10:] + line[:5]) == len(line) - 5
+    assert [r.kind for r in journal_records(store)] == ["note"]
+    assert await errno_of(c.ops.flush(fi.fh)) == errno.EINVAL  # 5 bytes of a line never finished
+    await c.ops.release(fi.fh)
+    assert len(journal_records(store)) == 1
 
 
 async def test_journal_cannot_be_overwritten_truncated_or_renamed(c: Client) -> None:
