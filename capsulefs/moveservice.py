@@ -34,7 +34,6 @@ import os
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack, aclosing
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -55,34 +54,32 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BLOBS_CALL", "MoveService", "ServingMoves", "serve_moves"]
 
-_WRITE_BUFFER = 1 << 20  # bytes buffered per piece before a write(2)
 DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness only)
 
 
 BLOBS_CALL = "blobs"  # the wire name of Call.BLOB: many pieces per call
 
 
-def _start_writeback(fd: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class _Sink:
     """Where one arriving piece goes: hashed and written into the move's
-    staging area as its bytes come (inline: hashing and page-cache writes
-    are short, and cheaper than hopping to a thread, measured on a loaded
-    2-core box), or dropped when there is no open move for it."""
+    staging area as its bytes come, or dropped when there is no open move
+    for it (or the piece is already here).
 
-    def __init__(self, inc: "_Incoming | None", sha: str, size: int, writeback: Executor | None = None) -> None:
-        self.inc = inc
-        self.writeback = writeback
+    Everything happens inline on the trio thread: hashing and page-cache
+    writes are short, and every design that handed them to a thread was
+    slower on a busy 2-core box (GIL hand-offs stall the loop). The file is
+    written under its final name; it counts only once the piece hashed to
+    that name (``_Incoming.received``), and the staging area is discarded on
+    any failure, so a partial file is never taken for a piece."""
+
+    def __init__(self, inc: "_Incoming | None", sha: str, size: int) -> None:
+        self.inc = inc if inc is not None and sha not in inc.received else None
         self.sha = sha
         self.left = size
         self._hash = hashlib.sha256()
-        self._part = inc.content(sha) + ".part" if inc is not None else None
-        self._file = open(self._part, "wb", buffering=_WRITE_BUFFER) if self._part else None
+        self._path = self.inc.content(sha) if self.inc is not None else None
+        self._file = open(self._path, "wb", buffering=0) if self._path else None
+        self._taken = inc is not None  # a piece already here still counts as arrived
 
     def write(self, data: bytes) -> None:
         self.left -= len(data)
@@ -92,35 +89,29 @@ class _Sink:
 
     def finish(self) -> bool:
         """True if the piece was taken (arrived whole for an open move)."""
-        inc, f = self.inc, self._file
-        if inc is None or f is None or self._part is None:
-            return False
+        inc, f, path = self.inc, self._file, self._path
+        if inc is None or f is None or path is None:
+            return self._taken
         try:
-            f.flush()
-            # Start the write-back now, so verify's fsync finds little left to
-            # do; on a thread, since starting it can block on a busy disk.
-            if self.writeback is not None:
-                self.writeback.submit(_start_writeback, os.dup(f.fileno()))
-            else:
-                _start_writeback(os.dup(f.fileno()))
+            # Start the write-back now, so that verify's fsync finds little left to do.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             f.close()
         inc.sent.add(self.sha)
         if self._hash.hexdigest() != self.sha:
             log.warning("move of %s at epoch %d: a piece does not hash to %s", inc.agent_id, inc.epoch, self.sha)
-            os.unlink(self._part)
+            os.unlink(path)
             inc.bad.add(self.sha)
             return True
-        os.replace(self._part, inc.content(self.sha))
         inc.received.add(self.sha)
         inc.bad.discard(self.sha)
         return True
 
     def abandon(self) -> None:
-        if self._file is not None:
+        if self._file is not None and self._path is not None:
             self._file.close()
-            if self._part is not None and os.path.exists(self._part):
-                os.unlink(self._part)
+            if os.path.exists(self._path):
+                os.unlink(self._path)
 
 
 @dataclass
@@ -147,10 +138,9 @@ class _Incoming:
 class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
-    def __init__(self, host: MoveHost, *, deep_verify: bool = False, writeback: Executor | None = None) -> None:
+    def __init__(self, host: MoveHost, *, deep_verify: bool = False) -> None:
         self.host = host
         self.deep_verify = deep_verify  # re-hash blobs the target already had
-        self.writeback = writeback  # a thread that starts write-back of arrived pieces (None: inline)
         self._incoming: dict[tuple[str, int], _Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
@@ -228,11 +218,12 @@ class MoveService:
         except (FormatError, TypeError, ValueError) as exc:
             raise CallFailed("bad-request", f"blobs: {exc}") from None
         results = []
+        rec = self.record(agent_id)  # read once: BlobReceived never changes it, and we hold the lock
 
         async def done(sink: _Sink) -> None:
             intact = sink.finish()
             event = mv.BlobReceived(agent_id=agent_id, epoch=epoch, source=source, sha=sink.sha, intact=intact)
-            results.append(answer_to_result(await self.run(agent_id, event)))
+            results.append(answer_to_result(await self.run(agent_id, event, record=rec)))
 
         # One pass over the payload, cutting it into pieces as it goes: no
         # generator per piece, since a TLS record (<= 16 KiB) is one chunk.
@@ -246,7 +237,7 @@ class MoveService:
                             if sink is not None:
                                 await done(sink)
                             sha, size = next(todo)
-                            sink = self._sink(agent_id, epoch, source, sha, size)
+                            sink = self._sink(rec, epoch, source, sha, size)
                         take = chunk if len(chunk) <= sink.left else chunk[: sink.left]
                         chunk = chunk[len(take):]
                         sink.write(take)
@@ -257,16 +248,15 @@ class MoveService:
         if sink is not None:
             await done(sink)  # the last piece: all its bytes arrived (the sizes add up to the payload's)
         for sha, size in todo:  # only empty pieces can be left
-            await done(self._sink(agent_id, epoch, source, sha, size))
+            await done(self._sink(rec, epoch, source, sha, size))
         return {"results": results}
 
-    def _sink(self, agent_id: str, epoch: int, source: str, sha: str, size: int) -> "_Sink":
-        inc = self._incoming.get((agent_id, epoch))
-        rec = self.record(agent_id)
+    def _sink(self, rec: HolderRecord | None, epoch: int, source: str, sha: str, size: int) -> "_Sink":
+        inc = None if rec is None else self._incoming.get((rec.agent_id, epoch))
         if inc is None or inc.source != source or rec is None or rec.state is not HolderState.OFFERED:
             return _Sink(None, sha, size)  # judged stale by the machine; the bytes are read and dropped
         inc.last_activity = trio.current_time()
-        return _Sink(inc, sha, size, self.writeback)
+        return _Sink(inc, sha, size)
 
     # -- running the machine ------------------------------------------------------------------
     def record(self, agent_id: str) -> HolderRecord | None:
@@ -276,9 +266,11 @@ class MoveService:
             self.host.holders.put(rec)
         return rec
 
-    async def run(self, agent_id: str, event: object) -> object | None:
-        """Feed ``event`` to a machine built from the current record; carry out its commands."""
-        tm = mv.TargetMachine(agent_id, self.record(agent_id), me=self.host.me)
+    async def run(self, agent_id: str, event: object, *, record: HolderRecord | None | bool = False) -> object | None:
+        """Feed ``event`` to a machine built from the current record (or
+        ``record``, if the caller just read it); carry out its commands."""
+        current = self.record(agent_id) if record is False else record
+        tm = mv.TargetMachine(agent_id, current, me=self.host.me)  # type: ignore[arg-type]
         queue = list(tm.handle(event))
         answer = None
         while queue:
@@ -468,16 +460,15 @@ async def serve_moves(
     ``started()`` reports the bound port once it listens. ``wrap`` may put
     something around the service (tests put a fault injector there).
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsulefs-writeback") as writeback:
-        service = MoveService(host, writeback=writeback)
-        await service.recover()
-        try:
-            async with trio.open_nursery() as nursery:
-                handler = wrap(service) if wrap is not None else service
-                bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler,
-                                                    host=listen_host, port=port))
-                nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
-                task_status.started(ServingMoves(bound, service))
-        finally:
-            with trio.CancelScope(shield=True):
-                await service.aclose_all()
+    service = MoveService(host)
+    await service.recover()
+    try:
+        async with trio.open_nursery() as nursery:
+            handler = wrap(service) if wrap is not None else service
+            bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler,
+                                                host=listen_host, port=port))
+            nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
+            task_status.started(ServingMoves(bound, service))
+    finally:
+        with trio.CancelScope(shield=True):
+            await service.aclose_all()
