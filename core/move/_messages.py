@@ -395,7 +395,7 @@ class OfferReceived(_Request):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlobReceived(_Request):
     sha: str
-    intact: bool  # the bytes hashed to ``sha`` (and were stored)
+    intact: bool  # it arrived whole and was kept (a driver may judge its digest now or at verify)
 
     def __post_init__(self) -> None:
         super(BlobReceived, self).__post_init__()

@@ -138,7 +138,7 @@ def _t_blob_ok(m: TargetMachine, ev: BlobReceived) -> list[Command]:
     if ev.intact:
         return [Reply(answer=BlobReply(agent_id=ev.agent_id, epoch=ev.epoch, sha=ev.sha, ok=True))]
     return [Reply(answer=BlobReply(agent_id=ev.agent_id, epoch=ev.epoch, sha=ev.sha, ok=False,
-                                   reason="bytes do not match their digest"))]
+                                   reason="the piece did not arrive whole or does not match its digest"))]
 
 
 def _t_blob_stale(m: TargetMachine, ev: BlobReceived) -> list[Command]:
