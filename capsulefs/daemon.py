@@ -23,7 +23,7 @@ once the kernel has the mount, and returns when the mount is gone.
 The move driver (same process, same trio loop) uses the daemon as its
 ``AgentHooks`` (capsulefs.movehost): ``await freeze/resume/retire/prepare/activate(agent_id)``,
 plus :meth:`Daemon.set_move_progress` for ``.control/status``. Each takes
-effect for the next FUSE request; ``freeze`` also waits for writes in flight.
+effect for the next FUSE request.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ class Daemon:
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:
-        """Every write to the agent fails with EROFS from now on; returns once
-        no write begun before is still in flight (a move may copy the files)."""
+        """Every write to the agent fails with EROFS from now on. Requests run
+        one at a time on this loop, so none is half-done when this returns:
+        a move may copy the files. (An in-place edit still open is refused
+        at its close.)"""
         self.live.freeze(agent_id)
-        await self.ops.drain(agent_id)
 
     async def resume(self, agent_id: str) -> None:
         """Writes to the agent work again (the move was rolled back)."""

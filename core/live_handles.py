@@ -6,8 +6,6 @@ Rules:
     may keep them); computed or validated content (manifest, status, the
     journal, a file being edited) bypasses it (``direct_io``) so that what
     a reader gets is what the view says, never what a refused write left.
-  * Only a ``blocking_write`` handle's ``write`` may run in a worker thread;
-    it touches nothing shared but the (thread-safe) journal.
 
 See :mod:`capsulefs.core.live` for the view that makes them.
 """
@@ -38,13 +36,8 @@ class Handle:
 
     direct_io = False  # bypass the page cache (content may differ from what was written)
     keep_cache = False  # keep the page cache across opens (content never changes)
-    #: ``write`` blocks (fsync) and is thread-safe: the adapter may run it in
-    #: a worker thread, then calls ``written`` back on its own thread.
-    blocking_write = False
-    agent_id = ""  # the agent whose files this handle writes, if any
-
     def written(self) -> None:
-        """After a successful ``write``, on the adapter's thread."""
+        """Called by the adapter after a successful ``write``."""
 
     def read(self, offset: int, size: int) -> bytes:
         raise NotPermitted("this file is not open for reading")
@@ -141,14 +134,9 @@ class JournalHandle(Handle):
     line (the kernel splits large writes, and buffered writers such as
     Python's cut at their buffer size, not at newlines); a line still
     incomplete at close fails the close and is dropped.
-
-    ``write`` may run in a worker thread (the journal is thread-safe): it
-    only parses, checks and appends; ``written`` then tells the view, on
-    the adapter's thread.
     """
 
     direct_io = True
-    blocking_write = True
 
     def __init__(self, agent: "LiveAgent", writable: bool) -> None:
         self.agent = agent

@@ -13,10 +13,9 @@ Rules:
 
 Concurrency: the handlers never await between reading and updating shared
 state, so each runs atomically with respect to the others on the trio loop.
-The one exception is a blocking write (a durable journal append), which
-runs the handle's thread-safe ``write`` in a worker thread; everything it
-touches besides the journal is read-only, and the view is told afterwards
-on the loop (``Handle.written``).
+A durable journal append (fdatasync) runs inline too: the kernel holds the
+inode lock across a write to one file anyway, so a worker thread would buy
+no group commit and only add latency.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import pyfuse3
-import trio
 
 from capsulefs.core import format as fmt
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
@@ -123,8 +121,6 @@ class Operations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
-        self._in_flight: dict[str, int] = {}  # agent_id -> writes running in worker threads
-        self._drained: dict[str, trio.Event] = {}
         live.on_change = self._changed
 
     # -- helpers -------------------------------------------------------------
@@ -322,27 +318,9 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
-        if not handle.blocking_write:
-            return handle.write(off, buf)
-        # A durable append waits for fdatasync in a worker thread, so other
-        # requests go on and concurrent appends share one group commit.
-        # freeze() waits for these (drain) before it returns.
-        agent = handle.agent_id
-        self._in_flight[agent] = self._in_flight.get(agent, 0) + 1
-        try:
-            n = await trio.to_thread.run_sync(handle.write, off, bytes(buf))
-        finally:
-            self._in_flight[agent] -= 1
-            if not self._in_flight[agent]:
-                del self._in_flight[agent]
-                self._drained.pop(agent, trio.Event()).set()
+        n = handle.write(off, buf)
         handle.written()
         return n
-
-    async def drain(self, agent_id: str) -> None:
-        """Wait until no write to ``agent_id`` is still in flight."""
-        while agent_id in self._in_flight:
-            await self._drained.setdefault(agent_id, trio.Event()).wait()
 
     @fuse_op
     async def flush(self, fh: int) -> None:
