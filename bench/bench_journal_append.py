@@ -52,8 +52,9 @@ def main() -> int:
             new_id=lambda: f"{next(ids):024x}", recovery_dir=os.path.join(d, "recovery"),
         )
         conn = sqlite3.connect(os.path.join(d, "events.db"), isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
+        assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
         conn.execute("PRAGMA synchronous=FULL")
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
         conn.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, id TEXT NOT NULL, line TEXT NOT NULL)")
         # Warm both up (file creation, first allocations) outside the timing.
         warm = make_events(50)
