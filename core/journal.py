@@ -23,8 +23,11 @@ Theory of operation (appends):
   :class:`Journal` keeps the chain state (per-machine tails, greatest clock,
   size of the whole lines) in memory. Under the lock it compares the file's
   size with the size it knows: if another process appended, it reads only
-  the new bytes and absorbs them before stamping. So an append costs one
-  fstat, one write and one fdatasync, whatever the journal's length.
+  the new bytes and absorbs them before stamping. So an append costs a stat
+  and an fstat, one write and one fdatasync, whatever the journal's length.
+  If another file was renamed over the journal's path (by someone holding
+  the old file's flock), the Journal follows it: nothing is appended to an
+  unlinked file.
 
 Theory of operation (verify and merge):
   :func:`verify_lines` parses every line fully (schema and canonical form)
@@ -58,7 +61,7 @@ from datetime import datetime, timezone
 from hashlib import sha256
 from typing import Any
 
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, NotFoundError
 from .events import Event, Record, UnknownEvent, line_hash, parse_draft
 from .fsutil import atomic_write, fsync_dir, makedirs_durable
 
@@ -663,6 +666,31 @@ class Journal:
             start = nl + 1
         self._size += end
 
+    def _follow_replacement(self) -> None:
+        """If another file was renamed over the journal's path (whoever does
+        that holds the old file's flock while renaming), switch to it: an
+        append to the old, unlinked file would be lost. Caller holds the
+        thread lock and the flock of the current descriptor."""
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            raise NotFoundError(f"journal {self.path} was removed; refusing to append to a deleted file") from None
+        held = os.fstat(self._fd)
+        if (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino):
+            return
+        log.info("journal %s was replaced; following the new file", self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self._fd = self._fd, fd
+        os.close(old)  # releases the old file's flock
+        self._state = ChainState()
+        self._size = 0
+        self._reserved = 0
+
     def _move_torn_tail(self, offset: int, tail: bytes) -> None:
         makedirs_durable(self.recovery_dir)
         name = os.path.basename(self.path) + TORN_SUFFIX
@@ -848,6 +876,7 @@ class _Locked:
         try:
             fcntl.flock(j._fd, fcntl.LOCK_EX)
             try:
+                j._follow_replacement()
                 j._catch_up()
             except BaseException:
                 fcntl.flock(j._fd, fcntl.LOCK_UN)

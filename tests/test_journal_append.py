@@ -265,3 +265,31 @@ def test_threads_share_group_commits_and_a_bad_event_fails_alone(tmp_path: Path)
     for k in range(8):  # each writer's events are in its own order
         mine = [int(r.event.text.split("-")[1]) for r in records if r.event.text.startswith(f"w{k}-")]  # type: ignore[attr-defined]
         assert mine == list(range(100))
+
+
+def test_a_journal_replaced_by_rename_is_followed(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    from capsulefs.core.errors import NotFoundError
+
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        j.append(note("old file"))
+        # Someone replaces the file (holding its flock, as the protocol asks).
+        new = tmp_path / "new.jsonl"
+        with open_test_journal(new, "host-b", prefix=3) as other:
+            other.append(note("b1"))
+            other.append(note("b2"))
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(new, path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        r = j.append(note("after the rename"))
+        assert (r.seq, r.clock, r.prev) == (1, 3, None)  # host-a's first line in this file
+        lines = split_lines(path.read_bytes())
+        assert len(lines) == 3 and verify_lines(lines) == []
+        os.unlink(path)
+        with pytest.raises(NotFoundError, match="removed"):
+            j.append(note("lost?"))
