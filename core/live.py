@@ -898,8 +898,8 @@ class LiveHost:
         a = self._agents.get(agent_id)
         try:
             name = (a or LiveAgent(self, agent_id)).stored_manifest().name
-        except NotFoundError:
-            pass
+        except (NotFoundError, FileNotFoundError):
+            pass  # already gone from the store
         self.set_state(agent_id, AgentState.RETIRED)
         self._agents.pop(agent_id, None)
         return name

@@ -91,6 +91,8 @@ def fuse_op(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: HasFailsafe, *args: Any) -> Any:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s%r", name, tuple(a for a in args if not isinstance(a, (bytes, memoryview)) or len(a) < 256))
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
