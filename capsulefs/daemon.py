@@ -142,6 +142,7 @@ class Daemon:
         pyfuse3.init(self.ops, self.mountpoint, opts)
         try:
             async with trio.open_nursery() as nursery:
+                self.ops.nursery = nursery  # background blob checks
                 await nursery.start(self._watch_signals)
                 nursery.start_soon(self._run_fuse, nursery.cancel_scope)
                 log.info("capsulefs mounted on %s", self.mountpoint)

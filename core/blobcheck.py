@@ -17,6 +17,9 @@ front to back, so :class:`BlobCheck` hashes reads as they are served while
 they arrive in order, and the read holding the last byte finishes the hash
 for free. If reads arrive out of order, the hash stops advancing, and the
 last read triggers one full re-read of the object (:meth:`BlobCheck.full_check`).
+An adapter with threads to spare runs :meth:`BlobCheck.full_check` in the
+background from the first open instead (``background``), serves the reads
+meanwhile, and makes the read that reaches the end wait for the verdict.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class BlobCheck:
         self._h = hashlib.sha256()
         self._pos = 0  # bytes hashed so far, in order
         self._lock = threading.Lock()
+        #: A full check runs elsewhere (a worker thread): reads are not hashed
+        #: as served, and the adapter holds back the read that reaches the end.
+        self.background = False
 
     def check_open(self) -> None:
         if self.verdict is Verdict.BAD:
@@ -75,7 +81,7 @@ class BlobCheck:
                 return
             if self.verdict is Verdict.BAD:
                 raise CorruptBlobError(self.path)
-            if offset == self._pos and data:
+            if not self.background and offset == self._pos and data:
                 self._h.update(data)
                 self._pos += len(data)
                 if self._pos >= self.size:

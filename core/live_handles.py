@@ -36,6 +36,7 @@ class Handle:
 
     direct_io = False  # bypass the page cache (content may differ from what was written)
     keep_cache = False  # keep the page cache across opens (content never changes)
+    check: BlobCheck | None = None  # a stored blob's verification, if this serves one
     def written(self) -> None:
         """Called by the adapter after a successful ``write``."""
 

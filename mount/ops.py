@@ -13,7 +13,9 @@ Rules:
 
 Concurrency: the handlers never await between reading and updating shared
 state, so each runs atomically with respect to the others on the trio loop.
-A durable journal append (fdatasync) runs inline too: the kernel holds the
+Blob checks run in worker threads, started in the daemon's nursery
+(``Operations.nursery``); they touch only their ``BlobCheck`` (thread-safe).
+A durable journal append (fdatasync) runs inline: the kernel holds the
 inode lock across a write to one file anyway, so a worker thread would buy
 no group commit and only add latency.
 """
@@ -29,8 +31,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import pyfuse3
+import trio
 
 from capsulefs.core import format as fmt
+from capsulefs.core.blobcheck import BlobCheck, Verdict
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
 from capsulefs.core.live import Attr, Handle, Kind, LiveHost, Node
 from capsulefs.core.live_errors import NotPermitted, NotSupported
@@ -121,6 +125,9 @@ class Operations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
+        #: The daemon's nursery, for background blob checks (None: check inline).
+        self.nursery: trio.Nursery | None = None
+        self._verifying: dict[str, trio.Event] = {}
         live.on_change = self._changed
 
     # -- helpers -------------------------------------------------------------
@@ -284,7 +291,31 @@ class Operations(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------------
     @fuse_op
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        return self._open_info(self.live.open(self.inodes.node(inode), flags, ctx.uid))
+        handle = self.live.open(self.inodes.node(inode), flags, ctx.uid)
+        if handle.check is not None:
+            self._verify_in_background(handle.check)
+        return self._open_info(handle)
+
+    def _verify_in_background(self, check: BlobCheck) -> None:
+        """Hash a blob not yet judged in a worker thread while its reads are
+        served; the read that reaches its end waits for the verdict."""
+        if check.verdict is not Verdict.UNKNOWN or self.nursery is None or check.sha256 in self._verifying:
+            return
+        done = self._verifying[check.sha256] = trio.Event()
+        check.background = True
+        self.nursery.start_soon(self._verify, check, done)
+
+    async def _verify(self, check: BlobCheck, done: trio.Event) -> None:
+        try:
+            await trio.to_thread.run_sync(check.full_check)
+        except CorruptBlobError:
+            pass  # logged by the check; its readers get EIO
+        except OSError as exc:
+            log.warning("verifying blob %s: %s (its last read will verify it again)", check.path, exc)
+        finally:
+            check.background = False
+            del self._verifying[check.sha256]
+            done.set()
 
     @fuse_op
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -301,6 +332,10 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handle(fh)
+        if handle.check is not None and off + size >= handle.check.size:
+            done = self._verifying.get(handle.check.sha256)
+            if done is not None:
+                await done.wait()  # never hand out a blob's end before its verdict
         try:
             return handle.read(off, size)
         except CorruptBlobError:
