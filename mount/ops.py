@@ -6,10 +6,12 @@ Rules:
     answer into pyfuse3 types. No digests, JSON or capsule rules here.
   * Names arrive as bytes and are decoded with ``surrogateescape`` so any
     name round-trips.
-  * Cache policy: content that never changes (blobs, snapshots) gets long
-    entry and attribute timeouts and ``keep_cache``; mutable files get a
-    zero attribute timeout; directories a short one, since agents appear
-    and vanish outside the kernel's sight (CLI, moves).
+  * Cache policy (timeouts below): content that never changes (blobs,
+    snapshots) is cached long, with ``keep_cache``; names and directories
+    inside a capsule for a minute; the root's entries for a second, since
+    agents appear and vanish outside the kernel's sight (CLI, moves);
+    mutable files for a second, and a change made through the mount drops
+    the kernel's attributes of the file, the manifest and the status at once.
 
 Concurrency: the handlers never await between reading and updating shared
 state, so each runs atomically with respect to the others on the trio loop.
