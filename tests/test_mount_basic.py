@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,23 @@ def test_capsulefs_umount(store: HostStore, state_dir: Path, mnt: Path) -> None:
         assert not os.path.ismount(mnt)
         assert proc.wait(timeout=30) == 0
     assert capsulefs("umount", str(mnt), check=False).returncode == 1
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, state_dir: Path) -> None:
+    make_agent(store, "alice")
+    mnt = Path(tempfile.mkdtemp(prefix="capsulefs-mnt-"))  # traversable by other users
+    mnt.chmod(0o755)
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c"]
+    try:
+        with mounted(state_dir, mnt, "--allow-other"):
+            ctl = mnt / "alice" / ".control"
+            read = subprocess.run([*nobody, f"cat {ctl / 'status'}"], capture_output=True, text=True)
+            assert read.returncode == 0 and json.loads(read.stdout)["name"] == "alice"
+            for target in (ctl / "model", mnt / "alice" / fmt.WORKING_MEMORY):
+                write = subprocess.run([*nobody, f"echo openai:gpt-5 > {target}"], capture_output=True, text=True)
+                assert write.returncode != 0 and "Permission denied" in write.stderr
+            (ctl / "model").write_text("openai:gpt-5\n")  # root may
+            assert (ctl / "model").read_text() == "openai:gpt-5\n"
+    finally:
+        mnt.rmdir()
