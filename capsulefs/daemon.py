@@ -34,7 +34,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pyfuse3
 import trio
@@ -99,6 +99,11 @@ class Daemon:
             owner_uid=os.getuid(),
         )
         self.ops = Operations(self.live)
+        #: Other services of this daemon (the move service, the agent
+        #: supervisor...): ``serve_*(task_status=...)`` callables started in
+        #: the daemon's nursery once the mount is up, before READY=1, and
+        #: cancelled when the mount goes away. Add them before ``serve``.
+        self.services: list[Callable[..., Awaitable[None]]] = []
         self._stopped_by_us = False
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
@@ -145,6 +150,8 @@ class Daemon:
                 self.ops.nursery = nursery  # background blob checks
                 await nursery.start(self._watch_signals)
                 nursery.start_soon(self._run_fuse, nursery.cancel_scope)
+                for service in self.services:
+                    await nursery.start(service)
                 log.info("capsulefs mounted on %s", self.mountpoint)
                 self.notify("READY=1")
                 task_status.started()

@@ -53,11 +53,23 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
     open_appender(str(warm), machine="WARM", new_id=lambda: "0" * 24, now_ns=lambda: 1,
                   recovery_dir=str(tmp_path / "rec")).append(Note(text="warm"))
     daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: bool(sent.append(m)))
+    service_ran: list[str] = []
+
+    async def serve_other(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        service_ran.append("started")
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            service_ran.append("stopped")
+
+    daemon.services.append(serve_other)
     run = trio.to_thread.run_sync
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(daemon.serve)
             assert sent == ["READY=1"]
+            assert service_ran == ["started"]
             wm = mnt / "alice" / fmt.WORKING_MEMORY
             journal = mnt / "alice" / fmt.JOURNAL
             line = b'{"kind":"note","text":"x"}\n'
@@ -83,6 +95,7 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
             assert await run(os.listdir, mnt) == ["alice"]
             daemon.stop()
         assert sent[-1] == "STOPPING=1"
+        assert service_ran == ["started", "stopped"]
         assert not os.path.ismount(mnt)
     finally:
         force_unmount(mnt)
