@@ -25,12 +25,15 @@ from .journal import Journal, open_journal
 
 log = logging.getLogger(__name__)
 
+READ_CHUNK = 8 << 20
+
 
 class JournalTail:
     """Follows a journal file: digest and served size of its whole lines."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, chunk: int = READ_CHUNK) -> None:
         self.path = path
+        self.chunk = chunk  # read the growth in pieces of this size
         self._ino = -1
         self._size = 0  # bytes of whole lines hashed
         self._h = hashlib.sha256()
@@ -53,17 +56,29 @@ class JournalTail:
             return
         with open(self.path, "rb") as f:
             f.seek(self._size)
-            data = f.read(st.st_size - self._size)
-        end = data.rfind(b"\n")
-        if end < 0:
+            left = st.st_size - self._size
+            carry = b""
+            while left > 0:
+                chunk = f.read(min(left, self.chunk))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                data = carry + chunk
+                end = data.rfind(b"\n") + 1
+                self._take(data[:end])
+                carry = data[end:]
+
+    def _take(self, whole: bytes) -> None:
+        """Account for whole lines (``whole`` ends with a newline, or is empty)."""
+        if not whole:
             return
-        whole = data[: end + 1]
         self._h.update(whole)
         self._size += len(whole)
-        for line in whole.splitlines():
-            self._lines += 1
-            if b'"kind":"model_switch"' in line:
-                self._note_model(line)
+        self._lines += whole.count(b"\n")
+        if b'"kind":"model_switch"' in whole:
+            for line in whole.splitlines():
+                if b'"kind":"model_switch"' in line:
+                    self._note_model(line)
 
     def _note_model(self, line: bytes) -> None:
         try:

@@ -69,3 +69,23 @@ def test_journal_lines_split_anywhere_append_in_order(texts: list[str], cuts: li
         recs = [Record.from_line(line) for line in agent.read(fmt.JOURNAL).splitlines()]
         assert [r.event.text for r in recs] == texts  # type: ignore[attr-defined]
         assert [r.seq for r in recs] == list(range(1, len(texts) + 1))
+
+
+@SETTINGS
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=20),
+       tail=st.binary(max_size=20).map(lambda b: b.replace(b"\n", b"")), chunk=st.integers(1, 64))
+def test_journal_tail_hashes_whole_lines_only(lines: list[bytes], tail: bytes, chunk: int) -> None:
+    import hashlib
+
+    from capsulefs.core.live_journal import JournalTail
+
+    whole = b"".join(line + b"\n" for line in lines)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "j"
+        path.write_bytes(whole[: len(whole) // 2])
+        t = JournalTail(str(path), chunk=chunk)
+        t.refresh()
+        with open(path, "r+b") as f:  # grows in place (same inode)
+            f.write(whole + tail)
+        t.refresh()
+        assert (t.size, t.sha256(), t.events) == (len(whole), hashlib.sha256(whole).hexdigest(), len(lines))
