@@ -355,3 +355,14 @@ async def test_gc_keeps_the_blobs_of_snapshots(store: HostStore, tmp_path: Path)
     assert archive.verify_capsule(str(tmp_path / "snap"))[1] == []
     await c.rmdir(f"alice/{SNAPSHOTS}/keep")
     assert store.gc().removed == 2
+
+
+async def test_agent_removed_beside_the_mount_just_goes_away(c: Client, store: HostStore) -> None:
+    ino = await c.lookup("alice/memory/working_memory.md")
+    store.remove_agent(store.find("alice").agent_id)
+    assert await c.listdir("") == []
+    assert await errno_of(c.ops.getattr(ino, c.ctx)) == errno.ENOENT
+    assert await errno_of(c.lookup("alice")) == errno.ENOENT
+    assert c.ops.live.failsafe is None
+    await c.mkdir("/alice")  # the name is free again
+    assert await c.listdir("alice/memory") == ["timeline_events.jsonl", "vector_index", "working_memory.md"]
