@@ -159,6 +159,7 @@ class Daemon:
             self.notify("STOPPING=1")
             self.ops.release_all()
             pyfuse3.close(unmount=self._stopped_by_us)
+            self.live.close()
             log.info("capsulefs unmounted from %s", self.mountpoint)
 
     async def _run_fuse(self, cancel_scope: trio.CancelScope) -> None:

@@ -432,8 +432,10 @@ class LiveAgent:
         self.host.changed(self.agent_id, rel)
         log.info("agent %s: working memory edited (%d bytes)", self.agent_id, len(data))
 
-    def set_holder(self, host: str, epoch: int) -> None:
-        self.handle.set_holder(host, epoch)
+    def close(self) -> None:
+        if self._appender is not None:
+            self._appender.close()
+            self._appender = None
 
 
 # -- the host ------------------------------------------------------------------
@@ -532,7 +534,7 @@ class LiveHost:
         out = {}
         ids = set(self.store.agent_ids())
         for gone in set(self._agents) - ids:
-            del self._agents[gone]
+            self._agents.pop(gone).close()
         broken: StoreError | None = None
         for aid in sorted(ids):
             if self.state(aid) is AgentState.RETIRED:
@@ -883,6 +885,11 @@ class LiveHost:
                 return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
         raise IsADirectory("is a directory")
 
+    def close(self) -> None:
+        """Close every agent's open journal (at unmount)."""
+        for a in self._agents.values():
+            a.close()
+
     # -- the daemon's API ------------------------------------------------------------
     def freeze(self, agent_id: str) -> None:
         self.agent(agent_id).stored_manifest()
@@ -901,7 +908,8 @@ class LiveHost:
         except (NotFoundError, FileNotFoundError):
             pass  # already gone from the store
         self.set_state(agent_id, AgentState.RETIRED)
-        self._agents.pop(agent_id, None)
+        if agent_id in self._agents:
+            self._agents.pop(agent_id).close()
         return name
 
     def activate(self, agent_id: str) -> str:

@@ -143,7 +143,8 @@ class JournalHandle(Handle):
         self.agent = agent
         self.agent_id = agent.agent_id
         self.writable = writable
-        self.journal = agent.journal() if writable else None
+        if writable:
+            agent.journal()  # opened now, so that a broken journal fails the open
         self.partial = b""  # the start of a line whose newline has not come yet
 
     def read(self, offset: int, size: int) -> bytes:
@@ -157,7 +158,7 @@ class JournalHandle(Handle):
             return f.read(n)
 
     def write(self, offset: int, data: bytes) -> int:
-        if self.journal is None:
+        if not self.writable:
             raise NotPermitted("the journal is not open for writing")
         self.agent.host.check_writable(self.agent_id)
         buf = self.partial + bytes(data)
@@ -165,7 +166,7 @@ class JournalHandle(Handle):
         if len(buf) - end > MAX_PARTIAL_LINE:
             raise FormatError(f"a journal line is longer than {MAX_PARTIAL_LINE} bytes")
         if end:
-            self.journal.append_many(parse_lines(buf[:end]))
+            self.agent.journal().append_many(parse_lines(buf[:end]))
         self.partial = buf[end:]
         return len(data)
 
