@@ -147,3 +147,18 @@ def test_control_model_and_move(mnt: Path) -> None:
     assert move.returncode != 0 and "not supported" in move.stderr
     status = json.loads((ctl / "status").read_text())
     assert (status["provider"], status["model"]) == ("openai", "gpt-5")
+
+
+def test_backup_by_rename_then_write_anew(mnt: Path) -> None:
+    # emacs' default save: rename the file to its backup, write a new file, keep or drop the backup
+    wm = mnt / fmt.WORKING_MEMORY
+    backup = mnt / "memory" / "working_memory.md~"
+    os.rename(wm, backup)
+    assert backup.read_text() == MEMORY
+    with open(wm, "w") as f:
+        f.write("saved by an emacs-like editor\n")
+    assert wm.read_text() == "saved by an emacs-like editor\n"
+    assert backup.read_text() == MEMORY
+    backup.unlink()
+    assert kinds(mnt) == ["memory_edit"]
+    verifies(mnt)
