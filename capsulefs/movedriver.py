@@ -234,7 +234,7 @@ class _Driver:
                     await self.host.hooks.freeze(c.agent_id)
                     try:
                         await trio.to_thread.run_sync(self._snapshot)
-                    except CapsuleError as exc:
+                    except (CapsuleError, OSError) as exc:  # roll back like any failure before commit
                         queue = deque([c2 for c2 in queue if isinstance(c2, mv.Persist)])
                         queue.extend([_Local(reason=str(exc))])
                 case _Local():
