@@ -68,3 +68,32 @@ def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> N
     assert "memory/working_memory.md: grown" in proc.stderr
     assert "environment/spec.json: listed in the manifest but missing" in proc.stderr
     assert "unlisted: present but not listed" in proc.stderr
+
+
+def _holder(state: Path, agent_id: str):
+    from capsulefs.core.holder import HolderBook
+    from capsulefs.movehost import holders_dir
+
+    return HolderBook(holders_dir(str(state))).get(agent_id)
+
+
+def test_new_and_import_record_who_holds_the_agent(cli, state_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from conftest import run_cli
+
+    cli("new", "held", check=True)
+    agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
+    rec = _holder(state_dir, agent_id)
+    assert rec is not None and rec.runnable and rec.epoch == 1
+    tar = tmp_path / "held.tar"
+    cli("export", "held", "-o", str(tar), check=True)
+    # Another host importing the copy does not get to run it.
+    other = tmp_path / "other"
+    out = run_cli("import", str(tar), state=other, check=True).stdout
+    assert "will not run here" in out
+    assert _holder(other, agent_id) is None
+    # The holder restoring its own export after losing the agent holds it again.
+    cli("rm", "held", check=True)
+    cli("import", str(tar), check=True)
+    assert _holder(state_dir, agent_id).runnable

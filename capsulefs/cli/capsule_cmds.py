@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store
+from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, state_dir
+from capsulefs.movehost import record_new_agent
 from capsulefs.core import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.spec import default_spec, parse_spec
@@ -22,6 +23,7 @@ def cmd_new(args: argparse.Namespace) -> int:
             except SpecError as exc:
                 raise SpecError(f"{args.spec}: {exc}") from None
     agent = store.create_agent(args.name, host_id=host_id(args), agent_id=new_agent_id(), spec=spec)
+    record_new_agent(state_dir(args), agent.agent_id, agent.manifest().holder.epoch)
     print(f"created agent {args.name} ({agent.agent_id})")
     return 0
 
@@ -86,7 +88,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     store = open_store(args)
     agent = archive.import_tar(store, args.tar)
+    holder = agent.manifest().holder
     print(f"imported agent {agent.name} ({agent.agent_id})")
+    if holder.host == host_id(args):
+        record_new_agent(state_dir(args), agent.agent_id, holder.epoch)
+    else:
+        # A copy of an agent another host holds: running it here could run it
+        # twice. It stays unrunnable until peers confirm or an operator decides.
+        print(f"note: the export says host {holder.host} holds it at epoch {holder.epoch}; it will not run here "
+              f"until 'capsulefs move {agent.name} --force-hold --why ...' or a move makes this host its holder")
     return 0
 
 
