@@ -62,6 +62,9 @@ ERRNO: dict[type[CapsuleError], int] = {
     NotADirectory: errno.ENOTDIR,
 }
 QUIET = frozenset({errno.ENOENT, errno.ENODATA, errno.EEXIST})
+#: Refusals that editors and copy tools provoke as a matter of course (vim
+#: copies extended attributes on every save): logged at debug level too.
+QUIET_OPS = frozenset({("setxattr", errno.EOPNOTSUPP), ("removexattr", errno.EOPNOTSUPP)})
 
 
 def errno_for(exc: BaseException) -> int | None:
@@ -103,7 +106,8 @@ def fuse_op(fn: F) -> F:
                 log.exception("%s: internal error: %s", name, exc)
                 self.live.enter_failsafe(f"{name}: {type(exc).__name__}: {exc}")
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            log.log(logging.DEBUG if code in QUIET else logging.WARNING, "%s: %s [%s]",
+            quiet = code in QUIET or (name, code) in QUIET_OPS
+            log.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s [%s]",
                     name, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
         except OSError as exc:
