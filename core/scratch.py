@@ -8,7 +8,8 @@ Rules:
   * Only the capsule directories that hold an editable file may have
     scratch files (:data:`SCRATCH_DIRS`).
   * Scratch files are plain files: their bytes, mode and owner are the real
-    file's. They survive a daemon restart (vim's swap files are for
+    file's, written in place by the editor that owns them (the one place
+    capsulefs passes writes through rather than writing atomically). They survive a daemon restart (vim's swap files are for
     recovery), and are removed with their agent.
 """
 
@@ -19,7 +20,7 @@ import shutil
 
 from . import format as fmt
 from .errors import NotFoundError
-from .fsutil import makedirs_durable
+from .fsutil import atomic_write, makedirs_durable
 from .live_errors import NotPermitted
 
 #: Capsule directories where editors may create scratch files.
@@ -81,11 +82,7 @@ class ScratchArea:
         """Make (or overwrite) a scratch file holding ``data``."""
         p = self.path(agent_id, reldir, name)
         makedirs_durable(os.path.dirname(p), 0o700)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        atomic_write(p, data)
 
     def read(self, agent_id: str, reldir: str, name: str) -> bytes:
         with open(self.path(agent_id, reldir, name), "rb") as f:
