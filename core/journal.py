@@ -563,9 +563,10 @@ def _preallocate(fd: int, offset: int, length: int) -> bool:
         if sys.platform.startswith("linux"):
             try:
                 import ctypes
-                import ctypes.util
 
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                # CDLL(None) is the running process's own symbols (libc among
+                # them); ctypes.util.find_library would spawn a subprocess.
+                libc = ctypes.CDLL(None, use_errno=True)
                 fn = libc.fallocate
                 fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
                 fn.restype = ctypes.c_int

@@ -21,11 +21,9 @@ def test_move_between_two_processes(tmp_path: Path) -> None:
     aid = run_cli("ls", "--json", state=a, check=True).stdout
     agent_id = re.search(r"[0-9a-f]{32}", aid).group(0)
 
-    # made before holder records existed: no record, so it may not move until forced
-    refused = run_cli("move", "walker", "b", state=a)
-    assert refused.returncode == 1
-    forced = run_cli("move", "walker", "--force-hold", "--why", "created by new", state=a, check=True)
-    assert "held here at epoch 1" in forced.stdout
+    assert HolderBook(a / "holders").get(agent_id).state is HolderState.HELD  # `new` recorded it
+    refused = run_cli("move", "walker", "b", state=a)  # b is no peer yet
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
 
     run_cli("peer", "add", "a", "127.0.0.1:1", ida, state=b, check=True)
     with subprocess.Popen([*CAPSULEFS, "--state", str(b), "peer-serve", "--listen", "127.0.0.1:0"],
