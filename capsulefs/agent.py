@@ -358,13 +358,26 @@ class Agent:
             self.port.append([ev.ToolResult(call_id=call.call_id, content=out, is_error=is_error)])
         return True
 
-    def run_forever(self, poll: float = POLL_SECONDS) -> None:
+    def run_forever(self, poll: float = POLL_SECONDS, retry_max: float = 60.0) -> None:
+        """Step until stopped. A failed step (no model chosen, provider down,
+        a refused request) is logged and retried when the journal changes or
+        after a backoff; it never crashes the loop."""
         self.answer_interrupted()
+        backoff = 1.0
         while not self.stopping:
-            if self.step():
-                continue
             size = self.port.size()
+            try:
+                if self.step():
+                    backoff = 1.0
+                    continue
+                wait = None
+            except Exception as exc:  # noqa: BLE001 - the loop must survive any provider failure
+                log.error("step failed: %s", exc)
+                wait, backoff = backoff, min(backoff * 2, retry_max)
+            deadline = None if wait is None else time.monotonic() + wait
             while not self.stopping and self.port.size() == size:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
                 time.sleep(poll)
 
 
@@ -383,5 +396,6 @@ def main(args: Any = None) -> int:
         agent.stopping = True
 
     signal.signal(signal.SIGTERM, stop)
+    logging.basicConfig(level=logging.INFO, format="capsulefs agent: %(levelname)s: %(message)s")
     agent.run_forever()
     return 0

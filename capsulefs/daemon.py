@@ -104,6 +104,12 @@ class Daemon:
         #: the daemon's nursery once the mount is up, before READY=1, and
         #: cancelled when the mount goes away. Add them before ``serve``.
         self.services: list[Callable[..., Awaitable[None]]] = []
+        #: Components that act on an agent's life (the agent supervisor):
+        #: objects with async ``on_freeze``, ``on_resume``, ``on_retire`` and
+        #: ``on_activate(agent_id)``. ``on_freeze`` runs before the mount
+        #: refuses writes (so the agent's last work can be committed); the
+        #: others run after the mount changed state.
+        self.listeners: list[object] = []
         self._stopped_by_us = False
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
@@ -111,18 +117,25 @@ class Daemon:
         """Every write to the agent fails with EROFS from now on. Requests run
         one at a time on this loop, so none is half-done when this returns:
         a move may copy the files. (An in-place edit still open is refused
-        at its close.)"""
+        at its close.) Listeners first stop the agent's process and commit
+        its workspace."""
+        for listener in self.listeners:
+            await listener.on_freeze(agent_id)  # type: ignore[attr-defined]
         self.live.freeze(agent_id)
 
     async def resume(self, agent_id: str) -> None:
         """Writes to the agent work again (the move was rolled back)."""
         self.live.resume(agent_id)
+        for listener in self.listeners:
+            await listener.on_resume(agent_id)  # type: ignore[attr-defined]
 
     async def retire(self, agent_id: str) -> None:
         """The agent is active elsewhere: it disappears from the root."""
         name = self.live.retire(agent_id)
         if name is not None:
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
+        for listener in self.listeners:
+            await listener.on_retire(agent_id)  # type: ignore[attr-defined]
 
     async def prepare(self, agent_id: str, staged_dir: str) -> None:
         """Target side, before activate: nothing for the mount to build."""
@@ -131,6 +144,8 @@ class Daemon:
         """The agent (moved in, or resumed after a retire) is shown and writable."""
         name = self.live.activate(agent_id)
         self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
+        for listener in self.listeners:
+            await listener.on_activate(agent_id)  # type: ignore[attr-defined]
 
     def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None:
         """What ``.control/status`` shows under "move" (None: the default)."""

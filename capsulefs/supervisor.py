@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -226,7 +227,10 @@ class Supervisor:
         env["CAPSULE_DIR"] = self.hooks.capsule_dir(r.agent_id)
         env["CAPSULE_AGENT_ID"] = r.agent_id
         env.update(secrets)
-        return list(entry), env, cwd
+        argv = list(entry)
+        if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
+            argv[:1] = [sys.executable, "-m", "capsulefs"]
+        return argv, env, cwd
 
     async def _setup(self, r: _Runner, env: dict[str, str], cwd: str) -> bool:
         for i, step in enumerate(self.hooks.spec(r.agent_id).get("setup", [])):

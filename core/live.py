@@ -326,7 +326,7 @@ class LiveAgent:
             "events": self.tail.events,
             "last_error": self.host.last_error,
             "move": self.move_progress or {"available": False, "detail": MOVE_UNAVAILABLE},
-        }
+        } | {key: section(self.agent_id) for key, section in self.host.status_sections.items()}
 
     def status_bytes(self) -> bytes:
         return (json.dumps(self.status(), indent=2, sort_keys=True) + "\n").encode()
@@ -482,6 +482,9 @@ class LiveHost:
         #: this view, so that the adapter can tell the kernel (attributes
         #: of that file, the manifest and the status change).
         self.on_change: Callable[[str, str], None] = lambda agent_id, rel: None
+        #: Extra sections of ``.control/status`` from other components, by
+        #: key (e.g. "run": the agent process's state from the supervisor).
+        self.status_sections: dict[str, Callable[[str], object]] = {}
 
     # -- states (the daemon's API for the move driver) -----------------------
     def state(self, agent_id: str) -> AgentState:

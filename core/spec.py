@@ -33,10 +33,15 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FIELDS = {"version", "entrypoint", "env", "secrets", "setup", "packages"}
 
 
-def default_spec(entrypoint: list[str] | None = None) -> dict[str, Any]:
+#: The entrypoint of a new agent: the reference agent. The supervisor runs
+#: ``capsulefs`` as the host's own capsulefs.
+REFERENCE_AGENT = ["capsulefs", "agent"]
+
+
+def default_spec(entrypoint: list[str] | None = REFERENCE_AGENT) -> dict[str, Any]:
     return {
         "version": SPEC_VERSION,
-        "entrypoint": entrypoint,
+        "entrypoint": list(entrypoint) if entrypoint is not None else None,
         "env": {},
         "secrets": [],
         "setup": [],

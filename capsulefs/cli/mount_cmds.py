@@ -67,6 +67,10 @@ def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
     if ignored:
         log.info("ignoring mount options %s (for mount(8) or systemd)", ",".join(ignored))
     daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in opts)
+    if not args.no_run:
+        from capsulefs.runtime import AgentRuntime
+
+        AgentRuntime.attach(daemon)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -159,6 +163,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", metavar="OPTIONS", help="mount options, comma-separated (from mount(8))")
     p.add_argument("--log-file", metavar="FILE", help="log here instead of stderr")
     p.add_argument("--debug", action="store_true", help="log every request")
+    p.add_argument("--no-run", action="store_true", help="serve the files only: run no agent processes")
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")

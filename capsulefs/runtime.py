@@ -1,0 +1,148 @@
+"""Running the agents a mount serves: the supervisor wired to the daemon.
+
+Rules:
+  * An agent runs here only while the mount shows it active and this host's
+    holder record says it may run (held at its epoch). No record, a lost one,
+    frozen, offered or retired: it does not run. The move protocol decides
+    who holds; this module only obeys.
+  * Freezing (start of a move) stops the process at a step boundary and
+    commits the sandbox's changes as blobs, one ``workspace_update`` event
+    and a new snapshot, before the mount starts refusing writes, so the offer
+    carries them. Retiring discards the host-local sandbox.
+  * ``.control/status`` gains a "run" section: the process state, pid,
+    restarts, last exit and, in words, why it does not run.
+
+Theory of operation: :class:`AgentRuntime` is both a daemon listener (its
+``on_*`` methods run inside the daemon's freeze/resume/retire/activate) and
+a daemon service (:meth:`serve` owns the supervisor and a reconcile loop that
+starts agents that became runnable: a new agent, a spec given an entrypoint,
+an agent moved in).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import trio
+
+from capsulefs.core import format as fmt
+from capsulefs.core import workspace
+from capsulefs.core.events import WorkspaceUpdate
+from capsulefs.core.holder import HolderBook
+from capsulefs.core.live import AgentState
+from capsulefs.movehost import holders_dir
+from capsulefs.supervisor import RunState, Supervisor
+
+log = logging.getLogger(__name__)
+
+RECONCILE_SECONDS = 1.0
+
+
+class AgentRuntime:
+    def __init__(self, daemon: Any, *, grace: float = 5.0) -> None:
+        self.daemon = daemon
+        self.live = daemon.live
+        self.store = daemon.live.store
+        self.holders = HolderBook(holders_dir(daemon.state_dir))
+        self.supervisor = Supervisor(daemon.state_dir, self, grace=grace)
+        self._paused: set[str] = set()  # frozen by a move: not restarted by reconcile
+
+    @classmethod
+    def attach(cls, daemon: Any, **kw: Any) -> "AgentRuntime":
+        rt = cls(daemon, **kw)
+        daemon.listeners.append(rt)
+        daemon.services.append(rt.serve)
+        daemon.live.status_sections["run"] = rt.run_status
+        return rt
+
+    # -- the supervisor's hooks ---------------------------------------------------
+    def spec(self, agent_id: str) -> Mapping[str, Any]:
+        return json.loads(self.store.agent(agent_id).read(fmt.SPEC))
+
+    def snapshot(self, agent_id: str) -> Mapping[str, str]:
+        return fmt.parse_snapshot(self.store.agent(agent_id).read(fmt.SNAPSHOT))
+
+    def read_blob(self, sha256: str) -> Iterator[bytes]:
+        return self.store.iter_blob(sha256)
+
+    def capsule_dir(self, agent_id: str) -> str:
+        return os.path.join(self.daemon.mountpoint, self.store.agent(agent_id).name)
+
+    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
+        """New blobs, one workspace_update event, the new snapshot: in that order,
+        so a crash between steps leaves at worst unreferenced blobs (gc's)."""
+        agent = self.store.agent(agent_id)
+        snap = dict(self.snapshot(agent_id))
+        with self.store.writing():
+            for sha, path in scan.new_files.items():
+                with open(path, "rb") as f:
+                    self.store.put_blob_stream(f, expect=sha)
+            self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])
+            for rel, sha in scan.changes.items():
+                if sha is None:
+                    snap.pop(rel, None)
+                else:
+                    snap[rel] = sha
+            agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
+        self.live.changed(agent_id, fmt.SNAPSHOT)
+        log.info("agent %s: workspace synced (%d change(s))", agent_id, len(scan.changes))
+
+    # -- who may run ---------------------------------------------------------------------
+    def runnable(self, agent_id: str) -> tuple[bool, str]:
+        if agent_id in self._paused:
+            return False, "frozen for a move"
+        if self.live.state(agent_id) is not AgentState.ACTIVE:
+            return False, f"the mount shows it {self.live.state(agent_id).value}"
+        rec = self.holders.get(agent_id)
+        if rec is None:
+            return False, "this host has no holder record for it: it runs only after a move or 'capsulefs move --force-hold'"
+        if not rec.runnable:
+            return False, f"its holder record here says {rec.state.value} at epoch {rec.epoch}"
+        return True, ""
+
+    def run_status(self, agent_id: str) -> dict[str, Any]:
+        st = self.supervisor.status(agent_id).as_json()
+        ok, why = self.runnable(agent_id)
+        if not ok and st["state"] in ("stopped", "frozen"):
+            st["detail"] = why
+        return st
+
+    def reconcile(self) -> None:
+        for agent_id in self.store.agent_ids():
+            ok, _why = self.runnable(agent_id)
+            st = self.supervisor.status(agent_id).state
+            if ok and st in (RunState.STOPPED, RunState.FROZEN) and self.spec(agent_id).get("entrypoint"):
+                self.supervisor.want(agent_id)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.supervisor.serve)
+            task_status.started()
+            while True:
+                try:
+                    self.reconcile()
+                except Exception:  # never let one bad agent stop the others
+                    log.exception("runtime: reconcile failed")
+                await trio.sleep(RECONCILE_SECONDS)
+
+    # -- the daemon's listener API ---------------------------------------------------------
+    async def on_freeze(self, agent_id: str) -> None:
+        self._paused.add(agent_id)
+        await self.supervisor.freeze(agent_id)
+
+    async def on_resume(self, agent_id: str) -> None:
+        self._paused.discard(agent_id)
+        self.reconcile()
+
+    async def on_retire(self, agent_id: str) -> None:
+        self._paused.discard(agent_id)
+        await self.supervisor.unwant(agent_id, sync=False)
+        self.supervisor.discard_sandbox(agent_id)
+
+    async def on_activate(self, agent_id: str) -> None:
+        self._paused.discard(agent_id)
+        self.reconcile()
