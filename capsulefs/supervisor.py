@@ -50,6 +50,14 @@ BACKOFF_MAX = 60.0
 BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: die with SIGKILL when the daemon dies (Linux)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class RunState(enum.Enum):
     STOPPED = "stopped"
     BUILDING = "building"
@@ -118,6 +126,7 @@ class Supervisor:
     # -- lifecycle -----------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the agents' tasks; never returns until cancelled."""
+        self.reap_orphans()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -135,6 +144,42 @@ class Supervisor:
 
     def sandbox(self, agent_id: str) -> str:
         return os.path.join(self.sandbox_root, agent_id, "workspace")
+
+    def _pidfile(self, agent_id: str) -> str:
+        return os.path.join(self.sandbox_root, agent_id, "pid")
+
+    def reap_orphans(self) -> list[int]:
+        """Kill agent processes a previous daemon of this state dir left running.
+
+        A daemon killed outright cannot stop its agents (they also die with
+        it through PDEATHSIG, but their own children may not). Each run's
+        process group id is kept in a pid file; a group is killed only if
+        its leader still carries that agent's CAPSULE_AGENT_ID, so a reused
+        pid is never hit."""
+        killed = []
+        if not os.path.isdir(self.sandbox_root):
+            return killed
+        for agent_id in os.listdir(self.sandbox_root):
+            path = self._pidfile(agent_id)
+            try:
+                with open(path) as f:
+                    pgid = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            try:
+                with open(f"/proc/{pgid}/environ", "rb") as f:
+                    mine = f"CAPSULE_AGENT_ID={agent_id}".encode() in f.read().split(b"\0")
+            except OSError:
+                mine = False
+            if mine:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                    killed.append(pgid)
+                    log.warning("killed agent %s's process group %d, left by an earlier daemon", agent_id, pgid)
+                except ProcessLookupError:
+                    pass
+            os.unlink(path)
+        return killed
 
     def want(self, agent_id: str) -> None:
         """Run this agent (no-op if it already runs)."""
@@ -249,11 +294,14 @@ class Supervisor:
 
     async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int:
         try:
-            proc = await trio.lowlevel.open_process(argv, cwd=cwd, env=env, start_new_session=True)
+            proc = await trio.lowlevel.open_process(argv, cwd=cwd, env=env, start_new_session=True,
+                                                    preexec_fn=_die_with_parent)
         except OSError as exc:
             r.status.detail = f"the entrypoint {argv[0]} could not start: {exc.strerror}"
             return 127
         r.process = proc
+        with open(self._pidfile(r.agent_id), "w") as f:
+            f.write(f"{proc.pid}\n")
         r.status.state, r.status.pid = RunState.RUNNING, proc.pid
         r.status.detail = "running"
         log.info("agent %s started as pid %d", r.agent_id, proc.pid)
@@ -287,6 +335,10 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         r.process = None
+        try:
+            os.unlink(self._pidfile(r.agent_id))
+        except FileNotFoundError:
+            pass
 
     def discard_sandbox(self, agent_id: str) -> None:
         shutil.rmtree(os.path.join(self.sandbox_root, agent_id), ignore_errors=True)

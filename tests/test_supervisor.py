@@ -172,3 +172,63 @@ async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStor
 @pytest.fixture
 def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
+
+
+DAEMON_LIKE = r"""
+import json, sys, trio
+sys.path.insert(0, sys.argv[3])
+from test_supervisor import StoreHooks
+from capsulefs.core.store import HostStore
+from capsulefs.supervisor import Supervisor
+
+async def main():
+    store = HostStore.open(sys.argv[1])
+    sup = Supervisor(store.root, StoreHooks(store, "/nonexistent"))
+    async with trio.open_nursery() as n:
+        await n.start(sup.serve)
+        sup.want(sys.argv[2])
+        while sup.status(sys.argv[2]).pid is None:
+            await trio.sleep(0.01)
+        print(sup.status(sys.argv[2]).pid, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostStore, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    spec = default_spec([sys.executable, "-c", PROBE])
+    agent = _agent_with_spec(store, spec)
+    tests_dir = str(Path(__file__).parent)
+    with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
+                          stdout=subprocess.PIPE, text=True) as daemon:
+        pid = int(daemon.stdout.readline())
+        os.kill(pid, 0)  # the agent runs
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+    for _ in range(500):  # PDEATHSIG: the agent goes with its daemon
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        import time
+
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the agent outlived its killed daemon")
+
+    # A leftover pid file is reaped only if the process is that agent's.
+    with subprocess.Popen(["sleep", "60"], env={"CAPSULE_AGENT_ID": agent.agent_id}, start_new_session=True) as mine, \
+            subprocess.Popen(["sleep", "60"], start_new_session=True) as stranger:
+        sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+        Path(sup._pidfile(agent.agent_id)).write_text(f"{mine.pid}\n")
+        other = Path(sup.sandbox_root) / ("f" * 32)
+        other.mkdir()
+        (other / "pid").write_text(f"{stranger.pid}\n")
+        assert sup.reap_orphans() == [mine.pid]
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert stranger.poll() is None
+        stranger.kill()
