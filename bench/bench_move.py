@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from capsulefs.core import format as fmt  # noqa: E402
 from capsulefs.core.holder import new_held  # noqa: E402
 from capsulefs.movedriver import MoveControl, move_agent  # noqa: E402
-from capsulefs.movehost import MoveHost  # noqa: E402
+from capsulefs.movehost import MoveHost, NoHooks  # noqa: E402
 from capsulefs.moveservice import serve_moves  # noqa: E402
 from capsulefs.peerlink import client_context, open_peer, server_context  # noqa: E402
 from capsulefs.peers import Peer  # noqa: E402
@@ -65,20 +65,11 @@ class CountingStream(trio.abc.Stream):
 
 
 @dataclass
-class Hooks:
+class Hooks(NoHooks):
     times: dict[str, float] = field(default_factory=dict)
 
     async def freeze(self, agent_id: str) -> None:
         self.times["freeze"] = time.perf_counter()
-
-    async def resume(self, agent_id: str) -> None:
-        pass
-
-    async def retire(self, agent_id: str) -> None:
-        pass
-
-    async def prepare(self, agent_id: str, staged_dir: str) -> None:
-        pass
 
     async def activate(self, agent_id: str) -> None:
         self.times["activate"] = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from capsulefs.core import archive
@@ -48,3 +50,12 @@ def files_under(root: Path) -> dict[str, bytes]:
             p = Path(dirpath) / f
             out[str(p.relative_to(root))] = p.read_bytes()
     return out
+
+
+def wait_until(predicate: Callable[[], object], what: str, limit: float = 60.0) -> None:
+    """Poll ``predicate`` (for real processes) until true, or fail naming ``what``."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

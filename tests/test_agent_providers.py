@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from capsulefs.core import events as ev
 from capsulefs.core import format as fmt
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
+
+from helpers import wait_until
 
 MACHINE = "HOSTA"
 
@@ -95,14 +96,6 @@ def test_conversation_switches_provider_and_back_with_no_loss(stub, capsule: Pat
                    if isinstance(msg["content"], list) for block in msg["content"])
 
 
-def _wait(predicate, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_agent_process_converses_and_stops_on_sigterm(stub, capsule: Path, tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -113,9 +106,9 @@ def test_agent_process_converses_and_stops_on_sigterm(stub, capsule: Path, tmp_p
                           stderr=subprocess.PIPE) as proc:
         try:
             port.append([ev.UserMessage(text="first question")])
-            _wait(lambda: any(r.kind == "assistant_message" for r in port.records()), "the first reply")
+            wait_until(lambda: any(r.kind == "assistant_message" for r in port.records()), "the first reply")
             port.append([ev.UserMessage(text="second, call write_file")])
-            _wait(lambda: sum(r.kind == "assistant_message" for r in port.records()) >= 2, "the second reply")
+            wait_until(lambda: sum(r.kind == "assistant_message" for r in port.records()) >= 2, "the second reply")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
         finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,14 @@ from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
 
+from helpers import wait_until
+
 pytestmark = [needs_fuse]
 
 
 def _records(agent_dir: Path) -> list[Record]:
     data = (agent_dir / "memory" / "timeline_events.jsonl").read_bytes()
     return [Record.from_line(line) for line in data.splitlines()]
-
-
-def _wait(predicate, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _say(agent_dir: Path, text: str) -> None:
@@ -57,12 +50,12 @@ def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
         with mounted(state, mnt):
             agent = mnt / "pilot"
             status = lambda: json.loads((agent / ".control" / "status").read_text())  # noqa: E731
-            _wait(lambda: status()["run"]["state"] == "running", "the agent process to run")
+            wait_until(lambda: status()["run"]["state"] == "running", "the agent process to run")
             pid = status()["run"]["pid"]
 
             (agent / ".control" / "model").write_text("anthropic:claude-a\n")
             _say(agent, "hello")
-            _wait(lambda: len(_replies(agent)) >= 1, "the first reply")
+            wait_until(lambda: len(_replies(agent)) >= 1, "the first reply")
             assert _replies(agent)[0] == "echo: hello"
 
             # A person edits working memory the way editors do: temp file, rename.
@@ -70,16 +63,16 @@ def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
             tmp.write_text("# notes\nthe user's favourite colour is blue\n")
             os.replace(tmp, agent / "memory" / "working_memory.md")
             _say(agent, "what do you remember?")
-            _wait(lambda: len(_replies(agent)) >= 2, "the second reply")
+            wait_until(lambda: len(_replies(agent)) >= 2, "the second reply")
             assert "favourite colour is blue" in json.dumps(stub.requests[-1][2])
 
             # Switch provider mid-conversation and back.
             (agent / ".control" / "model").write_text("openai-chat:gpt-c\n")
             _say(agent, "now on chat completions, call write_file")
-            _wait(lambda: len(_replies(agent)) >= 3, "the reply on openai-chat")
+            wait_until(lambda: len(_replies(agent)) >= 3, "the reply on openai-chat")
             (agent / ".control" / "model").write_text("anthropic:claude-a\n")
             _say(agent, "and back")
-            _wait(lambda: len(_replies(agent)) >= 4, "the reply after switching back")
+            wait_until(lambda: len(_replies(agent)) >= 4, "the reply after switching back")
             assert stub.refused == []
             assert [p for p, _m, _b in stub.requests][-1] == "anthropic"
             assert status()["model"] == "claude-a"
