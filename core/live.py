@@ -65,6 +65,7 @@ from .journal import Journal
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,
+    Mover,
     BytesHandle,
     Edit,
     EditHandle,
@@ -87,7 +88,7 @@ log = logging.getLogger(__name__)
 
 CONTROL = ".control"
 SNAPSHOTS = ".snapshots"
-CONTROL_FILES = ("model", "move", "status")
+CONTROL_FILES = ("abandon", "model", "move", "status")
 EDITABLE = frozenset({fmt.WORKING_MEMORY, fmt.SPEC})
 #: Working memory up to this size goes inline into its memory_edit event;
 #: larger memory is stored as a blob and the event names it.
@@ -325,7 +326,8 @@ class LiveAgent:
             "model": model[1] if model else None,
             "events": self.tail.events,
             "last_error": self.host.last_error,
-            "move": self.move_progress or {"available": False, "detail": MOVE_UNAVAILABLE},
+            "move": self.move_progress or ({"available": True, "phase": "idle"} if self.host.mover is not None
+                                           else {"available": False, "detail": MOVE_UNAVAILABLE}),
         } | {key: section(self.agent_id) for key, section in self.host.status_sections.items()}
 
     def status_bytes(self) -> bytes:
@@ -485,6 +487,13 @@ class LiveHost:
         #: Extra sections of ``.control/status`` from other components, by
         #: key (e.g. "run": the agent process's state from the supervisor).
         self.status_sections: dict[str, Callable[[str], object]] = {}
+        #: Called with (agent_id, epoch) right after ``mkdir`` created an
+        #: agent, so the daemon records that this host holds it (a holder
+        #: record: without one the agent never runs and cannot move).
+        self.on_new_agent: Callable[[str, int], None] = lambda agent_id, epoch: None
+        #: Carries out writes to ``.control/move`` and ``.control/abandon``
+        #: (the daemon's move wiring); None: they fail with EOPNOTSUPP.
+        self.mover: Mover | None = None
 
     # -- states (the daemon's API for the move driver) -----------------------
     def state(self, agent_id: str) -> AgentState:
@@ -686,6 +695,7 @@ class LiveHost:
             fmt.check_agent_name(name)
             agent = self.store.create_agent(name, host_id=self.host_id, agent_id=self.new_agent_id())
             log.info("created agent %s (%s)", name, agent.agent_id)
+            self.on_new_agent(agent.agent_id, agent.manifest().holder.epoch)
             return Node(Kind.AGENT, agent.agent_id)
         if parent.kind is Kind.SNAPSHOTS:
             if self.failsafe is not None:
@@ -877,7 +887,7 @@ class LiveHost:
                     if write:
                         self.check_writable(node.agent)
                     return ModelHandle(a, write)
-                return MoveHandle()
+                return MoveHandle(a, node.rel, self.mover)
             case Kind.SNAP_FILE:
                 if write:
                     raise ReadOnly("snapshots are read-only")

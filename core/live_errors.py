@@ -40,3 +40,39 @@ class IsADirectory(CapsuleError):
 
 class NotADirectory(CapsuleError):
     """A directory operation on a file [ENOTDIR]."""
+
+
+# -- how a move asked for through ``.control/move`` ended (see docs/move.md) ----------
+
+
+class MoveBusy(CapsuleError):
+    """A move of this agent is already under way here [EBUSY]."""
+
+
+class PeerUnreachable(CapsuleError):
+    """The target could not be reached, or the link to it broke [EHOSTUNREACH]."""
+
+
+class PeerConnectionRefused(PeerUnreachable):
+    """Nothing listens at the target's address [ECONNREFUSED]."""
+
+
+class MoveRefused(CapsuleError):
+    """The target refused the move (it holds the agent, a name clash, a
+    failed prepare, or it decided "never") [EPERM]."""
+
+
+class MoveStale(CapsuleError):
+    """The target has seen a newer epoch: another host may hold the agent [EEXIST]."""
+
+
+class MoveCorrupt(CapsuleError):
+    """Content arrived corrupt at the target, or could not be read here [EIO]."""
+
+
+class MoveTimedOut(CapsuleError):
+    """The target did not answer in time; the move rolled back [ETIMEDOUT]."""
+
+
+class MoveAbandoned(CapsuleError):
+    """An operator abandoned the move [ECANCELED]."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from . import format as fmt
 from .blobcheck import BlobCheck
@@ -28,7 +28,21 @@ if TYPE_CHECKING:
 
 #: Longest incomplete line a journal handle holds while waiting for its newline.
 MAX_PARTIAL_LINE = 16 << 20
-MOVE_UNAVAILABLE = "moving agents through the mount is not available yet (.control/move is reserved)"
+MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
+#: Longest line accepted by ``.control/move`` and ``.control/abandon``.
+MAX_CONTROL_LINE = 1024
+
+
+class Mover(Protocol):
+    """Who carries out ``.control/move`` and ``.control/abandon`` (the daemon).
+
+    ``move`` returns once the agent moved and raises a domain error (see
+    ``live_errors``: MoveBusy, PeerUnreachable, MoveRefused...) if the move
+    rolled back or was refused; ``abandon`` ends an in-doubt move."""
+
+    async def move(self, agent_id: str, target: str) -> None: ...
+
+    async def abandon(self, agent_id: str, why: str) -> None: ...
 
 
 class Handle:
@@ -42,6 +56,11 @@ class Handle:
 
     def read(self, offset: int, size: int) -> bytes:
         raise NotPermitted("this file is not open for reading")
+
+    async def write_async(self, offset: int, data: bytes) -> int:
+        """What the adapter calls: :meth:`write`, unless the handle must wait
+        for something (a move) without holding up other requests."""
+        return self.write(offset, data)
 
     def write(self, offset: int, data: bytes) -> int:
         raise NotPermitted("this file is read-only")
@@ -262,7 +281,16 @@ class ModelHandle(Handle):
 
 
 class MoveHandle(Handle):
+    """.control/move (a peer's name or host id: move the agent there) and
+    .control/abandon (a reason: end an in-doubt move here). A write blocks
+    until the mover is done; its outcome is the write's error."""
+
     direct_io = True
+
+    def __init__(self, agent: "LiveAgent", what: str, mover: Mover | None) -> None:
+        self.agent = agent
+        self.what = what  # "move" or "abandon"
+        self.mover = mover
 
     def read(self, offset: int, size: int) -> bytes:
         return b""
@@ -270,8 +298,33 @@ class MoveHandle(Handle):
     def write(self, offset: int, data: bytes) -> int:
         raise NotSupported(MOVE_UNAVAILABLE)
 
+    async def write_async(self, offset: int, data: bytes) -> int:
+        if self.mover is None:
+            raise NotSupported(MOVE_UNAVAILABLE)
+        line = control_line(bytes(data), f".control/{self.what}")
+        if self.what == "move":
+            await self.mover.move(self.agent.agent_id, line)
+        else:
+            await self.mover.abandon(self.agent.agent_id, line)
+        return len(data)
+
     def truncate(self, size: int) -> None:
-        pass
+        pass  # `echo x > move` truncates first; the write that follows is what counts
+
+
+def control_line(data: bytes, what: str) -> str:
+    """The one line of text a control file write may carry, or FormatError."""
+    if len(data) > MAX_CONTROL_LINE:
+        raise FormatError(f"{what}: write one line of at most {MAX_CONTROL_LINE} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{what}: not UTF-8 text") from None
+    text = text[:-1] if text.endswith("\n") else text
+    text = text.strip()
+    if not text or "\n" in text or any(ord(c) < 32 for c in text):
+        raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo laptop > {what}`)")
+    return text
 
 
 def parse_lines(data: bytes) -> list[Event]:

@@ -35,11 +35,19 @@ from capsulefs.core.errors import (
 from capsulefs.core.live_errors import (
     AccessDenied,
     IsADirectory,
+    MoveAbandoned,
+    MoveBusy,
+    MoveCorrupt,
+    MoveRefused,
+    MoveStale,
+    MoveTimedOut,
     NoAttribute,
     NotADirectory,
     NotEmpty,
     NotPermitted,
     NotSupported,
+    PeerConnectionRefused,
+    PeerUnreachable,
     ReadOnly,
 )
 
@@ -60,6 +68,15 @@ ERRNO: dict[type[CapsuleError], int] = {
     NoAttribute: errno.ENODATA,
     IsADirectory: errno.EISDIR,
     NotADirectory: errno.ENOTDIR,
+    # How a move asked for through .control/move ended (docs/move.md):
+    MoveBusy: errno.EBUSY,
+    PeerUnreachable: errno.EHOSTUNREACH,
+    PeerConnectionRefused: errno.ECONNREFUSED,
+    MoveRefused: errno.EPERM,
+    MoveStale: errno.EEXIST,
+    MoveCorrupt: errno.EIO,
+    MoveTimedOut: errno.ETIMEDOUT,
+    MoveAbandoned: errno.ECANCELED,
 }
 QUIET = frozenset({errno.ENOENT, errno.ENODATA, errno.EEXIST})
 #: Refusals that editors and copy tools provoke as a matter of course (vim

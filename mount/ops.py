@@ -355,7 +355,7 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
-        n = handle.write(off, buf)
+        n = await handle.write_async(off, buf)  # .control/move waits here, other requests go on
         handle.written()
         return n
 
