@@ -42,7 +42,7 @@ from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_f
 from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
 from capsulefs.moveservice import BLOBS_CALL
-from capsulefs.peerlink import PeerConnection, PeerError, open_peer
+from capsulefs.peerlink import PeerConnection, PeerError, PeerRefused, PeerUnreachable, open_peer
 from capsulefs.peers import Peer
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,27 @@ class MoveResult:
     reason: str  # the record's note: why it ended so
     bytes_sent: int  # on the wire, framing and TLS payload included
     contents_sent: int  # blobs and capsule files the target lacked
+    cause: str = ""  # why it ended so, in one word: see CAUSES
 
     @property
     def moved(self) -> bool:
         return self.state is mv.SourceState.DONE
+
+
+#: MoveResult.cause: what ended the move, for callers that must tell
+#: failures apart (the mount maps each to an errno, docs/move.md).
+CAUSES = {
+    "moved": "the agent is active on the target",
+    "refused": "the target refused (the offer, the prepare, or decided never; or it refused our identity)",
+    "stale": "the target has seen a newer epoch: another host may hold the agent",
+    "corrupt": "content arrived corrupt at the target, or could not be read here",
+    "unreachable": "the target could not be reached, or the link broke",
+    "connection-refused": "nothing listens at the target's address",
+    "timeout": "the target did not answer in time",
+    "abandoned": "an operator abandoned the move",
+}
+
+
 
 
 class _Driver:
@@ -101,6 +118,8 @@ class _Driver:
         self.bytes_sent = 0
         self.sent = 0
         self.status_asked = 0
+        self.last_event: object | None = None  # the last event fed to the machine
+        self.link_error: Exception | None = None  # the last call's failure, if it failed
 
     # -- connection ---------------------------------------------------------------
     async def _conn(self) -> PeerConnection:
@@ -157,6 +176,7 @@ class _Driver:
             return [mv.Timeout()]
         except (PeerError, CapsuleError, KeyError, TypeError) as exc:
             log.warning("move of %s: blobs to %s failed: %s", first.agent_id, self.peer.name, exc)
+            self.link_error = exc
             await self._drop()
             return [mv.IoFailure(reason=f"blobs: {exc}")]
 
@@ -183,6 +203,7 @@ class _Driver:
             return mv.Timeout()
         except (PeerError, CapsuleError) as exc:
             log.warning("move of %s: %s to %s failed: %s", c.agent_id, c.call.value, self.peer.name, exc)
+            self.link_error = exc
             await self._drop()
             return mv.IoFailure(reason=f"{c.call.value}: {exc}")
 
@@ -192,6 +213,8 @@ class _Driver:
             event = await self._call(c)
             if isinstance(event, mv.AbortReply):
                 return
+            if isinstance(self.link_error, PeerUnreachable):
+                break  # nothing to tell: we cannot even connect (it refuses on its own when it is back)
             await trio.sleep(self.retry_pause * (attempt + 1))
         log.info("move of %s: could not tell %s to abort; it will discard the staging on its own",
                  c.agent_id, self.peer.name)
@@ -218,6 +241,38 @@ class _Driver:
             self.control.on_progress(phase, self.sent, total, self.bytes_sent + (self.conn.bytes_sent if self.conn else 0))
 
     # -- the loop -----------------------------------------------------------------------
+    def _feed(self, event: object) -> list[Any]:
+        if not isinstance(event, (mv.Restarted, mv.MoveRequested)):
+            self.last_event = event
+        return self.m.handle(event)
+
+    def cause(self) -> str:
+        """MoveResult.cause, from the final state and the event that led there."""
+        ev = self.last_event
+        match self.m.state:
+            case mv.SourceState.DONE:
+                return "moved"
+            case mv.SourceState.STALE:
+                return "stale"
+            case mv.SourceState.ABANDONED:
+                return "abandoned"
+        match ev:
+            case mv.OperatorAbandon():
+                return "abandoned"
+            case mv.Timeout():
+                return "timeout"
+            case mv.IoFailure() if isinstance(self.link_error, PeerRefused):
+                return "refused"
+            case mv.IoFailure() if isinstance(self.link_error, PeerUnreachable):
+                return "connection-refused" if _connection_refused(self.link_error) else "unreachable"
+            case mv.IoFailure() if ev.reason.startswith("reading the agent here"):
+                return "corrupt"
+            case mv.IoFailure():
+                return "unreachable"
+            case mv.BlobReply() | mv.VerifyReply():
+                return "corrupt"
+        return "refused"  # a refused offer or prepare, or the target decided never
+
     async def run(self, first: object) -> None:
         try:
             await self._run(first)
@@ -226,7 +281,7 @@ class _Driver:
 
     async def _run(self, first: object) -> None:
         m = self.m
-        queue = deque(m.handle(first))
+        queue = deque(self._feed(first))
         while queue:
             c = queue.popleft()
             match c:
@@ -238,7 +293,7 @@ class _Driver:
                         queue = deque([c2 for c2 in queue if isinstance(c2, mv.Persist)])
                         queue.extend([_Local(reason=str(exc))])
                 case _Local():
-                    queue.extend(m.handle(mv.IoFailure(reason=f"reading the agent here: {c.reason}")))
+                    queue.extend(self._feed(mv.IoFailure(reason=f"reading the agent here: {c.reason}")))
                 case mv.Persist(record=rec):
                     self.host.holders.put(rec)
                 case mv.Resume():
@@ -266,19 +321,31 @@ class _Driver:
                             break
                         if isinstance(event, mv.BlobReply) and event.ok:
                             self.sent += 1
-                        queue.extend(m.handle(event))
+                        queue.extend(self._feed(event))
                     self._progress("transferring")
                 case mv.Send(call=mv.Call.STATUS):
                     if await self._pause_before_status():
-                        queue.extend(m.handle(mv.OperatorAbandon(why=self.control.abandon_reason or "")))
+                        queue.extend(self._feed(mv.OperatorAbandon(why=self.control.abandon_reason or "")))
                         continue
                     self._progress("in doubt")
-                    queue.extend(m.handle(await self._call(c)))
+                    queue.extend(self._feed(await self._call(c)))
                 case mv.Send():
                     self._progress(c.call.value)
-                    queue.extend(m.handle(await self._call(c)))
+                    queue.extend(self._feed(await self._call(c)))
                 case _:
                     raise AssertionError(f"unexpected source command {c}")
+
+
+def _connection_refused(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ConnectionRefusedError is among an error's causes (trio wraps
+    the failed attempts of a connect in an ExceptionGroup)."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_connection_refused(e, depth + 1) for e in exc.exceptions)
+    return _connection_refused(exc.__cause__ or exc.__context__, depth + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,10 +373,13 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
 
 async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_timeout: float = 120.0,
                        retry_pause: float = 1.0, max_retry_pause: float = 60.0,
-                       control: MoveControl | None = None) -> list[MoveResult]:
+                       control: MoveControl | None = None,
+                       control_for: Callable[[str], MoveControl] | None = None) -> list[MoveResult]:
     """After a restart: roll back every FROZEN move, resolve every COMMITTING
     one. The agents are resumed concurrently: one whose target is
-    unreachable waits (in doubt, asking) without holding up the others."""
+    unreachable waits (in doubt, asking) without holding up the others.
+    ``control_for(agent_id)`` gives each its own control (the daemon's
+    ``.control/abandon`` reaches it); else they share ``control``."""
     results: list[MoveResult] = []
 
     async def one(agent_id: str) -> None:
@@ -319,9 +389,10 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
                 return
             assert record.peer is not None
             peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
+            ctl = control_for(agent_id) if control_for is not None else control or MoveControl()
             driver = _Driver(host, mv.SourceMachine(record, me=host.me), peer, connect=connect,
                              call_timeout=call_timeout, retry_pause=retry_pause, max_retry_pause=max_retry_pause,
-                             control=control or MoveControl())
+                             control=ctl)
             log.info("resuming the move of %s to %s (%s)", agent_id, peer.name, record.state.value)
             await driver.run(mv.Restarted())
             results.append(_result(driver))
@@ -335,7 +406,7 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
 def _result(d: _Driver) -> MoveResult:
     assert d.m.state in mv.TERMINAL_SOURCE_STATES, d.m.state
     return MoveResult(agent_id=d.m.agent_id, target=d.peer.host_id, epoch=d.m.epoch, state=d.m.state,
-                      reason=d.m.record.note, bytes_sent=d.bytes_sent, contents_sent=d.sent)
+                      reason=d.m.record.note, bytes_sent=d.bytes_sent, contents_sent=d.sent, cause=d.cause())
 
 
 def abandon_move(holders: HolderBook, agent_id: str, *, me: str, why: str) -> HolderRecord:
