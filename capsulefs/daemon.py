@@ -28,6 +28,7 @@ effect for the next FUSE request.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -39,6 +40,7 @@ from collections.abc import Awaitable, Callable
 import pyfuse3
 import trio
 
+from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.live import AgentState, LiveHost
 from capsulefs.core.store import HostStore
 from capsulefs.identity import load_or_create_identity
@@ -48,6 +50,24 @@ log = logging.getLogger(__name__)
 
 FSNAME = "capsulefs"
 WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
+RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
+
+
+def runtime_path(state_dir: str) -> str:
+    return os.path.join(state_dir, WORK_DIR, RUNTIME_FILE)
+
+
+def find_daemon(state_dir: str) -> dict[str, object] | None:
+    """The runtime file of the daemon serving ``state_dir``, if one runs and its
+    mount is up (a file left by a killed daemon is ignored)."""
+    try:
+        with open(runtime_path(os.path.abspath(state_dir))) as f:
+            info = json.load(f)
+        pid, mnt = int(info["pid"]), str(info["mountpoint"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info if os.path.ismount(mnt) else None
 
 
 def sd_notify(message: str) -> bool:
@@ -110,7 +130,10 @@ class Daemon:
         #: refuses writes (so the agent's last work can be committed); the
         #: others run after the mount changed state.
         self.listeners: list[object] = []
+        #: What the runtime file says besides mount point and pid (services add keys).
+        self.runtime_info: dict[str, object] = {}
         self._stopped_by_us = False
+        self._kernel_up = False  # services started: the kernel may cache entries we must invalidate
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:
@@ -132,7 +155,7 @@ class Daemon:
     async def retire(self, agent_id: str) -> None:
         """The agent is active elsewhere: it disappears from the root."""
         name = self.live.retire(agent_id)
-        if name is not None:
+        if name is not None and self._kernel_up:
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
         for listener in self.listeners:
             await listener.on_retire(agent_id)  # type: ignore[attr-defined]
@@ -143,7 +166,8 @@ class Daemon:
     async def activate(self, agent_id: str) -> None:
         """The agent (moved in, or resumed after a retire) is shown and writable."""
         name = self.live.activate(agent_id)
-        self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
+        if self._kernel_up:  # (at startup, recovery activates before the kernel's INIT: nothing is cached yet)
+            self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
         for listener in self.listeners:
             await listener.on_activate(agent_id)  # type: ignore[attr-defined]
 
@@ -167,15 +191,32 @@ class Daemon:
                 nursery.start_soon(self._run_fuse, nursery.cancel_scope)
                 for service in self.services:
                     await nursery.start(service)
+                self._kernel_up = True
                 log.info("capsulefs mounted on %s", self.mountpoint)
+                self._write_runtime()
                 self.notify("READY=1")
                 task_status.started()
         finally:
+            self._remove_runtime()
             self.notify("STOPPING=1")
             self.ops.release_all()
             pyfuse3.close(unmount=self._stopped_by_us)
             self.live.close()
             log.info("capsulefs unmounted from %s", self.mountpoint)
+
+    def _write_runtime(self) -> None:
+        info = {"mountpoint": self.mountpoint, "pid": os.getpid()} | self.runtime_info
+        os.makedirs(os.path.dirname(runtime_path(self.state_dir)), exist_ok=True)
+        atomic_write(runtime_path(self.state_dir), (json.dumps(info, sort_keys=True) + "\n").encode())
+
+    def _remove_runtime(self) -> None:
+        try:
+            with open(runtime_path(self.state_dir)) as f:
+                mine = json.load(f).get("pid") == os.getpid()
+            if mine:
+                os.unlink(runtime_path(self.state_dir))
+        except (OSError, ValueError):
+            pass
 
     async def _run_fuse(self, cancel_scope: trio.CancelScope) -> None:
         await pyfuse3.main()

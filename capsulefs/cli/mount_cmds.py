@@ -3,7 +3,8 @@
 ``capsulefs mount MOUNTPOINT`` runs the daemon in the foreground (the
 default; ``--systemd`` adds sd_notify readiness), or with ``--background``
 forks it off and returns once the mount is up (what the
-``mount.fuse.capsulefs`` helper and ``/etc/fstab`` need).
+``mount.fuse.capsulefs`` helper and ``/etc/fstab`` need). ``--listen HOST:PORT``
+makes it answer peers' moves too (docs/move.md).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
         from capsulefs.runtime import AgentRuntime
 
         AgentRuntime.attach(daemon)
+    from capsulefs.mountmoves import MountMoves
+    from capsulefs.peers import parse_address
+
+    # After the runtime: moves may activate agents, which the runtime then starts.
+    MountMoves.attach(daemon, listen=parse_address(args.listen, listen=True) if args.listen else None)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -164,6 +170,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-file", metavar="FILE", help="log here instead of stderr")
     p.add_argument("--debug", action="store_true", help="log every request")
     p.add_argument("--no-run", action="store_true", help="serve the files only: run no agent processes")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="answer peers' moves there (port 0: any free port, written to STATE/mount/daemon.json); "
+                        "without it this host moves agents out but accepts none")
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")

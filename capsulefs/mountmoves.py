@@ -1,0 +1,255 @@
+"""Moves in the mount daemon: ``.control/move``, ``.control/abandon``, serving peers.
+
+Rules:
+  * One :class:`MountMoves` per daemon; it is the daemon's only move driver
+    for its state directory (``capsulefs move`` goes through the mount while
+    the daemon runs, see ``cli/move_cmds.py``), so two drivers never share
+    holder records.
+  * Every move runs as a task in this service's nursery (owned by the
+    daemon's nursery). A ``.control/move`` write only waits for its outcome:
+    it blocks its writer, never the FUSE loop.
+  * A move of an agent that is already moving (by a write, or resumed after
+    a restart) is refused with MoveBusy; it never queues.
+  * The outcome is mapped to the domain errors of ``core.live_errors``
+    here (cause -> error type); ``mount/errors.py`` maps those to errno.
+  * ``.control/status`` "move" shows phase, blobs and bytes while a move runs,
+    and its outcome in words once it ended.
+
+The test seam ``CAPSULEFS_TEST_CRASH_AT=<side>:<state>`` (test-only, read once
+at daemon start) makes the daemon ``os._exit(137)`` right after it durably
+wrote that holder state: source:frozen, source:committing, source:retired,
+source:held (rolled back), target:offered, target:verified, target:prepared,
+target:held (activated, before the reply). tests/test_move_daemons.py uses it
+to kill a real daemon at each phase of a move.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import trio
+
+from capsulefs.core import live_errors as le
+from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
+from capsulefs.core.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.movedriver import MoveControl, MoveResult, abandon_move, move_agent, resume_moves
+from capsulefs.movehost import MoveHost, record_new_agent
+from capsulefs.moveservice import MoveService, serve_moves
+from capsulefs.peerlink import PeerError
+from capsulefs.peers import Peer, PeerBookError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CRASH_ENV", "MountMoves"]
+
+CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
+
+#: MoveResult.cause -> the domain error a failed ``.control/move`` write raises.
+_ERRORS: dict[str, type[Exception]] = {
+    "refused": le.MoveRefused,
+    "stale": le.MoveStale,
+    "corrupt": le.MoveCorrupt,
+    "unreachable": le.PeerUnreachable,
+    "connection-refused": le.PeerConnectionRefused,
+    "timeout": le.MoveTimedOut,
+    "abandoned": le.MoveAbandoned,
+}
+
+_SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
+_TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
+
+
+class _CrashingHolders(HolderBook):
+    """Test seam: exit right after a chosen holder state is durable."""
+
+    def __init__(self, root: str, side: str, state: HolderState) -> None:
+        super().__init__(root)
+        self.side, self.state = side, state
+
+    def put(self, record: HolderRecord) -> None:
+        prev = self.get(record.agent_id)
+        super().put(record)
+        if record.state is not self.state:
+            return
+        prev_state = prev.state if prev is not None else None
+        if record.state in _SOURCE_STATES or prev_state in (HolderState.FROZEN, HolderState.COMMITTING):
+            side = "source"
+        elif record.state in _TARGET_STATES or prev_state in _TARGET_STATES:
+            side = "target"
+        else:
+            return
+        if side == self.side:
+            log.warning("test seam %s: exiting after %s:%s of %s", CRASH_ENV, side, record.state.value,
+                        record.agent_id)
+            logging.shutdown()
+            os._exit(137)
+
+
+def crash_seam(host: MoveHost, value: str | None) -> None:
+    """Install the test-only crash seam if ``value`` (``side:state``) is set."""
+    if not value:
+        return
+    side, _, state = value.partition(":")
+    if side not in ("source", "target"):
+        raise FormatError(f"{CRASH_ENV}={value!r}: the side must be source or target")
+    try:
+        st = HolderState(state)
+    except ValueError:
+        raise FormatError(f"{CRASH_ENV}={value!r}: {state!r} is not a holder state") from None
+    log.warning("test seam %s=%s is set: this daemon will exit there", CRASH_ENV, value)
+    host.holders = _CrashingHolders(host.holders.directory, side, st)
+
+
+@dataclass
+class _Running:
+    control: MoveControl
+    target: str
+
+
+class MountMoves:
+    """The daemon's move wiring: a service (``serve``) and the mount's Mover."""
+
+    def __init__(self, daemon: Any, *, listen: tuple[str, int] | None = None, call_timeout: float = 120.0,
+                 retry_pause: float = 1.0) -> None:
+        self.daemon = daemon
+        self.host = MoveHost.open(daemon.state_dir, hooks=daemon)
+        crash_seam(self.host, os.environ.get(CRASH_ENV))
+        self.listen = listen
+        self.call_timeout = call_timeout
+        self.retry_pause = retry_pause
+        self.port: int | None = None  # bound, once serving
+        self._running: dict[str, _Running] = {}
+        self._nursery: trio.Nursery | None = None
+
+    @classmethod
+    def attach(cls, daemon: Any, **kw: Any) -> "MountMoves":
+        mm = cls(daemon, **kw)
+        daemon.services.append(mm.serve)
+        daemon.live.mover = mm
+        state_dir = daemon.state_dir
+        daemon.live.on_new_agent = lambda agent_id, epoch: record_new_agent(state_dir, agent_id, epoch)
+        return mm
+
+    # -- the service -----------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.listen is not None:
+                serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
+                                                      port=self.listen[1]))
+                self.port = serving.port
+                log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
+            else:
+                await MoveService(self.host).recover()  # refuse pending moves a crash left, as serve_moves does
+            self.daemon.runtime_info["move_port"] = self.port
+            nursery.start_soon(self._resume)
+            task_status.started()
+
+    async def _resume(self) -> None:
+        pending = [a for a in self.host.holders.agent_ids()
+                   if (r := self.host.holders.get(a)) is not None and r.state in (HolderState.FROZEN,
+                                                                                  HolderState.COMMITTING)]
+        for agent_id in pending:
+            rec = self.host.holders.get(agent_id)
+            peer = self.host.peers.by_id(rec.peer) if rec is not None and rec.peer else None
+            self._running[agent_id] = _Running(self._control(agent_id, peer.name if peer else ""),
+                                               peer.name if peer else "?")
+        try:
+            results = await resume_moves(self.host, call_timeout=self.call_timeout, retry_pause=self.retry_pause,
+                                         control_for=lambda a: self._running[a].control)
+        finally:
+            for agent_id in pending:
+                self._running.pop(agent_id, None)
+        for r in results:
+            log.info("resumed move of %s: %s (%s)", r.agent_id, r.state.value, r.reason)
+            self._report(r.agent_id, r)
+
+    # -- progress ----------------------------------------------------------------------
+    def _set(self, agent_id: str, progress: dict[str, object]) -> None:
+        try:
+            self.daemon.set_move_progress(agent_id, progress)
+        except NotFoundError:
+            pass  # retired meanwhile
+
+    def _control(self, agent_id: str, target: str = "") -> MoveControl:
+        def on_progress(phase: str, done: int, total: int, nbytes: int) -> None:
+            self._set(agent_id, {"available": True, "phase": phase, "target": target, "blobs_sent": done,
+                                 "blobs_total": total, "bytes_sent": nbytes, "outcome": None})
+
+        return MoveControl(on_progress=on_progress)
+
+    def _report(self, agent_id: str, r: MoveResult) -> None:
+        self._set(agent_id, {"available": True, "phase": "idle", "target": r.target, "blobs_sent": r.contents_sent,
+                             "bytes_sent": r.bytes_sent, "outcome": r.state.value, "cause": r.cause,
+                             "epoch": r.epoch, "detail": r.reason})
+
+    # -- the mount's Mover ------------------------------------------------------------
+    def _peer(self, target: str) -> Peer:
+        try:
+            return self.host.peers.find(target)
+        except (PeerBookError, NotFoundError, FormatError) as exc:
+            names = ", ".join(p.name for p in self.host.peers.peers()) or "none; see 'capsulefs peer add'"
+            raise FormatError(f".control/move: {target!r} is not a known peer ({exc}); peers: {names}") from None
+
+    async def move(self, agent_id: str, target: str) -> None:
+        peer = self._peer(target)
+        if agent_id in self._running:
+            raise le.MoveBusy(f"agent {agent_id} is already moving to {self._running[agent_id].target}")
+        if self._nursery is None:
+            raise le.MoveBusy("the move service is not started yet")
+        rec = self.host.holders.get(agent_id)
+        if rec is None or not rec.runnable:
+            state = "no holder record" if rec is None else f"{rec.state.value} at epoch {rec.epoch}"
+            raise le.MoveRefused(f"agent {agent_id} is not held here ({state}): it cannot move")
+        control = self._control(agent_id, peer.name)
+        self._running[agent_id] = _Running(control, peer.name)
+        self._set(agent_id, {"available": True, "phase": "freezing", "target": peer.name, "blobs_sent": 0,
+                             "bytes_sent": 0, "outcome": None})
+        done = trio.Event()
+        box: list[MoveResult | BaseException] = []
+
+        async def run() -> None:
+            try:
+                box.append(await move_agent(self.host, agent_id, peer, call_timeout=self.call_timeout,
+                                            retry_pause=self.retry_pause, control=control))
+            except (PeerError, CapsuleError, OSError) as exc:  # could not start, or failed outside the machine
+                log.warning("move of %s to %s failed: %s", agent_id, peer.name, exc)
+                box.append(exc)
+            finally:
+                self._running.pop(agent_id, None)
+                done.set()
+
+        log.info("moving %s to %s (%s)", agent_id, peer.name, peer.host_id)
+        self._nursery.start_soon(run)
+        await done.wait()
+        outcome = box[0]
+        if isinstance(outcome, BaseException):
+            self._set(agent_id, {"available": True, "phase": "idle", "target": peer.name, "outcome": "failed",
+                                 "detail": str(outcome)})
+            raise le.MoveRefused(f"the move of {agent_id} to {peer.name} did not start: {outcome}")
+        self._report(agent_id, outcome)
+        if outcome.moved:
+            log.info("moved %s to %s at epoch %d", agent_id, peer.name, outcome.epoch)
+            return
+        error = _ERRORS.get(outcome.cause, le.MoveRefused)
+        raise error(f"the move of {agent_id} to {peer.name} ended {outcome.state.value}: {outcome.reason}")
+
+    async def abandon(self, agent_id: str, why: str) -> None:
+        running = self._running.get(agent_id)
+        risk = "if the target did activate it, two hosts now run it: check the target"
+        if running is not None:
+            log.warning("agent %s: the operator abandons the move to %s (%s); %s", agent_id, running.target, why, risk)
+            running.control.abandon(why)
+            return
+        rec = self.host.holders.get(agent_id)
+        if rec is None or rec.state not in (HolderState.FROZEN, HolderState.COMMITTING):
+            raise le.NotPermitted(f"agent {agent_id} has no move in progress here: nothing to abandon")
+        async with self.host.lock(agent_id):
+            new = abandon_move(self.host.holders, agent_id, me=self.host.me, why=why)
+        log.warning("agent %s: move abandoned by the operator (%s), held again at epoch %d; %s",
+                    agent_id, why, new.held_epoch, risk)
+        await self.daemon.resume(agent_id)
