@@ -1,0 +1,270 @@
+"""Real daemons (tier: kernel + TLS): two ``capsulefs mount`` processes on loopback.
+
+Each host is its own state directory and mount point, ``capsulefs init``'d,
+with the other added as a peer. Moves are asked for the way a user does:
+``echo B > MNT_A/agent/.control/move``. Daemons are killed with SIGKILL at
+each durable step of a move (the test seam CAPSULEFS_TEST_CRASH_AT, see
+capsulefs/mountmoves.py) and restarted; the end state must have exactly one
+holder, no staging left, a capsule that verifies and a journal that lost
+nothing. Every test unmounts and kills what it started, even on failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core.holder import HolderBook, HolderState
+from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
+
+pytestmark = needs_fuse
+
+POLL = 0.05
+WAIT = 60.0  # seconds any one condition may take to come true
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_mounted(mnt: Path) -> bool:
+    """In /proc/mounts (os.path.ismount misses a dead daemon's mount: ENOTCONN)."""
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == str(mnt) for line in f)
+
+
+def force_unmount(mnt: Path) -> None:
+    if is_mounted(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    if is_mounted(mnt):
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def wait_for(cond, what: str, timeout: float = WAIT):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(POLL)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Host:
+    """One host: state dir, mount point, listening port, and its daemon process."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.name = name
+        self.state = root / f"state-{name}"
+        self.mnt = root / f"mnt-{name}"
+        self.log = root / f"daemon-{name}.log"
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.mnt.mkdir()
+        capsulefs("--state", str(self.state), "init")
+        self.host_id = capsulefs("--state", str(self.state), "id").stdout.strip()
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return capsulefs("--state", str(self.state), *args, check=check)
+
+    def start(self, crash_at: str | None = None) -> None:
+        env = dict(os.environ)
+        env.pop("CAPSULEFS_TEST_CRASH_AT", None)
+        if crash_at:
+            env["CAPSULEFS_TEST_CRASH_AT"] = crash_at
+        force_unmount(self.mnt)  # a killed daemon leaves a dead mount behind
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state), "--no-run",
+                 "--listen", f"127.0.0.1:{self.port}"],
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = self.proc
+        wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, f"{self.name} to mount")
+        assert proc.poll() is None, self.log.read_text()
+        wait_for(lambda: (self.state / "mount" / "daemon.json").exists(), f"{self.name}'s runtime file")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            force_unmount(self.mnt)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        force_unmount(self.mnt)
+        self.proc = None
+
+    def wait_killed(self) -> None:
+        assert self.proc is not None
+        self.proc.wait(timeout=WAIT)
+        assert self.proc.returncode == 137, self.log.read_text()
+        force_unmount(self.mnt)
+        self.proc = None
+
+    def holder(self, agent_id: str) -> HolderState | None:
+        rec = HolderBook(self.state / "holders").get(agent_id)
+        return None if rec is None else rec.state
+
+    def staging(self) -> list[str]:
+        d = self.state / "staging"
+        return sorted(os.listdir(d)) if d.exists() else []
+
+    def status(self, agent: str) -> dict:
+        return json.loads((self.mnt / agent / ".control" / "status").read_text())
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
+    a, b = Host(tmp_path, "a"), Host(tmp_path, "b")
+    a.cli("peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id)
+    b.cli("peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id)
+    try:
+        yield a, b
+    finally:
+        for h in (a, b):
+            force_unmount(h.mnt)  # the daemon exits once its mount is gone
+            if h.proc is not None:
+                try:
+                    h.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    h.proc.kill()
+                    h.proc.wait()
+            force_unmount(h.mnt)
+    for h in (a, b):
+        text = h.log.read_text(errors="replace") if h.log.exists() else ""
+        assert "Traceback" not in text, text
+
+
+def make_agent(a: Host, name: str = "walker", events: int = 5) -> str:
+    (a.mnt / name).mkdir()
+    journal = a.mnt / name / "memory" / "timeline_events.jsonl"
+    for i in range(events):
+        with open(journal, "a") as f:
+            f.write(json.dumps({"kind": "user_message", "text": f"hello {i}"}) + "\n")
+    agent_id = a.status(name)["agent_id"]
+    assert a.holder(agent_id) is HolderState.HELD  # mkdir recorded it
+    return agent_id
+
+
+def write_move(mnt: Path, agent: str, text: str) -> int:
+    """``echo TEXT > MNT/agent/.control/move``: 0 or the errno it failed with."""
+    try:
+        fd = os.open(mnt / agent / ".control" / "move", os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
+
+
+def verify_on(h: Host, name: str, tmp: Path, events: int) -> None:
+    """tar the agent out of the mount, verify it, check the journal lost nothing."""
+    out = tmp / f"{h.name}-{name}.tar"
+    subprocess.run(["tar", "-C", str(h.mnt / name), "-cf", str(out), "."], check=True, capture_output=True)
+    assert "OK" in h.cli("verify", str(out)).stdout
+    with tarfile.open(out) as t:
+        data = t.extractfile("./memory/timeline_events.jsonl").read()  # type: ignore[union-attr]
+    recs = check_chains(data)
+    texts = [getattr(r.event, "text", None) for r in recs if r.kind == "user_message"]
+    assert texts == [f"hello {i}" for i in range(events)]
+
+
+def test_echo_moves_an_agent_between_two_mounts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    a, b = hosts
+    a.start()
+    b.start()
+    agent_id = make_agent(a)
+    assert write_move(a.mnt, "walker", "nobody\n") == errno.EINVAL  # not a peer
+    assert write_move(a.mnt, "walker", "b\nb\n") == errno.EINVAL  # not one line
+    assert write_move(a.mnt, "walker", "b\n") == 0
+    assert not (a.mnt / "walker").exists() and "walker" not in os.listdir(a.mnt)
+    assert "walker" in os.listdir(b.mnt)
+    assert a.holder(agent_id) is HolderState.RETIRED and b.holder(agent_id) is HolderState.HELD
+    assert b.status("walker")["epoch"] == 2
+    verify_on(b, "walker", tmp_path, 5)
+    assert a.staging() == [] and b.staging() == []
+    with open(b.mnt / "walker" / "memory" / "timeline_events.jsonl", "a") as f:  # writable on B
+        f.write(json.dumps({"kind": "user_message", "text": "hello 5"}) + "\n")
+    verify_on(b, "walker", tmp_path, 6)
+    a.stop()
+    b.stop()
+
+
+def test_a_move_to_a_dead_peer_fails_and_the_agent_stays(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    a, b = hosts
+    a.start()  # b never starts: nothing listens at its port
+    agent_id = make_agent(a)
+    assert write_move(a.mnt, "walker", "b\n") == errno.ECONNREFUSED
+    assert a.holder(agent_id) is HolderState.HELD
+    move = a.status("walker")["move"]
+    assert move["outcome"] == "rolled_back" and move["cause"] == "connection-refused", move
+    assert "cannot connect" in move["detail"]
+    with open(a.mnt / "walker" / "memory" / "timeline_events.jsonl", "a") as f:  # still writable
+        f.write(json.dumps({"kind": "user_message", "text": "hello 5"}) + "\n")
+    verify_on(a, "walker", tmp_path, 6)
+    a.stop()
+
+
+#: (side, holder state after which the daemon dies, where the agent ends up)
+CRASHES = [
+    ("source", "frozen", "a"),
+    ("source", "committing", "a"),  # activate never sent: the target answers "never"
+    ("source", "retired", "b"),
+    ("target", "offered", "a"),
+    ("target", "verified", "a"),
+    ("target", "prepared", "a"),
+    ("target", "held", "b"),  # activated, the reply lost: in doubt until the target is back
+]
+
+
+@pytest.mark.parametrize(("side", "state", "ends_on"), CRASHES, ids=[f"{s}-{p}" for s, p, _ in CRASHES])
+def test_a_daemon_killed_at_each_phase(hosts: tuple[Host, Host], tmp_path: Path, side: str, state: str,
+                                       ends_on: str) -> None:
+    a, b = hosts
+    victim = a if side == "source" else b
+    a.start(crash_at=f"{side}:{state}" if side == "source" else None)
+    b.start(crash_at=f"{side}:{state}" if side == "target" else None)
+    agent_id = make_agent(a)
+    result: list[int] = []
+    import threading
+
+    writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
+    writer.start()
+    victim.wait_killed()
+    # never two holders, even while one daemon is down
+    assert [a.holder(agent_id), b.holder(agent_id)].count(HolderState.HELD) <= 1
+    victim.start()
+    writer.join(timeout=WAIT)
+    assert not writer.is_alive()
+    if victim is a:
+        assert result and result[0] != 0  # the writer's daemon died under it
+    holders = lambda: (a.holder(agent_id), b.holder(agent_id))  # noqa: E731
+    settled = wait_for(lambda: holders().count(HolderState.HELD) == 1 and
+                       all(s not in (HolderState.FROZEN, HolderState.COMMITTING, HolderState.OFFERED,
+                                     HolderState.VERIFIED, HolderState.PREPARED) for s in holders()) and holders(),
+                       "one holder")
+    held = {"a": a, "b": b}[ends_on]
+    assert settled[0 if ends_on == "a" else 1] is HolderState.HELD, settled
+    wait_for(lambda: (held.mnt / "walker").exists(), f"walker shown on {held.name}")
+    other = b if held is a else a
+    assert "walker" not in os.listdir(other.mnt)
+    assert a.staging() == [] and b.staging() == []
+    verify_on(held, "walker", tmp_path, 5)
+    a.stop()
+    b.stop()
