@@ -268,3 +268,59 @@ def test_a_daemon_killed_at_each_phase(hosts: tuple[Host, Host], tmp_path: Path,
     verify_on(held, "walker", tmp_path, 5)
     a.stop()
     b.stop()
+
+
+def test_a_refused_move_rolls_back_with_eperm(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    a, b = hosts
+    a.start()
+    b.start()
+    agent_id = make_agent(a)
+    make_agent(b, "walker", events=0)  # another agent of that name: B's prepare refuses
+    assert write_move(a.mnt, "walker", "b\n") == errno.EPERM
+    move = a.status("walker")["move"]
+    assert move["outcome"] == "rolled_back" and move["cause"] == "refused", move
+    assert "another agent named" in move["detail"]
+    assert a.holder(agent_id) is HolderState.HELD and b.holder(agent_id) is HolderState.REFUSED
+    assert a.staging() == [] and b.staging() == []
+    verify_on(a, "walker", tmp_path, 5)
+    a.stop()
+    b.stop()
+
+
+def test_capsulefs_move_goes_through_the_daemon(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    a, b = hosts
+    a.start()
+    b.start()
+    agent_id = make_agent(a)
+    moved = a.cli("move", "walker", "b")
+    assert "moved to b (through the daemon" in moved.stdout
+    assert b.holder(agent_id) is HolderState.HELD and "walker" in os.listdir(b.mnt)
+    assert "walker" not in os.listdir(a.mnt)
+    a.stop()
+    b.stop()
+
+
+def test_abandon_reaches_an_in_doubt_move_in_the_daemon(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    import threading
+
+    a, b = hosts
+    a.start()
+    b.start(crash_at="target:held")  # activated on B, the reply lost, and B stays down
+    agent_id = make_agent(a)
+    result: list[int] = []
+    writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
+    writer.start()
+    b.wait_killed()
+    wait_for(lambda: a.holder(agent_id) is HolderState.COMMITTING and
+             a.status("walker")["move"].get("phase") == "in doubt", "the source in doubt")
+    assert writer.is_alive()  # blocks while in doubt: no timer decides
+    assert a.cli("move", "--abandon", "walker", check=False).returncode == 1  # no reason: refused
+    assert "two hosts" in a.cli("move", "--abandon", "walker", "--why", "B's disk died").stdout
+    writer.join(timeout=WAIT)
+    assert result == [errno.ECANCELED]
+    assert a.holder(agent_id) is HolderState.HELD
+    move = a.status("walker")["move"]
+    assert move["outcome"] == "abandoned" and "B's disk died" in move["detail"], move
+    log = a.log.read_text()
+    assert "abandons the move" in log and "two hosts" in log
+    a.stop()

@@ -1,16 +1,24 @@
 """Moving agents between hosts from the command line: move, move --abandon, move --resume, peer-serve.
 
-These run the move driver and service in this process, on the host store
-alone. While a mount daemon serves the same state directory, moves go
-through it (``.control/move``) so that it can freeze the agent; these
-commands are for hosts where no daemon runs the agent.
+While a mount daemon serves the state directory (its runtime file
+``STATE/mount/daemon.json`` names a live process and mount), ``move`` and
+``move --abandon`` go through it: they write ``.control/move`` (or
+``.control/abandon``) of the agent in its mount and draw the progress from
+``.control/status``, so one state directory never has two move drivers.
+Without a daemon they run the move driver in this process, on the host
+store alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
+import os
 import sys
+import threading
+import time
 from functools import partial
 
 import trio
@@ -18,6 +26,7 @@ import trio
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.holder import HolderRecord, HolderState, force_hold
+from capsulefs.daemon import find_daemon
 from capsulefs.movedriver import MoveControl, abandon_move, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
 from capsulefs.moveservice import serve_moves
@@ -62,8 +71,77 @@ class _Bar:
             print(file=sys.stderr)
 
 
+def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -> int:
+    """Move or abandon by writing the agent's control files in the daemon's mount."""
+    agent = host.store.find(args.agent)
+    control = os.path.join(mountpoint, agent.manifest().name, ".control")
+    if args.abandon:
+        if not args.why.strip():
+            raise CapsuleError("--abandon needs --why REASON: it is logged with the risk it takes")
+        try:
+            with open(os.path.join(control, "abandon"), "w") as f:
+                f.write(args.why.strip().replace("\n", " ") + "\n")
+        except OSError as exc:
+            print(f"capsulefs: error: abandon: {exc.strerror} (see the daemon's log)", file=sys.stderr)
+            return 1
+        print(f"{agent.agent_id}: the daemon abandons the move and resumes the agent. If the target "
+              f"activated it, two hosts now run it: check the target.")
+        return 0
+    if not args.peer:
+        raise CapsuleError("move: name the peer to move to (see 'capsulefs peer ls')")
+    peer = host.peers.find(args.peer)
+    outcome: list[OSError | None] = []
+
+    def write() -> None:
+        try:
+            with open(os.path.join(control, "move"), "w") as f:
+                f.write(peer.name + "\n")
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    writer = threading.Thread(target=write, name="control-move", daemon=True)
+    writer.start()
+    bar = _Bar()
+    last = None
+    while writer.is_alive():
+        writer.join(timeout=0.2)
+        move = _read_move_status(control)
+        if move and move.get("outcome") is None and move.get("phase") not in (None, "idle"):
+            line = (move["phase"], move.get("blobs_sent", 0), move.get("blobs_total", 0), move.get("bytes_sent", 0))
+            if line != last:
+                bar(*line)  # type: ignore[arg-type]
+                last = line
+    bar.done()
+    exc = outcome[0] if outcome else OSError(errno.EIO, "the write got no answer")
+    if exc is None:
+        print(f"{agent.agent_id}: moved to {peer.name} (through the daemon serving {mountpoint})")
+        return 0
+    move = _read_move_status(control) or {}
+    why = move.get("detail") or "see the daemon's log"
+    print(f"{agent.agent_id}: not moved: {exc.strerror or exc} [{errno.errorcode.get(exc.errno or 0, '?')}]: {why}",
+          file=sys.stderr)
+    return 1
+
+
+def _read_move_status(control: str) -> dict | None:
+    try:
+        with open(os.path.join(control, "status")) as f:
+            move = json.load(f).get("move")
+    except (OSError, ValueError):
+        return None
+    return move if isinstance(move, dict) else None
+
+
 def cmd_move(args: argparse.Namespace) -> int:
     host = MoveHost.open(state_dir(args))
+    daemon = find_daemon(state_dir(args))
+    if daemon is not None:
+        if args.resume:
+            print(f"the daemon serving {daemon['mountpoint']} (pid {daemon['pid']}) resumes interrupted moves itself")
+            return 0
+        if not args.force_hold:
+            return _through_daemon(args, host, str(daemon["mountpoint"]))
     if args.resume:
         results = trio.run(partial(resume_moves, host, call_timeout=args.timeout))
         for r in results:
