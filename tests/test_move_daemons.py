@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -79,7 +80,7 @@ class Host:
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return capsulefs("--state", str(self.state), *args, check=check)
 
-    def start(self, crash_at: str | None = None) -> None:
+    def start(self, crash_at: str | None = None, *, run: bool = False) -> None:
         env = dict(os.environ)
         env.pop("CAPSULEFS_TEST_CRASH_AT", None)
         if crash_at:
@@ -87,8 +88,8 @@ class Host:
         force_unmount(self.mnt)  # a killed daemon leaves a dead mount behind
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
-                [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state), "--no-run",
-                 "--listen", f"127.0.0.1:{self.port}"],
+                [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state),
+                 *([] if run else ["--no-run"]), "--listen", f"127.0.0.1:{self.port}"],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         proc = self.proc
         wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, f"{self.name} to mount")
@@ -324,3 +325,120 @@ def test_abandon_reaches_an_in_doubt_move_in_the_daemon(hosts: tuple[Host, Host]
     log = a.log.read_text()
     assert "abandons the move" in log and "two hosts" in log
     a.stop()
+
+
+# -- a running agent process during moves (issue 7's invariant) -----------------------
+
+TICKER = """\
+import os, sys, time
+label = os.path.basename(os.path.dirname(os.environ["CAPSULE_DIR"]))  # mnt-a or mnt-b
+with open(sys.argv[1], "a") as f:
+    f.write(f"start {os.getpid()} {label} {time.monotonic()}\\n")
+while True:
+    with open("ticks.txt", "a") as t:
+        t.write(f"{label}\\n")
+    with open(sys.argv[1], "a") as f:
+        f.write(f"tick {os.getpid()} {label} {time.monotonic()}\\n")
+    time.sleep(0.05)
+"""
+
+
+def ticker_pids(script: Path) -> dict[int, str]:
+    """pid -> host label of every live process running the ticker."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if str(script).encode() not in cmd:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        out[int(pid)] = os.path.basename(os.path.dirname(env.get(b"CAPSULE_DIR", b"?").decode()))
+    return out
+
+
+class Watcher:
+    """Polls /proc in a thread; records any moment the ticker runs on both hosts."""
+
+    def __init__(self, script: Path) -> None:
+        import threading
+
+        self.script = script
+        self.seen: set[str] = set()
+        self.both: list[dict[int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pids = ticker_pids(self.script)
+            self.seen.update(pids.values())
+            if len(set(pids.values())) > 1:
+                self.both.append(pids)
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def start_ticker(a: Host, tmp_path: Path) -> tuple[Path, Path]:
+    script, shared = tmp_path / "ticker.py", tmp_path / "ticks.log"
+    script.write_text(TICKER)
+    spec_path = a.mnt / "walker" / "environment" / "spec.json"
+    spec = json.loads(spec_path.read_text())
+    spec["entrypoint"] = [sys.executable, str(script), str(shared)]
+    spec_path.write_text(json.dumps(spec))
+    wait_for(lambda: shared.exists() and "tick" in shared.read_text(), "the ticker running on a")
+    return script, shared
+
+
+def tick_labels(shared: Path) -> list[str]:
+    """The host label of every tick, in time order, runs of one host collapsed."""
+    ticks = sorted((float(t), label) for kind, _pid, label, t in
+                   (line.split() for line in shared.read_text().splitlines()) if kind == "tick")
+    runs: list[str] = []
+    for _, label in ticks:
+        if not runs or runs[-1] != label:
+            runs.append(label)
+    return runs
+
+
+@pytest.mark.parametrize("case", ["moved", "refused", "lost-activate-reply"])
+def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tmp_path: Path, case: str) -> None:
+    import threading
+
+    a, b = hosts
+    a.start(run=True)
+    b.start(crash_at="target:held" if case == "lost-activate-reply" else None, run=case != "refused")
+    agent_id = make_agent(a)
+    if case == "refused":
+        make_agent(b, "walker", events=0)
+    script, shared = start_ticker(a, tmp_path)
+    watcher = Watcher(script)
+    try:
+        result: list[int] = []
+        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
+        writer.start()
+        if case == "lost-activate-reply":
+            b.wait_killed()
+            assert not ticker_pids(script)  # frozen on a, and b died before replying
+            b.start(run=True)
+        writer.join(timeout=WAIT)
+        assert not writer.is_alive()
+        ends_on = "mnt-a" if case == "refused" else "mnt-b"
+        assert result == [errno.EPERM if case == "refused" else 0]
+        wait_for(lambda: set(ticker_pids(script).values()) == {ends_on}, f"the ticker running on {ends_on}")
+        n = len(shared.read_text().splitlines())
+        wait_for(lambda: len(shared.read_text().splitlines()) > n + 3, "a few more ticks")
+    finally:
+        watcher.stop()
+    assert watcher.both == [], watcher.both
+    assert watcher.seen == {"mnt-a"} | ({"mnt-b"} if case != "refused" else set()), watcher.seen
+    assert tick_labels(shared) == (["mnt-a"] if case == "refused" else ["mnt-a", "mnt-b"])
+    holders = (a.holder(agent_id), b.holder(agent_id))
+    assert holders.count(HolderState.HELD) == 1
+    a.stop()
+    b.stop()
