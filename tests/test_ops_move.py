@@ -1,0 +1,117 @@
+"""``.control/move`` and ``.control/abandon`` through ``Operations``, without a kernel.
+
+The mover is a fake: these tests check the adapter's part only (input
+checks, the errno of each outcome, waiting without holding up other
+requests, mkdir's holder hook). Real moves: tests/test_move_daemons.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from capsulefs.core import live_errors as le
+from capsulefs.core.errors import FormatError
+from capsulefs.core.live import CONTROL
+from capsulefs.core.store import HostStore
+from capsulefs.mount.ops import Operations
+from helpers import make_agent
+from ops_kit import Client, FakeKernel, errno_of, make_live
+
+
+class FakeMover:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.fail: Exception | None = None
+        self.gate: trio.Event | None = None
+
+    async def move(self, agent_id: str, target: str) -> None:
+        self.calls.append(("move", agent_id, target))
+        if target != "laptop":
+            raise FormatError(f"{target!r} is not a known peer")
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+
+    async def abandon(self, agent_id: str, why: str) -> None:
+        self.calls.append(("abandon", agent_id, why))
+
+
+@pytest.fixture
+def mover() -> FakeMover:
+    return FakeMover()
+
+
+@pytest.fixture
+def c(store: HostStore, tmp_path: Path, mover: FakeMover) -> Client:
+    make_agent(store, "alice")
+    from ops_kit import _reply
+    live = make_live(store, tmp_path / "work")
+    live.mover = mover
+    return Client(Operations(live, kernel=FakeKernel(), readdir_reply=_reply, uid=0, gid=0))
+
+
+MOVE = f"alice/{CONTROL}/move"
+
+
+async def test_one_line_naming_a_peer_is_passed_on(c: Client, mover: FakeMover) -> None:
+    await c.write(MOVE, b"laptop\n")
+    await c.write(f"alice/{CONTROL}/abandon", b"the target burned down\n")
+    agent_id = json.loads(await c.read(f"alice/{CONTROL}/status"))["agent_id"]
+    assert mover.calls == [("move", agent_id, "laptop"), ("abandon", agent_id, "the target burned down")]
+    assert json.loads(await c.read(f"alice/{CONTROL}/status"))["move"] == {"available": True, "phase": "idle"}
+
+
+@pytest.mark.parametrize("data", [b"\n", b"a\nb\n", b"\xff\n", b"x" * 2000, b"a\tb\n"])
+async def test_bad_input_is_einval_and_reaches_no_mover(c: Client, mover: FakeMover, data: bytes) -> None:
+    assert await errno_of(c.write(MOVE, data)) == errno.EINVAL
+    assert mover.calls == []
+
+
+async def test_an_unknown_peer_is_einval(c: Client, mover: FakeMover) -> None:
+    assert await errno_of(c.write(MOVE, b"nowhere\n")) == errno.EINVAL
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (le.MoveBusy, errno.EBUSY),
+    (le.PeerUnreachable, errno.EHOSTUNREACH),
+    (le.PeerConnectionRefused, errno.ECONNREFUSED),
+    (le.MoveRefused, errno.EPERM),
+    (le.MoveStale, errno.EEXIST),
+    (le.MoveCorrupt, errno.EIO),
+    (le.MoveTimedOut, errno.ETIMEDOUT),
+    (le.MoveAbandoned, errno.ECANCELED),
+])
+async def test_each_outcome_has_its_errno(c: Client, mover: FakeMover, error: type[Exception], code: int) -> None:
+    mover.fail = error("why")
+    assert await errno_of(c.write(MOVE, b"laptop\n")) == code
+
+
+async def test_a_waiting_move_holds_up_no_other_request(c: Client, mover: FakeMover) -> None:
+    mover.gate = trio.Event()
+    done = trio.Event()
+
+    async def write() -> None:
+        await c.write(MOVE, b"laptop\n")
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not done.is_set()
+        assert json.loads(await c.read(f"alice/{CONTROL}/status"))["name"] == "alice"  # served meanwhile
+        mover.gate.set()
+    assert done.is_set()
+
+
+async def test_mkdir_tells_who_records_the_holder(c: Client) -> None:
+    made: list[tuple[str, int]] = []
+    c.ops.live.on_new_agent = lambda agent_id, epoch: made.append((agent_id, epoch))
+    await c.mkdir("bob")
+    assert made == [(json.loads(await c.read(f"bob/{CONTROL}/status"))["agent_id"], 1)]
