@@ -28,6 +28,7 @@ Line layout (every key at the top level of one JSON object)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -82,12 +83,18 @@ class Event:
     def payload(self) -> dict[str, Any]:
         """The kind's own fields as JSON (without the envelope)."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
+        for name, optional in _payload_fields(type(self)):
+            value = getattr(self, name)
+            if value is None and optional:
                 continue  # optional fields are omitted when unset
-            out[f.name] = value
+            out[name] = value
         return out
+
+
+@functools.cache
+def _payload_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, optional) of each field of an event class: fields() is slow."""
+    return tuple((f.name, f.default is None) for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

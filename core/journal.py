@@ -53,7 +53,6 @@ import logging
 import mmap
 import os
 import re
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -71,11 +70,6 @@ log = logging.getLogger(__name__)
 TORN_SUFFIX = ".torn-"
 #: Catching up with at least this many bytes is done in bulk (vectorised).
 BULK_CATCH_UP = 1 << 20
-#: Blocks reserved past the end of the journal (without changing its size),
-#: so that an append's fdatasync does not also allocate: a quarter of the
-#: journal's size, within these bounds.
-PREALLOCATE_MIN = 256 << 10
-PREALLOCATE_MAX = 16 << 20
 
 Key = tuple[int, str, int]  # (clock, machine, seq): the journal's sort key
 
@@ -506,7 +500,7 @@ class ChainState:
     ) -> list[Record]:
         """Stamp events as the next lines of ``machine``, without taking them
         (see :meth:`take`): nothing changes if writing them fails."""
-        records = []
+        records: list[Record] = []
         when = format_time(now())
         tail = self.tails.get(machine)
         seq, prev = (tail.seq, tail.digest) if tail else (0, None)
@@ -514,19 +508,27 @@ class ChainState:
         for event in events:
             if not isinstance(event, Event):
                 raise FormatError(f"cannot append {type(event).__name__}: not an event")
+            if records:
+                prev = records[-1].digest
             seq += 1
             clock += 1
             rec = Record(id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when, event=event)
             if isinstance(event, UnknownEvent):
                 Record.from_line(rec.line)  # a kind we do not know must still make a readable line
-            prev = rec.digest
             records.append(rec)
         return records
 
     def take(self, records: Iterable[Record]) -> None:
         """Absorb records made by :meth:`plan` (after they were written)."""
+        last: dict[str, Record] = {}
         for rec in records:
-            self._take(rec.order, line_hash(rec.line))
+            if rec.clock > self.clock:
+                self.clock = rec.clock
+            self.count += 1
+            self.last = rec.order
+            last[rec.machine] = rec
+        for machine, rec in last.items():  # only a machine's last line is its tail
+            self.tails[machine] = Tail(seq=rec.seq, digest=rec.digest, clock=rec.clock)
 
     def stamp(
         self,
@@ -547,35 +549,6 @@ class ChainState:
 
 def _fdatasync(fd: int) -> None:
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
-
-
-_FALLOC_FL_KEEP_SIZE = 1
-_fallocate: Any = None  # libc's fallocate, loaded on first use; False where there is none
-
-
-def _preallocate(fd: int, offset: int, length: int) -> bool:
-    """Reserve blocks past the end without changing the file's size (Linux
-    ``fallocate(FALLOC_FL_KEEP_SIZE)``), so an append's fdatasync need not
-    allocate. Best effort: False where unsupported."""
-    global _fallocate
-    if _fallocate is None:
-        _fallocate = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                # CDLL(None) is the running process's own symbols (libc among
-                # them); ctypes.util.find_library would spawn a subprocess.
-                libc = ctypes.CDLL(None, use_errno=True)
-                fn = libc.fallocate
-                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-                fn.restype = ctypes.c_int
-                _fallocate = fn
-            except (OSError, AttributeError):
-                pass
-    if not _fallocate:
-        return False
-    return bool(_fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0)
 
 
 class Journal:
@@ -604,7 +577,6 @@ class Journal:
         self._lock = threading.Lock()
         self._state = ChainState()
         self._size = 0  # bytes of whole lines absorbed
-        self._reserved = 0  # blocks are preallocated up to this offset
         self._cond = threading.Condition()  # guards _pending and _leading
         self._pending: list[_Request] = []  # events queued for the next group commit
         self._leading = False  # a thread is writing a group
@@ -633,10 +605,10 @@ class Journal:
             raise ValueError(f"journal {self.path} is closed")
         return _Locked(self)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, held: os.stat_result) -> None:
         """Absorb whatever other writers appended; move a torn tail aside.
-        Caller holds both locks."""
-        size = os.fstat(self._fd).st_size
+        ``held`` is a fresh fstat of the descriptor. Caller holds both locks."""
+        size = held.st_size
         if size == self._size:
             return
         if size < self._size:
@@ -667,18 +639,19 @@ class Journal:
             start = nl + 1
         self._size += end
 
-    def _follow_replacement(self) -> None:
+    def _follow_replacement(self) -> os.stat_result:
         """If another file was renamed over the journal's path (whoever does
         that holds the old file's flock while renaming), switch to it: an
         append to the old, unlinked file would be lost. Caller holds the
-        thread lock and the flock of the current descriptor."""
+        thread lock and the flock of the current descriptor. Returns the
+        fstat of the descriptor now held."""
         try:
             on_disk = os.stat(self.path)
         except FileNotFoundError:
             raise NotFoundError(f"journal {self.path} was removed; refusing to append to a deleted file") from None
         held = os.fstat(self._fd)
-        if (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino):
-            return
+        if on_disk.st_ino == held.st_ino and on_disk.st_dev == held.st_dev:
+            return held
         log.info("journal %s was replaced; following the new file", self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         try:
@@ -690,7 +663,7 @@ class Journal:
         os.close(old)  # releases the old file's flock
         self._state = ChainState()
         self._size = 0
-        self._reserved = 0
+        return os.fstat(fd)
 
     def _move_torn_tail(self, offset: int, tail: bytes) -> None:
         makedirs_durable(self.recovery_dir)
@@ -762,12 +735,10 @@ class Journal:
                     planned.append((req, records))
                 if not planned:
                     return
-                data = b"".join([r.line + b"\n" for _req, records in planned for r in records])
+                lines = [r.line for _req, records in planned for r in records]
+                lines.append(b"")
+                data = b"\n".join(lines)
                 end = self._size + len(data)
-                if end > self._reserved:
-                    ahead = min(max(end // 4, PREALLOCATE_MIN), PREALLOCATE_MAX)
-                    if _preallocate(self._fd, self._size, end - self._size + ahead):
-                        self._reserved = end + ahead
                 try:
                     self._write_all(data)
                     _fdatasync(self._fd)
@@ -787,7 +758,10 @@ class Journal:
                 raise
 
     def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
+        n = os.write(self._fd, data)
+        if n == len(data):
+            return
+        view = memoryview(data)[n:]
         while view:
             n = os.write(self._fd, view)
             if n <= 0:  # pragma: no cover - a regular file never does this
@@ -877,8 +851,7 @@ class _Locked:
         try:
             fcntl.flock(j._fd, fcntl.LOCK_EX)
             try:
-                j._follow_replacement()
-                j._catch_up()
+                j._catch_up(j._follow_replacement())
             except BaseException:
                 fcntl.flock(j._fd, fcntl.LOCK_UN)
                 raise
