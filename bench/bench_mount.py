@@ -125,6 +125,29 @@ def bench_read(tmp: Path, size_mib: int, rounds: int) -> None:
         r = pairs(lambda: read_all(through), lambda: read_all(direct), rounds=rounds, warmup=1)
         print(f"  warm: mount {size_mib / r['candidate_s']:.0f} MiB/s, store {size_mib / r['baseline_s']:.0f} MiB/s, "
               f"ratio {r['speed_ratio']:.2f}x (target >= 0.9x)")
+        # Why warm stays below 0.9x: no request reaches the daemon, but the kernel's
+        # FUSE page cache holds 4 KiB pages while ext4 caches the store file in large
+        # folios (1 MiB here). Context, not the target: the same comparison with the
+        # store file re-read into 4 KiB pages.
+        small_pages(direct)
+        r = pairs(lambda: read_all(through), lambda: read_all(direct), rounds=rounds, warmup=0)
+        print(f"  (context) warm, the store file cached in 4 KiB pages like the mount's: mount "
+              f"{size_mib / r['candidate_s']:.0f} MiB/s, store {size_mib / r['baseline_s']:.0f} MiB/s, "
+              f"ratio {r['speed_ratio']:.2f}x")
+
+
+def small_pages(path: Path) -> None:
+    """Drop a file from the page cache and read it back 4 KiB at a time
+    without readahead, so that it is cached in 4 KiB pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        size = os.fstat(fd).st_size
+        for off in range(0, size, 4096):
+            os.pread(fd, 4096, off)
+    finally:
+        os.close(fd)
 
 
 def bench_stat(tmp: Path, agents: int, files: int, rounds: int) -> None:
