@@ -315,6 +315,8 @@ def test_abandon_reaches_an_in_doubt_move_in_the_daemon(hosts: tuple[Host, Host]
     wait_for(lambda: a.holder(agent_id) is HolderState.COMMITTING and
              a.status("walker")["move"].get("phase") == "in doubt", "the source in doubt")
     assert writer.is_alive()  # blocks while in doubt: no timer decides
+    busy = a.cli("move", "walker", "b", check=False)
+    assert busy.returncode == 1 and "already moving" in busy.stderr
     assert a.cli("move", "--abandon", "walker", check=False).returncode == 1  # no reason: refused
     assert "two hosts" in a.cli("move", "--abandon", "walker", "--why", "B's disk died").stdout
     writer.join(timeout=WAIT)

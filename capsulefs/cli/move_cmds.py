@@ -90,6 +90,12 @@ def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -
     if not args.peer:
         raise CapsuleError("move: name the peer to move to (see 'capsulefs peer ls')")
     peer = host.peers.find(args.peer)
+    running = _read_move_status(control) or {}
+    if running.get("phase") not in (None, "idle") and running.get("outcome") is None:
+        # The kernel serialises writes to one file: ours would wait behind the running move's.
+        print(f"capsulefs: error: {agent.agent_id} is already moving to {running.get('target')} "
+              f"({running.get('phase')}) [EBUSY]; see {control}/status", file=sys.stderr)
+        return 1
     outcome: list[OSError | None] = []
 
     def write() -> None:
