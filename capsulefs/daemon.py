@@ -23,7 +23,12 @@ once the kernel has the mount, and returns when the mount is gone.
 The move driver (same process, same trio loop) uses the daemon as its
 ``AgentHooks`` (capsulefs.movehost): ``await freeze/resume/retire/prepare/activate(agent_id)``,
 plus :meth:`Daemon.set_move_progress` for ``.control/status``. Each takes
-effect for the next FUSE request.
+effect for the next FUSE request. ``capsulefs.mountmoves.MountMoves`` is that
+driver (a service, and the mount's ``.control/move``).
+
+While mounted the daemon keeps a runtime file, ``STATE/mount/daemon.json``
+(mount point, pid, and what services add: the move port), removed at exit;
+:func:`find_daemon` ignores one whose process or mount is gone.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from capsulefs.core.live import AgentState, LiveHost
 from capsulefs.core.store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
+from capsulefs.readahead import tune_read_ahead
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +195,7 @@ class Daemon:
                 self.ops.nursery = nursery  # background blob checks
                 await nursery.start(self._watch_signals)
                 nursery.start_soon(self._run_fuse, nursery.cancel_scope)
+                nursery.start_soon(tune_read_ahead, self.mountpoint)
                 for service in self.services:
                     await nursery.start(service)
                 self._kernel_up = True
