@@ -1,0 +1,80 @@
+"""The daemon's move wiring (capsulefs.mountmoves) without a kernel: the
+mount's Mover called directly, against peers that are dead or silent."""
+
+from __future__ import annotations
+
+import socket
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from capsulefs.core import live_errors as le
+from capsulefs.core.errors import FormatError
+from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store import HostStore
+from capsulefs.daemon import Daemon
+from capsulefs.identity import load_or_create_identity
+from capsulefs.mountmoves import MountMoves
+from capsulefs.movehost import record_new_agent
+from capsulefs.peers import Peer, PeerBook
+from helpers import make_agent
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def wired(store: HostStore, state_dir: Path, tmp_path: Path) -> tuple[MountMoves, str]:
+    agent = make_agent(store, "alice")
+    record_new_agent(state_dir, agent.agent_id)
+    other = load_or_create_identity(tmp_path / "other").host_id
+    PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
+    daemon = Daemon(str(state_dir), str(tmp_path / "mnt"))
+    return MountMoves.attach(daemon, retry_pause=0.01), agent.agent_id
+
+
+async def test_an_unknown_peer_is_a_format_error(wired: tuple[MountMoves, str]) -> None:
+    mm, agent_id = wired
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        with pytest.raises(FormatError, match="not a known peer.*peers: dead"):
+            await mm.move(agent_id, "nobody")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[MountMoves, str], state_dir: Path) -> None:
+    mm, agent_id = wired
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        with pytest.raises(le.PeerConnectionRefused, match="rolled_back"):
+            await mm.move(agent_id, "dead")
+        nursery.cancel_scope.cancel()
+    assert HolderBook(state_dir / "holders").get(agent_id).state is HolderState.HELD
+    move = mm.daemon.live.agent(agent_id).status()["move"]
+    assert (move["outcome"], move["cause"]) == ("rolled_back", "connection-refused")
+    assert mm.daemon.live.state(agent_id).value == "active"  # resumed
+
+
+async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, str], state_dir: Path,
+                                                      tmp_path: Path) -> None:
+    mm, agent_id = wired
+    silent = trio.socket.socket()
+    await silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts connections (the kernel does) and never answers
+    PeerBook(state_dir).add(Peer(name="silent", address=f"127.0.0.1:{silent.getsockname()[1]}",
+                                 host_id=load_or_create_identity(tmp_path / "silent").host_id))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        nursery.start_soon(partial(mm.move, agent_id, "silent"))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(le.MoveBusy, match="already moving to silent"):
+            await mm.move(agent_id, "dead")
+        assert mm.daemon.live.agent(agent_id).status()["move"]["target"] == "silent"
+        nursery.cancel_scope.cancel()
+    silent.close()
