@@ -13,8 +13,9 @@ Rules:
   * Replies are deterministic. The stub looks at the last user-side turn:
     after tool results it reports them back in text; a user text with
     ``call NAME`` (one or more times) gets those tool calls, in parallel, with
-    ``{"text": <the user text>}`` as arguments (if the request offers that
-    tool, or offers no tools); anything else is echoed. Anthropic and
+    the JSON object written right after the name as arguments, or else
+    ``{"text": <the user text>}`` (if the request offers that tool, or offers
+    no tools); anything else is echoed. Anthropic and
     Responses replies open with signed reasoning; Gemini's first part carries a
     signed thought signature; Chat replies have none (the API has none).
 
@@ -85,13 +86,27 @@ class Ask:
     tools: list[str] | None  # tool names offered, None if none were
 
 
-def _decide(ask: Ask) -> tuple[str, list[str]]:
-    """(reply text, tool names to call)."""
+def _arguments(text: str, end: int) -> dict[str, Any]:
+    """The JSON object right after ``call NAME`` if there is one, else {"text": text}."""
+    rest = text[end:].lstrip()
+    if rest.startswith("{"):
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+    return {"text": text}
+
+
+def _decide(ask: Ask) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """(reply text, tool calls as (name, arguments))."""
     if ask.results:
         return "Tool results: " + " | ".join(ask.results), []
-    names = [n for n in _CALL_RE.findall(ask.text) if ask.tools is None or n in ask.tools]
-    if names:
-        return "", names
+    calls = [(m.group(1), _arguments(ask.text, m.end())) for m in _CALL_RE.finditer(ask.text)
+             if ask.tools is None or m.group(1) in ask.tools]
+    if calls:
+        return "", calls
     return f"echo: {ask.text}", []
 
 
@@ -122,8 +137,8 @@ def _anthropic(state: StubState, body: Mapping[str, Any]) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thought, "signature": sign(model, thought)}]
     if text:
         content.append({"type": "text", "text": text})
-    for i, name in enumerate(calls):
-        content.append({"type": "tool_use", "id": f"toolu_stub{n}_{i}", "name": name, "input": {"text": ask.text}})
+    for i, (name, args) in enumerate(calls):
+        content.append({"type": "tool_use", "id": f"toolu_stub{n}_{i}", "name": name, "input": args})
     return {
         "id": f"msg_stub{n}",
         "type": "message",
@@ -156,8 +171,8 @@ def _chat(state: StubState, body: Mapping[str, Any]) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = [
             {"id": f"call_stub{n}_{i}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps({"text": text_in})}}
-            for i, name in enumerate(calls)
+             "function": {"name": name, "arguments": json.dumps(args)}}
+            for i, (name, args) in enumerate(calls)
         ]
     return {
         "id": f"chatcmpl-stub{n}",
@@ -199,9 +214,9 @@ def _responses(state: StubState, body: Mapping[str, Any]) -> dict[str, Any]:
     if text:
         output.append({"type": "message", "id": f"msg_stub{n}", "role": "assistant", "status": "completed",
                        "content": [{"type": "output_text", "text": text, "annotations": []}]})
-    for i, name in enumerate(calls):
+    for i, (name, args) in enumerate(calls):
         output.append({"type": "function_call", "id": f"fc_stub{n}_{i}", "call_id": f"call_stub{n}_{i}",
-                       "name": name, "arguments": json.dumps({"text": text_in}), "status": "completed"})
+                       "name": name, "arguments": json.dumps(args), "status": "completed"})
     return {
         "id": f"resp_stub{n}", "object": "response", "created_at": 0, "model": model, "status": "completed",
         "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
@@ -240,8 +255,8 @@ def _gemini(state: StubState, model: str, body: Mapping[str, Any]) -> dict[str, 
     out: list[dict[str, Any]] = []
     if text:
         out.append({"text": text})
-    for i, name in enumerate(calls):
-        out.append({"functionCall": {"id": f"gc_stub{n}_{i}", "name": name, "args": {"text": text_in}}})
+    for i, (name, args) in enumerate(calls):
+        out.append({"functionCall": {"id": f"gc_stub{n}_{i}", "name": name, "args": args}})
     out[0]["thoughtSignature"] = _gemini_signature(model, n)
     return {
         "candidates": [{"content": {"role": "model", "parts": out}, "finishReason": "STOP", "index": 0}],

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,11 +52,50 @@ BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: die with SIGKILL when the daemon dies (Linux)."""
+    """In the child before exec: die with SIGKILL when the daemon dies (Linux).
+
+    The kernel sends it when the *thread* that forked the child ends, so the
+    child must be forked by the daemon's main thread (see :class:`Child`),
+    never by a worker thread that trio retires after some idle seconds."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Child:
+    """An agent process forked by the calling (main) thread, awaited via a pidfd.
+
+    trio's ``open_process`` forks in a worker thread, which would make
+    PDEATHSIG fire when that thread retires. Forking here takes a millisecond
+    on the event loop; waiting costs nothing (the pidfd becomes readable when
+    the process exits). Many tasks may wait; one of them watches the pidfd."""
+
+    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str]) -> None:
+        self._popen = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True,
+                                       stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.pid = self._popen.pid
+        self._pidfd = os.pidfd_open(self.pid)
+        self._waiting = False
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        while self._popen.poll() is None:
+            if self._waiting:  # another task watches the pidfd (one watcher per fd)
+                await trio.sleep(0.02)
+                continue
+            self._waiting = True
+            try:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            finally:
+                self._waiting = False
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return self._popen.returncode  # type: ignore[return-value]
 
 
 class RunState(enum.Enum):
@@ -106,7 +146,7 @@ class _Runner:
     agent_id: str
     status: RunStatus = field(default_factory=RunStatus)
     cancel: trio.CancelScope | None = None
-    process: trio.Process | None = None
+    process: Child | None = None
     done: trio.Event = field(default_factory=trio.Event)
 
 
@@ -294,8 +334,7 @@ class Supervisor:
 
     async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int:
         try:
-            proc = await trio.lowlevel.open_process(argv, cwd=cwd, env=env, start_new_session=True,
-                                                    preexec_fn=_die_with_parent)
+            proc = Child(argv, cwd=cwd, env=env)
         except OSError as exc:
             r.status.detail = f"the entrypoint {argv[0]} could not start: {exc.strerror}"
             return 127

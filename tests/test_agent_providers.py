@@ -119,3 +119,14 @@ def test_agent_process_converses_and_stops_on_sigterm(stub, capsule: Path, tmp_p
     texts = [r.event.text for r in records if r.kind == "assistant_message"]
     assert texts[0] == "echo: first question"
     assert [r.kind for r in records][-3:] == ["tool_call", "tool_result", "assistant_message"]
+
+
+def test_tool_call_with_arguments_runs_in_the_sandbox(stub, capsule: Path, tmp_path: Path) -> None:
+    port = DirectPort(str(capsule), MACHINE)
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=ProviderClients())
+    port.append([ev.ModelSwitch(provider="openai-responses", model="gpt-r"),
+                 ev.UserMessage(text='call write_file {"path": "notes/plan.md", "content": "step one"}')])
+    _run_until_idle(agent)
+    assert (tmp_path / "notes" / "plan.md").read_text() == "step one"
+    (result,) = [r.event for r in port.records() if r.kind == "tool_result"]
+    assert not result.is_error and result.content == "wrote 8 bytes to notes/plan.md"
