@@ -421,6 +421,7 @@ def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tm
     script, shared = start_ticker(a, tmp_path)
     watcher = Watcher(script)
     try:
+        wait_for(lambda: "mnt-a" in watcher.seen, "the watcher to see the ticker on a")
         result: list[int] = []
         writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
         writer.start()
