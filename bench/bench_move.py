@@ -100,6 +100,21 @@ def make_target(root: Path, name: str, source: MoveHost, seed: list[str]) -> Mov
     return host
 
 
+async def _send_raw(source: MoveHost, shas: list[str], port: int) -> tuple[trio.SSLStream, float]:
+    """Send every blob's bytes over a plain TLS stream to 127.0.0.1:port; the
+    time until the receiver's one-byte acknowledgement."""
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    tls = trio.SSLStream(tcp, client_context(source.identity), server_hostname=None)
+    await tls.do_handshake()
+    t0 = time.perf_counter()
+    for sha in shas:
+        with open(source.store.blob_file(sha), "rb") as f:
+            while chunk := f.read(1 << 20):
+                await tls.send_all(chunk)
+    await tls.receive_some(1)
+    return tls, time.perf_counter() - t0
+
+
 async def raw_tls(source: MoveHost, target: MoveHost, shas: list[str]) -> float:
     """Seconds to push the blobs' bytes through one TLS stream, framed as 1 MiB writes."""
     total = sum(os.path.getsize(source.store.blob_file(s)) for s in shas)
@@ -120,16 +135,7 @@ async def raw_tls(source: MoveHost, target: MoveHost, shas: list[str]) -> float:
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(trio.serve_tcp, server, 0)
         port = listeners[0].socket.getsockname()[1]
-        tcp = await trio.open_tcp_stream("127.0.0.1", port)
-        tls = trio.SSLStream(tcp, client_context(source.identity), server_hostname=None)
-        await tls.do_handshake()
-        t0 = time.perf_counter()
-        for sha in shas:
-            with open(source.store.blob_file(sha), "rb") as f:
-                while chunk := f.read(1 << 20):
-                    await tls.send_all(chunk)
-        await tls.receive_some(1)
-        elapsed = time.perf_counter() - t0
+        tls, elapsed = await _send_raw(source, shas, port)
         await done.wait()
         await tls.aclose()
         nursery.cancel_scope.cancel()
@@ -196,16 +202,7 @@ async def raw_tls_two_processes(source: MoveHost, target_state: Path, shas: list
                           stdout=subprocess.PIPE, text=True, env=env) as proc:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
-        tcp = await trio.open_tcp_stream("127.0.0.1", port)
-        tls = trio.SSLStream(tcp, client_context(source.identity), server_hostname=None)
-        await tls.do_handshake()
-        t0 = time.perf_counter()
-        for sha in shas:
-            with open(source.store.blob_file(sha), "rb") as f:
-                while chunk := f.read(1 << 20):
-                    await tls.send_all(chunk)
-        await tls.receive_some(1)
-        elapsed = time.perf_counter() - t0
+        tls, elapsed = await _send_raw(source, shas, port)
         await tls.aclose()
         proc.wait(timeout=60)
     return elapsed
