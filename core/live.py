@@ -61,7 +61,7 @@ from .live_errors import (
     NotPermitted,
     ReadOnly,
 )
-from .journal import Journal
+from .journal import RECOVERY_DIR, Journal
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,
@@ -339,7 +339,7 @@ class LiveAgent:
             h = self.host
             self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,
                                            new_id=h.new_event_id, now_ns=h.now_ns,
-                                           recovery_dir=os.path.join(h.work_dir, "recovery", self.agent_id))
+                                           recovery_dir=os.path.join(h.store.root, RECOVERY_DIR, self.agent_id))
         return self._appender
 
     def append(self, events: Sequence[Event]) -> list[Record]:
