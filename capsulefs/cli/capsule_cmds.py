@@ -44,10 +44,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+
+    from capsulefs.daemon import WORK_DIR, find_daemon
+
+    state = state_dir(args)
+    running = find_daemon(state)
+    if running is not None:
+        raise CapsuleError(f"a daemon serves {state} (mounted on {running['mountpoint']}) and may be running "
+                           f"the agent: unmount it first ('capsulefs umount {running['mountpoint']}')")
     store = open_store(args)
     agent = store.find(args.agent)
     name = agent.name
     store.remove_agent(agent.agent_id)
+    # What the host kept beside the capsule: mount snapshots and scratch, the sandbox.
+    for leftover in (os.path.join(state, WORK_DIR, "snapshots", agent.agent_id),
+                     os.path.join(state, WORK_DIR, "scratch", agent.agent_id),
+                     os.path.join(state, "sandboxes", agent.agent_id)):
+        shutil.rmtree(leftover, ignore_errors=True)
     print(f"removed agent {name} ({agent.agent_id})")
     if not args.keep_blobs:
         report = store.gc()
