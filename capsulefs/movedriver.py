@@ -170,10 +170,10 @@ class _Driver:
                 raise FormatError("blobs: the results do not match the pieces sent")
             return answers
         except trio.TooSlowError:
-            log.warning("move of %s: blobs got no answer from %s within %.0fs", first.agent_id, self.peer.name,
-                        self.call_timeout)
+            why = f"blobs got no answer from {self.peer.name} within {self.call_timeout:g}s"
+            log.warning("move of %s: %s", first.agent_id, why)
             await self._drop()
-            return [mv.Timeout()]
+            return [mv.Timeout(reason=why)]
         except (PeerError, CapsuleError, KeyError, TypeError) as exc:
             log.warning("move of %s: blobs to %s failed: %s", first.agent_id, self.peer.name, exc)
             self.link_error = exc
@@ -197,10 +197,10 @@ class _Driver:
                 result, _ = await conn.call(c.call.value, self._args(c))
             return result_to_answer(c.call, c.agent_id, c.epoch, result)
         except trio.TooSlowError:
-            log.warning("move of %s: %s got no answer from %s within %.0fs", c.agent_id, c.call.value,
-                        self.peer.name, self.call_timeout)
+            why = f"{c.call.value} got no answer from {self.peer.name} within {self.call_timeout:g}s"
+            log.warning("move of %s: %s", c.agent_id, why)
             await self._drop()
-            return mv.Timeout()
+            return mv.Timeout(reason=why)
         except (PeerError, CapsuleError) as exc:
             log.warning("move of %s: %s to %s failed: %s", c.agent_id, c.call.value, self.peer.name, exc)
             self.link_error = exc

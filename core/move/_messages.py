@@ -145,6 +145,8 @@ class MoveRequested:
 class Timeout:
     """The outstanding request got no reply in time (pacing only, not safety)."""
 
+    reason: str = ""  # which call, how long: "blobs got no answer from b within 120s"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IoFailure:
