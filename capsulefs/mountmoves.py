@@ -21,6 +21,10 @@ wrote that holder state: source:frozen, source:committing, source:retired,
 source:held (rolled back), target:offered, target:verified, target:prepared,
 target:held (activated, before the reply). tests/test_move_daemons.py uses it
 to kill a real daemon at each phase of a move.
+
+The test seam ``CAPSULEFS_TEST_CALL_TIMEOUT=SECONDS`` (test-only, read once at
+daemon start) replaces the 120 s a move's call may take before it is a
+timeout, so tests/test_move_daemon_errors.py can see ETIMEDOUT quickly.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ from capsulefs.peers import Peer, PeerBookError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CRASH_ENV", "MountMoves"]
+__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "MountMoves"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
+CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
 
 #: MoveResult.cause -> the domain error a failed ``.control/move`` write raises.
 _ERRORS: dict[str, type[Exception]] = {
@@ -104,6 +109,20 @@ def crash_seam(host: MoveHost, value: str | None) -> None:
     host.holders = _CrashingHolders(host.holders.directory, side, st)
 
 
+def _test_call_timeout(value: str | None) -> float | None:
+    """The test-only seam CAPSULEFS_TEST_CALL_TIMEOUT, in seconds (None if unset)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: not a number of seconds") from None
+    if not seconds > 0:
+        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: must be above 0")
+    log.warning("test seam %s=%s is set: a move's call times out after %gs", CALL_TIMEOUT_ENV, value, seconds)
+    return seconds
+
+
 @dataclass
 class _Running:
     control: MoveControl
@@ -119,7 +138,7 @@ class MountMoves:
         self.host = MoveHost.open(daemon.state_dir, hooks=daemon)
         crash_seam(self.host, os.environ.get(CRASH_ENV))
         self.listen = listen
-        self.call_timeout = call_timeout
+        self.call_timeout = _test_call_timeout(os.environ.get(CALL_TIMEOUT_ENV)) or call_timeout
         self.retry_pause = retry_pause
         self.port: int | None = None  # bound, once serving
         self._running: dict[str, _Running] = {}
