@@ -25,6 +25,7 @@ was in progress; :func:`abandon_move` is the operator's way out.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +38,7 @@ import trio
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
-from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
+from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
 from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
@@ -181,14 +182,28 @@ class _Driver:
             return [mv.IoFailure(reason=f"blobs: {exc}")]
 
     async def _blob_chunks(self, sha: str) -> AsyncIterator[bytes]:
-        # Read the stored file as it is, without hashing it here: the target
-        # hashes every piece on arrival and refuses the move if one does not
-        # match, so a blob that rotted here rolls the move back. Reads of the
-        # page cache are short; doing them inline keeps the loop off threads.
-        with open(self.host.store.blob_file(sha), "rb", buffering=0) as f:
-            while chunk := f.read(_READ_CHUNK):
-                yield chunk
+        """A stored blob's bytes, re-hashed as they are read (the store's rule
+        for every read for export, verify or move). The last chunk is held
+        back until the digest is known: a blob that rotted here is reported
+        by its path, its tail never leaves, and the move rolls back. The
+        target hashes every piece on arrival as well."""
+        path = self.host.store.blob_file(sha)
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            held = f.read(_READ_CHUNK)
+            while held:
+                h.update(held)
+                nxt = f.read(_READ_CHUNK)
+                if not nxt:
+                    break
+                yield held
+                held = nxt
                 await trio.lowlevel.checkpoint()
+        if h.hexdigest() != sha:
+            log.error("move: corrupt blob %s: its bytes hash to %s; not sent", path, h.hexdigest())
+            raise CorruptBlobError(path, h.hexdigest())
+        if held:
+            yield held
 
     async def _call(self, c: mv.Send) -> object:
         try:
@@ -266,6 +281,8 @@ class _Driver:
             case mv.IoFailure() if isinstance(self.link_error, PeerUnreachable):
                 return "connection-refused" if _connection_refused(self.link_error) else "unreachable"
             case mv.IoFailure() if ev.reason.startswith("reading the agent here"):
+                return "corrupt"
+            case mv.IoFailure() if isinstance(self.link_error, CorruptBlobError):
                 return "corrupt"
             case mv.IoFailure():
                 return "unreachable"

@@ -81,8 +81,8 @@ def test_a_blob_rotten_at_the_source_fails_with_eio_and_rolls_back(hosts: tuple[
     assert write_move(a.mnt, "walker", "b\n") == errno.EIO
     move = a.status("walker")["move"]
     assert move["outcome"] == "rolled_back" and move["cause"] == "corrupt", move
-    assert "missing or corrupt" in move["detail"], move
-    assert f"does not hash to {sha}" in b.log.read_text()  # the target hashed it on arrival and dropped it
+    assert f"corrupt blob {blob}" in move["detail"], move  # re-hashed as read for the move, named by its path
+    assert f"corrupt blob {blob}" in a.log.read_text()
     # one holder: the source at its old epoch; the target refused that epoch and kept nothing
     assert a.holder(agent_id) is HolderState.HELD and record(a, agent_id).held_epoch == 1
     assert b.holder(agent_id) is HolderState.REFUSED
