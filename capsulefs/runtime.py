@@ -34,6 +34,7 @@ from capsulefs.core import workspace
 from capsulefs.core.events import WorkspaceUpdate
 from capsulefs.core.holder import HolderBook
 from capsulefs.core.live import AgentState
+from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import RunState, Supervisor
 
@@ -82,11 +83,7 @@ class AgentRuntime:
                 with open(path, "rb") as f:
                     self.store.put_blob_stream(f, expect=sha)
             self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])
-            for rel, sha in scan.changes.items():
-                if sha is None:
-                    snap.pop(rel, None)
-                else:
-                    snap[rel] = sha
+            apply_workspace_changes(snap, scan.changes)
             agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
         self.live.changed(agent_id, fmt.SNAPSHOT)
         log.info("agent %s: workspace synced (%d change(s))", agent_id, len(scan.changes))

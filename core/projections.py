@@ -19,7 +19,7 @@ happens to hold the same key and value is not mistaken for an event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .events import MemoryEdit, Record, WorkspaceUpdate
@@ -60,15 +60,20 @@ def working_memory(lines: Sequence[bytes], read_blob: Callable[[str], bytes]) ->
     return read_blob(edit.blob)
 
 
+def apply_workspace_changes(files: dict[str, str], changes: Mapping[str, str | None]) -> None:
+    """Fold one workspace_update's changes into ``files`` (None deletes a path)."""
+    for path, sha in changes.items():
+        if sha is None:
+            files.pop(path, None)
+        else:
+            files[path] = sha
+
+
 def snapshot(lines: Iterable[bytes]) -> dict[str, str]:
     """The workspace (path -> sha256) after every workspace_update."""
     files: dict[str, str] = {}
     for rec in _records_of(lines, _WORKSPACE, WorkspaceUpdate):
-        for path, sha in rec.event.changes.items():  # type: ignore[attr-defined]
-            if sha is None:
-                files.pop(path, None)
-            else:
-                files[path] = sha
+        apply_workspace_changes(files, rec.event.changes)  # type: ignore[attr-defined]
     return files
 
 

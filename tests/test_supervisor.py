@@ -14,6 +14,7 @@ import trio.testing
 from capsulefs import keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
+from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.supervisor import RunState, Supervisor
@@ -63,11 +64,7 @@ class StoreHooks:
             for sha, path in scan.new_files.items():
                 with open(path, "rb") as f:
                     self.store.put_blob_stream(f, expect=sha)
-            for p, sha in scan.changes.items():
-                if sha is None:
-                    snap.pop(p, None)
-                else:
-                    snap[p] = sha
+            apply_workspace_changes(snap, scan.changes)
             self.agent(agent_id).write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
 
 

@@ -26,6 +26,7 @@ from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, 
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
+from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
 
 SUMMARY_CHARS = 100
@@ -170,11 +171,7 @@ def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
         elif isinstance(ev, WorkspaceUpdate):
             if snap is None:
                 snap = fmt.parse_snapshot(agent.read(fmt.SNAPSHOT))
-            for path, sha in ev.changes.items():
-                if sha is None:
-                    snap.pop(path, None)
-                else:
-                    snap[path] = sha
+            apply_workspace_changes(snap, ev.changes)
     if snap is not None:
         files[fmt.SNAPSHOT] = fmt.snapshot_bytes(snap)
     if files:
