@@ -51,6 +51,15 @@ BACKOFF_MAX = 60.0
 BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 
 
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a process group; False if it is already gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _die_with_parent() -> None:
     """In the child before exec: die with SIGKILL when the daemon dies (Linux).
 
@@ -211,13 +220,9 @@ class Supervisor:
                     mine = f"CAPSULE_AGENT_ID={agent_id}".encode() in f.read().split(b"\0")
             except OSError:
                 mine = False
-            if mine:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                    killed.append(pgid)
-                    log.warning("killed agent %s's process group %d, left by an earlier daemon", agent_id, pgid)
-                except ProcessLookupError:
-                    pass
+            if mine and _signal_group(pgid, signal.SIGKILL):
+                killed.append(pgid)
+                log.warning("killed agent %s's process group %d, left by an earlier daemon", agent_id, pgid)
             os.unlink(path)
         return killed
 
@@ -355,24 +360,15 @@ class Supervisor:
         proc = r.process
         if proc is None or proc.returncode is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        _signal_group(proc.pid, signal.SIGTERM)
         with trio.move_on_after(self.grace):
             await proc.wait()
         if proc.returncode is None:
             log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-        else:
-            try:  # the session's other processes (tool subprocesses) go too
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # The leader if it ignored SIGTERM, and the session's other processes
+        # (tool subprocesses) either way.
+        _signal_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
         r.process = None
         try:
             os.unlink(self._pidfile(r.agent_id))
