@@ -100,6 +100,17 @@ def make_target(root: Path, name: str, source: MoveHost, seed: list[str]) -> Mov
     return host
 
 
+async def _receive_raw(tls: trio.SSLStream, total: int) -> None:
+    """Drain ``total`` bytes (or until EOF), then acknowledge with one byte."""
+    got = 0
+    while got < total:
+        data = await tls.receive_some(1 << 20)
+        if not data:
+            break
+        got += len(data)
+    await tls.send_all(b"k")
+
+
 async def _send_raw(source: MoveHost, shas: list[str], port: int) -> tuple[trio.SSLStream, float]:
     """Send every blob's bytes over a plain TLS stream to 127.0.0.1:port; the
     time until the receiver's one-byte acknowledgement."""
@@ -122,13 +133,7 @@ async def raw_tls(source: MoveHost, target: MoveHost, shas: list[str]) -> float:
 
     async def server(tcp: trio.SocketStream) -> None:
         tls = trio.SSLStream(tcp, server_context(target.identity, [source.identity.cert_pem]), server_side=True)
-        got = 0
-        while got < total:
-            data = await tls.receive_some(1 << 20)
-            if not data:
-                break
-            got += len(data)
-        await tls.send_all(b"k")
+        await _receive_raw(tls, total)
         done.set()
         await tls.aclose()
 
@@ -180,13 +185,7 @@ async def raw_sink_process(state: str, total: int) -> None:
 
     async def server(tcp: trio.SocketStream) -> None:
         tls = trio.SSLStream(tcp, server_context(target.identity, source_pems), server_side=True)
-        got = 0
-        while got < total:
-            data = await tls.receive_some(1 << 20)
-            if not data:
-                break
-            got += len(data)
-        await tls.send_all(b"k")
+        await _receive_raw(tls, total)
         await tls.aclose()
         nursery.cancel_scope.cancel()
 
