@@ -26,6 +26,12 @@ plus :meth:`Daemon.set_move_progress` for ``.control/status``. Each takes
 effect for the next FUSE request. ``capsulefs.mountmoves.MountMoves`` is that
 driver (a service, and the mount's ``.control/move``).
 
+The daemon is also the mount's remover (``.control/remove``, which
+``capsulefs rm`` writes while a daemon serves): :meth:`Daemon.remove` hides
+the agent as a retire does, has the listeners stop its process, removes it
+from the store and the areas beside it (capsulefs.removal), all inside
+:attr:`Daemon.move_guard` so that no move of it runs meanwhile.
+
 While mounted the daemon keeps a runtime file, ``STATE/mount/daemon.json``
 (mount point, pid, and what services add: the move port), removed at exit;
 :func:`find_daemon` ignores one whose process or mount is gone.
@@ -40,17 +46,22 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import pyfuse3
 import trio
 
 from capsulefs.core.fsutil import atomic_write
+from capsulefs.core.holder import HolderBook
 from capsulefs.core.live import AgentState, LiveHost
+from capsulefs.core.live_errors import ReadOnly
 from capsulefs.core.store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
+from capsulefs.movehost import holders_dir
 from capsulefs.readahead import tune_read_ahead
+from capsulefs.removal import discard_leftovers, refuse_if_moving
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +70,13 @@ WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scr
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 
 
+def work_dir(state_dir: str) -> str:
+    """The daemon's work directory: the scratch area, snapshots and runtime file."""
+    return os.path.join(state_dir, WORK_DIR)
+
+
 def runtime_path(state_dir: str) -> str:
-    return os.path.join(state_dir, WORK_DIR, RUNTIME_FILE)
+    return os.path.join(work_dir(state_dir), RUNTIME_FILE)
 
 
 def find_daemon(state_dir: str) -> dict[str, object] | None:
@@ -98,6 +114,12 @@ def mount_options(*, allow_other: bool = False, extra: tuple[str, ...] = ()) -> 
     return opts
 
 
+@asynccontextmanager
+async def _no_moves(agent_id: str) -> AsyncIterator[None]:
+    """The move guard of a daemon without move wiring: nothing moves."""
+    yield
+
+
 class Daemon:
     def __init__(
         self,
@@ -118,24 +140,30 @@ class Daemon:
         self.live = LiveHost(
             store,
             host_id=host_id,
-            work_dir=os.path.join(self.state_dir, WORK_DIR),
+            work_dir=work_dir(self.state_dir),
             new_agent_id=lambda: secrets.token_hex(16),
             new_event_id=lambda: secrets.token_hex(12),
             now_ns=time.time_ns,
             owner_uid=os.getuid(),
         )
         self.ops = Operations(self.live)
+        self.live.remover = self
         #: Other services of this daemon (the move service, the agent
         #: supervisor...): ``serve_*(task_status=...)`` callables started in
         #: the daemon's nursery once the mount is up, before READY=1, and
         #: cancelled when the mount goes away. Add them before ``serve``.
         self.services: list[Callable[..., Awaitable[None]]] = []
         #: Components that act on an agent's life (the agent supervisor):
-        #: objects with async ``on_freeze``, ``on_resume``, ``on_retire`` and
-        #: ``on_activate(agent_id)``. ``on_freeze`` runs before the mount
-        #: refuses writes (so the agent's last work can be committed); the
-        #: others run after the mount changed state.
+        #: objects with async ``on_freeze``, ``on_resume``, ``on_retire``,
+        #: ``on_activate`` and ``on_remove(agent_id)``. ``on_freeze`` runs
+        #: before the mount refuses writes (so the agent's last work can be
+        #: committed); the others run after the mount changed state
+        #: (``on_remove``: once the agent is hidden, before its files go).
         self.listeners: list[object] = []
+        #: ``move_guard(agent_id)``: an async context in which no move of the
+        #: agent runs or starts; it raises MoveBusy at once if one runs. The
+        #: move wiring (MountMoves) sets it; :meth:`remove` runs inside it.
+        self.move_guard: Callable[[str], AbstractAsyncContextManager[None]] = _no_moves
         #: What the runtime file says besides mount point and pid (services add keys).
         self.runtime_info: dict[str, object] = {}
         self._stopped_by_us = False
@@ -160,11 +188,14 @@ class Daemon:
 
     async def retire(self, agent_id: str) -> None:
         """The agent is active elsewhere: it disappears from the root."""
+        self._hide(agent_id)
+        for listener in self.listeners:
+            await listener.on_retire(agent_id)  # type: ignore[attr-defined]
+
+    def _hide(self, agent_id: str) -> None:
         name = self.live.retire(agent_id)
         if name is not None and self._kernel_up:
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
-        for listener in self.listeners:
-            await listener.on_retire(agent_id)  # type: ignore[attr-defined]
 
     async def prepare(self, agent_id: str, staged_dir: str) -> None:
         """Target side, before activate: nothing for the mount to build."""
@@ -176,6 +207,36 @@ class Daemon:
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
         for listener in self.listeners:
             await listener.on_activate(agent_id)  # type: ignore[attr-defined]
+
+    # -- the mount's remover (.control/remove; capsulefs.core.live_handles.Remover) --------
+    async def remove(self, agent_id: str) -> None:
+        """Remove the agent from this host; return once it is gone.
+
+        Refused with MoveBusy while a move of it is under way (its holder
+        record, or a move this daemon runs), with ReadOnly in failsafe. The
+        agent first disappears from the root as a retired one does (so no
+        write reaches it and the runtime does not restart it), then the
+        listeners stop its process and drop its sandbox, then the store
+        forgets it, then its snapshots and scratch files go. If the store
+        could not remove it, it is shown and run again. Blobs stay for gc."""
+        if self.live.failsafe is not None:
+            raise ReadOnly(f"the mount went read-only after an internal error: {self.live.failsafe}")
+        name = self.live.agent(agent_id).stored_manifest().name  # NotFoundError if gone meanwhile
+        async with self.move_guard(agent_id):
+            refuse_if_moving(HolderBook(holders_dir(self.state_dir)), agent_id, name)
+            self._hide(agent_id)
+            try:
+                for listener in self.listeners:
+                    await listener.on_remove(agent_id)  # type: ignore[attr-defined]
+                await trio.to_thread.run_sync(self.live.store.remove_agent, agent_id)
+            except Exception:
+                if agent_id in self.live.store.agent_ids():
+                    log.warning("agent %s (%s) could not be removed: shown and run again", name, agent_id)
+                    await self.activate(agent_id)
+                raise
+            self.live.forget(agent_id)
+            discard_leftovers(self.state_dir, work_dir(self.state_dir), agent_id)
+        log.info("removed agent %s (%s)", name, agent_id)
 
     def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None:
         """What ``.control/status`` shows under "move" (None: the default)."""

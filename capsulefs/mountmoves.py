@@ -14,6 +14,9 @@ Rules:
     here (cause -> error type); ``mount/errors.py`` maps those to errno.
   * ``.control/status`` "move" shows phase, blobs and bytes while a move runs,
     and its outcome in words once it ended.
+  * It is the daemon's ``move_guard``: removing an agent (``Daemon.remove``)
+    holds the agent's move lock and is refused at once while this service
+    runs a move of it, so a removal and a move never overlap.
 
 The test seam ``CAPSULEFS_TEST_CRASH_AT=<side>:<state>`` (test-only, read once
 at daemon start) makes the daemon ``os._exit(137)`` right after it durably
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -149,6 +154,7 @@ class MountMoves:
         mm = cls(daemon, **kw)
         daemon.services.append(mm.serve)
         daemon.live.mover = mm
+        daemon.move_guard = mm.still
         state_dir = daemon.state_dir
         daemon.live.on_new_agent = lambda agent_id, epoch: record_new_agent(state_dir, agent_id, epoch)
         return mm
@@ -205,6 +211,22 @@ class MountMoves:
         self._set(agent_id, {"available": True, "phase": "idle", "target": r.target, "blobs_sent": r.contents_sent,
                              "bytes_sent": r.bytes_sent, "outcome": r.state.value, "cause": r.cause,
                              "epoch": r.epoch, "detail": r.reason})
+
+    # -- the daemon's move guard ------------------------------------------------------
+    @asynccontextmanager
+    async def still(self, agent_id: str) -> AsyncIterator[None]:
+        """Hold the agent's move lock: no move of it starts meanwhile. MoveBusy
+        at once if this service runs one (it holds the lock for the whole move)."""
+        self._refuse_running(agent_id)
+        async with self.host.lock(agent_id):
+            self._refuse_running(agent_id)
+            yield
+
+    def _refuse_running(self, agent_id: str) -> None:
+        running = self._running.get(agent_id)
+        if running is not None:
+            raise le.MoveBusy(f"agent {agent_id} is moving to {running.target}: removing it now could lose it "
+                              f"on both hosts; let the move end, or abandon it, then remove it")
 
     # -- the mount's Mover ------------------------------------------------------------
     def _peer(self, target: str) -> Peer:

@@ -8,7 +8,8 @@ Rules:
   * Freezing (start of a move) stops the process at a step boundary and
     commits the sandbox's changes as blobs, one ``workspace_update`` event
     and a new snapshot, before the mount starts refusing writes, so the offer
-    carries them. Retiring discards the host-local sandbox.
+    carries them. Retiring discards the host-local sandbox; so does removing
+    the agent (``capsulefs rm``), which stops its process the same way first.
   * ``.control/status`` gains a "run" section: the process state, pid,
     restarts, last exit and, in words, why it does not run.
 
@@ -139,6 +140,11 @@ class AgentRuntime:
         self._paused.discard(agent_id)
         await self.supervisor.unwant(agent_id, sync=False)
         self.supervisor.discard_sandbox(agent_id)
+
+    async def on_remove(self, agent_id: str) -> None:
+        """The agent is being removed (already hidden): stop its process as a
+        retire does, without syncing its workspace, and drop its sandbox."""
+        await self.on_retire(agent_id)
 
     async def on_activate(self, agent_id: str) -> None:
         self._paused.discard(agent_id)

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import trio
 
 from capsulefs import keychain
+from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
 
@@ -49,6 +50,19 @@ GRACE_SECONDS = 5.0
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
 BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
+#: The host-local sandboxes, under the state dir: ``sandboxes/<agent_id>/``
+#: holds ``workspace/`` and the running process's ``pid`` file.
+SANDBOXES_DIR = "sandboxes"
+
+
+def sandbox_root(state_dir: str) -> str:
+    return os.path.join(state_dir, SANDBOXES_DIR)
+
+
+def discard_sandbox(state_dir: str, agent_id: str) -> None:
+    """Remove an agent's sandbox (its process must not run: stop it first)."""
+    fmt.check_agent_id(agent_id)
+    shutil.rmtree(os.path.join(sandbox_root(state_dir), agent_id), ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -163,7 +177,7 @@ class Supervisor:
     def __init__(self, state_dir: str, hooks: Hooks, *, grace: float = GRACE_SECONDS,
                  base_env: Mapping[str, str] | None = None) -> None:
         self.state_dir = state_dir
-        self.sandbox_root = os.path.join(state_dir, "sandboxes")
+        self.sandbox_root = sandbox_root(state_dir)
         self.hooks = hooks
         self.grace = grace
         self.base_env = dict(base_env) if base_env is not None else {
@@ -376,4 +390,4 @@ class Supervisor:
             pass
 
     def discard_sandbox(self, agent_id: str) -> None:
-        shutil.rmtree(os.path.join(self.sandbox_root, agent_id), ignore_errors=True)
+        discard_sandbox(self.state_dir, agent_id)

@@ -52,6 +52,7 @@ from .fsutil import atomic_write, makedirs_durable
 
 __all__ = [
     "HOLDER_FORMAT",
+    "MOVING",
     "HolderBook",
     "HolderRecord",
     "HolderState",
@@ -80,6 +81,10 @@ HOLDING = frozenset({HolderState.HELD, HolderState.FROZEN, HolderState.COMMITTIN
 #: Target states of a move that has not activated yet.
 PENDING = frozenset({HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED})
 _NEEDS_PEER = PENDING | {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
+#: States in which a move of the agent is under way here, as its source
+#: (FROZEN; COMMITTING: in doubt) or its target (PENDING). Removing the
+#: agent then could lose it on both hosts.
+MOVING = frozenset({HolderState.FROZEN, HolderState.COMMITTING}) | PENDING
 
 
 def _need_epoch(value: object, what: str) -> int:
@@ -138,6 +143,17 @@ class HolderRecord:
     @property
     def pending(self) -> bool:
         return self.state in PENDING
+
+    @property
+    def moving(self) -> bool:
+        """Is a move of the agent under way here (either side, in doubt included)?"""
+        return self.state in MOVING
+
+    def describe_move(self) -> str:
+        """The move under way, in words (for a refusal): state, side, peer, epoch."""
+        side = "moving in from" if self.pending else "moving to"
+        doubt = " (in doubt: the target may have activated it)" if self.state is HolderState.COMMITTING else ""
+        return f"{self.state.value}, {side} {self.peer} at epoch {self.epoch}{doubt}"
 
     def with_(self, **changes: Any) -> "HolderRecord":
         return replace(self, **changes)

@@ -17,11 +17,13 @@ Rules:
     ``memory_edit`` journal event followed by the file itself; a spec edit
     must pass ``spec.validate_spec`` or it is refused and the old spec kept.
   * Hidden directories, absent from listings but reachable by name:
-    ``.control/`` (status, model, move) and ``.snapshots/`` (see snapshots).
+    ``.control/`` (status, model, move, abandon, remove) and ``.snapshots/``
+    (see snapshots).
   * Writes fail with ReadOnly while the agent is frozen (a move is under
     way) or once the view went read-only after an internal error
     (:meth:`LiveHost.enter_failsafe`, never undone while mounted). A
-    retired agent is not shown at all.
+    retired agent is not shown at all; nor is a removed one (REMOVED, whose
+    open handles then write nothing) until its id is in the store again.
 
 Theory of operation: the adapter (``capsulefs.mount``) turns inodes into
 :class:`Node` keys and file handles into :class:`Handle` objects, and calls
@@ -74,6 +76,8 @@ from .live_handles import (
     JournalHandle,
     ModelHandle,
     MoveHandle,
+    RemoveHandle,
+    Remover,
     ScratchHandle,
     resize,
     parse_lines,
@@ -88,7 +92,7 @@ log = logging.getLogger(__name__)
 
 CONTROL = ".control"
 SNAPSHOTS = ".snapshots"
-CONTROL_FILES = ("abandon", "model", "move", "status")
+CONTROL_FILES = ("abandon", "model", "move", "remove", "status")
 EDITABLE = frozenset({fmt.WORKING_MEMORY, fmt.SPEC})
 #: Working memory up to this size goes inline into its memory_edit event;
 #: larger memory is stored as a blob and the event names it.
@@ -148,7 +152,8 @@ class Attr:
 class AgentState(Enum):
     ACTIVE = "active"
     FROZEN = "frozen"  # a move is under way: every write fails with ReadOnly
-    RETIRED = "retired"  # moved away: not shown
+    RETIRED = "retired"  # moved away (or being removed): not shown
+    REMOVED = "removed"  # removed from the store (capsulefs rm): not shown until its id is back (an import)
 
 
 def _tree(files: Sequence[str], extra_dirs: Sequence[str], make: Callable[[str], Node],
@@ -470,8 +475,8 @@ class LiveHost:
         self.now_ns = now_ns
         self.owner_uid = owner_uid  # the mounting user; with root, may write .control
         self.work_dir = work_dir
-        self.scratch = ScratchArea(os.path.join(work_dir, "scratch"))
-        self.snapshots = Snapshots(os.path.join(work_dir, "snapshots"))
+        self.scratch = ScratchArea.under(work_dir)
+        self.snapshots = Snapshots.under(work_dir)
         self.snapshots.sweep()
         self.blobs = BlobChecks()
         self.failsafe: str | None = None  # why the view went read-only, if it did
@@ -494,10 +499,17 @@ class LiveHost:
         #: Carries out writes to ``.control/move`` and ``.control/abandon``
         #: (the daemon's move wiring); None: they fail with EOPNOTSUPP.
         self.mover: Mover | None = None
+        #: Carries out writes to ``.control/remove`` (the daemon); None: they
+        #: fail with EOPNOTSUPP.
+        self.remover: Remover | None = None
 
     # -- states (the daemon's API for the move driver) -----------------------
     def state(self, agent_id: str) -> AgentState:
-        return self._states.get(agent_id, AgentState.ACTIVE)
+        st = self._states.get(agent_id, AgentState.ACTIVE)
+        if st is AgentState.REMOVED and os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
+            del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
+            return AgentState.ACTIVE
+        return st
 
     def set_state(self, agent_id: str, state: AgentState) -> None:
         fmt.check_agent_id(agent_id)
@@ -519,6 +531,8 @@ class LiveHost:
     def check_writable(self, agent_id: str) -> None:
         if self.failsafe is not None:
             raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+        if self.state(agent_id) is AgentState.REMOVED:
+            raise NotFoundError(f"agent {agent_id} was removed from this host")
         if self.state(agent_id) is not AgentState.ACTIVE:
             raise ReadOnly(f"agent {agent_id} is {self.state(agent_id).value} (a move is under way); no writes")
 
@@ -526,8 +540,8 @@ class LiveHost:
     def agent(self, agent_id: str) -> LiveAgent:
         a = self._agents.get(agent_id)
         if a is None:
-            if self.state(agent_id) is AgentState.RETIRED:
-                raise NotFoundError(f"agent {agent_id} was retired from this host")
+            if self.state(agent_id) in (AgentState.RETIRED, AgentState.REMOVED):
+                raise NotFoundError(f"agent {agent_id} was {self.state(agent_id).value} from this host")
             a = self._agents[agent_id] = LiveAgent(self, agent_id)
         return a
 
@@ -887,6 +901,8 @@ class LiveHost:
                     if write:
                         self.check_writable(node.agent)
                     return ModelHandle(a, write)
+                if node.rel == "remove":
+                    return RemoveHandle(a, self.remover)
                 return MoveHandle(a, node.rel, self.mover)
             case Kind.SNAP_FILE:
                 if write:
@@ -924,6 +940,17 @@ class LiveHost:
         if agent_id in self._agents:
             self._agents.pop(agent_id).close()
         return name
+
+    def forget(self, agent_id: str) -> None:
+        """The agent was removed from the store: drop what the view kept of it
+        (open journal, snapshot caches) and mark it REMOVED, so that handles
+        still open on it write nothing (ENOENT), until an agent of that id is
+        in the store again (an import), which is shown as a new one."""
+        if agent_id in self._agents:
+            self._agents.pop(agent_id).close()
+        for key in [k for k in self._snaps if k[0] == agent_id]:
+            del self._snaps[key]
+        self.set_state(agent_id, AgentState.REMOVED)
 
     def activate(self, agent_id: str) -> str:
         """Show an agent again (or for the first time, after a move in): active."""

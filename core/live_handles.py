@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 #: Longest incomplete line a journal handle holds while waiting for its newline.
 MAX_PARTIAL_LINE = 16 << 20
 MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
-#: Longest line accepted by ``.control/move`` and ``.control/abandon``.
+REMOVE_UNAVAILABLE = "removing agents through this mount is not available (.control/remove is reserved)"
+#: Longest line accepted by ``.control/move``, ``.control/abandon`` and ``.control/remove``.
 MAX_CONTROL_LINE = 1024
 
 
@@ -43,6 +44,17 @@ class Mover(Protocol):
     async def move(self, agent_id: str, target: str) -> None: ...
 
     async def abandon(self, agent_id: str, why: str) -> None: ...
+
+
+class Remover(Protocol):
+    """Who carries out ``.control/remove`` (the daemon).
+
+    ``remove`` returns once the agent is gone from this host (its process
+    stopped, its files and the areas beside them removed) and raises a
+    domain error if it was refused: MoveBusy while a move of it is under
+    way, ReadOnly in failsafe, NotFoundError if it is gone already."""
+
+    async def remove(self, agent_id: str) -> None: ...
 
 
 class Handle:
@@ -310,6 +322,38 @@ class MoveHandle(Handle):
 
     def truncate(self, size: int) -> None:
         pass  # `echo x > move` truncates first; the write that follows is what counts
+
+
+class RemoveHandle(Handle):
+    """.control/remove: the agent's id, exactly, removes the agent from this
+    host. Anything else (its name, ``yes``, an empty line) is refused with
+    FormatError and removes nothing, so a stray write cannot delete an agent.
+    A write blocks until the remover is done; its outcome is the write's error."""
+
+    direct_io = True
+
+    def __init__(self, agent: "LiveAgent", remover: Remover | None) -> None:
+        self.agent = agent
+        self.remover = remover
+
+    def read(self, offset: int, size: int) -> bytes:
+        return b""
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise NotSupported(REMOVE_UNAVAILABLE)
+
+    async def write_async(self, offset: int, data: bytes) -> int:
+        if self.remover is None:
+            raise NotSupported(REMOVE_UNAVAILABLE)
+        token = control_line(bytes(data), ".control/remove")
+        if token != self.agent.agent_id:
+            raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id "
+                              f"(\"agent_id\" in .control/status) to remove it")
+        await self.remover.remove(self.agent.agent_id)
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        pass  # `echo ID > remove` truncates first; the write that follows is what counts
 
 
 def control_line(data: bytes, what: str) -> str:

@@ -35,9 +35,18 @@ def check_name(name: str) -> str:
     return name
 
 
+#: The scratch area's directory under the mount's work directory (``<state>/mount``).
+SUBDIR = "scratch"
+
+
 class ScratchArea:
     def __init__(self, root: str) -> None:
         self.root = root
+
+    @classmethod
+    def under(cls, work_dir: str) -> "ScratchArea":
+        """The scratch area of the mount whose work directory is ``work_dir``."""
+        return cls(os.path.join(work_dir, SUBDIR))
 
     def path(self, agent_id: str, reldir: str, name: str) -> str:
         if reldir not in SCRATCH_DIRS:
@@ -103,4 +112,5 @@ class ScratchArea:
             raise NotFoundError(f"{reldir}/{name}: no such file") from None
 
     def remove_agent(self, agent_id: str) -> None:
-        shutil.rmtree(os.path.join(self.root, agent_id), ignore_errors=True)
+        """Remove every scratch file of an agent (it is being removed from the host)."""
+        shutil.rmtree(os.path.join(self.root, fmt.check_agent_id(agent_id)), ignore_errors=True)

@@ -33,9 +33,18 @@ from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable
 from .store import AgentHandle
 
 
+#: The snapshots' directory under the mount's work directory (``<state>/mount``).
+SUBDIR = "snapshots"
+
+
 class Snapshots:
     def __init__(self, root: str) -> None:
         self.root = root
+
+    @classmethod
+    def under(cls, work_dir: str) -> "Snapshots":
+        """The snapshots of the mount whose work directory is ``work_dir``."""
+        return cls(os.path.join(work_dir, SUBDIR))
 
     def _agent_dir(self, agent_id: str) -> str:
         fmt.check_agent_id(agent_id)
@@ -115,4 +124,5 @@ class Snapshots:
         return os.path.join(self.dir(agent_id, name), rel)
 
     def remove_agent(self, agent_id: str) -> None:
+        """Remove every snapshot of an agent (it is being removed from the host)."""
         shutil.rmtree(self._agent_dir(agent_id), ignore_errors=True)

@@ -47,10 +47,18 @@ def wait_mounted(mnt: Path, proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"{mnt} was not mounted in time:\n{log.read_text()}")
 
 
+def in_mount_table(mnt: Path) -> bool:
+    """Is ``mnt`` mounted? Unlike ``os.path.ismount`` this also sees the mount
+    of a daemon that died (stat fails there with ENOTCONN)."""
+    path = os.path.abspath(mnt)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1].replace("\\040", " ") == path for line in f if line.strip())
+
+
 def force_unmount(mnt: Path) -> None:
-    if os.path.ismount(mnt):
+    if in_mount_table(mnt):
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-    if os.path.ismount(mnt):
+    if in_mount_table(mnt):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 

@@ -143,17 +143,3 @@ def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, s
             assert (ctl / "model").read_text() == "openai:gpt-5\n"
     finally:
         mnt.rmdir()
-
-
-def test_rm_refuses_while_mounted_then_removes_snapshots_and_sandbox(store: HostStore, state_dir: Path, mnt: Path) -> None:
-    agent = make_agent(store, "doomed")
-    sandbox = state_dir / "sandboxes" / agent.agent_id / "workspace"
-    sandbox.mkdir(parents=True)
-    with mounted(state_dir, mnt):
-        os.mkdir(mnt / "doomed" / ".snapshots" / "before-rm")
-        refused = capsulefs("--state", str(state_dir), "rm", "doomed", check=False)
-        assert refused.returncode == 1 and "unmount it first" in refused.stderr
-    capsulefs("--state", str(state_dir), "rm", "doomed")
-    assert not (state_dir / "mount" / "snapshots" / agent.agent_id).exists()
-    assert not sandbox.parent.exists()
-    assert list(store.all_blobs()) == []  # the snapshot no longer keeps the blobs alive

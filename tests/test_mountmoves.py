@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from capsulefs.core import live_errors as le
-from capsulefs.core.errors import FormatError
+from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.store import HostStore
 from capsulefs.daemon import Daemon
@@ -78,3 +78,38 @@ async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, 
         assert mm.daemon.live.agent(agent_id).status()["move"]["target"] == "silent"
         nursery.cancel_scope.cancel()
     silent.close()
+
+
+async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tuple[MountMoves, str], state_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    mm, agent_id = wired
+    silent = trio.socket.socket()
+    await silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    PeerBook(state_dir).add(Peer(name="silent", address=f"127.0.0.1:{silent.getsockname()[1]}",
+                                 host_id=load_or_create_identity(tmp_path / "silent").host_id))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        nursery.start_soon(partial(mm.move, agent_id, "silent"))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(le.MoveBusy, match="is moving to silent: removing it now could lose it on both hosts"):
+            await mm.daemon.remove(agent_id)
+        nursery.cancel_scope.cancel()
+    silent.close()
+    assert agent_id in mm.daemon.live.store.agent_ids()
+
+
+async def test_removing_a_held_agent_forgets_it_everywhere(wired: tuple[MountMoves, str], state_dir: Path) -> None:
+    mm, agent_id = wired
+    live = mm.daemon.live
+    live.snapshots.create(live.agent(agent_id).handle, "before")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        await mm.daemon.remove(agent_id)
+        nursery.cancel_scope.cancel()
+    assert live.store.agent_ids() == [] and live.names() == {}
+    assert live.snapshots.names(agent_id) == []
+    with pytest.raises(NotFoundError, match="removed"):
+        live.check_writable(agent_id)  # a handle still open on it writes nothing
+    make_agent(live.store, "alice")  # the same id in the store again (an import): a new agent, shown
+    assert live.state(agent_id).value == "active" and live.names() == {"alice": agent_id}

@@ -115,3 +115,56 @@ async def test_mkdir_tells_who_records_the_holder(c: Client) -> None:
     c.ops.live.on_new_agent = lambda agent_id, epoch: made.append((agent_id, epoch))
     await c.mkdir("bob")
     assert made == [(json.loads(await c.read(f"bob/{CONTROL}/status"))["agent_id"], 1)]
+
+
+# -- .control/remove ---------------------------------------------------------------------
+
+REMOVE = f"alice/{CONTROL}/remove"
+
+
+class FakeRemover:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail: Exception | None = None
+
+    async def remove(self, agent_id: str) -> None:
+        self.calls.append(agent_id)
+        if self.fail is not None:
+            raise self.fail
+
+
+@pytest.fixture
+def remover(c: Client) -> FakeRemover:
+    r = FakeRemover()
+    c.ops.live.remover = r
+    return r
+
+
+async def _agent_id(c: Client) -> str:
+    return json.loads(await c.read(f"alice/{CONTROL}/status"))["agent_id"]
+
+
+async def test_remove_takes_exactly_the_agents_id(c: Client, remover: FakeRemover) -> None:
+    agent_id = await _agent_id(c)
+    await c.write(REMOVE, agent_id.encode() + b"\n")
+    assert remover.calls == [agent_id]
+
+
+@pytest.mark.parametrize("data", [b"\n", b"yes\n", b"alice\n", b"ALICE-ID\n", b"x" * 2000])
+async def test_remove_refuses_anything_but_the_id_with_einval(c: Client, remover: FakeRemover, data: bytes) -> None:
+    assert await errno_of(c.write(REMOVE, data)) == errno.EINVAL
+    agent_id = await _agent_id(c)
+    assert await errno_of(c.write(REMOVE, agent_id.upper().encode() + b"\n")) == errno.EINVAL
+    assert await errno_of(c.write(REMOVE, (agent_id + " " + agent_id).encode() + b"\n")) == errno.EINVAL
+    assert remover.calls == []
+
+
+@pytest.mark.parametrize(("error", "code"), [(le.MoveBusy, errno.EBUSY), (le.ReadOnly, errno.EROFS)])
+async def test_a_refused_removal_has_its_errno(c: Client, remover: FakeRemover, error: type[Exception],
+                                              code: int) -> None:
+    remover.fail = error("why")
+    assert await errno_of(c.write(REMOVE, (await _agent_id(c)).encode() + b"\n")) == code
+
+
+async def test_remove_without_a_remover_is_eopnotsupp(c: Client) -> None:
+    assert await errno_of(c.write(REMOVE, (await _agent_id(c)).encode() + b"\n")) == errno.EOPNOTSUPP

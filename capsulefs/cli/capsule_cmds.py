@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, state_dir
@@ -44,31 +46,55 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    import os
-    import shutil
-
-    from capsulefs.daemon import WORK_DIR, find_daemon
+    """Remove an agent: through the daemon serving the state directory if one
+    runs (it stops the agent's process and drops it from the mount), else
+    here; either way refused while the agent is in a move (capsulefs.removal)."""
+    from capsulefs.core.holder import HolderBook
+    from capsulefs.daemon import find_daemon, work_dir
+    from capsulefs.movehost import holders_dir
+    from capsulefs.removal import refuse_if_moving, remove_offline
 
     state = state_dir(args)
-    running = find_daemon(state)
-    if running is not None:
-        raise CapsuleError(f"a daemon serves {state} (mounted on {running['mountpoint']}) and may be running "
-                           f"the agent: unmount it first ('capsulefs umount {running['mountpoint']}')")
     store = open_store(args)
     agent = store.find(args.agent)
-    name = agent.name
-    store.remove_agent(agent.agent_id)
-    # What the host kept beside the capsule: mount snapshots and scratch, the sandbox.
-    for leftover in (os.path.join(state, WORK_DIR, "snapshots", agent.agent_id),
-                     os.path.join(state, WORK_DIR, "scratch", agent.agent_id),
-                     os.path.join(state, "sandboxes", agent.agent_id)):
-        shutil.rmtree(leftover, ignore_errors=True)
-    print(f"removed agent {name} ({agent.agent_id})")
+    name, agent_id = agent.name, agent.agent_id
+    holders = HolderBook(holders_dir(state))
+    running = find_daemon(state)
+    if running is not None:
+        refuse_if_moving(holders, agent_id, name)  # the daemon checks again; this names the move
+        _remove_through_daemon(str(running["mountpoint"]), name, agent_id)
+    else:
+        remove_offline(state, work_dir(state), store, holders, agent_id)
+    print(f"removed agent {name} ({agent_id})")
     if not args.keep_blobs:
-        report = store.gc()
+        report = store.gc()  # beside a daemon too: gc and writers share the store's lock
         if report.removed:
             print(f"freed {report.removed} unreferenced blob(s), {report.freed} bytes")
     return 0
+
+
+#: errno of a refused ``.control/remove`` write -> why, in words (docs/mount.md).
+_REMOVE_ERRORS = {
+    errno.EBUSY: "a move of it is under way",
+    errno.EROFS: "the mount went read-only after an internal error",
+    errno.EACCES: "only the mounting user and root may remove agents through the mount",
+    errno.EINVAL: "the daemon did not take the agent's id",
+    errno.ENOENT: "the mount no longer shows it",
+    errno.EOPNOTSUPP: "this daemon cannot remove agents",
+}
+
+
+def _remove_through_daemon(mountpoint: str, name: str, agent_id: str) -> None:
+    """Write the agent's id to its ``.control/remove`` and wait for the answer."""
+    control = os.path.join(mountpoint, name, ".control")
+    try:
+        with open(os.path.join(control, "remove"), "w") as f:
+            f.write(agent_id + "\n")
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "?")
+        why = _REMOVE_ERRORS.get(exc.errno or 0, exc.strerror or str(exc))
+        raise CapsuleError(f"agent {name} ({agent_id}) not removed: the daemon serving {mountpoint} refused: "
+                           f"{why} [{code}] (see {control}/status and the daemon's log)") from None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

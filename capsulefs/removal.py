@@ -1,0 +1,57 @@
+"""Removing an agent from this host: ``capsulefs rm`` and ``.control/remove``.
+
+Rules:
+  * An agent in a move here (its holder record FROZEN, COMMITTING, OFFERED,
+    VERIFIED or PREPARED) is never removed: removing it mid-move could lose
+    it on both hosts. The refusal (MoveBusy) names the move; the same words
+    come from the CLI without a daemon and from the daemon.
+  * What the host keeps beside the capsule is removed by the class that owns
+    each area, never by a path spelled here: the mount's snapshots
+    (``core.snapshots``), editors' scratch files (``core.scratch``) and the
+    sandbox (``capsulefs.supervisor``).
+  * Without a daemon the CLI removes the agent itself
+    (:func:`remove_offline`). While a daemon serves the state directory, the
+    CLI asks it through the agent's ``.control/remove`` and the daemon
+    removes it (``Daemon.remove``): it stops the agent's process first and
+    drops it from the live mount, under the agent's move lock.
+  * The holder record stays: it keeps the epoch fence for the agent's id.
+
+Theory of operation: both paths end in :func:`discard_leftovers` after the
+store forgot the agent; blobs are left to the store's ``gc`` (the CLI runs
+it unless ``--keep-blobs``).
+"""
+
+from __future__ import annotations
+
+from capsulefs.core.holder import HolderBook
+from capsulefs.core.live_errors import MoveBusy
+from capsulefs.core.scratch import ScratchArea
+from capsulefs.core.snapshots import Snapshots
+from capsulefs.core.store import HostStore
+from capsulefs.supervisor import discard_sandbox
+
+__all__ = ["discard_leftovers", "refuse_if_moving", "remove_offline"]
+
+
+def refuse_if_moving(holders: HolderBook, agent_id: str, name: str) -> None:
+    """MoveBusy if the agent's holder record says a move of it is under way here."""
+    rec = holders.get(agent_id)
+    if rec is not None and rec.moving:
+        raise MoveBusy(f"agent {name} ({agent_id}) is in a move ({rec.describe_move()}): removing it now could "
+                       f"lose it on both hosts; let the move end, or end it with "
+                       f"'capsulefs move {name} --abandon --why ...', then remove it")
+
+
+def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
+    """Remove what this host keeps beside a removed agent's capsule: its
+    snapshots and scratch files (under the mount's ``work_dir``) and its sandbox."""
+    Snapshots.under(work_dir).remove_agent(agent_id)
+    ScratchArea.under(work_dir).remove_agent(agent_id)
+    discard_sandbox(state_dir, agent_id)
+
+
+def remove_offline(state_dir: str, work_dir: str, store: HostStore, holders: HolderBook, agent_id: str) -> None:
+    """Remove an agent while no daemon serves the state directory."""
+    refuse_if_moving(holders, agent_id, store.agent(agent_id).name)
+    store.remove_agent(agent_id)
+    discard_leftovers(state_dir, work_dir, agent_id)
