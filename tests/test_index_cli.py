@@ -8,7 +8,8 @@ from pathlib import Path
 
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
-from capsulefs.core.index import load_index, recall
+from capsulefs.core.index import recall
+from capsulefs.core.index_vectors import load_index
 from capsulefs.core.store import HostStore
 from helpers import export_and_unpack, make_agent
 from index_helpers import corpus_records, event_id, journal_bytes

@@ -14,18 +14,10 @@ from hypothesis import strategies as st
 
 from capsulefs.core import format as fmt
 from capsulefs.core.embedders import HashedEmbedder
-from capsulefs.core.index import (
-    CapsuleFiles,
-    chunk_spans,
-    dump_index,
-    load_index,
-    merge_indexes,
-    parse_index,
-    recall,
-    refresh_index,
-    search_capsule,
-    update_index,
-)
+from capsulefs.core.index import merge_indexes, recall, refresh_index, search_capsule, update_index
+from capsulefs.core.index_access import CapsuleFiles
+from capsulefs.core.index_text import chunk_spans
+from capsulefs.core.index_vectors import dump_index, load_index, parse_index
 from index_helpers import CountingEmbedder, Writer, corpus_records, event_id, journal_bytes, merged, same_rows
 
 
