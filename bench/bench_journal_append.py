@@ -1,8 +1,12 @@
 """Benchmark: durable journal appends per second against SQLite, side by side.
 
-capsulefs: ``Journal.append`` of one event at a time; each append is
-stamped, written with one O_APPEND write and acknowledged after fdatasync.
-Baseline: the "conversation in a database row": SQLite in WAL mode with
+capsulefs: ``Journal.append`` of one event at a time on the journal of an
+agent of a host store, opened as the store opens it (``open_agent_journal``,
+with the agent's write-ahead ring): each append is stamped, written to the
+journal with one O_APPEND write (not synced), made durable as one record
+overwritten in place in the ring + fdatasync, and then acknowledged; when
+the ring is full the journal itself is fdatasynced once and the ring starts
+over (see ``capsulefs.core.journal_ring``). Baseline: the "conversation in a database row": SQLite in WAL mode with
 ``synchronous=FULL``, one transaction (INSERT + COMMIT) per event, inserting
 the same events (their canonical lines). Target: capsulefs >= 1.0x the
 baseline's appends per second.
@@ -11,7 +15,9 @@ For context it also measures the file system's floor, without Python or
 SQLite: a 300-byte write that grows a file + fdatasync (what every journal
 append must do: the new size is metadata, so fdatasync writes the inode too)
 against a 4 KiB overwrite in place + fdatasync (what SQLite's WAL does once
-it has wrapped), alternating in turns like the main comparison.
+it has wrapped), alternating in turns like the main comparison; and a plain
+journal without a ring (a capsule directory outside a store), whose every
+append grows the file and fdatasyncs it.
 
     .venv/bin/python bench/bench_journal_append.py [--events 4000] [--batch 50]
 """
@@ -30,7 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from capsulefs.core.events import AssistantMessage, Event, ToolCall, ToolResult, UserMessage  # noqa: E402
-from capsulefs.core.journal import open_journal, verify_lines  # noqa: E402
+from capsulefs.core.journal import open_agent_journal, open_journal, verify_lines  # noqa: E402
+from capsulefs.core.store import HostStore  # noqa: E402
 
 
 #: SQLite checkpoints its WAL at 1000 pages (one page per event here) and then
@@ -89,10 +96,9 @@ def main() -> int:
     base = args.dir or ("/var/tmp" if os.path.isdir("/var/tmp") else None)
 
     with tempfile.TemporaryDirectory(prefix="bench-append-", dir=base) as d:
-        journal = open_journal(
-            os.path.join(d, "timeline_events.jsonl"), machine="bench-host", now=time.time,
-            new_id=lambda: f"{next(ids):024x}", recovery_dir=os.path.join(d, "recovery"),
-        )
+        store = HostStore.open(os.path.join(d, "state"))
+        agent = store.create_agent("bench", host_id="bench-host", agent_id="b" * 32)
+        journal = open_agent_journal(agent, machine="bench-host", now=time.time, new_id=lambda: f"{next(ids):024x}")
         conn = sqlite3.connect(os.path.join(d, "events.db"), isolation_level=None)
         assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
         conn.execute("PRAGMA synchronous=FULL")
@@ -136,9 +142,36 @@ def main() -> int:
             journal.append_many(group[lo : lo + 8])
         t_group = time.perf_counter() - t0
         lines = journal.lines()
+        checkpoints = journal.checkpoints
         journal.close()
         conn.close()
         floor = fs_floor(d, turns=20, batch=args.batch)
+        # For context: the plain journal (no ring), alternating with the store's journal in turns.
+        plain = open_journal(
+            os.path.join(d, "plain.jsonl"), machine="bench-host", now=time.time,
+            new_id=lambda: f"{next(ids):024x}", recovery_dir=os.path.join(d, "recovery"),
+        )
+        ringed = open_agent_journal(agent, machine="bench-host", now=time.time, new_id=lambda: f"{next(ids):024x}")
+        plain_events = make_events(1000)
+        for ev in plain_events[:20]:
+            plain.append(ev)
+            ringed.append(ev)
+        t_plain = t_ringed = 0.0
+        for lo in range(20, len(plain_events), args.batch):
+            batch = plain_events[lo : lo + args.batch]
+            t0 = time.perf_counter()
+            for ev in batch:
+                plain.append(ev)
+            t1 = time.perf_counter()
+            for ev in batch:
+                ringed.append(ev)
+            t2 = time.perf_counter()
+            t_plain += t1 - t0
+            t_ringed += t2 - t1
+        n_plain = len(plain_events) - 20
+        assert verify_lines(plain.lines()) == [] and verify_lines(ringed.lines()) == []
+        plain.close()
+        ringed.close()
         assert verify_lines(lines) == [], "the benchmark journal does not verify"
         assert len(lines) == args.events + len(warm) + len(group)
 
@@ -148,9 +181,14 @@ def main() -> int:
     ratios.sort()
     print(f"{n} durable appends on each side, in alternating turns of {args.batch}")
     print(f"sqlite WAL synchronous=FULL, 1 txn/event: {sql_rate:8.0f} events/s")
-    print(f"capsulefs journal append (fdatasync):     {ours_rate:8.0f} events/s")
+    print(f"capsulefs journal append (ring fdatasync): {ours_rate:7.0f} events/s")
     print(f"per-turn ratios: min {ratios[0]:.2f}, median {ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}")
     print(f"(context) group commit, 8 events per fdatasync: {len(group) / t_group:8.0f} events/s")
+    print(f"(context) checkpoints (fdatasync of the journal itself when the ring restarts): {checkpoints} "
+          f"in {n + len(warm) + len(group) // 8} commits")
+    print(f"(context) plain journal without a ring (grow + fdatasync per append): {n_plain / t_plain:6.0f} events/s, "
+          f"vs the store's journal in the same turns {n_plain / t_ringed:6.0f} events/s "
+          f"({t_plain / t_ringed:.2f}x)")
     for name, (o, q, k), pr in zip(("while SQLite's WAL grows", "after its WAL wraps (steady state)"), phases, phase_ratios):
         if k:
             print(f"(context) {name}: {k / o:6.0f} vs {k / q:6.0f} events/s, ratio {q / o:.2f}x, "

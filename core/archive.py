@@ -22,22 +22,42 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .capsule import Problem, check, scan_dir
-from .errors import CorruptBlobError, ImportRefused, NotFoundError
+from .errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from .fsutil import atomic_write, fsync_dir
 from .signing import sign_manifest
-from .store import AgentHandle, HostStore
+from .journal import agent_recovery_dir, journal_ring_path, recover_journal
+from .store import STORE_FILE, AgentHandle, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
 
 
 def verify_capsule(path: str, *, pubkey: bytes | None = None) -> tuple[fmt.Manifest | None, list[Problem]]:
     """Verify a capsule directory or tar; returns (manifest, problems)."""
     if os.path.isdir(path):
+        _recover_if_stored(path)
         listing = scan_dir(path)
     elif os.path.isfile(path):
         listing = scan_tar(path)
     else:
         raise NotFoundError(f"{path}: no such capsule directory or tar")
     return check(listing, pubkey=pubkey)
+
+
+def _recover_if_stored(path: str) -> None:
+    """A capsule directory that is an agent of a host store
+    (``<state>/agents/<agent_id>``): replay its write-ahead ring first, so a
+    crash that left the journal file behind its ring is not read as a loss."""
+    path = os.path.abspath(path)
+    agents_dir, agent_id = os.path.split(path)
+    root, name = os.path.split(agents_dir)
+    if name != "agents" or not os.path.isfile(os.path.join(root, STORE_FILE)):
+        return
+    try:
+        fmt.check_agent_id(agent_id)
+    except FormatError:
+        return
+    if os.path.isfile(os.path.join(path, fmt.JOURNAL)):
+        recover_journal(os.path.join(path, fmt.JOURNAL), journal_ring_path(root, agent_id),
+                        agent_recovery_dir(root, agent_id))
 
 
 class _VerifiedBlob(io.RawIOBase):
@@ -65,7 +85,10 @@ class _VerifiedBlob(io.RawIOBase):
 
 
 def snapshot_files(agent: AgentHandle) -> dict[str, bytes]:
-    """Read every non-blob file of an agent once, the journal up to its last whole line."""
+    """Read every non-blob file of an agent once, the journal up to its last
+    whole line (after replaying its write-ahead ring, if a crash left the
+    journal file behind it)."""
+    agent.recover_journal()
     files: dict[str, bytes] = {}
     for rel in agent.local_files():
         data = agent.read(rel)

@@ -7,9 +7,18 @@ Rules:
     previous line, ``seq`` counts 1, 2, 3... per machine without gaps.
   * The file is sorted by (clock, machine, seq). A local append gets
     clock = (greatest clock in the file) + 1, so it always goes at the end.
-  * An append is acknowledged only after fdatasync. One ``write`` carries a
-    whole group of lines (:meth:`Journal.append_many`), and threads sharing
-    a Journal share commits: the others queue while one writes and syncs.
+  * An append is acknowledged only once it is durable: after an fdatasync
+    of the journal, or, for a journal with a write-ahead ring (every agent
+    of the host store), after an fdatasync of the ring record that holds
+    the same bytes. One ``write`` carries a whole group of lines
+    (:meth:`Journal.append_many`), and threads sharing a Journal share
+    commits: the others queue while one writes and syncs.
+  * A ring never vouches for less than the journal lacks: before the ring
+    starts over at its offset 0 (full, or another process appended), the
+    journal itself is fdatasynced (a checkpoint). Before a journal with a
+    ring is read or appended to after a crash, the ring is replayed into
+    it; a journal that disagrees with its ring is refused (RingMismatch),
+    never repaired by guessing.
   * A file that does not end with a newline has a torn tail: bytes of an
     append that crashed before it was acknowledged. Opening (or catching up
     with) the journal moves that tail into a recovery file outside the
@@ -28,6 +37,34 @@ Theory of operation (appends):
   If another file was renamed over the journal's path (by someone holding
   the old file's flock), the Journal follows it: nothing is appended to an
   unlinked file.
+
+Theory of operation (the write-ahead ring):
+  Growing a file makes its fdatasync write the inode (the new size) after
+  the data: two dependent writes. A ring (:mod:`capsulefs.core.journal_ring`)
+  is a file of fixed size written in place, whose fdatasync writes data
+  only. With one, an append writes its lines to the journal (O_APPEND, not
+  synced: readers see them at once), then one record (header, checksum, the
+  same bytes, their journal offset and inode) after the previous record in
+  the ring, fdatasyncs the ring and acknowledges. The ring's records form
+  one chain, contiguous in journal offsets from its first record, whose
+  offset is where the journal was last synced by itself. A Journal
+  continues its own chain only if the journal still ends where its chain
+  does and the ring still starts with the chain's first header; otherwise
+  (another process appended, or reset or restarted the ring) it
+  checkpoints: fdatasync of the journal, then a new chain at offset 0. A
+  full ring is a checkpoint too, so the journal is synced about once per
+  ring size of events.
+
+  Recovery (:func:`replay_ring`, under the journal's flock) reads the chain
+  and compares it with the journal from the chain's first offset: missing
+  bytes (lost by a crash, or a line cut short) are appended, the journal
+  fdatasynced and the ring reset; zero bytes where the ring has data (a
+  grown file whose data never reached the disk) are saved as a torn tail
+  and replaced. Anything else is a disagreement: both files are left alone,
+  an error names them, and appending is refused. Whole lines past the
+  chain's end were never acknowledged and stay; a torn tail past it goes to
+  the recovery directory as always. The host store replays every agent's
+  ring when it opens, before anything reads a journal file.
 
 Theory of operation (verify and merge):
   :func:`verify_lines` parses every line fully (schema and canonical form)
@@ -54,7 +91,8 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from hashlib import sha256
@@ -63,6 +101,8 @@ from typing import Any
 from .errors import FormatError, IntegrityError, NotFoundError
 from .events import Event, Record, UnknownEvent, line_hash, parse_draft
 from .fsutil import atomic_write, fsync_dir, makedirs_durable
+from .journal_ring import Ring
+from .journal_ring import remove as remove_ring
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +112,11 @@ TORN_SUFFIX = ".torn-"
 BULK_CATCH_UP = 1 << 20
 
 Key = tuple[int, str, int]  # (clock, machine, seq): the journal's sort key
+
+
+class RingMismatch(FormatError):
+    """A journal disagrees with its write-ahead ring: neither is touched and
+    nothing is appended until someone looks (the message names both files)."""
 
 
 class ChainError(IntegrityError):
@@ -567,10 +612,14 @@ class Journal:
         now: Callable[[], float],
         new_id: Callable[[], str],
         recovery_dir: str,
+        ring_path: str | None = None,
     ) -> None:
         self.path = path
         self.machine = machine
         self.recovery_dir = recovery_dir
+        self.ring_path = ring_path  # None: each append fdatasyncs the journal itself
+        self._ring: Ring | None = None  # opened (created) at the first append
+        self._ino = -1  # inode of the file held, as of the last lock
         self._fd = fd
         self._now = now
         self._new_id = new_id
@@ -581,6 +630,7 @@ class Journal:
         self._pending: list[_Request] = []  # events queued for the next group commit
         self._leading = False  # a thread is writing a group
         self.commits = 0  # groups written (one write and one fdatasync each)
+        self.checkpoints = 0  # fdatasyncs of the journal itself made by appends with a ring
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -588,6 +638,9 @@ class Journal:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
 
     def __enter__(self) -> "Journal":
         return self
@@ -666,11 +719,7 @@ class Journal:
         return os.fstat(fd)
 
     def _move_torn_tail(self, offset: int, tail: bytes) -> None:
-        makedirs_durable(self.recovery_dir)
-        name = os.path.basename(self.path) + TORN_SUFFIX
-        taken = [int(n[len(name):]) for n in os.listdir(self.recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
-        dest = os.path.join(self.recovery_dir, f"{name}{max(taken, default=0) + 1}")
-        atomic_write(dest, tail)  # saved durably before the journal is cut
+        dest = _save_torn(self.recovery_dir, self.path, tail)  # saved durably before the journal is cut
         os.ftruncate(self._fd, offset)
         os.fsync(self._fd)
         log.warning(
@@ -739,12 +788,15 @@ class Journal:
                 lines.append(b"")
                 data = b"\n".join(lines)
                 end = self._size + len(data)
-                try:
-                    self._write_all(data)
-                    _fdatasync(self._fd)
-                except BaseException:
-                    self._undo(self._size)
-                    raise
+                if self.ring_path is None:
+                    try:
+                        self._write_all(data)
+                        _fdatasync(self._fd)
+                    except BaseException:
+                        self._undo(self._size)
+                        raise
+                else:
+                    self._commit_with_ring(data)
                 self._state = state
                 self._size = end
                 self.commits += 1
@@ -756,6 +808,69 @@ class Journal:
                     req.settle(error=exc)
             if not isinstance(exc, Exception):
                 raise
+
+    def _commit_with_ring(self, data: bytes) -> None:
+        """Write ``data`` to the journal without syncing it, then make it
+        durable as one record of the ring (an overwrite in place). Caller
+        holds both locks and is caught up."""
+        assert self.ring_path is not None
+        start = self._size
+        ring = self._ring
+        if ring is None:
+            try:
+                ring = self._ring = Ring.open(self.ring_path, create=True)
+            except OSError as exc:
+                log.warning("journal %s: cannot open its write-ahead ring %s (%s); syncing the journal itself",
+                            self.path, self.ring_path, exc)
+        if ring is None or not ring.holds(len(data)):
+            # No ring, or a group larger than the whole ring: the journal's
+            # own fdatasync; the next record restarts the ring (its chain no
+            # longer ends here), and a chain already there stays a prefix.
+            if ring is not None:
+                ring.forget()
+            try:
+                self._write_all(data)
+                _fdatasync(self._fd)
+            except BaseException:
+                self._undo(start)
+                raise
+            self.checkpoints += 1
+            return
+        restart = not ring.continues(start, self._ino) or not ring.fits(len(data))
+        if restart:
+            if not ring.is_current():  # removed or replaced (the agent left and came back)
+                ring.close()
+                ring = self._ring = Ring.open(self.ring_path, create=True)
+                assert ring is not None
+            # Checkpoint: every byte before ``start`` (ours, or another
+            # process's whose ring records we are about to overwrite) is made
+            # durable in the journal itself before the ring starts over.
+            _fdatasync(self._fd)
+            self.checkpoints += 1
+        try:
+            self._write_all(data)
+            ring.append(start, self._ino, data, restart=restart)
+        except BaseException:
+            ring.forget()
+            self._undo(start)
+            raise
+
+    def _recover(self) -> None:
+        """Replay the ring into the journal after a crash (see
+        :func:`replay_ring`); refuse (RingMismatch) if they disagree."""
+        if self.ring_path is None:
+            return
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                held = self._follow_replacement()
+                self._ino = held.st_ino
+                replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def _write_all(self, data: bytes) -> None:
         n = os.write(self._fd, data)
@@ -851,7 +966,9 @@ class _Locked:
         try:
             fcntl.flock(j._fd, fcntl.LOCK_EX)
             try:
-                j._catch_up(j._follow_replacement())
+                held = j._follow_replacement()
+                j._ino = held.st_ino
+                j._catch_up(held)
             except BaseException:
                 fcntl.flock(j._fd, fcntl.LOCK_UN)
                 raise
@@ -879,13 +996,20 @@ def open_journal(
     new_id: Callable[[], str],
     recovery_dir: str | os.PathLike[str],
     create: bool = True,
+    ring_path: str | os.PathLike[str] | None = None,
 ) -> Journal:
     """Open (or create) a journal file and catch up with it.
 
     ``machine`` is this host's id (None: read-only). ``now`` gives Unix
     seconds, ``new_id`` a fresh event id (24 hex). A torn tail is moved to
     ``recovery_dir``, which must lie outside the capsule so that the capsule
-    still verifies. Use it as a context manager, or call ``close()``.
+    still verifies. With ``ring_path`` (a file outside the capsule, see
+    :mod:`capsulefs.core.journal_ring`), appends are made durable in that
+    write-ahead ring, and opening first replays it into the journal if a
+    crash left the journal behind; a journal that disagrees with its ring
+    raises RingMismatch when opened for appending (read-only, it is logged
+    and the journal is read as it is). Use it as a context manager, or call
+    ``close()``.
     """
     path = os.fspath(path)
     flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
@@ -900,8 +1024,15 @@ def open_journal(
         fd = os.open(path, flags)
     if created:
         fsync_dir(os.path.dirname(path) or ".")
-    journal = Journal(path, fd, machine=machine, now=now, new_id=new_id, recovery_dir=os.fspath(recovery_dir))
+    journal = Journal(path, fd, machine=machine, now=now, new_id=new_id, recovery_dir=os.fspath(recovery_dir),
+                      ring_path=None if ring_path is None else os.fspath(ring_path))
     try:
+        try:
+            journal._recover()
+        except RingMismatch:
+            if machine is not None:
+                raise
+            journal.ring_path = None  # read-only: show the journal as it is, write nothing
         journal.refresh()
     except BaseException:
         journal.close()
@@ -912,6 +1043,170 @@ def open_journal(
 #: Where torn tails of the host store's agents go: ``<state>/recovery/<agent_id>/``,
 #: outside the agent's capsule directory, so the capsule still verifies.
 RECOVERY_DIR = "recovery"
+#: Where the host store keeps each agent's write-ahead ring:
+#: ``<state>/journal-wal/<agent_id>`` (outside the capsule, like recovery/).
+WAL_DIR = "journal-wal"
+
+
+def journal_ring_path(store_root: str, agent_id: str) -> str:
+    """The write-ahead ring of an agent of the host store."""
+    return os.path.join(store_root, WAL_DIR, agent_id)
+
+
+def agent_recovery_dir(store_root: str, agent_id: str) -> str:
+    return os.path.join(store_root, RECOVERY_DIR, agent_id)
+
+
+def _save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
+    """Save bytes cut from a journal as ``<name>.torn-<n>`` (durably); return the path."""
+    makedirs_durable(recovery_dir)
+    name = os.path.basename(journal_path) + TORN_SUFFIX
+    taken = [int(n[len(name):]) for n in os.listdir(recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
+    dest = os.path.join(recovery_dir, f"{name}{max(taken, default=0) + 1}")
+    atomic_write(dest, tail)
+    return dest
+
+
+def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
+    """Bring the journal open on ``fd`` up to date with its ring after a
+    crash; return how many bytes were restored. Caller holds the flock.
+
+    The ring's chain vouches for journal bytes [start, end) of one inode.
+    If the journal holds them all, nothing is done (they may still be only
+    in the page cache: the ring is kept). If the journal holds a prefix of
+    them (a crash lost the rest, or cut a line), the rest is appended, the
+    journal fdatasynced and the ring reset. Zero bytes where the ring has
+    data (a crash can leave a grown file unwritten) are cut, saved to
+    ``recovery_dir`` like a torn tail, and the ring's data written instead.
+    Anything else (other bytes, another inode whose file does not hold the
+    data, a file shorter than ``start``) raises RingMismatch and changes
+    nothing: an acknowledged event is never guessed away.
+    """
+    ring = Ring.open(ring_path, create=False)
+    if ring is None:
+        return 0
+    try:
+        entries = ring.scan()
+        if not entries:
+            return 0
+        start, ino = entries[0].offset, entries[0].ino
+        want = b"".join(e.data for e in entries)
+        end = start + len(want)
+        st = os.fstat(fd)
+        size = st.st_size
+        have = os.pread(fd, min(size, end) - start, start) if size > start else b""
+
+        def refuse(why: str) -> RingMismatch:
+            msg = (f"journal {path} disagrees with its write-ahead ring {ring_path}: {why}. The ring vouches "
+                   f"for acknowledged journal bytes {start}..{end} of inode {ino}; both files are left as they "
+                   "are and nothing is appended until they are reconciled by hand")
+            log.error("%s", msg)
+            return RingMismatch(msg)
+
+        if st.st_ino != ino:
+            if size >= end and have == want:
+                log.info("journal %s: its ring %s belongs to an earlier file that held the same bytes; reset it",
+                         path, ring_path)
+                ring.reset()
+                return 0
+            raise refuse(f"the ring was written for inode {ino}, the journal is inode {st.st_ino}")
+        if size < start:
+            raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
+        if want.startswith(have):
+            if size >= end:
+                return 0  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
+            cut = -1
+            missing = want[len(have):]
+        else:
+            k = next(i for i, (x, y) in enumerate(zip(have, want)) if x != y)
+            rest = os.pread(fd, size - (start + k), start + k)
+            if rest.count(0) != len(rest):
+                raise refuse(f"they differ at journal byte {start + k}")
+            cut = start + k
+            dest = _save_torn(recovery_dir, path, rest)
+            log.warning("journal %s: %d zero bytes at offset %d (a crash left them unwritten) moved to %s",
+                        path, len(rest), cut, dest)
+            os.ftruncate(fd, cut)
+            missing = want[k:]
+        view = memoryview(missing)
+        while view:
+            view = view[os.write(fd, view):]
+        _fdatasync(fd)
+        ring.reset()
+        log.warning("journal %s: restored %d bytes of acknowledged events from its write-ahead ring %s "
+                    "(a crash had kept them from reaching the journal file)", path, len(missing), ring_path)
+        return len(missing)
+    finally:
+        ring.close()
+
+
+def _open_locked(path: str) -> int:
+    """A descriptor of the journal at ``path`` with its flock held, following
+    a rename over it while waiting for the lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            on_disk = os.stat(path)
+            held = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if (on_disk.st_ino, on_disk.st_dev) == (held.st_ino, held.st_dev):
+            return fd
+        os.close(fd)
+
+
+def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
+    """Replay a journal's ring if it has one (see :func:`replay_ring`), under
+    the journal's flock; return the bytes restored. For readers of the raw
+    file (export, move, the mount) and for the store at open."""
+    if not os.path.exists(ring_path):
+        return 0
+    try:
+        fd = _open_locked(path)
+    except FileNotFoundError:
+        return 0
+    try:
+        return replay_ring(fd, path, ring_path, recovery_dir)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[None]:
+    """Hold the journal's flock while the caller renames a new file over it.
+
+    First the ring is replayed into the old file, the old file is made
+    durable by itself and the ring reset: the ring's records can then never
+    be replayed into the new file, and appenders that were waiting for the
+    lock follow the new file (see ``Journal._follow_replacement``).
+    """
+    try:
+        fd = _open_locked(path)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        if os.path.exists(ring_path):
+            replay_ring(fd, path, ring_path, recovery_dir)
+            _fdatasync(fd)
+            ring = Ring.open(ring_path, create=False)
+            if ring is not None:
+                try:
+                    ring.reset()
+                finally:
+                    ring.close()
+        yield
+    finally:
+        os.close(fd)
+
+
+def forget_ring(ring_path: str) -> None:
+    """Remove a ring whose journal is gone or not yet there (an agent removed
+    from the store, or about to be installed)."""
+    if remove_ring(ring_path):
+        log.info("removed write-ahead ring %s", ring_path)
 
 
 def open_agent_journal(
@@ -929,8 +1224,9 @@ def open_agent_journal(
         machine=machine,
         now=now,
         new_id=new_id,
-        recovery_dir=os.path.join(agent.store.root, RECOVERY_DIR, agent.agent_id),
+        recovery_dir=agent_recovery_dir(agent.store.root, agent.agent_id),
         create=False,
+        ring_path=journal_ring_path(agent.store.root, agent.agent_id),
     )
 
 

@@ -63,7 +63,7 @@ from .live_errors import (
     NotPermitted,
     ReadOnly,
 )
-from .journal import RECOVERY_DIR, Journal
+from .journal import RECOVERY_DIR, Journal, journal_ring_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,
@@ -344,7 +344,8 @@ class LiveAgent:
             h = self.host
             self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,
                                            new_id=h.new_event_id, now_ns=h.now_ns,
-                                           recovery_dir=os.path.join(h.store.root, RECOVERY_DIR, self.agent_id))
+                                           recovery_dir=os.path.join(h.store.root, RECOVERY_DIR, self.agent_id),
+                                           ring_path=journal_ring_path(h.store.root, self.agent_id))
         return self._appender
 
     def append(self, events: Sequence[Event]) -> list[Record]:

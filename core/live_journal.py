@@ -3,7 +3,8 @@
 Rules:
   * Appending is the canonical journal's (:mod:`capsulefs.core.journal`):
     events are stamped (id, machine, seq, clock, prev, time) and written
-    under its locks with one write and one fdatasync per group, so several
+    under its locks with one write per group, made durable by one fdatasync
+    (of the agent's write-ahead ring, for the store's agents), so several
     appenders (this daemon, the CLI, the agent runtime) never interleave or
     fork a chain. A group is all or nothing.
   * :class:`JournalTail` follows the file for the served manifest: it
@@ -114,7 +115,9 @@ def open_appender(
     new_id: Callable[[], str],
     now_ns: Callable[[], int],
     recovery_dir: str,
+    ring_path: str | None = None,
 ) -> Journal:
-    """The journal of one agent, open for appending as ``machine``."""
+    """The journal of one agent, open for appending as ``machine`` (with its
+    write-ahead ring, if ``ring_path``: see :mod:`capsulefs.core.journal_ring`)."""
     return open_journal(journal_path, machine=machine, now=lambda: now_ns() / 1e9, new_id=new_id,
-                        recovery_dir=recovery_dir, create=False)
+                        recovery_dir=recovery_dir, create=False, ring_path=ring_path)

@@ -12,11 +12,16 @@ Layout (``LAYOUT`` = 1), under the state directory::
       snapshots/<agent_id>/<name>/manifest.json
                                read-only snapshots; gc keeps the blobs they list
       scratch/, recovery/      editors' temp files, torn journal tails
+    recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal)
+    journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable
+                               there first (see capsulefs.core.journal_ring)
 
 Rules:
   * A blob is stored once per host however many agents use it; the agents'
     manifests list it as ``artifacts/blobs/<sha256>``.
   * Every write is atomic (``fsutil``): a crash leaves a file whole or absent.
+    (Journals are appended and their rings overwritten in place; their own
+    rules, checksums and recovery are in ``journal`` and ``journal_ring``.)
   * Blobs are re-hashed when read for export, verify or move
     (:meth:`HostStore.iter_blob`); a corrupt blob raises CorruptBlobError with
     its path and is never handed out as good.
@@ -28,6 +33,10 @@ Rules:
     changes a file. The journal is appended outside the store (it is
     protected by its hash chain); :meth:`AgentHandle.current_manifest`
     re-digests files whose size or mtime changed since the manifest.
+  * Opening the store replays every agent's write-ahead ring into its
+    journal if a crash left the journal behind, before anything reads a
+    journal file. Replacing a journal empties its ring first (under the
+    journal's flock); installing or removing an agent removes its ring.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -51,6 +60,7 @@ from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
+from .journal import RingMismatch, agent_recovery_dir, forget_ring, journal_ring_path, recover_journal, replacing_journal
 from .spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
@@ -106,7 +116,20 @@ class HostStore:
         for d in (store.objects_dir, store.agents_dir, store.staging_dir):
             makedirs_durable(d)
         store._sweep_staging()
+        store.recover_journals()
         return store
+
+    def recover_journals(self) -> None:
+        """Replay each agent's write-ahead ring into its journal where a crash
+        left the journal behind. A journal that disagrees with its ring is
+        logged (and refuses appends when opened), not touched."""
+        for agent_id in self.agent_ids():
+            try:
+                self.agent(agent_id).recover_journal()
+            except RingMismatch:
+                continue  # logged with both paths; opening the journal to append refuses
+            except NotFoundError:
+                continue  # removed meanwhile
 
     def _sweep_staging(self) -> None:
         # Staging areas belong to an operation that a crash ended; nothing in
@@ -393,6 +416,9 @@ class HostStore:
         blobs_dir = os.path.join(staged_dir, fmt.BLOBS_DIR)
         if os.path.isdir(blobs_dir):
             shutil.rmtree(blobs_dir)
+        # A ring left by an earlier stay of this agent vouches for another
+        # file (whose inode number the new journal might even reuse).
+        forget_ring(journal_ring_path(self.root, manifest.agent_id))
         os.rename(staged_dir, dest)
         fsync_dir(self.agents_dir)
         fsync_dir(self.staging_dir)
@@ -403,6 +429,7 @@ class HostStore:
         trash = os.path.join(self.staging_dir, f"rm-{agent_id}-{secrets.token_hex(4)}")
         os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
         fsync_dir(self.agents_dir)
+        forget_ring(journal_ring_path(self.root, agent_id))
         shutil.rmtree(trash)
 
     # -- staging ---------------------------------------------------------------
@@ -445,6 +472,21 @@ class AgentHandle:
     def read(self, rel: str) -> bytes:
         with open(self.path(rel), "rb") as f:
             return f.read()
+
+    @property
+    def ring_path(self) -> str:
+        """The journal's write-ahead ring (outside the capsule)."""
+        return journal_ring_path(self.store.root, self.agent_id)
+
+    @property
+    def recovery_dir(self) -> str:
+        """Where torn journal tails go (outside the capsule)."""
+        return agent_recovery_dir(self.store.root, self.agent_id)
+
+    def recover_journal(self) -> int:
+        """Replay the write-ahead ring into the journal if a crash left it
+        behind (RingMismatch if they disagree); bytes restored."""
+        return recover_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir)
 
     def manifest(self) -> fmt.Manifest:
         """The manifest as last written (its journal digest may lag appends)."""
@@ -497,7 +539,9 @@ class AgentHandle:
     def write_files(self, files: Mapping[str, bytes], add_blobs: Iterable[str] = ()) -> fmt.Manifest:
         """Atomically replace some capsule files and list extra blobs (which
         must already be in the store), then rewrite the manifest."""
-        with self.store.writing():
+        with self.store.writing(), ExitStack() as stack:
+            if fmt.JOURNAL in files:  # appenders follow the new file; the ring never replays into it
+                stack.enter_context(replacing_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir))
             old = self.manifest()
             entries = dict(old.files)
             for rel, data in files.items():

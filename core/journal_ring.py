@@ -1,0 +1,244 @@
+"""The write-ahead ring: a fixed-size side file that makes journal appends
+durable by overwriting in place, so that an fdatasync writes no metadata.
+
+Rules:
+  * The host keeps one ring per journal, outside the capsule (the store puts
+    it at ``<state>/journal-wal/<agent_id>``, see
+    :func:`capsulefs.core.journal.journal_ring_path`). A capsule never holds
+    one, and nothing in a capsule names one.
+  * The file is created once at its final size by writing zeros, fsynced,
+    and linked into place (never over an existing ring); its directory is
+    fsynced. From then on it only changes by overwrites in place, so an
+    fdatasync of it writes data blocks only (no size, no allocation).
+  * A ring holds one *chain*: records packed back to back from offset 0, each
+    covering the journal bytes right after the previous one's, all of one
+    journal inode. The first record starts where the journal file was last
+    made durable by itself (a *checkpoint*: fdatasync of the journal).
+  * Reading stops at the first record that is torn or stale: bad magic, bad
+    checksum, a length past the end, another inode, or journal bytes not
+    contiguous with the previous record. What follows it is ignored.
+
+Record layout (little-endian), ``HEADER`` then the data::
+
+    magic    4 bytes   b"\\xffJR1": 0xFF never occurs in UTF-8 text; "1" is
+                       the version of this layout
+    length   u32       bytes of journal data in the record (> 0)
+    offset   u64       journal byte offset where the data starts
+    ino      u64       st_ino of the journal file the data belongs to
+    digest   16 bytes  blake2b-128 of the 24 bytes above + the data
+
+Theory of operation: :class:`Ring` remembers where its own chain ends
+(position in the ring, next journal offset, inode) and the header of the
+chain's first record. A process may continue its chain only if the journal
+offset it is about to write at is where its chain ends and the ring still
+starts with that first header (one 40-byte pread): otherwise another process
+appended, restarted the ring, recovered or replaced the journal since, and
+the caller must checkpoint and restart at offset 0. The journal-level policy
+(when to checkpoint, how to replay a ring after a crash, what to refuse)
+lives in :mod:`capsulefs.core.journal`; the caller holds the journal's locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+from hashlib import blake2b
+
+from .fsutil import TMP_PREFIX, fsync_dir, makedirs_durable
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\xffJR1"
+HEADER = struct.Struct("<4sIQQ16s")  # magic, length, offset, ino, digest: 40 bytes
+_FIELDS = struct.Struct("<4sIQQ")  # what the digest covers, before the data
+#: Default ring size. A chain restarts (one extra fdatasync of the journal)
+#: each time it fills the ring, so about once per ``RING_SIZE`` of events.
+RING_SIZE = 1 << 20
+_ZERO_CHUNK = 1 << 16
+
+
+def _digest(fields: bytes, data: bytes | memoryview) -> bytes:
+    h = blake2b(fields, digest_size=16)
+    h.update(data)
+    return h.digest()
+
+
+def _fdatasync(fd: int) -> None:
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One valid record of a ring's chain."""
+
+    pos: int  # where the record starts in the ring
+    offset: int  # journal byte offset of its data
+    ino: int  # journal inode
+    data: bytes  # the journal bytes it vouches for
+
+
+def encode(offset: int, ino: int, data: bytes) -> bytes:
+    """One record (header + data)."""
+    fields = _FIELDS.pack(MAGIC, len(data), offset, ino)
+    return fields + _digest(fields, data) + data
+
+
+class Ring:
+    """An open ring file. Make one with :meth:`Ring.open`. Not thread-safe:
+    the journal's locks serialize its users."""
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        self.path = path
+        self.size = size
+        self._fd = fd
+        self._pos = 0  # where the next record of our chain goes
+        self._next = -1  # journal offset our chain ends at
+        self._ino = -1  # journal inode of our chain
+        self._first: bytes | None = None  # header of our chain's first record; None: must restart
+
+    # -- lifecycle ---------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, *, create: bool, size: int = RING_SIZE) -> "Ring | None":
+        """Open the ring at ``path``; with ``create``, make it if it is
+        missing (zeros, fsynced, linked into place). None if it is missing
+        and ``create`` is false. An existing ring keeps its own size."""
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                _create(path, size)
+                continue
+            return cls(path, fd, os.fstat(fd).st_size)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def is_current(self) -> bool:
+        """Whether ``path`` still names the file this Ring has open."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._fd)
+        return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
+
+    # -- writing -------------------------------------------------------------
+    def continues(self, offset: int, ino: int) -> bool:
+        """Whether a record for journal ``offset`` may follow our chain (else:
+        checkpoint the journal and restart)."""
+        return (
+            self._first is not None
+            and offset == self._next
+            and ino == self._ino
+            and os.pread(self._fd, HEADER.size, 0) == self._first
+        )
+
+    def fits(self, length: int) -> bool:
+        """Whether a record of ``length`` data bytes fits after our chain."""
+        return self._pos + HEADER.size + length <= self.size
+
+    def holds(self, length: int) -> bool:
+        """Whether a record of ``length`` data bytes fits in the ring at all."""
+        return HEADER.size + length <= self.size
+
+    def append(self, offset: int, ino: int, data: bytes, *, restart: bool) -> None:
+        """Write one record (at 0 if ``restart``, else after our chain) and
+        fdatasync the ring. On an error the chain is forgotten (the caller
+        restarts next time) and the record is made invalid if possible."""
+        pos = 0 if restart else self._pos
+        rec = encode(offset, ino, data)
+        if pos + len(rec) > self.size:
+            raise ValueError(f"ring {self.path}: a record of {len(rec)} bytes does not fit at {pos}")
+        self._first = None if restart else self._first
+        try:
+            n = os.pwrite(self._fd, rec, pos)
+            if n != len(rec):  # pragma: no cover - a regular file overwritten in place never does this
+                raise OSError(f"short write to ring {self.path}")
+            _fdatasync(self._fd)
+        except BaseException:
+            self.forget()
+            try:
+                os.pwrite(self._fd, bytes(HEADER.size), pos)  # best effort: the caller acknowledges nothing
+            except OSError:
+                pass
+            raise
+        if restart:
+            self._first = rec[: HEADER.size]
+        self._pos = pos + len(rec)
+        self._next = offset + len(data)
+        self._ino = ino
+
+    def forget(self) -> None:
+        """Drop our chain: the next record restarts the ring."""
+        self._first = None
+
+    def reset(self) -> None:
+        """Invalidate the whole ring durably (zero the first header, fdatasync).
+        Only once the journal itself holds and has synced what it vouched for."""
+        self.forget()
+        os.pwrite(self._fd, bytes(HEADER.size), 0)
+        _fdatasync(self._fd)
+
+    # -- reading -------------------------------------------------------------
+    def scan(self) -> list[Entry]:
+        """The valid chain from offset 0 (empty if the ring was reset)."""
+        if os.pread(self._fd, len(MAGIC), 0) != MAGIC:
+            return []
+        buf = os.pread(self._fd, self.size, 0)
+        view = memoryview(buf)
+        out: list[Entry] = []
+        pos = 0
+        while pos + HEADER.size <= len(buf):
+            magic, length, offset, ino, digest = HEADER.unpack_from(buf, pos)
+            end = pos + HEADER.size + length
+            if magic != MAGIC or length == 0 or end > len(buf):
+                break
+            data = view[pos + HEADER.size : end]
+            if _digest(view[pos : pos + _FIELDS.size].tobytes(), data) != digest:
+                break
+            if out and (offset != out[-1].offset + len(out[-1].data) or ino != out[-1].ino):
+                break  # a record of an earlier pass (stale)
+            out.append(Entry(pos=pos, offset=offset, ino=ino, data=data.tobytes()))
+            pos = end
+        return out
+
+
+def _create(path: str, size: int) -> None:
+    """Make a ring of ``size`` zeros at ``path``, unless one appears meanwhile."""
+    directory = os.path.dirname(path) or "."
+    makedirs_durable(directory)
+    tmp = os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        zeros = bytes(min(size, _ZERO_CHUNK))
+        left = size
+        while left > 0:  # real zeros, not fallocate: unwritten extents would make overwrites change metadata
+            left -= os.write(fd, zeros[: min(left, len(zeros))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # never over an existing ring: another creator may already use it
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    fsync_dir(directory)
+    log.debug("created write-ahead ring %s (%d bytes)", path, size)
+
+
+def remove(path: str) -> bool:
+    """Remove a ring file (durably); False if there was none."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(os.path.dirname(path) or ".")
+    return True
