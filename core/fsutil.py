@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
@@ -91,3 +92,54 @@ def sweep_temps(directory: str | os.PathLike[str]) -> int:
                 os.unlink(os.path.join(root, name))
                 removed += 1
     return removed
+
+
+# -- a file's identity without asking for its timestamps ------------------------------
+#
+# Since Linux 6.13 (multigrain timestamps), a stat() that returns a file's
+# ctime/mtime flags it, and the file's next change takes a fine-grained
+# timestamp, which also moves the clock every other file's next change reads.
+# A file overwritten in place (the journal's write-ahead ring) then gets a new
+# mtime on every write, and its fdatasync has to write the inode too: exactly
+# the cost the ring exists to avoid. statx() asked for the inode alone flags
+# nothing, so hot paths that only need "is this still the same file?" use it.
+
+_STATX_INO = 0x100
+_AT_FDCWD = -100
+_STATX_SIZE = 256  # sizeof(struct statx)
+_STX_INO = 32  # offsetof(struct statx, stx_ino)
+_STX_DEV = 136  # offsetof(struct statx, stx_dev_major); stx_dev_minor follows
+
+
+def _load_statx():  # pragma: no cover - depends on the C library
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.statx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return ctypes, fn
+
+
+_statx = _load_statx()
+
+
+def path_identity(path: str) -> tuple[int, int]:
+    """(st_ino, st_dev) of the file at ``path`` (FileNotFoundError if none),
+    without querying its timestamps where the platform allows (see above)."""
+    if _statx is None:  # pragma: no cover
+        st = os.stat(path)
+        return st.st_ino, st.st_dev
+    ctypes, fn = _statx
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if fn(_AT_FDCWD, os.fsencode(path), 0, _STATX_INO, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path) if err != 2 else FileNotFoundError(err, os.strerror(err), path)
+    raw = buf.raw
+    ino = int.from_bytes(raw[_STX_INO : _STX_INO + 8], sys.byteorder)
+    major = int.from_bytes(raw[_STX_DEV : _STX_DEV + 4], sys.byteorder)
+    minor = int.from_bytes(raw[_STX_DEV + 4 : _STX_DEV + 8], sys.byteorder)
+    return ino, os.makedev(major, minor)

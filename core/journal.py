@@ -32,8 +32,9 @@ Theory of operation (appends):
   :class:`Journal` keeps the chain state (per-machine tails, greatest clock,
   size of the whole lines) in memory. Under the lock it compares the file's
   size with the size it knows: if another process appended, it reads only
-  the new bytes and absorbs them before stamping. So an append costs a stat
-  and an fstat, one write and one fdatasync, whatever the journal's length.
+  the new bytes and absorbs them before stamping. So an append costs a
+  statx of the path (the inode only: see ``fsutil.path_identity``) and an
+  lseek, one write and one fdatasync, whatever the journal's length.
   If another file was renamed over the journal's path (by someone holding
   the old file's flock), the Journal follows it: nothing is appended to an
   unlinked file.
@@ -100,7 +101,7 @@ from typing import Any
 
 from .errors import FormatError, IntegrityError, NotFoundError
 from .events import Event, Record, UnknownEvent, line_hash, parse_draft
-from .fsutil import atomic_write, fsync_dir, makedirs_durable
+from .fsutil import atomic_write, fsync_dir, makedirs_durable, path_identity
 from .journal_ring import Ring
 from .journal_ring import remove as remove_ring
 
@@ -619,7 +620,7 @@ class Journal:
         self.recovery_dir = recovery_dir
         self.ring_path = ring_path  # None: each append fdatasyncs the journal itself
         self._ring: Ring | None = None  # opened (created) at the first append
-        self._ino = -1  # inode of the file held, as of the last lock
+        self._id: tuple[int, int] | None = None  # (st_ino, st_dev) of the file held
         self._fd = fd
         self._now = now
         self._new_id = new_id
@@ -658,10 +659,9 @@ class Journal:
             raise ValueError(f"journal {self.path} is closed")
         return _Locked(self)
 
-    def _catch_up(self, held: os.stat_result) -> None:
+    def _catch_up(self, size: int) -> None:
         """Absorb whatever other writers appended; move a torn tail aside.
-        ``held`` is a fresh fstat of the descriptor. Caller holds both locks."""
-        size = held.st_size
+        ``size`` is the file's current size. Caller holds both locks."""
         if size == self._size:
             return
         if size < self._size:
@@ -692,19 +692,26 @@ class Journal:
             start = nl + 1
         self._size += end
 
-    def _follow_replacement(self) -> os.stat_result:
+    def _follow_replacement(self) -> int:
         """If another file was renamed over the journal's path (whoever does
         that holds the old file's flock while renaming), switch to it: an
         append to the old, unlinked file would be lost. Caller holds the
         thread lock and the flock of the current descriptor. Returns the
-        fstat of the descriptor now held."""
+        size of the file now held.
+
+        No stat of the journal here: asking for a file's timestamps makes
+        its next write take a fine-grained one (Linux multigrain
+        timestamps), which then gives the ring a new mtime on every write
+        and its fdatasync an inode to write (see ``fsutil.path_identity``)."""
         try:
-            on_disk = os.stat(self.path)
+            on_disk = path_identity(self.path)
         except FileNotFoundError:
             raise NotFoundError(f"journal {self.path} was removed; refusing to append to a deleted file") from None
-        held = os.fstat(self._fd)
-        if on_disk.st_ino == held.st_ino and on_disk.st_dev == held.st_dev:
-            return held
+        if self._id is None:
+            held = os.fstat(self._fd)
+            self._id = (held.st_ino, held.st_dev)
+        if on_disk == self._id:
+            return os.lseek(self._fd, 0, os.SEEK_END)
         log.info("journal %s was replaced; following the new file", self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         try:
@@ -716,7 +723,9 @@ class Journal:
         os.close(old)  # releases the old file's flock
         self._state = ChainState()
         self._size = 0
-        return os.fstat(fd)
+        held = os.fstat(fd)
+        self._id = (held.st_ino, held.st_dev)
+        return held.st_size
 
     def _move_torn_tail(self, offset: int, tail: bytes) -> None:
         dest = _save_torn(self.recovery_dir, self.path, tail)  # saved durably before the journal is cut
@@ -836,7 +845,9 @@ class Journal:
                 raise
             self.checkpoints += 1
             return
-        restart = not ring.continues(start, self._ino) or not ring.fits(len(data))
+        assert self._id is not None
+        ino = self._id[0]
+        restart = not ring.continues(start, ino) or not ring.fits(len(data))
         if restart:
             if not ring.is_current():  # removed or replaced (the agent left and came back)
                 ring.close()
@@ -849,7 +860,7 @@ class Journal:
             self.checkpoints += 1
         try:
             self._write_all(data)
-            ring.append(start, self._ino, data, restart=restart)
+            ring.append(start, ino, data, restart=restart)
         except BaseException:
             ring.forget()
             self._undo(start)
@@ -864,8 +875,7 @@ class Journal:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                held = self._follow_replacement()
-                self._ino = held.st_ino
+                self._follow_replacement()
                 replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -966,9 +976,7 @@ class _Locked:
         try:
             fcntl.flock(j._fd, fcntl.LOCK_EX)
             try:
-                held = j._follow_replacement()
-                j._ino = held.st_ino
-                j._catch_up(held)
+                j._catch_up(j._follow_replacement())
             except BaseException:
                 fcntl.flock(j._fd, fcntl.LOCK_UN)
                 raise

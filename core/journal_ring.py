@@ -47,7 +47,7 @@ import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from .fsutil import TMP_PREFIX, fsync_dir, makedirs_durable
+from .fsutil import TMP_PREFIX, fsync_dir, makedirs_durable, path_identity
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,11 @@ class Ring:
     """An open ring file. Make one with :meth:`Ring.open`. Not thread-safe:
     the journal's locks serialize its users."""
 
-    def __init__(self, path: str, fd: int, size: int) -> None:
+    def __init__(self, path: str, fd: int) -> None:
+        held = os.fstat(fd)  # once: a stat per write would cost an inode write per fdatasync (fsutil.path_identity)
         self.path = path
-        self.size = size
+        self.size = held.st_size
+        self._id = (held.st_ino, held.st_dev)
         self._fd = fd
         self._pos = 0  # where the next record of our chain goes
         self._next = -1  # journal offset our chain ends at
@@ -107,13 +109,13 @@ class Ring:
         and ``create`` is false. An existing ring keeps its own size."""
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                fd = _open_rw(path)
             except FileNotFoundError:
                 if not create:
                     return None
                 _create(path, size)
                 continue
-            return cls(path, fd, os.fstat(fd).st_size)
+            return cls(path, fd)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -123,11 +125,9 @@ class Ring:
     def is_current(self) -> bool:
         """Whether ``path`` still names the file this Ring has open."""
         try:
-            st = os.stat(self.path)
+            return path_identity(self.path) == self._id
         except FileNotFoundError:
             return False
-        held = os.fstat(self._fd)
-        return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
     # -- writing -------------------------------------------------------------
     def continues(self, offset: int, ino: int) -> bool:
@@ -208,6 +208,16 @@ class Ring:
             out.append(Entry(pos=pos, offset=offset, ino=ino, data=data.tobytes()))
             pos = end
         return out
+
+
+def _open_rw(path: str) -> int:
+    """Open read-write without atime updates where allowed: the header read
+    before each record would otherwise dirty the inode once per tick."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | getattr(os, "O_NOATIME", 0))
+    except PermissionError:  # O_NOATIME needs the file's owner (or CAP_FOWNER)
+        return os.open(path, flags)
 
 
 def _create(path: str, size: int) -> None:

@@ -509,3 +509,14 @@ def test_a_stale_record_right_after_the_new_chain_is_not_replayed(tmp_path: Path
     finally:
         os.close(fd)
     assert journal.read_bytes() == b"".join(line(i) for i in range(11))
+
+
+def test_path_identity_is_the_inode_and_device_of_stat(tmp_path: Path) -> None:
+    from capsulefs.core.fsutil import path_identity
+
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    st = os.stat(f)
+    assert path_identity(str(f)) == (st.st_ino, st.st_dev)
+    with pytest.raises(FileNotFoundError):
+        path_identity(str(tmp_path / "missing"))
