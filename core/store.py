@@ -130,6 +130,8 @@ class HostStore:
                 continue  # logged with both paths; opening the journal to append refuses
             except NotFoundError:
                 continue  # removed meanwhile
+            except OSError as exc:  # e.g. a state directory this user may only read
+                log.warning("agent %s: could not check its journal against its write-ahead ring: %s", agent_id, exc)
 
     def _sweep_staging(self) -> None:
         # Staging areas belong to an operation that a crash ended; nothing in
