@@ -173,6 +173,9 @@ class MountMoves:
             self.daemon.runtime_info["move_port"] = self.port
             nursery.start_soon(self._resume)
             task_status.started()
+            # Moves started later (.control/move) run in this nursery: keep it
+            # open until the daemon cancels it, with or without a listener.
+            await trio.sleep_forever()
 
     async def _resume(self) -> None:
         pending = [a for a in self.host.holders.agent_ids()
@@ -184,8 +187,9 @@ class MountMoves:
             self._running[agent_id] = _Running(self._control(agent_id, peer.name if peer else ""),
                                                peer.name if peer else "?")
         try:
+            # Only the moves in doubt at start: one frozen by a move begun since has its own driver.
             results = await resume_moves(self.host, call_timeout=self.call_timeout, retry_pause=self.retry_pause,
-                                         control_for=lambda a: self._running[a].control)
+                                         control_for=lambda a: self._running[a].control, agent_ids=pending)
         finally:
             for agent_id in pending:
                 self._running.pop(agent_id, None)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -391,12 +391,15 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
 async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_timeout: float = 120.0,
                        retry_pause: float = 1.0, max_retry_pause: float = 60.0,
                        control: MoveControl | None = None,
-                       control_for: Callable[[str], MoveControl] | None = None) -> list[MoveResult]:
+                       control_for: Callable[[str], MoveControl] | None = None,
+                       agent_ids: Iterable[str] | None = None) -> list[MoveResult]:
     """After a restart: roll back every FROZEN move, resolve every COMMITTING
     one. The agents are resumed concurrently: one whose target is
     unreachable waits (in doubt, asking) without holding up the others.
     ``control_for(agent_id)`` gives each its own control (the daemon's
-    ``.control/abandon`` reaches it); else they share ``control``."""
+    ``.control/abandon`` reaches it); else they share ``control``.
+    ``agent_ids`` limits the resume to the agents the caller found in doubt
+    (a move started after that has a driver of its own); default: all."""
     results: list[MoveResult] = []
 
     async def one(agent_id: str) -> None:
@@ -415,7 +418,7 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
             results.append(_result(driver))
 
     async with trio.open_nursery() as nursery:
-        for agent_id in host.holders.agent_ids():
+        for agent_id in host.holders.agent_ids() if agent_ids is None else agent_ids:
             nursery.start_soon(one, agent_id)
     return results
 

@@ -61,6 +61,20 @@ async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[Mount
     assert mm.daemon.live.state(agent_id).value == "active"  # resumed
 
 
+async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[MountMoves, str]) -> None:
+    """The service's nursery stays open once the start-up resume is done, so a
+    daemon mounted without --listen can still move agents out later."""
+    mm, agent_id = wired
+    assert mm.listen is None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        await trio.testing.wait_all_tasks_blocked()  # the start-up resume has finished
+        await trio.sleep(0.05)
+        with pytest.raises(le.PeerConnectionRefused, match="rolled_back"):
+            await mm.move(agent_id, "dead")
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, str], state_dir: Path,
                                                       tmp_path: Path) -> None:
     mm, agent_id = wired

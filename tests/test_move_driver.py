@@ -402,6 +402,25 @@ async def test_source_crash_in_doubt_resumes_from_its_record(world: World) -> No
     assert result.moved and world.check() == "b"
 
 
+async def test_resume_limited_to_named_agents_leaves_others_alone(world: World) -> None:
+    """The daemon resumes only the moves it found in doubt at start (a move
+    begun since then has its own driver and control)."""
+    world.target.faults = [Fault("activate", "after")]
+    world.target.faults.append(Fault("status", "before", times=1000))
+    async with trio.open_nursery() as n:
+        n.start_soon(world.move)
+        while world.target.fired.count("status:before") < 2:
+            await trio.sleep(0.001)
+        n.cancel_scope.cancel()
+    assert world.a.holders.get(world.agent_id).state is HolderState.COMMITTING
+    world.target.faults = []
+    assert await resume_moves(world.a, retry_pause=0, agent_ids=[]) == []
+    assert world.a.holders.get(world.agent_id).state is HolderState.COMMITTING  # untouched
+    world.hooks_a.running.clear()
+    (result,) = await resume_moves(world.a, retry_pause=0, agent_ids=[world.agent_id])
+    assert result.moved and world.check() == "b"
+
+
 async def test_operator_abandon_while_in_doubt(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.target.faults = [Fault("activate", "before"), Fault("status", "before", times=10**6)]
     control = MoveControl()
