@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from .errors import FormatError
-from .format import check_host_id, check_relpath, check_sha256
+from .format import check_host_id, check_relpath, check_sha256, load_json_object
 
 EVENT_VERSION = 1
 ENVELOPE = ("v", "id", "machine", "seq", "clock", "prev", "time", "kind")
@@ -375,12 +375,7 @@ class Record:
         The line must be canonical: re-encoding it gives the same bytes,
         because the chain hashes exact bytes.
         """
-        try:
-            doc = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"journal line is not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise FormatError("journal line is not a JSON object")
+        doc = load_json_object(line, "journal line")
         missing = [k for k in ENVELOPE if k not in doc]
         if missing:
             raise FormatError(f"journal line lacks {', '.join(missing)}")

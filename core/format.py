@@ -191,12 +191,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{MANIFEST} is not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise FormatError(f"{MANIFEST} must be a JSON object")
+        doc = load_json_object(data, MANIFEST)
         fmt = doc.get("format")
         if fmt != FORMAT:
             raise FormatError(f"{MANIFEST}: format {fmt!r} is not {FORMAT!r}")
@@ -236,15 +231,32 @@ class Manifest:
         return out
 
 
+# -- JSON documents ----------------------------------------------------------
+
+
+def load_json(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> Any:
+    """``json.loads``, with a document that does not parse reported as
+    ``error`` naming ``what``."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from None
+
+
+def load_json_object(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> dict[str, Any]:
+    """:func:`load_json` of a document that must be a JSON object."""
+    doc = load_json(data, what, error=error)
+    if not isinstance(doc, dict):
+        raise error(f"{what} must be a JSON object")
+    return doc
+
+
 # -- the workspace snapshot -------------------------------------------------
 
 
 def parse_snapshot(data: bytes) -> dict[str, str]:
     """Parse ``artifacts/snapshot.json`` into {workspace path: sha256}."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{SNAPSHOT} is not valid JSON: {exc}") from None
+    doc = load_json(data, SNAPSHOT)
     if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
         raise FormatError(f'{SNAPSHOT} must be {{"files": {{path: sha256}}}}')
     files = doc["files"]

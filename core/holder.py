@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import CapsuleError, FormatError
-from .format import check_agent_id, check_host_id
+from .format import check_agent_id, check_host_id, load_json_object
 from .fsutil import atomic_write, makedirs_durable
 
 __all__ = [
@@ -178,12 +178,7 @@ class HolderRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "HolderRecord":
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"holder record is not JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise FormatError("holder record must be a JSON object")
+        doc = load_json_object(data, "holder record")
         check = doc.pop("check", None)
         if hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest() != check:
             raise FormatError("holder record does not match its check digest")

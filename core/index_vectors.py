@@ -63,6 +63,7 @@ import numpy as np
 
 from .embedders import EmbedderSpec
 from .errors import FormatError
+from .format import load_json
 from .fsutil import atomic_write, makedirs_durable
 from .index_text import INDEXED_KINDS
 
@@ -308,10 +309,7 @@ def parse_index(data: bytes) -> VectorIndex:
         checked = True
     else:
         checked = False
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IndexCorrupt(f"index.json is not valid JSON: {exc}") from None
+    doc = load_json(data, "index.json", error=IndexCorrupt)
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         raise IndexCorrupt(f"index.json format is not {INDEX_FORMAT!r}")
     if not checked:

@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from .errors import SpecError
+from .format import load_json
 
 SPEC_VERSION = 1
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
@@ -102,11 +103,7 @@ def validate_spec(doc: object) -> dict[str, Any]:
 
 
 def parse_spec(data: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecError(f"spec is not valid JSON: {exc}") from None
-    return validate_spec(doc)
+    return validate_spec(load_json(data, "spec", error=SpecError))
 
 
 def spec_bytes(doc: dict[str, Any]) -> bytes:
