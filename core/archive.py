@@ -25,7 +25,7 @@ from .capsule import Problem, check, scan_dir
 from .errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from .fsutil import atomic_write, fsync_dir
 from .signing import sign_manifest
-from .journal import agent_recovery_dir, journal_ring_path, recover_journal
+from .journal_recovery import agent_recovery_dir, journal_ring_path, recover_journal
 from .store import STORE_FILE, AgentHandle, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
 

@@ -73,7 +73,7 @@ def _check_snapshot(data: bytes) -> list[str]:
 
 
 def _check_journal(data: bytes) -> list[str]:
-    from .journal import check_journal_bytes  # chains, seqs, order, forks; every line parsed
+    from .journal_lines import check_journal_bytes  # chains, seqs, order, forks; every line parsed
 
     return check_journal_bytes(data)
 

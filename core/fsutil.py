@@ -19,6 +19,11 @@ from typing import BinaryIO, Iterator
 TMP_PREFIX = ".tmp-"
 
 
+def fdatasync(fd: int) -> None:
+    """fdatasync where the platform has it, else fsync."""
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that renames and creations inside it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

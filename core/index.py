@@ -65,7 +65,7 @@ from .index_vectors import (
     load_index_bytes,
     parse_index,
 )
-from .journal import split_lines
+from .journal_lines import split_lines
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,21 @@
 """The journal: one immutable event per line, hash-chained per machine,
 ordered across machines by a Lamport clock, merged by set union.
 
+This module owns the journal *file*: :class:`Journal` (catching up with
+other writers, group commit, appends made durable in the journal or in its
+write-ahead ring), :func:`open_journal` and :func:`open_agent_journal`. The
+rest of the journal has its own modules, whose public names are re-exported
+here (see ``__all__``):
+
+  * :mod:`capsulefs.core.journal_lines`: the lines as bytes (envelope,
+    split and join, verify, the reference merge);
+  * :mod:`capsulefs.core.journal_chain`: stamping (``ChainState``);
+  * :mod:`capsulefs.core.journal_recovery`: replaying the ring after a
+    crash, torn-tail files, replacing a journal, where rings live;
+  * :mod:`capsulefs.core.journal_ring`: the ring file itself;
+  * :mod:`capsulefs.core.journal_index`: the vectorised merge.
+
 Rules:
-  * A line is canonical JSON (see :mod:`capsulefs.core.events`), so its
-    sha256 is its identity. ``prev`` is the hash of the same machine's
-    previous line, ``seq`` counts 1, 2, 3... per machine without gaps.
-  * The file is sorted by (clock, machine, seq). A local append gets
-    clock = (greatest clock in the file) + 1, so it always goes at the end.
   * An append is acknowledged only once it is durable: after an fdatasync
     of the journal, or, for a journal with a write-ahead ring (every agent
     of the host store), after an fdatasync of the ring record that holds
@@ -16,15 +25,12 @@ Rules:
   * A ring never vouches for less than the journal lacks: before the ring
     starts over at its offset 0 (full, or another process appended), the
     journal itself is fdatasynced (a checkpoint). Before a journal with a
-    ring is read or appended to after a crash, the ring is replayed into
-    it; a journal that disagrees with its ring is refused (RingMismatch),
-    never repaired by guessing.
+    ring is read or appended to after a crash, the ring is replayed into it
+    (:mod:`capsulefs.core.journal_recovery`).
   * A file that does not end with a newline has a torn tail: bytes of an
     append that crashed before it was acknowledged. Opening (or catching up
     with) the journal moves that tail into a recovery file outside the
     capsule and logs a warning. It is never kept, never dropped silently.
-  * Nothing here rewrites or deletes an event. :func:`merge` builds a new
-    list of lines; writing it somewhere is the caller's business.
 
 Theory of operation (appends):
   Appenders on one host are serialized by ``flock`` on the journal file
@@ -56,545 +62,92 @@ Theory of operation (the write-ahead ring):
   full ring is a checkpoint too, so the journal is synced about once per
   ring size of events.
 
-  Recovery (:func:`replay_ring`, under the journal's flock) reads the chain
-  and compares it with the journal from the chain's first offset: missing
-  bytes (lost by a crash, or a line cut short) are appended, the journal
-  fdatasynced and the ring reset; zero bytes where the ring has data (a
-  grown file whose data never reached the disk) are saved as a torn tail
-  and replaced. Anything else is a disagreement: both files are left alone,
-  an error names them, and appending is refused. Whole lines past the
-  chain's end were never acknowledged and stay; a torn tail past it goes to
-  the recovery directory as always. The host store replays every agent's
-  ring when it opens, before anything reads a journal file.
-
-Theory of operation (verify and merge):
-  :func:`verify_lines` parses every line fully (schema and canonical form)
-  and lists every problem with its line number, machine and seq.
-  :func:`merge` is the reference merge, line by line: it pulls out the
-  envelope of each line (a strict grammar match for JSON up to two levels
-  deep, ``json.loads`` for anything deeper), checks each input's order and
-  seq runs, merges the two sorted inputs, and checks the union's chains by
-  hashing each distinct line once. An input whose chain does not verify is
-  refused; so are two different lines with the same (machine, seq), which
-  is a fork. :func:`merge_bytes` gives the same result vectorised (see
-  :mod:`capsulefs.core.journal_index`), and defers to :func:`merge` for
-  anything it does not accept, so the errors are the reference's.
+  Recovery after a crash is :mod:`capsulefs.core.journal_recovery`'s.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import json
 import logging
-import mmap
 import os
-import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from hashlib import sha256
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import FormatError, IntegrityError, NotFoundError
-from .events import Event, Record, UnknownEvent, line_hash, parse_draft
-from .fsutil import atomic_write, fsync_dir, makedirs_durable, path_identity
+from .errors import FormatError, NotFoundError
+from .events import Event, Record, parse_draft
+from .fsutil import fdatasync, fsync_dir, path_identity
+from .journal_chain import ChainState, Tail, format_time
+from .journal_lines import (
+    ChainError,
+    Key,
+    check_journal_bytes,
+    check_lines,
+    envelope,
+    join_lines,
+    merge,
+    merge_bytes,
+    merge_pieces,
+    split_lines,
+    verify_lines,
+)
+from .journal_recovery import (
+    RECOVERY_DIR,
+    TORN_SUFFIX,
+    WAL_DIR,
+    RingMismatch,
+    agent_recovery_dir,
+    forget_ring,
+    journal_ring_path,
+    recover_journal,
+    replacing_journal,
+    replay_ring,
+    save_torn,
+)
 from .journal_ring import Ring
-from .journal_ring import remove as remove_ring
+
+__all__ = [
+    # the journal file (this module)
+    "BULK_CATCH_UP",
+    "Journal",
+    "open_agent_journal",
+    "open_journal",
+    "parse_draft_lines",
+    # journal_lines
+    "ChainError",
+    "Key",
+    "check_journal_bytes",
+    "check_lines",
+    "envelope",
+    "join_lines",
+    "merge",
+    "merge_bytes",
+    "merge_pieces",
+    "split_lines",
+    "verify_lines",
+    # journal_chain
+    "ChainState",
+    "Tail",
+    "format_time",
+    # journal_recovery
+    "RECOVERY_DIR",
+    "TORN_SUFFIX",
+    "WAL_DIR",
+    "RingMismatch",
+    "agent_recovery_dir",
+    "forget_ring",
+    "journal_ring_path",
+    "recover_journal",
+    "replacing_journal",
+    "replay_ring",
+]
 
 log = logging.getLogger(__name__)
 
-#: Name of a recovery file for a torn tail: ``<journal name>.torn-<n>``.
-TORN_SUFFIX = ".torn-"
 #: Catching up with at least this many bytes is done in bulk (vectorised).
 BULK_CATCH_UP = 1 << 20
-
-Key = tuple[int, str, int]  # (clock, machine, seq): the journal's sort key
-
-
-class RingMismatch(FormatError):
-    """A journal disagrees with its write-ahead ring: neither is touched and
-    nothing is appended until someone looks (the message names both files)."""
-
-
-class ChainError(IntegrityError):
-    """A journal's chains do not verify; ``problems`` lists every finding."""
-
-    def __init__(self, what: str, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        shown = "; ".join(self.problems[:5])
-        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        super().__init__(f"{what}: {shown}{more}")
-
-
-# -- the envelope, fast --------------------------------------------------------
-#
-# A strict grammar for a JSON object whose values nest at most one level. The
-# named envelope keys may appear only once at the top level (the lookahead
-# keeps every other top-level key from being one of them), so a match proves
-# the captured values are the envelope's. Deeper lines go to json.loads.
-
-_STR = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
-_NUM = rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_SCALAR = rb"(?:" + _STR + rb"|" + _NUM + rb"|true|false|null)"
-_VALUE = (
-    rb"(?:" + _SCALAR
-    + rb"|\{(?:" + _STR + rb":" + _SCALAR + rb"(?:," + _STR + rb":" + _SCALAR + rb")*)?\}"
-    + rb"|\[(?:" + _SCALAR + rb"(?:," + _SCALAR + rb")*)?\])"
-)
-_OTHER = rb'(?!"(?:clock|id|kind|machine|prev|seq|time|v)")' + _STR + rb":" + _VALUE
-_SKIP = rb"(?:" + _OTHER + rb",)*?"
-_INT = rb"([1-9][0-9]{0,17})"
-_ENVELOPE_RE = re.compile(
-    rb"\{" + _SKIP + rb'"clock":' + _INT
-    + rb"," + _SKIP + rb'"id":"[0-9a-f]{8,64}"'
-    + rb"," + _SKIP + rb'"kind":"[a-z][a-z0-9_.]{0,63}"'
-    + rb"," + _SKIP + rb'"machine":"([A-Za-z0-9][A-Za-z0-9._-]{0,127})"'
-    + rb"," + _SKIP + rb'"prev":(null|"[0-9a-f]{64}")'
-    + rb"," + _SKIP + rb'"seq":' + _INT
-    + rb"," + _SKIP + rb'"time":' + _STR
-    + rb"," + _SKIP + rb'"v":' + _INT
-    + rb"(?:," + _OTHER + rb")*\}"
-)
-_fullmatch = _ENVELOPE_RE.fullmatch
-_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_HEX64_RE = re.compile(r"[0-9a-f]{64}")
-_ID_RE = re.compile(r"[0-9a-f]{8,64}")
-_KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
-
-
-def _posint(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def envelope(line: bytes) -> tuple[Key, str | None]:
-    """((clock, machine, seq), prev) of one line, checking it is a JSON object
-    with a well-formed envelope. Raises FormatError. Does not check the
-    event's own fields or the canonical form (:func:`verify_lines` does)."""
-    m = _fullmatch(line)
-    if m is not None and (line.isascii() or _utf8(line)):
-        clock, machine, prev, seq, _v = m.groups()
-        return (int(clock), machine.decode(), int(seq)), (None if prev == b"null" else prev[1:-1].decode())
-    try:
-        doc = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise FormatError("not a JSON object")
-    missing = [k for k in ("clock", "id", "kind", "machine", "prev", "seq", "time", "v") if k not in doc]
-    if missing:
-        raise FormatError(f"lacks {', '.join(missing)}")
-    clock, machine, seq, prev = doc["clock"], doc["machine"], doc["seq"], doc["prev"]
-    if not (_posint(clock) and _posint(seq) and _posint(doc["v"])):
-        raise FormatError("clock, seq and v must be positive integers")
-    if not isinstance(machine, str) or not _HOST_RE.fullmatch(machine):
-        raise FormatError(f"machine {machine!r} is not a host id")
-    if prev is not None and not (isinstance(prev, str) and _HEX64_RE.fullmatch(prev)):
-        raise FormatError(f"prev {prev!r} is neither null nor a sha256")
-    if not isinstance(doc["id"], str) or not _ID_RE.fullmatch(doc["id"]):
-        raise FormatError(f"id {doc['id']!r} is not 8-64 lowercase hex digits")
-    if not isinstance(doc["kind"], str) or not _KIND_RE.fullmatch(doc["kind"]):
-        raise FormatError(f"kind {doc['kind']!r} is not a valid event kind")
-    if not isinstance(doc["time"], str):
-        raise FormatError("time must be a string")
-    return (clock, machine, seq), prev
-
-
-def _utf8(line: bytes) -> bool:
-    try:
-        line.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def split_lines(data: bytes, what: str = "journal") -> list[bytes]:
-    """The lines of a journal's bytes (without newlines). Refuses a torn tail."""
-    if not data:
-        return []
-    if not data.endswith(b"\n"):
-        torn = len(data) - data.rfind(b"\n") - 1
-        raise FormatError(f"{what} does not end with a newline (torn tail of {torn} bytes)")
-    return data[:-1].split(b"\n")
-
-
-def join_lines(lines: Iterable[bytes]) -> bytes:
-    out = b"\n".join(lines)
-    return out + b"\n" if out else b""
-
-
-# -- verifying -----------------------------------------------------------------
-
-
-def verify_lines(lines: Sequence[bytes], *, full: bool = True) -> list[str]:
-    """Every problem of a journal, each naming its line (1-based), machine and seq.
-
-    Checks that each line parses (``full``: as a canonical Record, schema
-    included; otherwise only its envelope), that lines are strictly sorted by
-    (clock, machine, seq), and that each machine's seqs run 1, 2, 3... with
-    ``prev`` equal to the hash of the previous line of that machine and a
-    clock greater than that line's. The same (machine, seq) twice with
-    different bytes is reported as a fork or tampering.
-    """
-    problems: list[str] = []
-    # machine -> [seq, digest, clock, lineno] of its last line
-    tails: dict[str, list[Any]] = {}
-    # machine -> line numbers by seq (index seq-1), to name forks
-    where: dict[str, list[int]] = {}
-    last_key: Key | None = None
-    last_no = 0
-    for no, line in enumerate(lines, 1):
-        try:
-            if full:
-                rec = Record.from_line(line)
-                key: Key = rec.order
-                prev = rec.prev
-            else:
-                key, prev = envelope(line)
-        except FormatError as exc:
-            problems.append(f"line {no}: {exc}")
-            continue
-        clock, machine, seq = key
-        if last_key is not None and key <= last_key:
-            if key == last_key:
-                pass  # reported below as a duplicate or a fork
-            else:
-                problems.append(
-                    f"line {no}: machine {machine} seq {seq}: out of order, (clock {clock}, {machine}, seq {seq}) "
-                    f"sorts before line {last_no} (clock {last_key[0]}, {last_key[1]}, seq {last_key[2]})"
-                )
-        last_key, last_no = key, no
-        digest = line_hash(line)
-        seen = where.setdefault(machine, [])
-        tail = tails.get(machine)
-        if seq <= len(seen) and seen[seq - 1]:
-            other = seen[seq - 1]
-            if lines[other - 1] == line:
-                problems.append(f"line {no}: machine {machine} seq {seq}: duplicates line {other}")
-            else:
-                problems.append(
-                    f"line {no}: machine {machine} seq {seq}: differs from line {other}, which has the same "
-                    "machine and seq (a fork, or tampering)"
-                )
-            continue
-        if tail is None:
-            if seq != 1:
-                problems.append(f"line {no}: machine {machine} seq {seq}: the machine's first line must have seq 1")
-            elif prev is not None:
-                problems.append(f"line {no}: machine {machine} seq 1: prev must be null for a machine's first line")
-        else:
-            t_seq, t_digest, t_clock, t_no = tail
-            if seq != t_seq + 1:
-                problems.append(
-                    f"line {no}: machine {machine} seq {seq}: gap, the machine's previous line is seq {t_seq} "
-                    f"(line {t_no})"
-                )
-            elif prev != t_digest:
-                problems.append(
-                    f"line {no}: machine {machine} seq {seq}: prev does not match the hash of machine {machine} "
-                    f"seq {t_seq} (line {t_no}); one of them was altered (tampering or a fork)"
-                )
-            if clock <= t_clock:
-                problems.append(
-                    f"line {no}: machine {machine} seq {seq}: clock {clock} is not greater than clock {t_clock} "
-                    f"of seq {t_seq} (line {t_no})"
-                )
-        if seq > len(seen):
-            seen.extend([0] * (seq - len(seen)))
-        seen[seq - 1] = no
-        tails[machine] = [seq, digest, clock, no]
-    return problems
-
-
-def check_lines(lines: Sequence[bytes], what: str = "journal", *, full: bool = True) -> None:
-    """Raise ChainError listing every problem, if there is any."""
-    problems = verify_lines(lines, full=full)
-    if problems:
-        raise ChainError(f"{what} does not verify", problems)
-
-
-def check_journal_bytes(data: bytes) -> list[str]:
-    """Content check for ``memory/timeline_events.jsonl`` in a capsule."""
-    try:
-        lines = split_lines(data)
-    except FormatError as exc:
-        return [str(exc)]
-    return verify_lines(lines)
-
-
-# -- merging ---------------------------------------------------------------------
-
-
-def merge(a: Sequence[bytes], b: Sequence[bytes]) -> list[bytes]:
-    """The union of two journals' lines, sorted by (clock, machine, seq).
-
-    Commutative, associative and idempotent. Raises ChainError (naming the
-    input, line, machine and seq) if either input's chains do not verify,
-    or if the inputs hold different lines for the same (machine, seq).
-    """
-    out: list[bytes] = []
-    append = out.append
-    na, nb = len(a), len(b)
-    i = j = 0
-    # Per input: last key (order) and last seq per machine (runs without gaps).
-    last_a: Key = (0, "", 0)
-    last_b: Key = (0, "", 0)
-    seqs_a: dict[str, int] = {}
-    seqs_b: dict[str, int] = {}
-    # The union: per machine [seq, digest, clock].
-    tails: dict[str, list[Any]] = {}
-    ka = pa = kb = pb = None
-
-    def bad(which: str, lines: Sequence[bytes], no: int, msg: str) -> ChainError:
-        found = verify_lines(lines, full=False)
-        return ChainError(f"merge refused: input {which} does not verify", found or [f"line {no}: {msg}"])
-
-    while True:
-        # Pull the next envelope of each input that needs one.
-        if ka is None and i < na:
-            line = a[i]
-            try:
-                ka, pa = envelope(line) if not (j < nb and kb is not None and b[j] == line) else (kb, pb)
-            except FormatError as exc:
-                raise bad("A", a, i + 1, str(exc)) from None
-            if ka <= last_a:
-                raise bad("A", a, i + 1, "out of order")
-            if seqs_a.get(ka[1], 0) + 1 != ka[2]:
-                raise bad("A", a, i + 1, f"machine {ka[1]} seq {ka[2]}: gap")
-            seqs_a[ka[1]] = ka[2]
-            last_a = ka
-        if kb is None and j < nb:
-            line = b[j]
-            try:
-                kb, pb = envelope(line) if not (ka is not None and a[i] == line) else (ka, pa)
-            except FormatError as exc:
-                raise bad("B", b, j + 1, str(exc)) from None
-            if kb <= last_b:
-                raise bad("B", b, j + 1, "out of order")
-            if seqs_b.get(kb[1], 0) + 1 != kb[2]:
-                raise bad("B", b, j + 1, f"machine {kb[1]} seq {kb[2]}: gap")
-            seqs_b[kb[1]] = kb[2]
-            last_b = kb
-        # Take the smaller (both, when equal).
-        if ka is not None and (kb is None or ka < kb):
-            line, key, prev = a[i], ka, pa
-            i += 1
-            ka = None
-        elif kb is not None and (ka is None or kb < ka):
-            line, key, prev = b[j], kb, pb
-            j += 1
-            kb = None
-        elif ka is not None:  # same key in both
-            line, key, prev = a[i], ka, pa
-            if b[j] != line:
-                raise _union_error(
-                    a, b, f"machine {ka[1]} seq {ka[2]}: input A line {i + 1} and input B line {j + 1} are "
-                    "different events with the same machine and seq (a fork, or tampering)"
-                )
-            i += 1
-            j += 1
-            ka = kb = None
-        else:
-            break
-        # Check the union's chain for this line's machine.
-        clock, machine, seq = key
-        digest = sha256(line).hexdigest()
-        tail = tails.get(machine)
-        if tail is None:
-            if seq != 1 or prev is not None:
-                raise _union_error(a, b, f"machine {machine} seq {seq}: the machine's first line must have seq 1 and prev null")
-        else:
-            if seq != tail[0] + 1:
-                raise _union_error(
-                    a, b, f"machine {machine} seq {seq}: follows seq {tail[0]}: the inputs hold different events "
-                    "for this machine (a fork)"
-                )
-            if prev != tail[1]:
-                raise _union_error(
-                    a, b, f"machine {machine} seq {seq}: prev does not match the hash of seq {tail[0]} (tampering or a fork)"
-                )
-            if clock <= tail[2]:
-                raise _union_error(
-                    a, b, f"machine {machine} seq {seq}: clock {clock} is not greater than the clock of seq {tail[0]}"
-                )
-        tails[machine] = [seq, digest, clock]
-        append(line)
-    return out
-
-
-def _union_error(a: Sequence[bytes], b: Sequence[bytes], msg: str) -> ChainError:
-    """The union does not verify: blame an input that does not verify by
-    itself, else the two inputs together (a fork between them)."""
-    for which, lines in (("A", a), ("B", b)):
-        found = verify_lines(lines, full=False)
-        if found:
-            return ChainError(f"merge refused: input {which} does not verify", found)
-    return ChainError("merge refused", [msg])
-
-
-def merge_bytes(a: bytes, b: bytes) -> bytes:
-    """:func:`merge` on whole journal files, vectorised (same result, same refusals).
-
-    The fast path (:mod:`capsulefs.core.journal_index`) hands anything it
-    does not accept to :func:`merge`, which raises the precise ChainError.
-    """
-    return b"".join(merge_pieces(a, b))
-
-
-def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> Iterable[bytes | memoryview]:
-    """:func:`merge_bytes` as pieces (the inputs may be mmaps of the journal
-    files), for writing without building the whole result. Every check is
-    done before this returns."""
-    from .journal_index import Unreadable, fast_merge
-
-    try:
-        return fast_merge(a, b)
-    except Unreadable as exc:
-        log.debug("fast merge declined (%s); using the reference merge", exc)
-    return [join_lines(merge(split_lines(bytes(a), "journal A"), split_lines(bytes(b), "journal B")))]
-
-
-# -- stamping ----------------------------------------------------------------------
-
-
-def format_time(seconds: float) -> str:
-    """UTC ISO-8601 with milliseconds, e.g. 2026-12-02T14:04:58.123Z."""
-    ms = int(seconds * 1000)
-    return _second(ms // 1000) + f"{ms % 1000:03d}Z"
-
-
-@functools.lru_cache(maxsize=4)
-def _second(whole: int) -> str:
-    return datetime.fromtimestamp(whole, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tail:
-    seq: int  # the machine's last seq
-    digest: str  # sha256 of its last line
-    clock: int  # clock of its last line
-
-
-class ChainState:
-    """What stamping needs to know about a journal, built line by line.
-
-    Pure and in memory: :class:`Journal` keeps one for its file, tests use
-    one to simulate replicas.
-    """
-
-    __slots__ = ("tails", "clock", "count", "last")
-
-    def __init__(self) -> None:
-        self.tails: dict[str, Tail] = {}  # machine -> its last line
-        self.clock = 0  # greatest clock seen
-        self.count = 0  # lines absorbed
-        self.last: Key | None = None  # key of the last line
-
-    def absorb(self, line: bytes) -> Key:
-        """Take one more line (the next in the file). Raises FormatError."""
-        key, _prev = envelope(line)
-        self._take(key, line_hash(line))
-        return key
-
-    def copy(self) -> "ChainState":
-        other = ChainState()
-        other.tails = dict(self.tails)
-        other.clock, other.count, other.last = self.clock, self.count, self.last
-        return other
-
-    def absorb_bulk(self, data: bytes) -> bool:
-        """Take many whole lines at once (vectorised); False, with nothing
-        taken, if some line needs the line-by-line path (which names it)."""
-        from .journal_index import Unreadable, index_journal
-
-        try:
-            ix = index_journal(data)
-        except Unreadable:
-            return False
-        n = len(ix)
-        if n == 0:
-            return True
-        last_of: dict[int, int] = {}
-        for i, m in enumerate(ix.mid.tolist()):
-            last_of[m] = i  # the last line of each machine
-        for m, i in sorted(last_of.items(), key=lambda kv: kv[1]):
-            line = data[ix.starts[i] : ix.ends[i]]
-            self.tails[ix.names[m]] = Tail(seq=int(ix.seq[i]), digest=line_hash(line), clock=int(ix.clock[i]))
-        self.clock = max(self.clock, int(ix.clock.max()))
-        self.count += n
-        self.last = (int(ix.clock[-1]), ix.names[int(ix.mid[-1])], int(ix.seq[-1]))
-        return True
-
-    def _take(self, key: Key, digest: str) -> None:
-        clock, machine, seq = key
-        self.tails[machine] = Tail(seq=seq, digest=digest, clock=clock)
-        if clock > self.clock:
-            self.clock = clock
-        self.count += 1
-        self.last = key
-
-    def plan(
-        self,
-        events: Iterable[Event],
-        *,
-        machine: str,
-        now: Callable[[], float],
-        new_id: Callable[[], str],
-    ) -> list[Record]:
-        """Stamp events as the next lines of ``machine``, without taking them
-        (see :meth:`take`): nothing changes if writing them fails."""
-        records: list[Record] = []
-        when = format_time(now())
-        tail = self.tails.get(machine)
-        seq, prev = (tail.seq, tail.digest) if tail else (0, None)
-        clock = self.clock
-        for event in events:
-            if not isinstance(event, Event):
-                raise FormatError(f"cannot append {type(event).__name__}: not an event")
-            if records:
-                prev = records[-1].digest
-            seq += 1
-            clock += 1
-            rec = Record(id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when, event=event)
-            if isinstance(event, UnknownEvent):
-                Record.from_line(rec.line)  # a kind we do not know must still make a readable line
-            records.append(rec)
-        return records
-
-    def take(self, records: Iterable[Record]) -> None:
-        """Absorb records made by :meth:`plan` (after they were written)."""
-        last: dict[str, Record] = {}
-        for rec in records:
-            if rec.clock > self.clock:
-                self.clock = rec.clock
-            self.count += 1
-            self.last = rec.order
-            last[rec.machine] = rec
-        for machine, rec in last.items():  # only a machine's last line is its tail
-            self.tails[machine] = Tail(seq=rec.seq, digest=rec.digest, clock=rec.clock)
-
-    def stamp(
-        self,
-        events: Iterable[Event],
-        *,
-        machine: str,
-        now: Callable[[], float],
-        new_id: Callable[[], str],
-    ) -> list[Record]:
-        """Stamp events as the next lines of ``machine`` and absorb them."""
-        records = self.plan(events, machine=machine, now=now, new_id=new_id)
-        self.take(records)
-        return records
-
-
-# -- the journal file ---------------------------------------------------------------
-
-
-def _fdatasync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
 class Journal:
@@ -728,7 +281,7 @@ class Journal:
         return held.st_size
 
     def _move_torn_tail(self, offset: int, tail: bytes) -> None:
-        dest = _save_torn(self.recovery_dir, self.path, tail)  # saved durably before the journal is cut
+        dest = save_torn(self.recovery_dir, self.path, tail)  # saved durably before the journal is cut
         os.ftruncate(self._fd, offset)
         os.fsync(self._fd)
         log.warning(
@@ -800,7 +353,7 @@ class Journal:
                 if self.ring_path is None:
                     try:
                         self._write_all(data)
-                        _fdatasync(self._fd)
+                        fdatasync(self._fd)
                     except BaseException:
                         self._undo(self._size)
                         raise
@@ -839,7 +392,7 @@ class Journal:
                 ring.forget()
             try:
                 self._write_all(data)
-                _fdatasync(self._fd)
+                fdatasync(self._fd)
             except BaseException:
                 self._undo(start)
                 raise
@@ -856,7 +409,7 @@ class Journal:
             # Checkpoint: every byte before ``start`` (ours, or another
             # process's whose ring records we are about to overwrite) is made
             # durable in the journal itself before the ring starts over.
-            _fdatasync(self._fd)
+            fdatasync(self._fd)
             self.checkpoints += 1
         try:
             self._write_all(data)
@@ -1046,175 +599,6 @@ def open_journal(
         journal.close()
         raise
     return journal
-
-
-#: Where torn tails of the host store's agents go: ``<state>/recovery/<agent_id>/``,
-#: outside the agent's capsule directory, so the capsule still verifies.
-RECOVERY_DIR = "recovery"
-#: Where the host store keeps each agent's write-ahead ring:
-#: ``<state>/journal-wal/<agent_id>`` (outside the capsule, like recovery/).
-WAL_DIR = "journal-wal"
-
-
-def journal_ring_path(store_root: str, agent_id: str) -> str:
-    """The write-ahead ring of an agent of the host store."""
-    return os.path.join(store_root, WAL_DIR, agent_id)
-
-
-def agent_recovery_dir(store_root: str, agent_id: str) -> str:
-    return os.path.join(store_root, RECOVERY_DIR, agent_id)
-
-
-def _save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
-    """Save bytes cut from a journal as ``<name>.torn-<n>`` (durably); return the path."""
-    makedirs_durable(recovery_dir)
-    name = os.path.basename(journal_path) + TORN_SUFFIX
-    taken = [int(n[len(name):]) for n in os.listdir(recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
-    dest = os.path.join(recovery_dir, f"{name}{max(taken, default=0) + 1}")
-    atomic_write(dest, tail)
-    return dest
-
-
-def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
-    """Bring the journal open on ``fd`` up to date with its ring after a
-    crash; return how many bytes were restored. Caller holds the flock.
-
-    The ring's chain vouches for journal bytes [start, end) of one inode.
-    If the journal holds them all, nothing is done (they may still be only
-    in the page cache: the ring is kept). If the journal holds a prefix of
-    them (a crash lost the rest, or cut a line), the rest is appended, the
-    journal fdatasynced and the ring reset. Zero bytes where the ring has
-    data (a crash can leave a grown file unwritten) are cut, saved to
-    ``recovery_dir`` like a torn tail, and the ring's data written instead.
-    Anything else (other bytes, another inode whose file does not hold the
-    data, a file shorter than ``start``) raises RingMismatch and changes
-    nothing: an acknowledged event is never guessed away.
-    """
-    ring = Ring.open(ring_path, create=False)
-    if ring is None:
-        return 0
-    try:
-        entries = ring.scan()
-        if not entries:
-            return 0
-        start, ino = entries[0].offset, entries[0].ino
-        want = b"".join(e.data for e in entries)
-        end = start + len(want)
-        st = os.fstat(fd)
-        size = st.st_size
-        have = os.pread(fd, min(size, end) - start, start) if size > start else b""
-
-        def refuse(why: str) -> RingMismatch:
-            msg = (f"journal {path} disagrees with its write-ahead ring {ring_path}: {why}. The ring vouches "
-                   f"for acknowledged journal bytes {start}..{end} of inode {ino}; both files are left as they "
-                   "are and nothing is appended until they are reconciled by hand")
-            log.error("%s", msg)
-            return RingMismatch(msg)
-
-        if st.st_ino != ino:
-            if size >= end and have == want:
-                log.info("journal %s: its ring %s belongs to an earlier file that held the same bytes; reset it",
-                         path, ring_path)
-                ring.reset()
-                return 0
-            raise refuse(f"the ring was written for inode {ino}, the journal is inode {st.st_ino}")
-        if size < start:
-            raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
-        if want.startswith(have):
-            if size >= end:
-                return 0  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
-            cut = -1
-            missing = want[len(have):]
-        else:
-            k = next(i for i, (x, y) in enumerate(zip(have, want)) if x != y)
-            rest = os.pread(fd, size - (start + k), start + k)
-            if rest.count(0) != len(rest):
-                raise refuse(f"they differ at journal byte {start + k}")
-            cut = start + k
-            dest = _save_torn(recovery_dir, path, rest)
-            log.warning("journal %s: %d zero bytes at offset %d (a crash left them unwritten) moved to %s",
-                        path, len(rest), cut, dest)
-            os.ftruncate(fd, cut)
-            missing = want[k:]
-        view = memoryview(missing)
-        while view:
-            view = view[os.write(fd, view):]
-        _fdatasync(fd)
-        ring.reset()
-        log.warning("journal %s: restored %d bytes of acknowledged events from its write-ahead ring %s "
-                    "(a crash had kept them from reaching the journal file)", path, len(missing), ring_path)
-        return len(missing)
-    finally:
-        ring.close()
-
-
-def _open_locked(path: str) -> int:
-    """A descriptor of the journal at ``path`` with its flock held, following
-    a rename over it while waiting for the lock."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            on_disk = os.stat(path)
-            held = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if (on_disk.st_ino, on_disk.st_dev) == (held.st_ino, held.st_dev):
-            return fd
-        os.close(fd)
-
-
-def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
-    """Replay a journal's ring if it has one (see :func:`replay_ring`), under
-    the journal's flock; return the bytes restored. For readers of the raw
-    file (export, move, the mount) and for the store at open."""
-    if not os.path.exists(ring_path):
-        return 0
-    try:
-        fd = _open_locked(path)
-    except FileNotFoundError:
-        return 0
-    try:
-        return replay_ring(fd, path, ring_path, recovery_dir)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[None]:
-    """Hold the journal's flock while the caller renames a new file over it.
-
-    First the ring is replayed into the old file, the old file is made
-    durable by itself and the ring reset: the ring's records can then never
-    be replayed into the new file, and appenders that were waiting for the
-    lock follow the new file (see ``Journal._follow_replacement``).
-    """
-    try:
-        fd = _open_locked(path)
-    except FileNotFoundError:
-        yield
-        return
-    try:
-        if os.path.exists(ring_path):
-            replay_ring(fd, path, ring_path, recovery_dir)
-            _fdatasync(fd)
-            ring = Ring.open(ring_path, create=False)
-            if ring is not None:
-                try:
-                    ring.reset()
-                finally:
-                    ring.close()
-        yield
-    finally:
-        os.close(fd)
-
-
-def forget_ring(ring_path: str) -> None:
-    """Remove a ring whose journal is gone or not yet there (an agent removed
-    from the store, or about to be installed)."""
-    if remove_ring(ring_path):
-        log.info("removed write-ahead ring %s", ring_path)
 
 
 def open_agent_journal(

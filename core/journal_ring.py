@@ -4,8 +4,8 @@ durable by overwriting in place, so that an fdatasync writes no metadata.
 Rules:
   * The host keeps one ring per journal, outside the capsule (the store puts
     it at ``<state>/journal-wal/<agent_id>``, see
-    :func:`capsulefs.core.journal.journal_ring_path`). A capsule never holds
-    one, and nothing in a capsule names one.
+    :func:`capsulefs.core.journal_recovery.journal_ring_path`). A capsule
+    never holds one, and nothing in a capsule names one.
   * The file is created once at its final size by writing zeros, fsynced,
     and linked into place (never over an existing ring); its directory is
     fsynced. From then on it only changes by overwrites in place, so an
@@ -47,7 +47,7 @@ import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from .fsutil import TMP_PREFIX, fsync_dir, makedirs_durable, path_identity
+from .fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable, path_identity
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ def _digest(fields: bytes, data: bytes | memoryview) -> bytes:
     h = blake2b(fields, digest_size=16)
     h.update(data)
     return h.digest()
-
-
-def _fdatasync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,7 +157,7 @@ class Ring:
             n = os.pwrite(self._fd, rec, pos)
             if n != len(rec):  # pragma: no cover - a regular file overwritten in place never does this
                 raise OSError(f"short write to ring {self.path}")
-            _fdatasync(self._fd)
+            fdatasync(self._fd)
         except BaseException:
             self.forget()
             try:
@@ -184,7 +180,7 @@ class Ring:
         Only once the journal itself holds and has synced what it vouched for."""
         self.forget()
         os.pwrite(self._fd, bytes(HEADER.size), 0)
-        _fdatasync(self._fd)
+        fdatasync(self._fd)
 
     # -- reading -------------------------------------------------------------
     def scan(self) -> list[Entry]:

@@ -63,7 +63,8 @@ from .live_errors import (
     NotPermitted,
     ReadOnly,
 )
-from .journal import RECOVERY_DIR, Journal, journal_ring_path
+from .journal import Journal
+from .journal_recovery import RECOVERY_DIR, journal_ring_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,

@@ -60,7 +60,7 @@ from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
-from .journal import RingMismatch, agent_recovery_dir, forget_ring, journal_ring_path, recover_journal, replacing_journal
+from .journal_recovery import RingMismatch, agent_recovery_dir, forget_ring, journal_ring_path, recover_journal, replacing_journal
 from .spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,221 @@
+"""Crash recovery of a journal, and where the host store keeps what it needs:
+the write-ahead ring replayed into its journal, bytes cut from a journal
+saved aside, a journal replaced without losing its ring's records.
+
+Rules:
+  * Before a journal with a ring is read or appended to after a crash, the
+    ring is replayed into it; a journal that disagrees with its ring is
+    refused (RingMismatch), never repaired by guessing.
+  * Bytes cut from a journal (a torn tail, or zeros a crash left unwritten)
+    are first saved durably as ``<journal name>.torn-<n>`` in a recovery
+    directory outside the capsule. They are never kept, never dropped
+    silently.
+  * Rings and recovery files live in the host's state directory, outside
+    every capsule: ``<state>/journal-wal/<agent_id>`` and
+    ``<state>/recovery/<agent_id>/``.
+
+Theory of operation (the ring's chain is described in
+:mod:`capsulefs.core.journal_ring`):
+  Recovery (:func:`replay_ring`, under the journal's flock) reads the chain
+  and compares it with the journal from the chain's first offset: missing
+  bytes (lost by a crash, or a line cut short) are appended, the journal
+  fdatasynced and the ring reset; zero bytes where the ring has data (a
+  grown file whose data never reached the disk) are saved as a torn tail
+  and replaced. Anything else is a disagreement: both files are left alone,
+  an error names them, and appending is refused. Whole lines past the
+  chain's end were never acknowledged and stay; a torn tail past it goes to
+  the recovery directory as always. The host store replays every agent's
+  ring when it opens, before anything reads a journal file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .errors import FormatError
+from .fsutil import atomic_write, fdatasync, makedirs_durable
+from .journal_ring import Ring
+from .journal_ring import remove as remove_ring
+
+log = logging.getLogger(__name__)
+
+#: Name of a recovery file for a torn tail: ``<journal name>.torn-<n>``.
+TORN_SUFFIX = ".torn-"
+
+
+class RingMismatch(FormatError):
+    """A journal disagrees with its write-ahead ring: neither is touched and
+    nothing is appended until someone looks (the message names both files)."""
+
+
+#: Where torn tails of the host store's agents go: ``<state>/recovery/<agent_id>/``,
+#: outside the agent's capsule directory, so the capsule still verifies.
+RECOVERY_DIR = "recovery"
+#: Where the host store keeps each agent's write-ahead ring:
+#: ``<state>/journal-wal/<agent_id>`` (outside the capsule, like recovery/).
+WAL_DIR = "journal-wal"
+
+
+def journal_ring_path(store_root: str, agent_id: str) -> str:
+    """The write-ahead ring of an agent of the host store."""
+    return os.path.join(store_root, WAL_DIR, agent_id)
+
+
+def agent_recovery_dir(store_root: str, agent_id: str) -> str:
+    return os.path.join(store_root, RECOVERY_DIR, agent_id)
+
+
+def save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
+    """Save bytes cut from a journal as ``<name>.torn-<n>`` (durably); return the path."""
+    makedirs_durable(recovery_dir)
+    name = os.path.basename(journal_path) + TORN_SUFFIX
+    taken = [int(n[len(name):]) for n in os.listdir(recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
+    dest = os.path.join(recovery_dir, f"{name}{max(taken, default=0) + 1}")
+    atomic_write(dest, tail)
+    return dest
+
+
+def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
+    """Bring the journal open on ``fd`` up to date with its ring after a
+    crash; return how many bytes were restored. Caller holds the flock.
+
+    The ring's chain vouches for journal bytes [start, end) of one inode.
+    If the journal holds them all, nothing is done (they may still be only
+    in the page cache: the ring is kept). If the journal holds a prefix of
+    them (a crash lost the rest, or cut a line), the rest is appended, the
+    journal fdatasynced and the ring reset. Zero bytes where the ring has
+    data (a crash can leave a grown file unwritten) are cut, saved to
+    ``recovery_dir`` like a torn tail, and the ring's data written instead.
+    Anything else (other bytes, another inode whose file does not hold the
+    data, a file shorter than ``start``) raises RingMismatch and changes
+    nothing: an acknowledged event is never guessed away.
+    """
+    ring = Ring.open(ring_path, create=False)
+    if ring is None:
+        return 0
+    try:
+        entries = ring.scan()
+        if not entries:
+            return 0
+        start, ino = entries[0].offset, entries[0].ino
+        want = b"".join(e.data for e in entries)
+        end = start + len(want)
+        st = os.fstat(fd)
+        size = st.st_size
+        have = os.pread(fd, min(size, end) - start, start) if size > start else b""
+
+        def refuse(why: str) -> RingMismatch:
+            msg = (f"journal {path} disagrees with its write-ahead ring {ring_path}: {why}. The ring vouches "
+                   f"for acknowledged journal bytes {start}..{end} of inode {ino}; both files are left as they "
+                   "are and nothing is appended until they are reconciled by hand")
+            log.error("%s", msg)
+            return RingMismatch(msg)
+
+        if st.st_ino != ino:
+            if size >= end and have == want:
+                log.info("journal %s: its ring %s belongs to an earlier file that held the same bytes; reset it",
+                         path, ring_path)
+                ring.reset()
+                return 0
+            raise refuse(f"the ring was written for inode {ino}, the journal is inode {st.st_ino}")
+        if size < start:
+            raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
+        if want.startswith(have):
+            if size >= end:
+                return 0  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
+            cut = -1
+            missing = want[len(have):]
+        else:
+            k = next(i for i, (x, y) in enumerate(zip(have, want)) if x != y)
+            rest = os.pread(fd, size - (start + k), start + k)
+            if rest.count(0) != len(rest):
+                raise refuse(f"they differ at journal byte {start + k}")
+            cut = start + k
+            dest = save_torn(recovery_dir, path, rest)
+            log.warning("journal %s: %d zero bytes at offset %d (a crash left them unwritten) moved to %s",
+                        path, len(rest), cut, dest)
+            os.ftruncate(fd, cut)
+            missing = want[k:]
+        view = memoryview(missing)
+        while view:
+            view = view[os.write(fd, view):]
+        fdatasync(fd)
+        ring.reset()
+        log.warning("journal %s: restored %d bytes of acknowledged events from its write-ahead ring %s "
+                    "(a crash had kept them from reaching the journal file)", path, len(missing), ring_path)
+        return len(missing)
+    finally:
+        ring.close()
+
+
+def _open_locked(path: str) -> int:
+    """A descriptor of the journal at ``path`` with its flock held, following
+    a rename over it while waiting for the lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            on_disk = os.stat(path)
+            held = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if (on_disk.st_ino, on_disk.st_dev) == (held.st_ino, held.st_dev):
+            return fd
+        os.close(fd)
+
+
+def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
+    """Replay a journal's ring if it has one (see :func:`replay_ring`), under
+    the journal's flock; return the bytes restored. For readers of the raw
+    file (export, move, the mount) and for the store at open."""
+    if not os.path.exists(ring_path):
+        return 0
+    try:
+        fd = _open_locked(path)
+    except FileNotFoundError:
+        return 0
+    try:
+        return replay_ring(fd, path, ring_path, recovery_dir)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[None]:
+    """Hold the journal's flock while the caller renames a new file over it.
+
+    First the ring is replayed into the old file, the old file is made
+    durable by itself and the ring reset: the ring's records can then never
+    be replayed into the new file, and appenders that were waiting for the
+    lock follow the new file (see ``Journal._follow_replacement``).
+    """
+    try:
+        fd = _open_locked(path)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        if os.path.exists(ring_path):
+            replay_ring(fd, path, ring_path, recovery_dir)
+            fdatasync(fd)
+            ring = Ring.open(ring_path, create=False)
+            if ring is not None:
+                try:
+                    ring.reset()
+                finally:
+                    ring.close()
+        yield
+    finally:
+        os.close(fd)
+
+
+def forget_ring(ring_path: str) -> None:
+    """Remove a ring whose journal is gone or not yet there (an agent removed
+    from the store, or about to be installed)."""
+    if remove_ring(ring_path):
+        log.info("removed write-ahead ring %s", ring_path)
