@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
+import struct
+import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
@@ -132,6 +133,11 @@ def _load_statx():  # pragma: no cover - depends on the C library
 _statx = _load_statx()
 
 
+_statx_buffers = threading.local()  # one struct statx per thread, reused
+_STATX_IDS = struct.Struct("=Q")  # stx_ino
+_STATX_DEVS = struct.Struct("=II")  # stx_dev_major, stx_dev_minor
+
+
 def path_identity(path: str) -> tuple[int, int]:
     """(st_ino, st_dev) of the file at ``path`` (FileNotFoundError if none),
     without querying its timestamps where the platform allows (see above)."""
@@ -139,12 +145,12 @@ def path_identity(path: str) -> tuple[int, int]:
         st = os.stat(path)
         return st.st_ino, st.st_dev
     ctypes, fn = _statx
-    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    buf = getattr(_statx_buffers, "buf", None)
+    if buf is None:
+        buf = _statx_buffers.buf = ctypes.create_string_buffer(_STATX_SIZE)
     if fn(_AT_FDCWD, os.fsencode(path), 0, _STATX_INO, buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path) if err != 2 else FileNotFoundError(err, os.strerror(err), path)
-    raw = buf.raw
-    ino = int.from_bytes(raw[_STX_INO : _STX_INO + 8], sys.byteorder)
-    major = int.from_bytes(raw[_STX_DEV : _STX_DEV + 4], sys.byteorder)
-    minor = int.from_bytes(raw[_STX_DEV + 4 : _STX_DEV + 8], sys.byteorder)
+    (ino,) = _STATX_IDS.unpack_from(buf, _STX_INO)
+    major, minor = _STATX_DEVS.unpack_from(buf, _STX_DEV)
     return ino, os.makedev(major, minor)
