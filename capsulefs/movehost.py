@@ -42,8 +42,13 @@ def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: in
     is taken for one whose record was lost, and is not run until peers or an
     operator settle it (see docs/move.md)."""
     book = HolderBook(holders_dir(state_dir))
-    if book.get(agent_id) is None:
+    rec = book.get(agent_id)
+    if rec is None:
         book.put(new_held(agent_id, epoch))
+    elif rec.removed_here and epoch >= rec.epoch:
+        # Removed here earlier and imported again from an export naming this
+        # host at an epoch no older than the fence: held here again.
+        book.put(new_held(agent_id, epoch).with_(activated=tuple(sorted(set(rec.activated) | {epoch}))))
 
 
 class AgentHooks(Protocol):

@@ -415,12 +415,18 @@ class MoveService:
     async def recover(self) -> None:
         """After a restart: mark agents without a record UNKNOWN, refuse every
         pending move, drop leftovers, re-activate held agents."""
-        self.host.holders.reconcile(self.host.store.agent_ids())
+        present = set(self.host.store.agent_ids())
+        self.host.holders.reconcile(present)
         for agent_id in self.host.holders.agent_ids():
             async with self.host.lock(agent_id):
                 rec = self.record(agent_id)
                 if rec is None or rec.state in (HolderState.FROZEN, HolderState.COMMITTING):
                     continue  # the source side resumes these (movedriver.resume_moves)
+                if rec.state is HolderState.HELD and agent_id not in present:
+                    # Held, but its files are gone (removed by a capsulefs that
+                    # kept the record HELD): nothing to start.
+                    log.warning("agent %s is recorded as held here but its files are gone; not started", agent_id)
+                    continue
                 await self.run(agent_id, mv.TargetRestarted(agent_id=agent_id))
 
     async def expire_idle(self, ttl: float = DEFAULT_IDLE_TTL) -> None:

@@ -14,7 +14,11 @@ Rules:
     CLI asks it through the agent's ``.control/remove`` and the daemon
     removes it (``Daemon.remove``): it stops the agent's process first and
     drops it from the live mount, under the agent's move lock.
-  * The holder record stays: it keeps the epoch fence for the agent's id.
+  * The holder record stays, no longer HELD (:func:`capsulefs.core.holder.removed`):
+    peers asking who holds the agent learn that this host does not, the
+    epoch fence for the agent's id is kept, and a restarted daemon has no
+    held agent without files to start. Importing the agent again here makes
+    it held again (``movehost.record_new_agent``).
 
 Theory of operation: both paths end in :func:`discard_leftovers` after the
 store forgot the agent; blobs are left to the store's ``gc`` (the CLI runs
@@ -23,11 +27,12 @@ it unless ``--keep-blobs``).
 
 from __future__ import annotations
 
-from capsulefs.core.holder import HolderBook
+from capsulefs.core.holder import HolderBook, removed
 from capsulefs.core.live_errors import MoveBusy
 from capsulefs.core.scratch import ScratchArea
 from capsulefs.core.snapshots import Snapshots
 from capsulefs.core.store import HostStore
+from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import discard_sandbox
 
 __all__ = ["discard_leftovers", "refuse_if_moving", "remove_offline"]
@@ -43,8 +48,13 @@ def refuse_if_moving(holders: HolderBook, agent_id: str, name: str) -> None:
 
 
 def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
-    """Remove what this host keeps beside a removed agent's capsule: its
+    """After the store forgot the agent: record that this host no longer
+    holds it, and remove what the host kept beside its capsule: its
     snapshots and scratch files (under the mount's ``work_dir``) and its sandbox."""
+    holders = HolderBook(holders_dir(state_dir))
+    rec = holders.get(agent_id)
+    if rec is not None and rec.holding:
+        holders.put(removed(rec))
     Snapshots.under(work_dir).remove_agent(agent_id)
     ScratchArea.under(work_dir).remove_agent(agent_id)
     discard_sandbox(state_dir, agent_id)

@@ -141,6 +141,11 @@ class HolderRecord:
         return self.state in HOLDING
 
     @property
+    def removed_here(self) -> bool:
+        """An operator removed the agent from this host (see :func:`removed`)."""
+        return self.state is HolderState.REFUSED and self.note == REMOVED_NOTE
+
+    @property
     def pending(self) -> bool:
         return self.state in PENDING
 
@@ -202,6 +207,20 @@ class HolderRecord:
 def new_held(agent_id: str, epoch: int) -> HolderRecord:
     """The record of an agent created or imported here, held at ``epoch``."""
     return HolderRecord(agent_id=agent_id, state=HolderState.HELD, epoch=epoch, held_epoch=epoch, activated=(epoch,))
+
+
+#: The note of a record whose agent an operator removed from this host.
+REMOVED_NOTE = "removed from this host by an operator"
+
+
+def removed(record: HolderRecord) -> HolderRecord:
+    """The record of an agent removed from this host: no longer held here
+    (peers learn that this host does not hold it), its highest epoch kept as
+    the fence against stale offers, and its activation history kept.
+    REFUSED is the state that says exactly this: nothing at ``epoch`` or
+    below activates here."""
+    return HolderRecord(agent_id=record.agent_id, state=HolderState.REFUSED, epoch=record.epoch,
+                        activated=record.activated, note=REMOVED_NOTE)
 
 
 def unknown(agent_id: str, note: str, epoch: int = 0) -> HolderRecord:

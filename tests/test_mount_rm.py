@@ -214,3 +214,25 @@ def test_offline_rm_removes_the_agent_its_snapshots_and_sandbox(store: HostStore
     assert not sandbox.parent.exists()
     assert _ls(state_dir) == ["keeper"]
     assert len(list(store.all_blobs())) == 1  # the snapshot no longer keeps doomed's blobs alive
+
+
+def test_a_removed_agent_is_no_longer_held_and_a_daemon_restarts_cleanly(store: HostStore, state_dir: Path,
+                                                                         mnt: Path, tmp_path: Path) -> None:
+    """After rm the holder record no longer says HELD (peers must not hear that
+    this host holds it, and a daemon that serves moves re-activates only held
+    agents): the daemon with a listener comes up, and importing the agent
+    again makes it held and shown again."""
+    capsulefs("--state", str(state_dir), "new", "doomed")  # held by this host, as its export will say
+    agent = store.find("doomed")
+    tar = tmp_path / "doomed.tar"
+    capsulefs("--state", str(state_dir), "export", "doomed", "-o", str(tar))
+    assert _rm(state_dir, "doomed").returncode == 0
+    rec = HolderBook(state_dir / "holders").get(agent.agent_id)
+    assert rec is not None and not rec.holding and rec.removed_here and rec.epoch == 1
+    with mounted(state_dir, mnt, "--listen", "127.0.0.1:0") as proc:
+        wait_until(lambda: (state_dir / "mount" / "daemon.json").exists(), "the daemon's services")
+        assert os.listdir(mnt) == [] and proc.poll() is None
+        capsulefs("--state", str(state_dir), "import", str(tar))
+        wait_until(lambda: os.listdir(mnt) == ["doomed"], "the re-imported agent")
+        assert capsulefs("verify", str(mnt / "doomed")).stdout.startswith("OK:")
+    assert HolderBook(state_dir / "holders").get(agent.agent_id).state is HolderState.HELD

@@ -18,6 +18,7 @@ from capsulefs.core.holder import (
     force_hold,
     learn_from_peers,
     new_held,
+    removed,
 )
 
 A, B, C = "A" * 52, "B" * 52, "C" * 52
@@ -355,3 +356,17 @@ def test_learning_needs_every_peer() -> None:
     assert held.state is HolderState.HELD and held.held_epoch == 4
     forced = force_hold(rec, local_epoch=4, why="disk replaced")
     assert forced.runnable and "forced by operator" in forced.note
+
+
+def test_a_host_that_removed_the_agent_does_not_claim_it() -> None:
+    """An agent exported from B, removed on B, imported on A: B's record no
+    longer holds it, so A learns it may hold it (with B still HELD, A would
+    have had to retire its copy or be forced)."""
+    on_b = removed(new_held(AGENT, 3))
+    assert not on_b.holding and not on_b.runnable and on_b.removed_here and on_b.epoch == 3
+    view = PeerView(host=B, state=on_b.state, epoch=on_b.epoch, activated=on_b.activated)
+    rec = HolderRecord(agent_id=AGENT, state=HolderState.UNKNOWN, epoch=0)
+    learned = learn_from_peers(rec, local_epoch=3, views={B: view}, peers=[B])
+    assert learned.state is HolderState.HELD and learned.held_epoch == 3
+    still_held = PeerView(host=B, state=HolderState.HELD, epoch=3, held_epoch=3, activated=(3,))
+    assert learn_from_peers(rec, local_epoch=3, views={B: still_held}, peers=[B]).state is HolderState.RETIRED
