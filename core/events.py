@@ -45,9 +45,13 @@ _ID_RE = re.compile(r"[0-9a-f]{8,64}")
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(obj: Any) -> bytes:
-    """The one canonical JSON encoding: sorted keys, no spaces, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    """The one canonical JSON encoding: sorted keys, no spaces, UTF-8.
+    (One encoder for every call: ``json.dumps`` with options builds a new one each time.)"""
+    return _CANONICAL.encode(obj).encode()
 
 
 def line_hash(line: bytes) -> str:
