@@ -61,7 +61,7 @@ from capsulefs.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
 from capsulefs.movehost import holders_dir
 from capsulefs.readahead import tune_read_ahead
-from capsulefs.removal import discard_leftovers, refuse_if_moving
+from capsulefs.removal import discard_leftovers, giving_up, refuse_if_moving
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +226,10 @@ class Daemon:
             refuse_if_moving(HolderBook(holders_dir(self.state_dir)), agent_id, name)
             self._hide(agent_id)
             try:
-                for listener in self.listeners:
-                    await listener.on_remove(agent_id)  # type: ignore[attr-defined]
-                await trio.to_thread.run_sync(self.live.store.remove_agent, agent_id)
+                with giving_up(self.state_dir, agent_id):
+                    for listener in self.listeners:
+                        await listener.on_remove(agent_id)  # type: ignore[attr-defined]
+                    await trio.to_thread.run_sync(self.live.store.remove_agent, agent_id)
             except Exception:
                 if agent_id in self.live.store.agent_ids():
                     log.warning("agent %s (%s) could not be removed: shown and run again", name, agent_id)

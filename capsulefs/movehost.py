@@ -21,7 +21,7 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.holder import HolderBook, HolderState, PeerView, new_held
+from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
 from capsulefs.core.store import HostStore
 from capsulefs.identity import Identity, load_or_create_identity
 from capsulefs.peers import PeerBook
@@ -34,21 +34,28 @@ def holders_dir(state_dir: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(state_dir), "holders")
 
 
-def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: int = 1) -> None:
-    """Record that this host holds an agent it just created or imported.
+def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: int = 1) -> HolderRecord:
+    """Record that this host holds an agent it just created or imported, and
+    return the agent's record.
 
     ``capsulefs new`` and ``import`` must call this (with the epoch in the
     agent's manifest): an agent whose files are here without a holder record
     is taken for one whose record was lost, and is not run until peers or an
-    operator settle it (see docs/move.md)."""
+    operator settle it (see docs/move.md).
+
+    An agent removed here earlier and imported again is not simply held
+    again: meanwhile another host may have imported the same export and,
+    having learned that this host no longer holds it, taken it. It becomes
+    UNKNOWN: not run until the peers have been asked or an operator forces it."""
     book = HolderBook(holders_dir(state_dir))
     rec = book.get(agent_id)
     if rec is None:
-        book.put(new_held(agent_id, epoch))
-    elif rec.removed_here and epoch >= rec.epoch:
-        # Removed here earlier and imported again from an export naming this
-        # host at an epoch no older than the fence: held here again.
-        book.put(new_held(agent_id, epoch).with_(activated=tuple(sorted(set(rec.activated) | {epoch}))))
+        rec = new_held(agent_id, epoch)
+        book.put(rec)
+    elif rec.removed_here:
+        rec = unknown(agent_id, "imported again after it was removed here", epoch=max(epoch, rec.epoch))
+        book.put(rec)
+    return rec
 
 
 class AgentHooks(Protocol):

@@ -17,8 +17,9 @@ Rules:
   * The holder record stays, no longer HELD (:func:`capsulefs.core.holder.removed`):
     peers asking who holds the agent learn that this host does not, the
     epoch fence for the agent's id is kept, and a restarted daemon has no
-    held agent without files to start. Importing the agent again here makes
-    it held again (``movehost.record_new_agent``).
+    held agent without files to start. Importing the agent again here leaves
+    it in doubt until ``capsulefs move AGENT --learn`` has asked the peers
+    (``movehost.record_new_agent``): another host may have taken it meanwhile.
 
 Theory of operation: both paths end in :func:`discard_leftovers` after the
 store forgot the agent; blobs are left to the store's ``gc`` (the CLI runs
@@ -26,6 +27,9 @@ it unless ``--keep-blobs``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from capsulefs.core.holder import HolderBook, removed
 from capsulefs.core.live_errors import MoveBusy
@@ -35,7 +39,7 @@ from capsulefs.core.store import HostStore
 from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import discard_sandbox
 
-__all__ = ["discard_leftovers", "refuse_if_moving", "remove_offline"]
+__all__ = ["discard_leftovers", "giving_up", "refuse_if_moving", "remove_offline"]
 
 
 def refuse_if_moving(holders: HolderBook, agent_id: str, name: str) -> None:
@@ -47,14 +51,28 @@ def refuse_if_moving(holders: HolderBook, agent_id: str, name: str) -> None:
                        f"'capsulefs move {name} --abandon --why ...', then remove it")
 
 
-def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
-    """After the store forgot the agent: record that this host no longer
-    holds it, and remove what the host kept beside its capsule: its
-    snapshots and scratch files (under the mount's ``work_dir``) and its sandbox."""
+@contextmanager
+def giving_up(state_dir: str, agent_id: str) -> Iterator[None]:
+    """Around removing the agent's files: its holder record says "removed"
+    (durably) before a file goes, so a crash in between never leaves a record
+    that says held without files (peers would hear that this host holds an
+    agent it no longer has). If the removal fails, the record is put back."""
     holders = HolderBook(holders_dir(state_dir))
-    rec = holders.get(agent_id)
-    if rec is not None and rec.holding:
-        holders.put(removed(rec))
+    before = holders.get(agent_id)
+    if before is not None and before.holding:
+        holders.put(removed(before))
+    try:
+        yield
+    except BaseException:
+        if before is not None and before.holding:
+            holders.put(before)
+        raise
+
+
+def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
+    """After the store forgot the agent: remove what the host kept beside its
+    capsule: its snapshots and scratch files (under the mount's ``work_dir``)
+    and its sandbox."""
     Snapshots.under(work_dir).remove_agent(agent_id)
     ScratchArea.under(work_dir).remove_agent(agent_id)
     discard_sandbox(state_dir, agent_id)
@@ -63,5 +81,6 @@ def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
 def remove_offline(state_dir: str, work_dir: str, store: HostStore, holders: HolderBook, agent_id: str) -> None:
     """Remove an agent while no daemon serves the state directory."""
     refuse_if_moving(holders, agent_id, store.agent(agent_id).name)
-    store.remove_agent(agent_id)
+    with giving_up(state_dir, agent_id):
+        store.remove_agent(agent_id)
     discard_leftovers(state_dir, work_dir, agent_id)

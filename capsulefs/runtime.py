@@ -142,9 +142,12 @@ class AgentRuntime:
         self.supervisor.discard_sandbox(agent_id)
 
     async def on_remove(self, agent_id: str) -> None:
-        """The agent is being removed (already hidden): stop its process as a
-        retire does, without syncing its workspace, and drop its sandbox."""
-        await self.on_retire(agent_id)
+        """The agent is being removed (already hidden): stop its process,
+        without syncing its workspace. Its sandbox stays until the store has
+        forgotten the agent (``removal.discard_leftovers``): if that fails, the
+        agent runs again with its sandbox as it was."""
+        self._paused.discard(agent_id)
+        await self.supervisor.unwant(agent_id, sync=False)
 
     async def on_activate(self, agent_id: str) -> None:
         self._paused.discard(agent_id)

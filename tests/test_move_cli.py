@@ -55,3 +55,64 @@ def test_abandon_needs_a_reason_and_a_move(tmp_path: Path) -> None:
     assert r.returncode == 1 and "--why" in r.stderr
     r = run_cli("move", "stay", "--abandon", "--why", "x", state=a)
     assert r.returncode == 1 and "no move in progress" in r.stderr
+
+
+def _serve(state: Path) -> tuple[subprocess.Popen, str]:
+    server = subprocess.Popen([*CAPSULEFS, "--state", str(state), "peer-serve", "--listen", "127.0.0.1:0"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = server.stdout.readline()
+    found = re.search(r":(\d+) as ", line)
+    assert found, f"peer-serve did not start: {line!r}"
+    return server, found.group(1)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+    assert server.stdout is not None
+    server.stdout.close()
+
+
+def test_export_rm_import_elsewhere_then_here_never_gives_two_holders(tmp_path: Path) -> None:
+    """A exports an agent and removes it; B imports the export and learns from A
+    that A no longer holds it, so B holds it. A imports the same export again:
+    it must not simply hold it too; it is in doubt until it asks, and asking
+    finds B holding it, so A retires its copy."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for s in (a, b):
+        run_cli("init", state=s, check=True)
+    ida = run_cli("id", state=a, check=True).stdout.strip()
+    idb = run_cli("id", state=b, check=True).stdout.strip()
+    run_cli("new", "walker", state=a, check=True)
+    agent_id = re.search(r"[0-9a-f]{32}", run_cli("ls", "--json", state=a, check=True).stdout).group(0)
+    tar = tmp_path / "walker.tar"
+    run_cli("export", "walker", "-o", str(tar), state=a, check=True)
+    run_cli("rm", "walker", state=a, check=True)
+    assert HolderBook(a / "holders").get(agent_id).removed_here
+
+    imported = run_cli("import", str(tar), state=b, check=True)
+    assert "will not run here" in imported.stdout
+    server, port_a = _serve(a)
+    try:
+        run_cli("peer", "add", "b", "127.0.0.1:1", idb, state=a, check=True)  # pinned, so b's calls are accepted
+        run_cli("peer", "add", "a", f"127.0.0.1:{port_a}", ida, state=b, check=True)
+        learned = run_cli("move", "walker", "--learn", state=b, check=True)
+        assert "held here at epoch 1" in learned.stdout
+    finally:
+        _stop(server)
+    assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
+
+    again = run_cli("import", str(tar), state=a, check=True)
+    assert "--learn" in again.stdout
+    assert HolderBook(a / "holders").get(agent_id).state is HolderState.UNKNOWN  # not held: B may hold it
+    server, port_b = _serve(b)
+    try:
+        run_cli("peer", "rm", "b", state=a, check=True)
+        run_cli("peer", "add", "b", f"127.0.0.1:{port_b}", idb, state=a, check=True)
+        learned = run_cli("move", "walker", "--learn", state=a, check=True)
+        assert "retired here" in learned.stdout
+    finally:
+        _stop(server)
+    assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
+    assert "walker" not in run_cli("ls", state=a, check=True).stdout
+    assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD

@@ -132,7 +132,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     holder = agent.manifest().holder
     print(f"imported agent {agent.name} ({agent.agent_id})")
     if holder.host == host_id(args):
-        record_new_agent(state_dir(args), agent.agent_id, holder.epoch)
+        rec = record_new_agent(state_dir(args), agent.agent_id, holder.epoch)
+        if not rec.runnable:
+            print(f"note: {agent.name} was removed here earlier; another host may have taken it since, so it will "
+                  f"not run here until 'capsulefs move {agent.name} --learn' finds that no peer holds it "
+                  f"(or an operator forces it with --force-hold --why ...)")
     else:
         # A copy of an agent another host holds: running it here could run it
         # twice. It stays unrunnable until peers confirm or an operator decides.

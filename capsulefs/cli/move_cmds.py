@@ -27,7 +27,7 @@ from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.holder import HolderRecord, HolderState, force_hold
 from capsulefs.daemon import find_daemon
-from capsulefs.movedriver import MoveControl, abandon_move, move_agent, resume_moves
+from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
 from capsulefs.moveservice import serve_moves
 from capsulefs.peers import DEFAULT_PORT, parse_address
@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force-hold", action="store_true",
                    help="hold an agent whose holder record is lost or missing here, at the epoch its files "
                         "say; RISK: if a peer holds a newer epoch, two hosts run it")
+    p.add_argument("--learn", action="store_true",
+                   help="for an agent in doubt here (holder record lost, or imported again after 'rm'): ask "
+                        "every peer who holds it; held here if none does, retired here if one does")
     p.add_argument("--why", default="", help="with --abandon or --force-hold: the reason, logged")
     p.add_argument("--resume", action="store_true", help="finish moves a crash interrupted (no AGENT needed: use -)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one call may take (default 120)")
@@ -146,6 +149,9 @@ def cmd_move(args: argparse.Namespace) -> int:
         if args.resume:
             print(f"the daemon serving {daemon['mountpoint']} (pid {daemon['pid']}) resumes interrupted moves itself")
             return 0
+        if args.learn:
+            raise CapsuleError(f"--learn runs without a daemon (it may remove the agent's files here): "
+                               f"unmount first ('capsulefs umount {daemon['mountpoint']}')")
         if not args.force_hold:
             return _through_daemon(args, host, str(daemon["mountpoint"]))
     if args.resume:
@@ -154,6 +160,17 @@ def cmd_move(args: argparse.Namespace) -> int:
             print(f"{r.agent_id}: {r.state.value} ({r.reason})")
         return 0
     agent_id = host.store.find(args.agent).agent_id
+    if args.learn:
+        host.holders.reconcile([agent_id])  # files here without a record: in doubt
+        rec = trio.run(partial(learn_holder, host, agent_id, call_timeout=args.timeout))
+        if rec.state is HolderState.HELD:
+            print(f"{agent_id}: every peer answered and none holds it: held here at epoch {rec.held_epoch}")
+        elif rec.state is HolderState.RETIRED:
+            print(f"{agent_id}: peer {rec.peer} holds it (epoch {rec.epoch}): retired here, its files removed")
+        else:
+            print(f"{agent_id}: still in doubt: not every peer answered (see the log); try again later")
+            return 1
+        return 0
     if args.force_hold:
         if not args.why.strip():
             raise CapsuleError("--force-hold needs --why REASON: it is logged with the risk it takes")
