@@ -162,7 +162,6 @@ class MountMoves:
     # -- the service -----------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             if self.listen is not None:
                 serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
                                                       port=self.listen[1]))
@@ -171,28 +170,37 @@ class MountMoves:
             else:
                 await MoveService(self.host).recover()  # refuse pending moves a crash left, as serve_moves does
             self.daemon.runtime_info["move_port"] = self.port
-            nursery.start_soon(self._resume)
+            # The moves in doubt are registered before any new move may start
+            # (move() refuses until _nursery is set), so none can take their place.
+            pending = self._in_doubt()
+            self._nursery = nursery
+            nursery.start_soon(self._resume, pending)
             task_status.started()
             # Moves started later (.control/move) run in this nursery: keep it
             # open until the daemon cancels it, with or without a listener.
             await trio.sleep_forever()
 
-    async def _resume(self) -> None:
-        pending = [a for a in self.host.holders.agent_ids()
-                   if (r := self.host.holders.get(a)) is not None and r.state in (HolderState.FROZEN,
-                                                                                  HolderState.COMMITTING)]
-        for agent_id in pending:
+    def _in_doubt(self) -> dict[str, "_Running"]:
+        """Register every move a crash left (FROZEN or COMMITTING here)."""
+        pending = {}
+        for agent_id in self.host.holders.agent_ids():
             rec = self.host.holders.get(agent_id)
-            peer = self.host.peers.by_id(rec.peer) if rec is not None and rec.peer else None
-            self._running[agent_id] = _Running(self._control(agent_id, peer.name if peer else ""),
-                                               peer.name if peer else "?")
+            if rec is None or rec.state not in (HolderState.FROZEN, HolderState.COMMITTING):
+                continue
+            peer = self.host.peers.by_id(rec.peer) if rec.peer else None
+            pending[agent_id] = self._running[agent_id] = _Running(self._control(agent_id, peer.name if peer else ""),
+                                                                   peer.name if peer else "?")
+        return pending
+
+    async def _resume(self, pending: dict[str, "_Running"]) -> None:
         try:
-            # Only the moves in doubt at start: one frozen by a move begun since has its own driver.
+            # Only the moves in doubt at start: one begun since has its own driver.
             results = await resume_moves(self.host, call_timeout=self.call_timeout, retry_pause=self.retry_pause,
-                                         control_for=lambda a: self._running[a].control, agent_ids=pending)
+                                         control_for=lambda a: pending[a].control, agent_ids=list(pending))
         finally:
-            for agent_id in pending:
-                self._running.pop(agent_id, None)
+            for agent_id, running in pending.items():
+                if self._running.get(agent_id) is running:
+                    del self._running[agent_id]
         for r in results:
             log.info("resumed move of %s: %s (%s)", r.agent_id, r.state.value, r.reason)
             self._report(r.agent_id, r)
