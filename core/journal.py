@@ -185,6 +185,12 @@ class Journal:
         self._leading = False  # a thread is writing a group
         self.commits = 0  # groups written (one write and one fdatasync each)
         self.checkpoints = 0  # fdatasyncs of the journal itself made by appends with a ring
+        # Set when writing or syncing failed: Linux reports a failed write-back
+        # once per file, so a retried fdatasync can return 0 over pages that
+        # never reached the disk, and a ring restarted after it would overwrite
+        # the only durable copy. No more appends through this object: reopen
+        # (which replays the ring) to go on.
+        self._broken: str | None = None
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -333,6 +339,9 @@ class Journal:
         """Write the queued groups of events as one; settle every request."""
         assert self.machine is not None
         try:
+            if self._broken is not None:
+                raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
+                                         f"reopen the journal to append again")
             with self._locked():
                 state = self._state.copy()
                 planned = []
@@ -353,7 +362,7 @@ class Journal:
                 if self.ring_path is None:
                     try:
                         self._write_all(data)
-                        fdatasync(self._fd)
+                        self._sync()
                     except BaseException:
                         self._undo(self._size)
                         raise
@@ -370,6 +379,15 @@ class Journal:
                     req.settle(error=exc)
             if not isinstance(exc, Exception):
                 raise
+
+    def _sync(self) -> None:
+        """fdatasync the journal itself; a failure breaks this Journal (see ``_broken``)."""
+        try:
+            fdatasync(self._fd)
+        except OSError as exc:
+            self._broken = f"fdatasync failed: {exc}"
+            log.error("journal %s: fdatasync failed (%s); no more appends until it is reopened", self.path, exc)
+            raise
 
     def _commit_with_ring(self, data: bytes) -> None:
         """Write ``data`` to the journal without syncing it, then make it
@@ -392,7 +410,7 @@ class Journal:
                 ring.forget()
             try:
                 self._write_all(data)
-                fdatasync(self._fd)
+                self._sync()
             except BaseException:
                 self._undo(start)
                 raise
@@ -409,12 +427,20 @@ class Journal:
             # Checkpoint: every byte before ``start`` (ours, or another
             # process's whose ring records we are about to overwrite) is made
             # durable in the journal itself before the ring starts over.
-            fdatasync(self._fd)
+            self._sync()
             self.checkpoints += 1
         try:
             self._write_all(data)
-            ring.append(start, ino, data, restart=restart)
         except BaseException:
+            self._undo(start)
+            raise
+        try:
+            ring.append(start, ino, data, restart=restart)
+        except BaseException as exc:
+            if isinstance(exc, OSError):  # the ring's write or fdatasync: its pages are in doubt now
+                self._broken = f"writing the ring failed: {exc}"
+                log.error("journal %s: writing its ring failed (%s); no more appends until it is reopened",
+                          self.path, exc)
             ring.forget()
             self._undo(start)
             raise

@@ -11,6 +11,7 @@ processes, SIGKILL.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -520,3 +521,40 @@ def test_path_identity_is_the_inode_and_device_of_stat(tmp_path: Path) -> None:
     assert path_identity(str(f)) == (st.st_ino, st.st_dev)
     with pytest.raises(FileNotFoundError):
         path_identity(str(tmp_path / "missing"))
+
+
+@pytest.mark.expect_error_log
+def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, caplog) -> None:
+    """Linux reports a failed write-back once: a retried fdatasync can return 0
+    over pages that never reached the disk, and restarting the ring after it
+    would overwrite the only durable copy. So after one failure the Journal
+    refuses appends until it is reopened (which replays the ring)."""
+    import errno as _errno
+
+    import capsulefs.core.journal as J
+    from capsulefs.core.events import Note
+
+    path, ring = str(tmp_path / "j.jsonl"), str(tmp_path / "ring")
+    ids = iter(range(10**6))
+    opener = lambda: J.open_journal(path, machine="H", now=lambda: 1.0, new_id=lambda: f"{next(ids):024x}",  # noqa: E731
+                                    recovery_dir=str(tmp_path / "rec"), ring_path=ring)
+    j = opener()
+    j.append(Note(text="kept"))
+
+    def failing(fd: int) -> None:
+        raise OSError(_errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(J, "fdatasync", failing)
+    j._ring.forget()  # the next append must checkpoint the journal itself: that fdatasync fails
+    with pytest.raises(OSError):
+        j.append(Note(text="lost"))
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="reopen the journal"):
+        j.append(Note(text="refused"))
+    j.close()
+    j2 = opener()
+    j2.append(Note(text="after reopening"))
+    texts = [json.loads(line).get("text") for line in j2.lines()]
+    j2.close()
+    assert texts == ["kept", "after reopening"]
+    assert "no more appends until it is reopened" in caplog.text
