@@ -199,6 +199,10 @@ class LiveAgent:
         self._manifest_cache: tuple[object, bytes] | None = None
         self._blobs: tuple[fmt.Manifest, dict[str, int]] | None = None
         self._appender: Journal | None = None
+        #: Set when the view drops this agent (moved away, removed, gone from
+        #: the store): handles still open on it never write again, even once
+        #: an agent of the same id is back (a new incarnation, a new object).
+        self.gone = False
         self.move_progress: dict[str, object] | None = None
         # Directories show one fixed time: their entries change only when the
         # capsule's shape does, and a moving directory time makes `tar` of an
@@ -350,7 +354,7 @@ class LiveAgent:
         return self._appender
 
     def append(self, events: Sequence[Event]) -> list[Record]:
-        self.host.check_writable(self.agent_id)
+        self.check_writable()
         try:
             return self.journal().append_many(events)
         finally:
@@ -371,7 +375,7 @@ class LiveAgent:
         return self.append([ModelSwitch(provider=provider.strip(), model=model.strip())])[0]
 
     def begin_edit(self, rel: str) -> Edit:
-        self.host.check_writable(self.agent_id)
+        self.check_writable()
         edit = self.edits.get(rel)
         if edit is None:
             edit = self.edits[rel] = Edit(bytearray(self.handle.read(rel)))
@@ -402,7 +406,7 @@ class LiveAgent:
         edit.dirty = False
 
     def truncate(self, rel: str, size: int) -> None:
-        self.host.check_writable(self.agent_id)
+        self.check_writable()
         edit = self.edits.get(rel)
         if edit is not None:
             resize(edit.data, size)
@@ -414,7 +418,7 @@ class LiveAgent:
 
     def save(self, rel: str, data: bytes) -> None:
         """Commit a new version of an editable file (validated first)."""
-        self.host.check_writable(self.agent_id)
+        self.check_writable()
         if rel == fmt.SPEC:
             parse_spec(data)
             self.handle.write_files({rel: data})
@@ -441,7 +445,14 @@ class LiveAgent:
         self.host.changed(self.agent_id, rel)
         log.info("agent %s: working memory edited (%d bytes)", self.agent_id, len(data))
 
+    def check_writable(self) -> None:
+        if self.gone:
+            raise NotFoundError(f"agent {self.agent_id} left this view after this file was opened "
+                                f"(removed or moved away); nothing is written through it")
+        self.host.check_writable(self.agent_id)
+
     def close(self) -> None:
+        self.gone = True
         if self._appender is not None:
             self._appender.close()
             self._appender = None

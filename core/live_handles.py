@@ -191,7 +191,7 @@ class JournalHandle(Handle):
     def write(self, offset: int, data: bytes) -> int:
         if not self.writable:
             raise NotPermitted("the journal is not open for writing")
-        self.agent.host.check_writable(self.agent_id)
+        self.agent.check_writable()
         buf = self.partial + bytes(data)
         end = buf.rfind(b"\n") + 1
         if len(buf) - end > MAX_PARTIAL_LINE:
@@ -244,7 +244,7 @@ class EditHandle(Handle):
         return bytes(self._current()[offset: offset + size])
 
     def write(self, offset: int, data: bytes) -> int:
-        self.agent.host.check_writable(self.agent.agent_id)
+        self.agent.check_writable()
         buf = self.edit.data
         if offset > len(buf):
             buf.extend(b"\0" * (offset - len(buf)))
@@ -255,7 +255,7 @@ class EditHandle(Handle):
     def truncate(self, size: int) -> None:
         if not self.writable:
             raise NotPermitted(f"{self.rel} is not open for writing")
-        self.agent.host.check_writable(self.agent.agent_id)
+        self.agent.check_writable()
         resize(self.edit.data, size)
         self.edit.dirty = True
 

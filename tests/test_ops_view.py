@@ -366,3 +366,32 @@ async def test_agent_removed_beside_the_mount_just_goes_away(c: Client, store: H
     assert c.ops.live.failsafe is None
     await c.mkdir("/alice")  # the name is free again
     assert await c.listdir("alice/memory") == ["timeline_events.jsonl", "vector_index", "working_memory.md"]
+
+
+async def test_a_handle_opened_before_removal_never_writes_into_the_agent_imported_again(
+        c: Client, store: HostStore, tmp_path: Path) -> None:
+    """Handles belong to one incarnation of an agent: after it is removed (or
+    moved away) and an agent of the same id is imported again, a journal or
+    working-memory handle still open on the old one writes nothing."""
+    agent = store.find("alice")
+    tar = tmp_path / "alice.tar"
+    archive.export_agent(agent, str(tar), mtime=0)
+    journal = await c.open(f"alice/{fmt.JOURNAL}", os.O_WRONLY | os.O_APPEND)
+    memory = await c.open("alice/memory/working_memory.md", os.O_WRONLY)
+    line = b'{"kind":"note","text":"from the old handle"}\n'
+    assert await c.ops.write(journal.fh, 0, line) == len(line)
+    store.remove_agent(agent.agent_id)  # what Daemon.remove does, without the daemon
+    c.ops.live.forget(agent.agent_id)
+    assert await errno_of(c.ops.write(journal.fh, 0, line)) == errno.ENOENT
+    archive.import_tar(store, str(tar))
+    assert await c.listdir("") == ["alice"]  # shown again: a new incarnation
+    before = store.find("alice").read(fmt.JOURNAL)
+    assert await errno_of(c.ops.write(journal.fh, 0, line)) == errno.ENOENT
+    assert await errno_of(c.ops.write(memory.fh, 0, b"stale edit\n")) == errno.ENOENT
+    for fi in (journal, memory):
+        await errno_of(c.ops.flush(fi.fh))  # an edit saved at close must not land either
+        await c.ops.release(fi.fh)
+    assert store.find("alice").read(fmt.JOURNAL) == before
+    assert b"stale edit" not in store.find("alice").read(fmt.WORKING_MEMORY)
+    await c.write(f"alice/{fmt.JOURNAL}", b'{"kind":"note","text":"new handle"}\n', append=True)
+    assert b"new handle" in store.find("alice").read(fmt.JOURNAL)
