@@ -36,6 +36,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from .errors import FormatError
 from .fsutil import atomic_write, fdatasync, makedirs_durable
 from .journal_ring import Ring
@@ -131,12 +133,20 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
             missing = want[len(have):]
         else:
             k = next(i for i, (x, y) in enumerate(zip(have, want)) if x != y)
-            rest = os.pread(fd, size - (start + k), start + k)
-            if rest.count(0) != len(rest):
-                raise refuse(f"they differ at journal byte {start + k}")
+            # From the first difference on, every byte the ring vouches for is
+            # either the ring's byte or zero: pages a crash left unwritten,
+            # possibly with later pages that did reach the disk. Anything else
+            # is a disagreement. What the file holds past the ring's end was
+            # never acknowledged: it goes to the recovery file with the rest.
+            got = np.frombuffer(have, np.uint8, offset=k)
+            vouched = np.frombuffer(want, np.uint8, count=len(have), offset=0)[k:]
+            if not bool(np.all((got == vouched) | (got == 0))):
+                first = k + int(np.argmax((got != vouched) & (got != 0)))
+                raise refuse(f"they differ at journal byte {start + first}")
             cut = start + k
+            rest = os.pread(fd, size - cut, cut)
             dest = save_torn(recovery_dir, path, rest)
-            log.warning("journal %s: %d zero bytes at offset %d (a crash left them unwritten) moved to %s",
+            log.warning("journal %s: %d bytes from offset %d, with pages a crash left unwritten (zeros), moved to %s",
                         path, len(rest), cut, dest)
             os.ftruncate(fd, cut)
             missing = want[k:]

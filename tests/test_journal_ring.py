@@ -147,6 +147,27 @@ def test_a_zero_filled_tail_is_replaced_by_the_ring(tmp_path: Path) -> None:
     assert set(Path(agent.recovery_dir, saved).read_bytes()) == {0}
 
 
+def test_a_lost_page_in_the_middle_is_restored_from_the_ring(tmp_path: Path) -> None:
+    """Delayed allocation can leave a page unwritten while later pages reached
+    the disk: a zero hole inside the ring's range, real bytes after it. Every
+    byte is the ring's or zero, so the ring fills the hole."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 60, size=200)
+        before = agent.read(fmt.JOURNAL)
+    start = _chain(agent)[0].offset
+    assert len(before) - start > 3 * 4096
+    hole = (start // 4096 + 1) * 4096
+    with open(agent.path(fmt.JOURNAL), "r+b") as f:
+        f.seek(hole)
+        f.write(bytes(4096))
+    HostStore.open(tmp_path / "state")  # the store's open replays every ring
+    assert agent.read(fmt.JOURNAL) == before
+    (saved,) = _recovery(store, agent)
+    assert Path(agent.recovery_dir, saved).read_bytes().count(0) >= 4096
+
+
 def test_unacknowledged_lines_beyond_the_ring_are_kept_and_a_torn_tail_moved(tmp_path: Path) -> None:
     store = HostStore.open(tmp_path / "state")
     agent = _agent(store)
