@@ -4,6 +4,7 @@ mount's Mover called directly, against peers that are dead or silent."""
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -75,14 +76,20 @@ async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[Moun
         nursery.cancel_scope.cancel()
 
 
-async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, str], state_dir: Path,
-                                                      tmp_path: Path) -> None:
-    mm, agent_id = wired
-    silent = trio.socket.socket()
-    await silent.bind(("127.0.0.1", 0))
-    silent.listen()  # accepts connections (the kernel does) and never answers
-    PeerBook(state_dir).add(Peer(name="silent", address=f"127.0.0.1:{silent.getsockname()[1]}",
+@pytest.fixture
+async def silent(state_dir: Path, tmp_path: Path) -> AsyncIterator[None]:
+    """A peer named "silent" that accepts connections (the kernel does) and never answers."""
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    PeerBook(state_dir).add(Peer(name="silent", address=f"127.0.0.1:{sock.getsockname()[1]}",
                                  host_id=load_or_create_identity(tmp_path / "silent").host_id))
+    yield
+    sock.close()
+
+
+async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, str], silent: None) -> None:
+    mm, agent_id = wired
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         nursery.start_soon(partial(mm.move, agent_id, "silent"))
@@ -91,17 +98,11 @@ async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, 
             await mm.move(agent_id, "dead")
         assert mm.daemon.live.agent(agent_id).status()["move"]["target"] == "silent"
         nursery.cancel_scope.cancel()
-    silent.close()
 
 
-async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tuple[MountMoves, str], state_dir: Path,
-                                                                     tmp_path: Path) -> None:
+async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tuple[MountMoves, str],
+                                                                     silent: None) -> None:
     mm, agent_id = wired
-    silent = trio.socket.socket()
-    await silent.bind(("127.0.0.1", 0))
-    silent.listen()
-    PeerBook(state_dir).add(Peer(name="silent", address=f"127.0.0.1:{silent.getsockname()[1]}",
-                                 host_id=load_or_create_identity(tmp_path / "silent").host_id))
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         nursery.start_soon(partial(mm.move, agent_id, "silent"))
@@ -109,7 +110,6 @@ async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tupl
         with pytest.raises(le.MoveBusy, match="is moving to silent: removing it now could lose it on both hosts"):
             await mm.daemon.remove(agent_id)
         nursery.cancel_scope.cancel()
-    silent.close()
     assert agent_id in mm.daemon.live.store.agent_ids()
 
 
