@@ -93,7 +93,12 @@ def test_new_and_import_record_who_holds_the_agent(cli, state_dir: Path, tmp_pat
     out = run_cli("import", str(tar), state=other, check=True).stdout
     assert "will not run here" in out
     assert _holder(other, agent_id) is None
-    # The holder restoring its own export after losing the agent holds it again.
+    # The holder restoring its own export after removing the agent does not
+    # simply hold it again (another host may have taken that export since):
+    # it is in doubt until it asks its peers; with none to ask, it holds it.
     cli("rm", "held", check=True)
-    cli("import", str(tar), check=True)
+    out = cli("import", str(tar), check=True).stdout
+    assert "--learn" in out and not _holder(state_dir, agent_id).runnable
+    learned = cli("move", "held", "--learn", check=True).stdout
+    assert "held here at epoch 1" in learned
     assert _holder(state_dir, agent_id).runnable
