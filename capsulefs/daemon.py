@@ -39,6 +39,7 @@ While mounted the daemon keeps a runtime file, ``STATE/mount/daemon.json``
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -46,12 +47,13 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 
 import pyfuse3
 import trio
 
+from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.holder import HolderBook
 from capsulefs.core.live import AgentState, LiveHost
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 FSNAME = "capsulefs"
 WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
+LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
 
 
 def work_dir(state_dir: str) -> str:
@@ -77,6 +80,27 @@ def work_dir(state_dir: str) -> str:
 
 def runtime_path(state_dir: str) -> str:
     return os.path.join(work_dir(state_dir), RUNTIME_FILE)
+
+
+@contextmanager
+def holding_state(state_dir: str, *, doing: str) -> Iterator[None]:
+    """Hold the state directory alone: one daemon for its whole life, or a
+    command that changes agents without one (offline ``rm``). A second daemon
+    on the same state would run every agent twice on this host. The flock
+    goes with the process, so a killed holder never blocks the next one."""
+    os.makedirs(work_dir(state_dir), exist_ok=True)
+    fd = os.open(os.path.join(work_dir(state_dir), LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            running = find_daemon(state_dir)
+            who = (f"a daemon (pid {running['pid']}, mounted on {running['mountpoint']})" if running
+                   else "another capsulefs daemon or command")
+            raise CapsuleError(f"{who} already holds {state_dir}: {doing} refused") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def find_daemon(state_dir: str) -> dict[str, object] | None:

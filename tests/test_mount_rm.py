@@ -237,3 +237,30 @@ def test_a_removed_agent_is_no_longer_held_and_a_daemon_restarts_cleanly(store: 
         wait_until(lambda: os.listdir(mnt) == ["doomed"], "the re-imported agent")
         assert capsulefs("verify", str(mnt / "doomed")).stdout.startswith("OK:")
     assert HolderBook(state_dir / "holders").get(agent.agent_id).state is HolderState.UNKNOWN
+
+
+def test_one_daemon_per_state_directory_and_no_offline_rm_beside_one(store: HostStore, state_dir: Path,
+                                                                     mnt: Path, tmp_path: Path) -> None:
+    """A second daemon on the same state would run every agent twice on this
+    host: it is refused with one line naming the first, which stays up. An
+    offline rm while a daemon holds the state (e.g. still starting, before
+    its runtime file exists) is refused too, and removes nothing."""
+    import fcntl
+
+    from capsulefs.daemon import LOCK_FILE, WORK_DIR
+
+    make_agent(store, "alice")
+    other = tmp_path / "mnt2"
+    other.mkdir()
+    with mounted(state_dir, mnt) as proc:
+        second = capsulefs("mount", str(other), "--state", str(state_dir), check=False)
+        assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
+        assert f"mounted on {mnt}" in second.stderr and "refused" in second.stderr
+        assert not os.path.ismount(other) and proc.poll() is None and os.listdir(mnt) == ["alice"]
+    # A holder that has not written its runtime file yet (a daemon starting).
+    with open(state_dir / WORK_DIR / LOCK_FILE, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = _rm(state_dir, "alice")
+    assert out.returncode == 1 and "another capsulefs daemon or command already holds" in out.stderr
+    assert _ls(state_dir) == ["alice"]
+    assert _rm(state_dir, "alice").returncode == 0

@@ -50,7 +50,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     runs (it stops the agent's process and drops it from the mount), else
     here; either way refused while the agent is in a move (capsulefs.removal)."""
     from capsulefs.core.holder import HolderBook
-    from capsulefs.daemon import find_daemon, work_dir
+    from capsulefs.daemon import find_daemon, holding_state, work_dir
     from capsulefs.movehost import holders_dir
     from capsulefs.removal import refuse_if_moving, remove_offline
 
@@ -64,7 +64,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
         refuse_if_moving(holders, agent_id, name)  # the daemon checks again; this names the move
         _remove_through_daemon(str(running["mountpoint"]), name, agent_id)
     else:
-        remove_offline(state, work_dir(state), store, holders, agent_id)
+        # No daemon may start (and run the agent) while its files go.
+        with holding_state(state, doing=f"removing {name} without a daemon"):
+            remove_offline(state, work_dir(state), store, holders, agent_id)
     print(f"removed agent {name} ({agent_id})")
     if not args.keep_blobs:
         report = store.gc()  # beside a daemon too: gc and writers share the store's lock

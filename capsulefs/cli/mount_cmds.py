@@ -59,6 +59,15 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
+    from capsulefs.daemon import holding_state
+
+    # One daemon per state directory, for its whole life: a second would run
+    # every agent a second time on this host.
+    with holding_state(state_dir(args), doing=f"mounting it on {args.mountpoint}"):
+        return _serve(args, ready_fd)
+
+
+def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
     import trio
 
     from capsulefs.daemon import Daemon
