@@ -79,8 +79,6 @@ def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -
     agent = host.store.find(args.agent)
     control = os.path.join(mountpoint, agent.manifest().name, ".control")
     if args.abandon:
-        if not args.why.strip():
-            raise CapsuleError("--abandon needs --why REASON: it is logged with the risk it takes")
         try:
             with open(os.path.join(control, "abandon"), "w") as f:
                 f.write(args.why.strip().replace("\n", " ") + "\n")
@@ -143,6 +141,9 @@ def _read_move_status(control: str) -> dict | None:
 
 
 def cmd_move(args: argparse.Namespace) -> int:
+    for flag, given in (("--abandon", args.abandon), ("--force-hold", args.force_hold)):
+        if given and not args.why.strip():
+            raise CapsuleError(f"{flag} needs --why REASON: it is logged with the risk it takes")
     host = MoveHost.open(state_dir(args))
     daemon = find_daemon(state_dir(args))
     if daemon is not None:
@@ -172,8 +173,6 @@ def cmd_move(args: argparse.Namespace) -> int:
             return 1
         return 0
     if args.force_hold:
-        if not args.why.strip():
-            raise CapsuleError("--force-hold needs --why REASON: it is logged with the risk it takes")
         rec = host.holders.get(agent_id) or HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=0)
         if rec.state is not HolderState.UNKNOWN:
             raise CapsuleError(f"agent {agent_id} is {rec.state.value} here, not in doubt: nothing to force")
@@ -183,8 +182,6 @@ def cmd_move(args: argparse.Namespace) -> int:
         print(f"{agent_id}: held here at epoch {epoch} (forced). If a peer holds a newer epoch, two hosts run it.")
         return 0
     if args.abandon:
-        if not args.why.strip():
-            raise CapsuleError("--abandon needs --why REASON: it is logged with the risk it takes")
         rec = abandon_move(host.holders, agent_id, me=host.me, why=args.why)
         log.warning("agent %s: move abandoned by the operator (%s)", agent_id, args.why)
         print(f"{agent_id}: held here again at epoch {rec.held_epoch}. If the target activated it, "
