@@ -648,20 +648,22 @@ def open_agent_journal(
     )
 
 
-def parse_draft_lines(data: bytes) -> list[Event]:
-    """Parse newline-separated draft events; each must be a whole line."""
+def parse_draft_lines(data: bytes, what: str = "draft") -> list[Event]:
+    """Parse newline-separated draft events (one JSON object a line, as
+    scripts and ``echo >>`` write them); all valid or FormatError naming the
+    line (``what`` names them: "draft", or "journal" for writes through the mount)."""
     if not data.endswith(b"\n"):
-        raise FormatError("draft events must be whole lines, each ending with a newline")
+        raise FormatError(f"{what} events must be whole lines, each ending with a newline")
     events = []
     for no, raw in enumerate(data[:-1].split(b"\n"), 1):
         if not raw.strip():
-            raise FormatError(f"draft line {no} is empty")
+            raise FormatError(f"{what} line {no} is empty")
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise FormatError(f"draft line {no} is not valid JSON: {exc}") from None
+            raise FormatError(f"{what} line {no} is not valid JSON: {exc}") from None
         try:
             events.append(parse_draft(obj))
         except FormatError as exc:
-            raise FormatError(f"draft line {no}: {exc}") from None
+            raise FormatError(f"{what} line {no}: {exc}") from None
     return events

@@ -63,7 +63,7 @@ from .live_errors import (
     NotPermitted,
     ReadOnly,
 )
-from .journal import Journal
+from .journal import Journal, parse_draft_lines
 from .journal_recovery import RECOVERY_DIR, journal_ring_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
@@ -81,7 +81,6 @@ from .live_handles import (
     Remover,
     ScratchHandle,
     resize,
-    parse_lines,
 )
 from .live_journal import JournalTail, open_appender
 from .scratch import ScratchArea
@@ -362,7 +361,7 @@ class LiveAgent:
 
     def append_lines(self, data: bytes) -> list[Record]:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
-        return self.append(parse_lines(data))
+        return self.append(parse_draft_lines(data, "journal"))
 
     def switch_model(self, data: bytes) -> Record:
         try:

@@ -12,7 +12,6 @@ See :mod:`capsulefs.core.live` for the view that makes them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from . import format as fmt
 from .blobcheck import BlobCheck
 from .errors import FormatError, NotFoundError
-from .events import Event, parse_draft
+from .journal import parse_draft_lines
 from .live_errors import NotPermitted, NotSupported
 
 if TYPE_CHECKING:
@@ -197,7 +196,7 @@ class JournalHandle(Handle):
         if len(buf) - end > MAX_PARTIAL_LINE:
             raise FormatError(f"a journal line is longer than {MAX_PARTIAL_LINE} bytes")
         if end:
-            self.agent.journal().append_many(parse_lines(buf[:end]))
+            self.agent.journal().append_many(parse_draft_lines(buf[:end], "journal"))
         self.partial = buf[end:]
         return len(data)
 
@@ -369,23 +368,6 @@ def control_line(data: bytes, what: str) -> str:
     if not text or "\n" in text or any(ord(c) < 32 for c in text):
         raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo laptop > {what}`)")
     return text
-
-
-def parse_lines(data: bytes) -> list[Event]:
-    """Event drafts, one JSON object a line, as written to the journal; all valid or FormatError."""
-    if not data.endswith(b"\n"):
-        raise FormatError("journal writes must be whole JSON lines, each ending with a newline")
-    events = []
-    for i, line in enumerate(data[:-1].split(b"\n"), 1):
-        try:
-            obj = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"journal line {i} is not valid JSON: {exc}") from None
-        try:
-            events.append(parse_draft(obj))
-        except FormatError as exc:
-            raise FormatError(f"journal line {i}: {exc}") from None
-    return events
 
 
 def resize(buf: bytearray, size: int) -> None:
