@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tarfile
 import time
@@ -59,3 +60,14 @@ def wait_until(predicate: Callable[[], object], what: str, limit: float = 60.0) 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def reference_agent_spec(path: Path, stub_url: str) -> Path:
+    """Write a spec that runs the reference agent (``capsulefs agent``) against
+    the stub provider at ``stub_url``, its keys fetched from the keychain."""
+    path.write_text(json.dumps({
+        "version": 1, "entrypoint": ["capsulefs", "agent"],
+        "env": {"ANTHROPIC_BASE_URL": stub_url, "OPENAI_BASE_URL": stub_url + "/v1"},
+        "secrets": ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"],
+    }))
+    return path

@@ -15,7 +15,7 @@ from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
 
-from helpers import wait_until
+from helpers import reference_agent_spec, wait_until
 
 pytestmark = [needs_fuse]
 
@@ -37,12 +37,7 @@ def _replies(agent_dir: Path) -> list[str]:
 def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with serve() as (url, stub):
-        spec = tmp_path / "spec.json"
-        spec.write_text(json.dumps({
-            "version": 1, "entrypoint": ["capsulefs", "agent"],
-            "env": {"ANTHROPIC_BASE_URL": url, "OPENAI_BASE_URL": url + "/v1"},
-            "secrets": ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"],
-        }))
+        spec = reference_agent_spec(tmp_path / "spec.json", url)
         capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
         for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
             capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")

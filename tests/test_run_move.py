@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from helpers import reference_agent_spec
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
@@ -49,12 +50,7 @@ def _alive(pid: int | None) -> bool:
 def test_running_agent_moves_mid_conversation_and_carries_on(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, b = hosts
     with serve() as (url, stub):
-        spec = tmp_path / "spec.json"
-        spec.write_text(json.dumps({
-            "version": 1, "entrypoint": ["capsulefs", "agent"],
-            "env": {"ANTHROPIC_BASE_URL": url, "OPENAI_BASE_URL": url + "/v1"},
-            "secrets": ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"],
-        }))
+        spec = reference_agent_spec(tmp_path / "spec.json", url)
         for h in (a, b):
             for key in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
                 capsulefs("--state", str(h.state), "secret", "set", key, input="stub-key\n")
