@@ -13,7 +13,7 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
@@ -136,6 +136,30 @@ _statx = _load_statx()
 _statx_buffers = threading.local()  # one struct statx per thread, reused
 _STATX_IDS = struct.Struct("=Q")  # stx_ino
 _STATX_DEVS = struct.Struct("=II")  # stx_dev_major, stx_dev_minor
+_STATX_INO_DEV = struct.Struct(f"=Q{_STX_DEV - _STX_INO - 8}xII")  # stx_ino ... stx_dev_major, stx_dev_minor
+
+
+def identity_probe(path: str) -> Callable[[], tuple[int, int]]:
+    """A function returning :func:`path_identity` of ``path`` each time it
+    is called, with its buffer and the encoded path made once: for a hot
+    path that asks again and again (a journal's appends). Not thread-safe:
+    one caller at a time (the journal holds its lock)."""
+    if _statx is None:  # pragma: no cover
+        return lambda: path_identity(path)
+    ctypes, fn = _statx
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    encoded = os.fsencode(path)
+    ids = _STATX_INO_DEV.unpack_from
+    makedev = os.makedev
+
+    def probe() -> tuple[int, int]:
+        if fn(_AT_FDCWD, encoded, 0, _STATX_INO, buf) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path) if err != 2 else FileNotFoundError(err, os.strerror(err), path)
+        ino, major, minor = ids(buf, _STX_INO)
+        return ino, makedev(major, minor)
+
+    return probe
 
 
 def path_identity(path: str) -> tuple[int, int]:
@@ -154,3 +178,30 @@ def path_identity(path: str) -> tuple[int, int]:
     (ino,) = _STATX_IDS.unpack_from(buf, _STX_INO)
     major, minor = _STATX_DEVS.unpack_from(buf, _STX_DEV)
     return ino, os.makedev(major, minor)
+
+
+# -- direct I/O alignment ---------------------------------------------------------------
+
+_STATX_DIOALIGN = 0x2000
+_AT_EMPTY_PATH = 0x1000
+_STX_MASK = 0  # offsetof(struct statx, stx_mask)
+_STX_DIO_ALIGN = 152  # offsetof(struct statx, stx_dio_mem_align); stx_dio_offset_align follows
+
+
+def dio_alignment(fd: int) -> tuple[int, int] | None:
+    """(memory, file offset) alignment that O_DIRECT needs on the file open
+    on ``fd``, as the kernel reports it (statx STATX_DIOALIGN, Linux 6.1+),
+    (0, 0) if it says the file cannot do direct I/O, or None when it does
+    not say (older kernels, file systems that do not report it). Asks for
+    no timestamps (see ``path_identity``)."""
+    if _statx is None:  # pragma: no cover
+        return None
+    ctypes, fn = _statx
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if fn(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buf) != 0:
+        return None
+    (mask,) = struct.unpack_from("=I", buf, _STX_MASK)
+    if not mask & _STATX_DIOALIGN:
+        return None
+    mem, offset = struct.unpack_from("=II", buf, _STX_DIO_ALIGN)
+    return (mem, offset) if mem and offset else (0, 0)

@@ -40,14 +40,16 @@ lives in :mod:`capsulefs.core.journal`; the caller holds the journal's locks.
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import secrets
 import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from .fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable, path_identity
+from .fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, makedirs_durable, path_identity
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class Ring:
         self._next = -1  # journal offset our chain ends at
         self._ino = -1  # journal inode of our chain
         self._first: bytes | None = None  # header of our chain's first record; None: must restart
+        self._direct: _Direct | None = None  # the O_DIRECT|O_DSYNC writer, if this file system allows one
+        self._direct_tried = False  # opened lazily, at the first append: readers never need it
 
     # -- lifecycle ---------------------------------------------------------
     @classmethod
@@ -114,6 +118,9 @@ class Ring:
             return cls(path, fd)
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -124,6 +131,12 @@ class Ring:
             return path_identity(self.path) == self._id
         except FileNotFoundError:
             return False
+
+    @property
+    def direct(self) -> bool:
+        """Whether records are written with O_DIRECT|O_DSYNC (else pwrite +
+        fdatasync). Known after the first append."""
+        return self._direct is not None
 
     # -- writing -------------------------------------------------------------
     def continues(self, offset: int, ino: int) -> bool:
@@ -146,18 +159,35 @@ class Ring:
 
     def append(self, offset: int, ino: int, data: bytes, *, restart: bool) -> None:
         """Write one record (at 0 if ``restart``, else after our chain) and
-        fdatasync the ring. On an error the chain is forgotten (the caller
-        restarts next time) and the record is made invalid if possible."""
+        make it durable: one O_DIRECT|O_DSYNC write where the file system
+        allows, else pwrite + fdatasync. On an error the chain is forgotten
+        (the caller restarts next time) and the record is made invalid if
+        possible."""
         pos = 0 if restart else self._pos
-        rec = encode(offset, ino, data)
-        if pos + len(rec) > self.size:
-            raise ValueError(f"ring {self.path}: a record of {len(rec)} bytes does not fit at {pos}")
+        end = pos + HEADER.size + len(data)
+        if end > self.size:
+            raise ValueError(f"ring {self.path}: a record of {end - pos} bytes does not fit at {pos}")
         self._first = None if restart else self._first
+        direct = self._direct if self._direct_tried else self._open_direct()
         try:
-            n = os.pwrite(self._fd, rec, pos)
-            if n != len(rec):  # pragma: no cover - a regular file overwritten in place never does this
-                raise OSError(f"short write to ring {self.path}")
-            fdatasync(self._fd)
+            if direct is not None:
+                try:
+                    first = direct.write(pos, offset, ino, data, self._fd)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or direct.used:
+                        raise
+                    # Refused before any I/O (alignment the kernel did not
+                    # report): nothing was written. Fall back for good.
+                    _note_fallback(self.path, f"the first O_DIRECT write was refused ({exc})")
+                    direct.close()
+                    self._direct = direct = None
+            if direct is None:
+                rec = encode(offset, ino, data)
+                n = os.pwrite(self._fd, rec, pos)
+                if n != len(rec):  # pragma: no cover - a regular file overwritten in place never does this
+                    raise OSError(errno.EIO, f"short write to ring {self.path}")
+                fdatasync(self._fd)
+                first = rec[: HEADER.size]
         except BaseException:
             self.forget()
             try:
@@ -166,10 +196,42 @@ class Ring:
                 pass
             raise
         if restart:
-            self._first = rec[: HEADER.size]
-        self._pos = pos + len(rec)
+            self._first = first
+        self._pos = end
         self._next = offset + len(data)
         self._ino = ino
+
+    def _open_direct(self) -> "_Direct | None":
+        """The O_DIRECT|O_DSYNC writer of this ring, or None (logged once
+        per process) where the file system refuses one."""
+        self._direct_tried = True
+        page = mmap.PAGESIZE
+        align = dio_alignment(self._fd)
+        if align == (0, 0):
+            _note_fallback(self.path, "the file system does no direct I/O on it")
+            return None
+        # Whole pages (or the file system's unit, if larger): a write then
+        # covers exactly the blocks page write-back would, so rewriting the
+        # chain's tail block makes no assumption the buffered ring did not.
+        unit = max(page, align[1]) if align else page
+        if align is not None and align[0] > page:  # pragma: no cover - an anonymous mmap is page-aligned
+            _note_fallback(self.path, f"it needs memory aligned to {align[0]} bytes")
+            return None
+        if self.size % unit:
+            log.debug("ring %s: %d bytes is not a multiple of %d; pwrite + fdatasync", self.path, self.size, unit)
+            return None
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_DSYNC)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            _note_fallback(self.path, f"opening it with O_DIRECT failed ({exc})")
+            return None
+        if os.fstat(fd).st_ino != self._id[0]:  # pragma: no cover - replaced between the two opens
+            os.close(fd)
+            return None
+        self._direct = _Direct(fd, unit)
+        return self._direct
 
     def forget(self) -> None:
         """Drop our chain: the next record restarts the ring."""
@@ -204,6 +266,84 @@ class Ring:
             out.append(Entry(pos=pos, offset=offset, ino=ino, data=data.tobytes()))
             pos = end
         return out
+
+
+_fallback_noted = False
+
+
+def _note_fallback(path: str, why: str) -> None:
+    """Say once per process that rings are written with pwrite + fdatasync."""
+    global _fallback_noted
+    if not _fallback_noted:
+        _fallback_noted = True
+        log.info("write-ahead ring %s: %s; rings are written with pwrite + fdatasync instead "
+                 "(as durable, one system call more per append)", path, why)
+
+
+class _Direct:
+    """A ring's O_DIRECT|O_DSYNC descriptor and the page-aligned buffer
+    (an anonymous mmap) each record is assembled in.
+
+    A direct write covers whole units (pages), from the unit holding the
+    record's start to the one holding its end. Its first bytes, up to the
+    record, are the end of our chain's previous record(s): the buffer keeps
+    them from the previous write (``image_end`` is the ring position they
+    end at), so they are rewritten with the bytes they already hold. Past
+    the record, the last unit is filled with zeros: only records of earlier
+    passes, stale, lay there. The write returns once the units are on
+    stable storage (O_DSYNC: the data, plus a cache flush), with nothing
+    else to sync, since the ring never changes size or allocation.
+    """
+
+    __slots__ = ("fd", "unit", "buf", "image_end", "used")
+
+    def __init__(self, fd: int, unit: int) -> None:
+        self.fd = fd
+        self.unit = unit
+        self.buf = mmap.mmap(-1, 4 * unit)
+        self.image_end = -1  # ring position the kept tail ends at; -1: none kept
+        self.used = False  # a direct write has succeeded (EINVAL is then a real error)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.buf.close()
+
+    def write(self, pos: int, offset: int, ino: int, data: bytes, buffered_fd: int) -> bytes:
+        """Write the record for ``data`` at ring position ``pos``, durably;
+        return its header. ``buffered_fd`` reads back the bytes before
+        ``pos`` in their unit if the buffer does not hold them."""
+        unit = self.unit
+        base = pos & -unit
+        lead = pos - base
+        stop = lead + HEADER.size + len(data)  # the record's end, in the buffer
+        span = (stop + unit - 1) & -unit
+        buf = self.buf
+        if span > len(buf):
+            bigger = mmap.mmap(-1, span)
+            bigger[:lead] = buf[:lead]
+            buf.close()
+            self.buf = buf = bigger
+        if lead and self.image_end != pos:  # not ours to know: read it (coherent with direct writes)
+            buf[:lead] = os.pread(buffered_fd, lead, base)
+        self.image_end = -1  # until the write succeeds
+        fields = _FIELDS.pack(MAGIC, len(data), offset, ino)
+        digest = _digest(fields, data)
+        at = lead + _FIELDS.size
+        buf[lead:at] = fields
+        buf[at : at + len(digest)] = digest
+        buf[lead + HEADER.size : stop] = data
+        if span > stop:
+            buf[stop:span] = bytes(span - stop)
+        with memoryview(buf) as view:
+            n = os.pwrite(self.fd, view[:span], base)
+        if n != span:  # pragma: no cover - an overwrite in place of allocated blocks never does this
+            raise OSError(errno.EIO, f"short direct write to a ring ({n} of {span} bytes)")
+        self.used = True
+        keep = (pos + stop - lead) & (unit - 1)  # the new chain end's offset in its unit
+        if keep:
+            buf.move(0, stop - keep, keep)
+        self.image_end = pos + stop - lead
+        return fields + digest
 
 
 def _open_rw(path: str) -> int:
