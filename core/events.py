@@ -345,6 +345,42 @@ class Record:
         if not self.line:
             object.__setattr__(self, "line", canonical_json(self.to_json()))
 
+    @classmethod
+    def stamped(
+        cls, event: Event, *, id: str, machine: str, seq: int, clock: int, prev: str | None, time: str
+    ) -> "Record":
+        """The record a journal stamps (``ChainState.plan``): the same record
+        as the constructor gives, built with fewer checks because the stamper
+        made the envelope itself: seq and clock counted up from the file's
+        (positive ints), prev the sha256 hex it computed (or None), time from
+        ``format_time``, machine checked once per group. Only ``id``, which
+        comes from the caller's ``new_id``, is checked, and ``event`` must be
+        an Event (every Event validated itself when it was made)."""
+        if type(id) is not str or not _ID_RE.fullmatch(id):
+            raise FormatError(f"event id {id!r} is not 8-64 lowercase hex digits")
+        if not isinstance(event, Event):
+            raise FormatError(f"cannot stamp {type(event).__name__}: not an event")
+        doc = event.payload()  # a new dict on every call
+        doc["v"] = EVENT_VERSION
+        doc["id"] = id
+        doc["machine"] = machine
+        doc["seq"] = seq
+        doc["clock"] = clock
+        doc["prev"] = prev
+        doc["time"] = time
+        doc["kind"] = event.kind
+        rec = object.__new__(cls)
+        _set = object.__setattr__
+        _set(rec, "id", id)
+        _set(rec, "machine", machine)
+        _set(rec, "seq", seq)
+        _set(rec, "clock", clock)
+        _set(rec, "prev", prev)
+        _set(rec, "time", time)
+        _set(rec, "event", event)
+        _set(rec, "line", canonical_json(doc))
+        return rec
+
     @property
     def kind(self) -> str:
         return self.event.kind

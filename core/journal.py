@@ -78,7 +78,7 @@ from typing import Any
 
 from .errors import FormatError, NotFoundError
 from .events import Event, Record, parse_draft
-from .fsutil import fdatasync, fsync_dir, path_identity
+from .fsutil import fdatasync, fsync_dir, identity_probe
 from .journal_chain import ChainState, Tail, format_time
 from .journal_lines import (
     ChainError,
@@ -174,6 +174,7 @@ class Journal:
         self.ring_path = ring_path  # None: each append fdatasyncs the journal itself
         self._ring: Ring | None = None  # opened (created) at the first append
         self._id: tuple[int, int] | None = None  # (st_ino, st_dev) of the file held
+        self._identity = identity_probe(path)  # (st_ino, st_dev) of whatever ``path`` names now
         self._fd = fd
         self._now = now
         self._new_id = new_id
@@ -183,6 +184,7 @@ class Journal:
         self._cond = threading.Condition()  # guards _pending and _leading
         self._pending: list[_Request] = []  # events queued for the next group commit
         self._leading = False  # a thread is writing a group
+        self._waiting = 0  # threads waiting for a group commit (notify only if any)
         self.commits = 0  # groups written (one write and one fdatasync each)
         self.checkpoints = 0  # fdatasyncs of the journal itself made by appends with a ring
         # Set when writing or syncing failed: Linux reports a failed write-back
@@ -263,7 +265,7 @@ class Journal:
         timestamps), which then gives the ring a new mtime on every write
         and its fdatasync an inode to write (see ``fsutil.path_identity``)."""
         try:
-            on_disk = path_identity(self.path)
+            on_disk = self._identity()
         except FileNotFoundError:
             raise NotFoundError(f"journal {self.path} was removed; refusing to append to a deleted file") from None
         if self._id is None:
@@ -322,7 +324,11 @@ class Journal:
         with self._cond:
             self._pending.append(req)
             while self._leading and not req.done:
-                self._cond.wait()
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
             if not req.done:
                 self._leading = True
                 group, self._pending = self._pending, []
@@ -332,7 +338,8 @@ class Journal:
             finally:
                 with self._cond:
                     self._leading = False
-                    self._cond.notify_all()
+                    if self._waiting:
+                        self._cond.notify_all()
         return req.result()
 
     def _commit(self, group: list["_Request"]) -> None:
@@ -343,21 +350,34 @@ class Journal:
                 raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
                                          f"reopen the journal to append again")
             with self._locked():
-                state = self._state.copy()
-                planned = []
-                for req in group:
+                if len(group) == 1:  # the common case: plan on the state itself (plan changes nothing)
+                    req = group[0]
+                    state = None
                     try:
-                        records = state.plan(req.events, machine=self.machine, now=self._now, new_id=self._new_id)
+                        records = self._state.plan(req.events, machine=self.machine, now=self._now,
+                                                   new_id=self._new_id)
                     except Exception as exc:  # a bad event fails its own request only
                         req.settle(error=exc)
-                        continue
-                    state.take(records)
-                    planned.append((req, records))
-                if not planned:
-                    return
-                lines = [r.line for _req, records in planned for r in records]
-                lines.append(b"")
-                data = b"\n".join(lines)
+                        return
+                    planned = [(req, records)]
+                    data = records[0].line + b"\n" if len(records) == 1 else b"".join(r.line + b"\n" for r in records)
+                else:
+                    state = self._state.copy()
+                    planned = []
+                    for req in group:
+                        try:
+                            records = state.plan(req.events, machine=self.machine, now=self._now,
+                                                 new_id=self._new_id)
+                        except Exception as exc:  # a bad event fails its own request only
+                            req.settle(error=exc)
+                            continue
+                        state.take(records)
+                        planned.append((req, records))
+                    if not planned:
+                        return
+                    lines = [r.line for _req, records in planned for r in records]
+                    lines.append(b"")
+                    data = b"\n".join(lines)
                 end = self._size + len(data)
                 if self.ring_path is None:
                     try:
@@ -368,7 +388,10 @@ class Journal:
                         raise
                 else:
                     self._commit_with_ring(data)
-                self._state = state
+                if state is None:
+                    self._state.take(records)
+                else:
+                    self._state = state
                 self._size = end
                 self.commits += 1
                 for req, records in planned:

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 
 from .errors import FormatError
 from .events import Event, Record, UnknownEvent, line_hash
+from .format import check_host_id
 from .journal_lines import Key, envelope
 
 
@@ -113,11 +114,13 @@ class ChainState:
     ) -> list[Record]:
         """Stamp events as the next lines of ``machine``, without taking them
         (see :meth:`take`): nothing changes if writing them fails."""
+        check_host_id(machine)  # once: Record.stamped trusts the envelope it is given
         records: list[Record] = []
         when = format_time(now())
         tail = self.tails.get(machine)
         seq, prev = (tail.seq, tail.digest) if tail else (0, None)
         clock = self.clock
+        stamp = Record.stamped
         for event in events:
             if not isinstance(event, Event):
                 raise FormatError(f"cannot append {type(event).__name__}: not an event")
@@ -125,7 +128,7 @@ class ChainState:
                 prev = records[-1].digest
             seq += 1
             clock += 1
-            rec = Record(id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when, event=event)
+            rec = stamp(event, id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when)
             if isinstance(event, UnknownEvent):
                 Record.from_line(rec.line)  # a kind we do not know must still make a readable line
             records.append(rec)
