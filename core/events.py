@@ -48,6 +48,22 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _line_encoder() -> Any:
+    """The C encoder behind ``_CANONICAL``, made once (``JSONEncoder.encode``
+    makes a new one per call), for the journal's stamped lines; None where
+    the C accelerator is missing. Without circular-reference markers: a
+    payload that contains itself fails with RecursionError instead."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return None
+    c = _CANONICAL
+    return make(None, c.default, json.encoder.encode_basestring, None, c.key_separator, c.item_separator,
+                True, False, False)
+
+
+_LINE_ENCODER = _line_encoder()
+
+
 def canonical_json(obj: Any) -> bytes:
     """The one canonical JSON encoding: sorted keys, no spaces, UTF-8.
     (One encoder for every call: ``json.dumps`` with options builds a new one each time.)"""
@@ -378,7 +394,7 @@ class Record:
         _set(rec, "prev", prev)
         _set(rec, "time", time)
         _set(rec, "event", event)
-        _set(rec, "line", canonical_json(doc))
+        _set(rec, "line", canonical_json(doc) if _LINE_ENCODER is None else "".join(_LINE_ENCODER(doc, 0)).encode())
         return rec
 
     @property

@@ -221,7 +221,7 @@ class Ring:
             log.debug("ring %s: %d bytes is not a multiple of %d; pwrite + fdatasync", self.path, self.size, unit)
             return None
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_DSYNC)
+            fd = open_direct(self.path)
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
@@ -295,17 +295,20 @@ class _Direct:
     else to sync, since the ring never changes size or allocation.
     """
 
-    __slots__ = ("fd", "unit", "buf", "image_end", "used")
+    __slots__ = ("fd", "unit", "buf", "view", "zeros", "image_end", "used")
 
     def __init__(self, fd: int, unit: int) -> None:
         self.fd = fd
         self.unit = unit
         self.buf = mmap.mmap(-1, 4 * unit)
+        self.view = memoryview(self.buf)
+        self.zeros = memoryview(bytes(unit))
         self.image_end = -1  # ring position the kept tail ends at; -1: none kept
         self.used = False  # a direct write has succeeded (EINVAL is then a real error)
 
     def close(self) -> None:
         os.close(self.fd)
+        self.view.release()
         self.buf.close()
 
     def write(self, pos: int, offset: int, ino: int, data: bytes, buffered_fd: int) -> bytes:
@@ -321,8 +324,10 @@ class _Direct:
         if span > len(buf):
             bigger = mmap.mmap(-1, span)
             bigger[:lead] = buf[:lead]
+            self.view.release()
             buf.close()
             self.buf = buf = bigger
+            self.view = memoryview(bigger)
         if lead and self.image_end != pos:  # not ours to know: read it (coherent with direct writes)
             buf[:lead] = os.pread(buffered_fd, lead, base)
         self.image_end = -1  # until the write succeeds
@@ -333,9 +338,12 @@ class _Direct:
         buf[at : at + len(digest)] = digest
         buf[lead + HEADER.size : stop] = data
         if span > stop:
-            buf[stop:span] = bytes(span - stop)
-        with memoryview(buf) as view:
-            n = os.pwrite(self.fd, view[:span], base)
+            buf[stop:span] = self.zeros[: span - stop]
+        chunk = self.view[:span]
+        try:
+            n = os.pwrite(self.fd, chunk, base)
+        finally:
+            chunk.release()  # the mmap cannot close while a view of it lives
         if n != span:  # pragma: no cover - an overwrite in place of allocated blocks never does this
             raise OSError(errno.EIO, f"short direct write to a ring ({n} of {span} bytes)")
         self.used = True
@@ -344,6 +352,13 @@ class _Direct:
             buf.move(0, stop - keep, keep)
         self.image_end = pos + stop - lead
         return fields + digest
+
+
+def open_direct(path: str) -> int:
+    """A second descriptor of a ring for its writes: O_DIRECT (no page
+    cache) and O_DSYNC (each write returns once it is on stable storage).
+    Raises EINVAL (or EOPNOTSUPP) where the file system has no direct I/O."""
+    return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_DSYNC)
 
 
 def _open_rw(path: str) -> int:
