@@ -216,9 +216,31 @@ class Journal:
 
     # -- locking and catching up ------------------------------------------------
     def _locked(self) -> "_Locked":
+        return _Locked(self)
+
+    def _acquire(self) -> None:
+        """Take both locks and catch up with the file (see :class:`_Locked`)."""
         if self._fd < 0:
             raise ValueError(f"journal {self.path} is closed")
-        return _Locked(self)
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                size = self._follow_replacement()
+                if size != self._size:
+                    self._catch_up(size)
+            except BaseException:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _release(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def _catch_up(self, size: int) -> None:
         """Absorb whatever other writers appended; move a torn tail aside.
@@ -349,7 +371,8 @@ class Journal:
             if self._broken is not None:
                 raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
                                          f"reopen the journal to append again")
-            with self._locked():
+            self._acquire()
+            try:
                 if len(group) == 1:  # the common case: plan on the state itself (plan changes nothing)
                     req = group[0]
                     state = None
@@ -396,6 +419,8 @@ class Journal:
                 self.commits += 1
                 for req, records in planned:
                     req.settle(records=records)
+            finally:
+                self._release()
         except BaseException as exc:
             for req in group:
                 if not req.done:
@@ -573,25 +598,10 @@ class _Locked:
         self._j = journal
 
     def __enter__(self) -> None:
-        j = self._j
-        j._lock.acquire()
-        try:
-            fcntl.flock(j._fd, fcntl.LOCK_EX)
-            try:
-                j._catch_up(j._follow_replacement())
-            except BaseException:
-                fcntl.flock(j._fd, fcntl.LOCK_UN)
-                raise
-        except BaseException:
-            j._lock.release()
-            raise
+        self._j._acquire()
 
     def __exit__(self, *exc: object) -> None:
-        j = self._j
-        try:
-            fcntl.flock(j._fd, fcntl.LOCK_UN)
-        finally:
-            j._lock.release()
+        self._j._release()
 
 
 def _count_lines(data: bytes, end: int) -> int:
