@@ -293,3 +293,47 @@ def test_a_journal_replaced_by_rename_is_followed(tmp_path: Path) -> None:
         os.unlink(path)
         with pytest.raises(NotFoundError, match="removed"):
             j.append(note("lost?"))
+
+
+def test_stamped_records_equal_constructed_ones() -> None:
+    # Record.stamped (the journal's path) skips re-checking the envelope it
+    # made; the record, line included, must be what the constructor gives.
+    from capsulefs.core.events import (
+        AssistantMessage, MemoryEdit, ModelSwitch, Note, Reasoning, System, ToolResult, UnknownEvent,
+        WorkspaceUpdate,
+    )
+
+    events = [
+        UserMessage(text="h\u00e9llo \"quoted\" \\ \n\t\u2028 \U0001f600"),
+        AssistantMessage(text="a", provider=None, model="m"),
+        Reasoning(provider="p", model="m", payload_format="f", data={"z": 1, "a": [1.5, {"y": None, "b": True}]}),
+        ToolCall(call_id="c", name="n", arguments={"b": 2, "a": {"d": "x", "c": "\u00fc"}}),
+        ToolResult(call_id="c", content="out", is_error=True),
+        MemoryEdit(blob="a" * 64),
+        WorkspaceUpdate(changes={"b/c": None, "a": "b" * 64}),
+        ModelSwitch(provider="p", model="m"),
+        Note(text=""),
+        System(text="s"),
+        UnknownEvent(unknown_kind="future_kind", fields_={"zz": [1, 2], "aa": "x"}),
+    ]
+    for i, event in enumerate(events):
+        env = dict(id=f"{i:024x}", machine="host-a", seq=i + 1, clock=i + 7,
+                   prev=None if i == 0 else "c" * 64, time="2026-12-02T14:04:58.123Z")
+        stamped = Record.stamped(event, **env)
+        assert stamped == Record(event=event, **env)
+        assert stamped.line == Record(event=event, **env).line
+        assert Record.from_line(stamped.line) == stamped or isinstance(event, UnknownEvent)
+    with pytest.raises(FormatError, match="event id"):
+        Record.stamped(note("x"), id="NOT-HEX", machine="host-a", seq=1, clock=1, prev=None, time="t")
+    with pytest.raises(FormatError, match="not an event"):
+        Record.stamped({"kind": "note"}, id="0" * 24, machine="host-a", seq=1, clock=1, prev=None, time="t")  # type: ignore[arg-type]
+
+
+def test_a_bad_machine_id_is_refused_before_stamping(tmp_path: Path) -> None:
+    from capsulefs.core.journal import open_journal
+
+    with open_journal(tmp_path / "j.jsonl", machine="bad host/id", now=lambda: 1.0, new_id=lambda: "0" * 24,
+                      recovery_dir=tmp_path / "rec") as j:
+        with pytest.raises(FormatError, match="host id"):
+            j.append(note("x"))
+        assert j.count == 0 and (tmp_path / "j.jsonl").read_bytes() == b""
