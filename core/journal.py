@@ -181,7 +181,8 @@ class Journal:
         self._lock = threading.Lock()
         self._state = ChainState()
         self._size = 0  # bytes of whole lines absorbed
-        self._cond = threading.Condition()  # guards _pending and _leading
+        self._queue_lock = threading.Lock()
+        self._cond = threading.Condition(self._queue_lock)  # guards _pending, _leading and _waiting
         self._pending: list[_Request] = []  # events queued for the next group commit
         self._leading = False  # a thread is writing a group
         self._waiting = 0  # threads waiting for a group commit (notify only if any)
@@ -327,7 +328,26 @@ class Journal:
     # -- appending -------------------------------------------------------------
     def append(self, event: Event) -> Record:
         """Stamp ``event``, append it durably, and return its record."""
-        return self.append_many([event])[0]
+        if self.machine is None:
+            raise ValueError(f"journal {self.path} was opened read-only (no machine id)")
+        with self._queue_lock:  # (the condition's lock, without its Python-level wrapper)
+            alone = not self._leading and not self._pending
+            if alone:
+                self._leading = True
+        if not alone:  # others are writing or queued: join the group commit
+            return self.append_many((event,))[0]
+        # Nobody else is appending through this Journal: lead a group of one
+        # without the queue's bookkeeping. Threads arriving meanwhile queue
+        # as they would behind any leader.
+        req = _Request([event])
+        try:
+            self._commit([req])
+        finally:
+            with self._queue_lock:
+                self._leading = False
+                if self._waiting:
+                    self._cond.notify_all()
+        return req.result()[0]
 
     def append_many(self, events: Iterable[Event]) -> list[Record]:
         """Append a group of events with one write and one fdatasync (all or none).
