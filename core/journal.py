@@ -18,8 +18,8 @@ here (see ``__all__``):
 Rules:
   * An append is acknowledged only once it is durable: after an fdatasync
     of the journal, or, for a journal with a write-ahead ring (every agent
-    of the host store), after an fdatasync of the ring record that holds
-    the same bytes. One ``write`` carries a whole group of lines
+    of the host store), once the ring record that holds the same bytes is
+    durable (one O_DIRECT|O_DSYNC write, or pwrite + fdatasync). One ``write`` carries a whole group of lines
     (:meth:`Journal.append_many`), and threads sharing a Journal share
     commits: the others queue while one writes and syncs.
   * A ring never vouches for less than the journal lacks: before the ring
@@ -52,7 +52,9 @@ Theory of operation (the write-ahead ring):
   only. With one, an append writes its lines to the journal (O_APPEND, not
   synced: readers see them at once), then one record (header, checksum, the
   same bytes, their journal offset and inode) after the previous record in
-  the ring, fdatasyncs the ring and acknowledges. The ring's records form
+  the ring, makes it durable (one O_DIRECT|O_DSYNC write of the pages it
+  covers where the file system allows, else pwrite + fdatasync of the
+  ring) and acknowledges. The ring's records form
   one chain, contiguous in journal offsets from its first record, whose
   offset is where the journal was last synced by itself. A Journal
   continues its own chain only if the journal still ends where its chain

@@ -8,8 +8,16 @@ Rules:
     never holds one, and nothing in a capsule names one.
   * The file is created once at its final size by writing zeros, fsynced,
     and linked into place (never over an existing ring); its directory is
-    fsynced. From then on it only changes by overwrites in place, so an
-    fdatasync of it writes data blocks only (no size, no allocation).
+    fsynced. From then on it only changes by overwrites in place, so making
+    a record durable writes data blocks only (no size, no allocation).
+  * A record is made durable before the append is acknowledged: by one
+    O_DIRECT|O_DSYNC write of the whole pages it covers where the file
+    system allows (see :class:`_Direct`), else by pwrite + fdatasync. Both
+    rewrite the bytes before the record in its first page with the bytes
+    they hold (page write-back does the same), so a torn write can only
+    damage the new record, never the chain before it. Reads (``scan``, the
+    header check) go through the page cache, which Linux keeps coherent
+    with direct writes (it writes back and drops the pages they cover).
   * A ring holds one *chain*: records packed back to back from offset 0, each
     covering the journal bytes right after the previous one's, all of one
     journal inode. The first record starts where the journal file was last
@@ -28,8 +36,8 @@ Record layout (little-endian), ``HEADER`` then the data::
     digest   16 bytes  blake2b-128 of the 24 bytes above + the data
 
 Theory of operation: :class:`Ring` remembers where its own chain ends
-(position in the ring, next journal offset, inode) and the header of the
-chain's first record. A process may continue its chain only if the journal
+(position in the ring, next journal offset, inode), the header of the
+chain's first record and, for direct writes, the chain's tail page. A process may continue its chain only if the journal
 offset it is about to write at is where its chain ends and the ring still
 starts with that first header (one 40-byte pread): otherwise another process
 appended, restarted the ring, recovered or replaced the journal since, and
