@@ -341,15 +341,41 @@ class Journal:
         # Nobody else is appending through this Journal: lead a group of one
         # without the queue's bookkeeping. Threads arriving meanwhile queue
         # as they would behind any leader.
-        req = _Request([event])
         try:
-            self._commit([req])
+            return self._commit_alone(event)
         finally:
             with self._queue_lock:
                 self._leading = False
                 if self._waiting:
                     self._cond.notify_all()
-        return req.result()[0]
+
+    def _commit_alone(self, event: Event) -> Record:
+        """:meth:`_commit` of a group of one event, raising its error
+        directly (no request to settle)."""
+        if self._broken is not None:
+            raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
+                                     f"reopen the journal to append again")
+        self._acquire()
+        try:
+            records = self._state.plan((event,), machine=self.machine, now=self._now,  # type: ignore[arg-type]
+                                       new_id=self._new_id)
+            data = records[0].line + b"\n"
+            start = self._size
+            if self.ring_path is None:
+                try:
+                    self._write_all(data)
+                    self._sync()
+                except BaseException:
+                    self._undo(start)
+                    raise
+            else:
+                self._commit_with_ring(data)
+            self._state.take(records)
+            self._size = start + len(data)
+            self.commits += 1
+            return records[0]
+        finally:
+            self._release()
 
     def append_many(self, events: Iterable[Event]) -> list[Record]:
         """Append a group of events with one write and one fdatasync (all or none).
