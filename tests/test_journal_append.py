@@ -323,8 +323,9 @@ def test_stamped_records_equal_constructed_ones() -> None:
         assert stamped == Record(event=event, **env)
         assert stamped.line == Record(event=event, **env).line
         assert Record.from_line(stamped.line) == stamped or isinstance(event, UnknownEvent)
-    with pytest.raises(FormatError, match="event id"):
-        Record.stamped(note("x"), id="NOT-HEX", machine="host-a", seq=1, clock=1, prev=None, time="t")
+    for bad in ["NOT-HEX", "ABCDEF12", "abc", "g" * 10, "a" * 65, " " + "a" * 10, "a" * 10 + "\n", 12345678]:
+        with pytest.raises(FormatError, match="event id"):
+            Record.stamped(note("x"), id=bad, machine="host-a", seq=1, clock=1, prev=None, time="t")  # type: ignore[arg-type]
     with pytest.raises(FormatError, match="not an event"):
         Record.stamped({"kind": "note"}, id="0" * 24, machine="host-a", seq=1, clock=1, prev=None, time="t")  # type: ignore[arg-type]
 
