@@ -1,0 +1,31 @@
+"""What a nursery of helper tasks reports when it fails.
+
+trio wraps every failure of a nursery in an ExceptionGroup. The move's
+pipelines (a task that receives beside one that writes, a task that sends
+beside one that reads) fail for one reason at a time, and their callers
+handle that reason by type (a broken link, a write error, a corrupt blob,
+a timeout's Cancelled), so :func:`first_failure` hands them the reason.
+"""
+
+from __future__ import annotations
+
+import trio
+
+__all__ = ["first_failure"]
+
+
+def first_failure(group: BaseExceptionGroup) -> BaseException:
+    """The first failure in ``group`` that is not a Cancelled; a Cancelled
+    only if that is all there is (the enclosing cancel scope then takes it)."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    failures = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    return (failures or leaves)[0]

@@ -1,0 +1,212 @@
+"""Writing the pieces of a ``blobs`` call into a move's staging area.
+
+Rules:
+  * A ``blobs`` payload is its pieces back to back. :class:`PieceWriter`
+    cuts the bytes it is fed at the sizes it was given, hashes each piece
+    and writes each piece it was given a path for; a piece without a path is
+    read and dropped (no open move for it, or it is already here).
+  * A piece is written through one page-aligned buffer with ``O_DIRECT``
+    where the file system takes it, so its bytes go to the device as they
+    arrive instead of piling up in the page cache for verify's fsync. Only
+    the last part of a piece that is not a whole number of blocks goes
+    through the page cache. Measured on the 2-core VM of docs/move.md:
+    1 GiB in 1,000 files took 2.7 s to write plus 1.5 s to fsync buffered,
+    1.3 s plus 0.15 s this way.
+  * It decides nothing about the move: it reports, per piece, whether it
+    was written and whether its bytes hash to its name; the caller feeds the
+    move's machine. A file whose bytes do not hash to its name is removed.
+  * Not thread-safe. Made to be fed from a worker thread, one batch at a
+    time, while the event loop receives the next batch: hashing and
+    ``write`` release the GIL.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["ALIGN", "Outcome", "Piece", "PieceWriter"]
+
+ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of every device's logical block size
+BUFFER = 4 << 20  # bytes gathered before each hash update and write
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    sha: str  # the sha256 the piece must hash to
+    size: int
+    path: str | None  # where to write it; None: read and drop
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    sha: str
+    written: bool  # it had a path and all its bytes were written there
+    intact: bool  # written, and its bytes hash to ``sha`` (else the file was removed)
+
+
+class PieceWriter:
+    """Cuts a stream into :class:`Piece` s, hashes and writes them. Feed it
+    with :meth:`feed`, end with :meth:`close` (the outcomes, in order) or
+    :meth:`abandon` (removes the piece it was writing)."""
+
+    def __init__(self, pieces: Iterable[Piece]) -> None:
+        self._todo = deque(pieces)
+        self.outcomes: list[Outcome] = []
+        self._buf = mmap.mmap(-1, BUFFER)
+        self._fill = 0  # bytes of the current piece waiting in the buffer
+        self._piece: Piece | None = None
+        self._left = 0  # bytes of the current piece still to come
+        self._fd = -1
+        self._direct = False  # the current file is open with O_DIRECT
+        self._hash = hashlib.sha256()
+        self.direct_refused = False  # the file system refused O_DIRECT once: write the rest buffered
+
+    # -- feeding -------------------------------------------------------------
+    def feed(self, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+        """Take the next bytes of the payload (in order)."""
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while len(view):
+                while self._piece is None:
+                    self._start()
+                n = min(len(view), self._left)
+                if self._piece.path is not None:
+                    self._absorb(view[:n])
+                view = view[n:]
+                self._left -= n
+                if self._left == 0:
+                    self._finish()
+
+    def close(self) -> list[Outcome]:
+        """The payload ended: settle the pieces left (only empty ones may be)
+        and return every outcome, in the order of the pieces."""
+        while self._piece is None and self._todo and self._todo[0].size == 0:
+            self._start()
+        if self._piece is not None or self._todo:
+            left = self._left + sum(p.size for p in self._todo)
+            self.abandon()
+            raise ValueError(f"the payload ended {left} bytes before its pieces did")
+        self._release()
+        return self.outcomes
+
+    def abandon(self) -> None:
+        """Stop: close and remove the piece being written (a partial file is
+        never left under a piece's name). Idempotent."""
+        piece, self._piece = self._piece, None
+        self._close_fd()
+        if piece is not None and piece.path is not None:
+            try:
+                os.unlink(piece.path)
+            except FileNotFoundError:
+                pass
+        self._release()
+
+    def _release(self) -> None:
+        # A view of the buffer may outlive a failed write (its traceback holds
+        # it); the mapping is then unmapped when that view goes.
+        try:
+            self._buf.close()
+        except BufferError:
+            pass
+
+    # -- one piece -------------------------------------------------------------
+    def _start(self) -> None:
+        piece = self._todo.popleft()  # IndexError: more bytes than pieces (the caller checked the sizes)
+        self._piece, self._left, self._fill = piece, piece.size, 0
+        self._hash = hashlib.sha256()
+        if piece.path is not None:
+            self._fd = self._open(piece.path)
+        if piece.size == 0:
+            self._finish()
+
+    def _open(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        if not self.direct_refused:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self.direct_refused = True  # e.g. tmpfs before Linux 6.6
+            else:
+                self._direct = True
+                return fd
+        self._direct = False
+        return os.open(path, flags, 0o644)
+
+    def _absorb(self, view: memoryview) -> None:
+        while len(view):
+            n = min(len(view), BUFFER - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == BUFFER:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Hash and write the whole buffer (a multiple of ALIGN)."""
+        with memoryview(self._buf) as whole:
+            data = whole[: self._fill]
+            self._hash.update(data)
+            self._write(data)
+            data.release()
+        self._fill = 0
+
+    def _write(self, data: memoryview) -> None:
+        while len(data):
+            if self._direct and len(data) % ALIGN:
+                self._buffered()  # a direct write must be whole blocks
+            try:
+                n = os.write(self._fd, data)
+            except OSError as exc:
+                if not self._direct or exc.errno != errno.EINVAL:
+                    raise
+                self.direct_refused = True  # open took O_DIRECT, write does not
+                self._buffered()
+                continue
+            data = data[n:]
+            if n % ALIGN:
+                self._buffered()  # a short direct write leaves the offset unaligned
+
+    def _buffered(self) -> None:
+        if self._direct:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._direct = False
+
+    def _finish(self) -> None:
+        piece = self._piece
+        assert piece is not None
+        if piece.path is None:
+            self.outcomes.append(Outcome(piece.sha, written=False, intact=False))
+            self._piece = None
+            return
+        try:
+            with memoryview(self._buf) as whole:
+                tail = whole[: self._fill]
+                self._hash.update(tail)
+                whole_blocks = len(tail) - len(tail) % ALIGN
+                self._write(tail[:whole_blocks])
+                self._write(tail[whole_blocks:])
+                tail.release()
+            self._fill = 0
+        except BaseException:
+            self.abandon()
+            raise
+        self._close_fd()
+        self._piece = None
+        intact = self._hash.hexdigest() == piece.sha
+        if not intact:
+            os.unlink(piece.path)
+        self.outcomes.append(Outcome(piece.sha, written=True, intact=intact))
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -1,0 +1,181 @@
+"""The piece writer of a move's target: cutting a ``blobs`` payload into
+pieces, writing and checking each, and never leaving a partial or corrupt
+file under a piece's name."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capsulefs import piecewriter
+from capsulefs.piecewriter import ALIGN, BUFFER, Outcome, Piece, PieceWriter
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_direct(fd: int) -> bool:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return bool(int(f.read().split("flags:")[1].split()[0], 8) & os.O_DIRECT)
+
+
+def chunked(data: bytes, sizes: list[int]) -> list[bytes]:
+    """``data`` cut at the given chunk sizes (the last chunk takes the rest)."""
+    out, at = [], 0
+    for n in sizes:
+        if at >= len(data):
+            break
+        out.append(data[at : at + n])
+        at += n
+    if at < len(data):
+        out.append(data[at:])
+    return out
+
+
+def run(tmp_path, blobs: list[bytes], chunk_sizes: list[int], *, keep=None) -> list[Outcome]:
+    pieces = [
+        Piece(sha(b), len(b), str(tmp_path / f"p{i}") if keep is None or keep[i] else None)
+        for i, b in enumerate(blobs)
+    ]
+    writer = PieceWriter(pieces)
+    writer.feed(chunked(b"".join(blobs), chunk_sizes))
+    return writer.close()
+
+
+SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN, BUFFER - 1, BUFFER, BUFFER + ALIGN + 7, 2 * BUFFER + 1]
+
+
+def test_every_size_round_trips_whatever_the_chunking(tmp_path):
+    rng = random.Random(7)
+    blobs = [rng.randbytes(n) for n in SIZES]
+    outcomes = run(tmp_path, blobs, [rng.choice([1, 100, 16384, 65536, 1 << 20]) for _ in range(4000)])
+    assert [o.sha for o in outcomes] == [sha(b) for b in blobs]
+    assert all(o.written and o.intact for o in outcomes)
+    for i, b in enumerate(blobs):
+        assert (tmp_path / f"p{i}").read_bytes() == b
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 5, ALIGN - 1, ALIGN, ALIGN + 3, 2 * ALIGN]), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(1, 3 * ALIGN), max_size=40),
+    data=st.data(),
+)
+def test_pieces_are_cut_at_their_sizes(tmp_path_factory, sizes, cuts, data):
+    tmp = tmp_path_factory.mktemp("cut")
+    blobs = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    keep = data.draw(st.lists(st.booleans(), min_size=len(blobs), max_size=len(blobs)))
+    outcomes = run(tmp, blobs, cuts, keep=keep)
+    assert [o.written for o in outcomes] == keep
+    for i, b in enumerate(blobs):
+        path = tmp / f"p{i}"
+        if keep[i]:
+            assert path.read_bytes() == b and outcomes[i].intact
+        else:
+            assert not path.exists()
+
+
+def test_large_pieces_bypass_the_page_cache(tmp_path):
+    """While a piece streams in, its file is open with O_DIRECT (ext4 takes
+    it): the bytes go to the device instead of waiting in the page cache."""
+    blob = os.urandom(3 * BUFFER)
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "big"))])
+    writer.feed([blob[: 2 * BUFFER]])
+    assert is_direct(writer._fd)
+    writer.feed([blob[2 * BUFFER :]])
+    assert writer.close() == [Outcome(sha(blob), written=True, intact=True)]
+    assert (tmp_path / "big").read_bytes() == blob
+    assert not writer.direct_refused
+
+
+def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(piecewriter.os, "open", no_direct)
+    blobs = [os.urandom(BUFFER + 5), os.urandom(ALIGN)]
+    assert all(o.intact for o in run(tmp_path, blobs, [65536] * 200))
+    assert [(tmp_path / f"p{i}").read_bytes() for i in range(2)] == blobs
+
+
+def test_a_direct_write_refused_midway_continues_buffered(tmp_path, monkeypatch):
+    real_write = os.write
+    refused = []
+
+    def write(fd, data):
+        if is_direct(fd) and not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(piecewriter.os, "write", write)
+    blob = os.urandom(2 * BUFFER + 123)
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))])
+    writer.feed([blob])
+    assert writer.close()[0].intact and refused and writer.direct_refused
+    assert (tmp_path / "p").read_bytes() == blob
+
+
+def test_a_piece_that_does_not_hash_to_its_name_is_removed(tmp_path):
+    good, bad = os.urandom(10_000), os.urandom(BUFFER + 1)
+    pieces = [Piece(sha(good), len(good), str(tmp_path / "good")), Piece("0" * 64, len(bad), str(tmp_path / "bad"))]
+    writer = PieceWriter(pieces)
+    writer.feed([good + bad])
+    assert writer.close() == [Outcome(sha(good), True, True), Outcome("0" * 64, True, False)]
+    assert (tmp_path / "good").read_bytes() == good
+    assert not (tmp_path / "bad").exists()
+
+
+def test_abandon_leaves_no_partial_file(tmp_path):
+    first, second = os.urandom(ALIGN), os.urandom(BUFFER + ALIGN)
+    writer = PieceWriter([Piece(sha(first), len(first), str(tmp_path / "a")), Piece(sha(second), len(second), str(tmp_path / "b"))])
+    writer.feed([first + second[: BUFFER + 10]])  # a whole buffer of b is already on disk
+    assert (tmp_path / "b").exists()
+    writer.abandon()
+    writer.abandon()  # idempotent
+    assert (tmp_path / "a").read_bytes() == first  # whole and checked: it stays
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_payload_shorter_than_its_pieces_is_an_error_that_removes_the_partial_piece(tmp_path):
+    blob = os.urandom(3 * ALIGN)
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p")), Piece(sha(b""), 0, str(tmp_path / "e"))])
+    writer.feed([blob[:-1]])
+    with pytest.raises(ValueError, match="1 bytes before"):
+        writer.close()
+    assert not (tmp_path / "p").exists() and not (tmp_path / "e").exists()
+
+
+def test_empty_pieces_at_either_end_are_written(tmp_path):
+    blobs = [b"", os.urandom(100), b""]
+    outcomes = run(tmp_path, blobs, [7] * 20)
+    assert all(o.written and o.intact for o in outcomes)
+    assert [(tmp_path / f"p{i}").read_bytes() for i in range(3)] == blobs
+
+
+def test_a_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
+    calls = []
+
+    def write(fd, data):
+        calls.append(len(data))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(piecewriter.os, "write", write)
+    blob = os.urandom(ALIGN + 1)
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))])
+    with pytest.raises(OSError) as info:
+        writer.feed([blob])
+    assert info.value.errno == errno.ENOSPC and calls
+    writer.abandon()
+    assert not (tmp_path / "p").exists()
