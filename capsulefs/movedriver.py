@@ -29,7 +29,7 @@ import hashlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_f
 from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
 from capsulefs.moveservice import BLOBS_CALL
+from capsulefs.nursery import first_failure
 from capsulefs.peerlink import PeerConnection, PeerError, PeerRefused, PeerUnreachable, open_peer
 from capsulefs.peers import Peer
 
@@ -52,6 +53,7 @@ __all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_ag
 
 Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
 _READ_CHUNK = 1 << 20
+READ_AHEAD = 4  # chunks read and hashed ahead of the one being sent
 BATCH_ITEMS = 256  # pieces per blobs call
 BATCH_BYTES = 64 << 20  # about this many bytes per blobs call
 
@@ -101,6 +103,45 @@ CAUSES = {
 
 
 
+class _BlobReader:
+    """A stored blob's bytes in chunks, re-hashed as they are read (the
+    store's rule for every read for export, verify or move). The last chunk
+    is held back until the digest is known: a blob that rotted here is
+    reported by its path, its tail never leaves, and the move rolls back.
+    The target hashes every piece on arrival as well. Used from one worker
+    thread at a time."""
+
+    def __init__(self, path: str, sha: str) -> None:
+        self.path = path
+        self.sha = sha
+        self._file = open(path, "rb", buffering=0)
+        self._hash = hashlib.sha256()
+        self._held: bytes | None = None  # read ahead by one chunk
+        self._checked = False
+
+    def _read(self) -> bytes:
+        data = self._file.read(_READ_CHUNK)
+        self._hash.update(data)
+        return data
+
+    def next(self) -> bytes:
+        """The next chunk; b"" at the end. Raises CorruptBlobError instead
+        of returning the last chunk of a blob that does not hash to its name."""
+        held = self._read() if self._held is None else self._held
+        nxt = self._read() if held else b""
+        if not nxt and not self._checked:
+            digest = self._hash.hexdigest()
+            if digest != self.sha:
+                log.error("move: corrupt blob %s: its bytes hash to %s; not sent", self.path, digest)
+                raise CorruptBlobError(self.path, digest)
+            self._checked = True
+        self._held = nxt
+        return held
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class _Driver:
     def __init__(self, host: MoveHost, machine: mv.SourceMachine, peer: Peer, *, connect: Connector,
                  call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl) -> None:
@@ -146,14 +187,38 @@ class _Driver:
     def _size(self, sha: str) -> int:
         return len(self.files[sha]) if sha in self.files else self.host.store.blob_size(sha)
 
-    async def _pieces(self, shas: list[str]) -> AsyncIterator[bytes]:
-        for sha in shas:
-            if sha in self.files:
-                yield self.files[sha]
-            else:
-                async with aclosing(self._blob_chunks(sha)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
+    async def _read_pieces(self, shas: list[str], out: trio.MemorySendChannel[bytes]) -> None:
+        """Send the pieces' bytes into ``out``, reading and hashing each
+        stored blob in a worker thread while the caller's task encrypts and
+        sends the chunks before."""
+        async with out:
+            for sha in shas:
+                if sha in self.files:
+                    await out.send(self.files[sha])
+                    continue
+                reader = _BlobReader(self.host.store.blob_file(sha), sha)
+                try:
+                    while chunk := await trio.to_thread.run_sync(reader.next):
+                        await out.send(chunk)
+                finally:
+                    reader.close()
+
+    async def _call_with_pieces(self, conn: PeerConnection, args: dict[str, Any], shas: list[str],
+                                total: int) -> dict[str, Any]:
+        send, receive = trio.open_memory_channel[bytes](READ_AHEAD)
+
+        async def pieces() -> AsyncIterator[bytes]:
+            async with receive:
+                async for chunk in receive:
+                    yield chunk
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_pieces, shas, send)
+                result, _ = await conn.call(BLOBS_CALL, args, payload=pieces(), size=total)
+        except BaseExceptionGroup as group:
+            raise first_failure(group) from None
+        return result
 
     async def _send_blobs(self, batch: list[mv.Send]) -> list[object]:
         """One ``blobs`` call for consecutive blob sends: one event per piece,
@@ -165,7 +230,7 @@ class _Driver:
             conn = await self._conn()
             args = {"agent_id": first.agent_id, "epoch": first.epoch, "items": items}
             with trio.fail_after(self.call_timeout):
-                result, _ = await conn.call(BLOBS_CALL, args, payload=self._pieces([sha for sha, _ in items]), size=total)
+                result = await self._call_with_pieces(conn, args, [sha for sha, _ in items], total)
             answers = [result_to_answer(mv.Call.BLOB, first.agent_id, first.epoch, r) for r in result["results"]]
             if [a.sha for a in answers] != [sha for sha, _ in items]:  # type: ignore[attr-defined]
                 raise FormatError("blobs: the results do not match the pieces sent")
@@ -180,30 +245,6 @@ class _Driver:
             self.link_error = exc
             await self._drop()
             return [mv.IoFailure(reason=f"blobs: {exc}")]
-
-    async def _blob_chunks(self, sha: str) -> AsyncIterator[bytes]:
-        """A stored blob's bytes, re-hashed as they are read (the store's rule
-        for every read for export, verify or move). The last chunk is held
-        back until the digest is known: a blob that rotted here is reported
-        by its path, its tail never leaves, and the move rolls back. The
-        target hashes every piece on arrival as well."""
-        path = self.host.store.blob_file(sha)
-        h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
-            held = f.read(_READ_CHUNK)
-            while held:
-                h.update(held)
-                nxt = f.read(_READ_CHUNK)
-                if not nxt:
-                    break
-                yield held
-                held = nxt
-                await trio.lowlevel.checkpoint()
-        if h.hexdigest() != sha:
-            log.error("move: corrupt blob %s: its bytes hash to %s; not sent", path, h.hexdigest())
-            raise CorruptBlobError(path, h.hexdigest())
-        if held:
-            yield held
 
     async def _call(self, c: mv.Send) -> object:
         try:

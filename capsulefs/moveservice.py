@@ -9,14 +9,15 @@ Rules:
   * The caller's host id comes from its authenticated certificate, never
     from the request.
   * Incoming content lands in a staging area of the store (``move-*``):
-    ``content/<sha256>`` for every piece, hashed as it arrives; its
-    write-back starts at once, so disk and network overlap. A piece that
-    does not hash to its name is dropped. Verify fsyncs what arrived, adopts
-    the blobs into ``objects/`` (one fsync per directory), and reports every
-    piece missing or corrupt. The capsule directory is assembled at
-    prepare and renamed into ``agents/`` at activate. A discarded move
-    leaves no staging behind; blobs already adopted stay (content
-    addressed; gc frees them if no agent lists them).
+    ``content/<sha256>`` for every piece. While this task receives a
+    ``blobs`` payload, a worker thread hashes and writes the batch before
+    (:mod:`capsulefs.piecewriter`, ``O_DIRECT``), so TLS, hashing and the
+    disk overlap. A piece that does not hash to its name is dropped. Verify
+    fsyncs what arrived, adopts the blobs into ``objects/`` (one fsync per
+    directory), and reports every piece missing or corrupt. The capsule
+    directory is assembled at prepare and renamed into ``agents/`` at
+    activate. A discarded move leaves no staging behind; blobs already
+    adopted stay (content addressed; gc frees them if no agent lists them).
   * Blobs the target already had are checked for presence and size at
     verify; the store only ever names a blob after hashing it.
 
@@ -28,7 +29,6 @@ TargetRestarted to every record, which refuses every pending move.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -48,6 +48,8 @@ from capsulefs.core.hashing import parallel_map
 from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
+from capsulefs.nursery import first_failure
+from capsulefs.piecewriter import Piece, PieceWriter
 from capsulefs.peers import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
@@ -58,60 +60,6 @@ DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness o
 
 
 BLOBS_CALL = "blobs"  # the wire name of Call.BLOB: many pieces per call
-
-
-class _Sink:
-    """Where one arriving piece goes: hashed and written into the move's
-    staging area as its bytes come, or dropped when there is no open move
-    for it (or the piece is already here).
-
-    Everything happens inline on the trio thread: hashing and page-cache
-    writes are short, and every design that handed them to a thread was
-    slower on a busy 2-core box (GIL hand-offs stall the loop). The file is
-    written under its final name; it counts only once the piece hashed to
-    that name (``_Incoming.received``), and the staging area is discarded on
-    any failure, so a partial file is never taken for a piece."""
-
-    def __init__(self, inc: "_Incoming | None", sha: str, size: int) -> None:
-        self.inc = inc if inc is not None and sha not in inc.received else None
-        self.sha = sha
-        self.left = size
-        self._hash = hashlib.sha256()
-        self._path = self.inc.content(sha) if self.inc is not None else None
-        self._file = open(self._path, "wb", buffering=0) if self._path else None
-        self._taken = inc is not None  # a piece already here still counts as arrived
-
-    def write(self, data: bytes) -> None:
-        self.left -= len(data)
-        if self._file is not None:
-            self._hash.update(data)
-            self._file.write(data)
-
-    def finish(self) -> bool:
-        """True if the piece was taken (arrived whole for an open move)."""
-        inc, f, path = self.inc, self._file, self._path
-        if inc is None or f is None or path is None:
-            return self._taken
-        try:
-            # Start the write-back now, so that verify's fsync finds little left to do.
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            f.close()
-        inc.sent.add(self.sha)
-        if self._hash.hexdigest() != self.sha:
-            log.warning("move of %s at epoch %d: a piece does not hash to %s", inc.agent_id, inc.epoch, self.sha)
-            os.unlink(path)
-            inc.bad.add(self.sha)
-            return True
-        inc.received.add(self.sha)
-        inc.bad.discard(self.sha)
-        return True
-
-    def abandon(self) -> None:
-        if self._file is not None and self._path is not None:
-            self._file.close()
-            if os.path.exists(self._path):
-                os.unlink(self._path)
 
 
 @dataclass
@@ -201,6 +149,7 @@ class MoveService:
                 return mv.FenceRequested(agent_id=agent_id, source=source)
         raise AssertionError(which)
 
+    # -- blobs ----------------------------------------------------------------------------------
     async def _blobs(self, source: str, agent_id: str, epoch: int, items: Any, payload: Payload) -> dict[str, Any]:
         """One ``blobs`` call: the payload is the pieces' bytes, back to back."""
         try:
@@ -217,46 +166,51 @@ class MoveService:
                 raise FormatError(f"the items add up to {sum(s for _, s in pieces)} bytes, the payload has {payload.size}")
         except (FormatError, TypeError, ValueError) as exc:
             raise CallFailed("bad-request", f"blobs: {exc}") from None
-        results = []
         rec = self.record(agent_id)  # read once: BlobReceived never changes it, and we hold the lock
-
-        async def done(sink: _Sink) -> None:
-            intact = sink.finish()
-            event = mv.BlobReceived(agent_id=agent_id, epoch=epoch, source=source, sha=sink.sha, intact=intact)
+        inc = self._open_move(rec, epoch, source)
+        plan: list[Piece] = []
+        writing: set[str] = set()
+        for sha, size in pieces:
+            keep = inc is not None and sha not in inc.received and sha not in writing
+            if keep:
+                writing.add(sha)
+            plan.append(Piece(sha, size, inc.content(sha) if keep and inc is not None else None))
+        writer = PieceWriter(plan)
+        try:
+            await _write_pieces(writer, payload)
+            outcomes = writer.close()
+        except BaseException:
+            writer.abandon()
+            raise
+        results = []
+        for outcome in outcomes:
+            if outcome.written:
+                assert inc is not None
+                inc.sent.add(outcome.sha)
+                if outcome.intact:
+                    inc.received.add(outcome.sha)
+                    inc.bad.discard(outcome.sha)
+                else:
+                    log.warning("move of %s at epoch %d: a piece does not hash to %s", agent_id, epoch, outcome.sha)
+                    inc.bad.add(outcome.sha)
+            # Arrived whole for an open move (a piece already here counts too);
+            # corruption is reported by verify, which names every bad piece.
+            event = mv.BlobReceived(agent_id=agent_id, epoch=epoch, source=source, sha=outcome.sha,
+                                    intact=inc is not None)
             results.append(answer_to_result(await self.run(agent_id, event, record=rec)))
-
-        # One pass over the payload, cutting it into pieces as it goes: no
-        # generator per piece, since a TLS record (<= 16 KiB) is one chunk.
-        todo = iter(pieces)
-        sink: _Sink | None = None
-        async with aclosing(payload.chunks()) as chunks:
-            try:
-                async for chunk in chunks:
-                    while chunk:
-                        while sink is None or sink.left == 0:
-                            if sink is not None:
-                                await done(sink)
-                            sha, size = next(todo)
-                            sink = self._sink(rec, epoch, source, sha, size)
-                        take = chunk if len(chunk) <= sink.left else chunk[: sink.left]
-                        chunk = chunk[len(take):]
-                        sink.write(take)
-            except BaseException:
-                if sink is not None:
-                    sink.abandon()
-                raise
-        if sink is not None:
-            await done(sink)  # the last piece: all its bytes arrived (the sizes add up to the payload's)
-        for sha, size in todo:  # only empty pieces can be left
-            await done(self._sink(rec, epoch, source, sha, size))
+        if inc is not None:
+            inc.last_activity = trio.current_time()
         return {"results": results}
 
-    def _sink(self, rec: HolderRecord | None, epoch: int, source: str, sha: str, size: int) -> "_Sink":
+    def _open_move(self, rec: HolderRecord | None, epoch: int, source: str) -> "_Incoming | None":
+        """The staging area the pieces of this call go to, or None when no
+        move of ``source`` is open at ``epoch`` (the machine then judges the
+        pieces stale; their bytes are read and dropped)."""
         inc = None if rec is None else self._incoming.get((rec.agent_id, epoch))
         if inc is None or inc.source != source or rec is None or rec.state is not HolderState.OFFERED:
-            return _Sink(None, sha, size)  # judged stale by the machine; the bytes are read and dropped
+            return None
         inc.last_activity = trio.current_time()
-        return _Sink(inc, sha, size)
+        return inc
 
     # -- running the machine ------------------------------------------------------------------
     def record(self, agent_id: str) -> HolderRecord | None:
@@ -331,7 +285,7 @@ class MoveService:
             want[sha] = None
         return tuple(want)
 
-    # -- blobs ----------------------------------------------------------------------------------
+    # -- verify ---------------------------------------------------------------------------------
     async def _check(self, agent_id: str, epoch: int) -> tuple[str, ...]:
         inc = self._incoming[(agent_id, epoch)]
         store = self.host.store
@@ -450,6 +404,41 @@ class MoveService:
 class ServingMoves:
     port: int  # where serve_moves listens
     service: MoveService
+
+
+FEED_BYTES = 4 << 20  # payload bytes handed to the writer thread at a time
+FEED_DEPTH = 2  # batches received ahead of the writer
+
+
+async def _write_pieces(writer: PieceWriter, payload: Payload) -> None:
+    """Receive ``payload`` into ``writer``: this task receives (TLS) while a
+    worker thread hashes and writes the batch before, so both cores work."""
+    send, receive = trio.open_memory_channel[list[bytes]](FEED_DEPTH)
+
+    async def write_all() -> None:
+        async with receive:
+            async for batch in receive:
+                await trio.to_thread.run_sync(writer.feed, batch)
+
+    async def receive_all() -> None:
+        async with send, aclosing(payload.chunks()) as chunks:
+            batch: list[bytes] = []
+            size = 0
+            async for chunk in chunks:
+                batch.append(chunk)
+                size += len(chunk)
+                if size >= FEED_BYTES:
+                    await send.send(batch)
+                    batch, size = [], 0
+            if batch:
+                await send.send(batch)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_all)
+            await receive_all()
+    except BaseExceptionGroup as group:
+        raise first_failure(group) from None
 
 
 async def serve_moves(
