@@ -17,16 +17,20 @@ Rules:
 Theory of operation: :func:`move_agent` freezes the agent, reads one
 consistent snapshot of its capsule files (the journal up to its last whole
 line) and offers the manifest of that snapshot. The target answers which
-contents it lacks, named by sha256; each is sent as one ``blob`` call whose
-payload streams from the store (re-hashed as read) or from the snapshot.
+contents it lacks, named by sha256; they are sent in ``blobs`` calls whose
+payload streams from the store or from the snapshot. The target hashes every
+piece as it arrives, which checks this disk and the link at once, so the
+happy path reads each blob once and hashes it once (there); a piece the
+target reports bad is re-hashed here to tell a blob that rotted in this
+store (the move fails naming its path) from one damaged on the way.
 :func:`resume_moves` finishes, after a restart, every move a record says
 was in progress; :func:`abandon_move` is the operator's way out.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -53,7 +57,7 @@ __all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_ag
 
 Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
 _READ_CHUNK = 1 << 20
-READ_AHEAD = 4  # chunks read and hashed ahead of the one being sent
+READ_AHEAD = 4  # chunks read ahead of the one being sent
 BATCH_ITEMS = 256  # pieces per blobs call
 BATCH_BYTES = 64 << 20  # about this many bytes per blobs call
 
@@ -104,42 +108,37 @@ CAUSES = {
 
 
 class _BlobReader:
-    """A stored blob's bytes in chunks, re-hashed as they are read (the
-    store's rule for every read for export, verify or move). The last chunk
-    is held back until the digest is known: a blob that rotted here is
-    reported by its path, its tail never leaves, and the move rolls back.
-    The target hashes every piece on arrival as well. Used from one worker
-    thread at a time."""
+    """A stored blob's bytes in chunks of ``_READ_CHUNK``, for a ``blobs``
+    call. Not hashed here (the target hashes every piece; see the module
+    docstring), but its size is checked against the manifest's before the
+    first byte goes out and as it is read: a blob that grew or shrank would
+    break the call's framing, so it is reported by its path instead. Opened
+    on the first read, so that the worker thread and not the event loop
+    pays for it. Used from one worker thread at a time."""
 
-    def __init__(self, path: str, sha: str) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path = path
-        self.sha = sha
-        self._file = open(path, "rb", buffering=0)
-        self._hash = hashlib.sha256()
-        self._held: bytes | None = None  # read ahead by one chunk
-        self._checked = False
-
-    def _read(self) -> bytes:
-        data = self._file.read(_READ_CHUNK)
-        self._hash.update(data)
-        return data
+        self.left = size
+        self._file: Any = None
 
     def next(self) -> bytes:
-        """The next chunk; b"" at the end. Raises CorruptBlobError instead
-        of returning the last chunk of a blob that does not hash to its name."""
-        held = self._read() if self._held is None else self._held
-        nxt = self._read() if held else b""
-        if not nxt and not self._checked:
-            digest = self._hash.hexdigest()
-            if digest != self.sha:
-                log.error("move: corrupt blob %s: its bytes hash to %s; not sent", self.path, digest)
-                raise CorruptBlobError(self.path, digest)
-            self._checked = True
-        self._held = nxt
-        return held
+        """The next chunk; b"" at the end."""
+        if self._file is None:
+            self._file = open(self.path, "rb", buffering=0)
+            actual = os.fstat(self._file.fileno()).st_size
+            if actual != self.left:
+                raise CorruptBlobError(self.path, why=f"{actual} bytes, the manifest says {self.left}")
+        if not self.left:
+            return b""
+        data = self._file.read(min(_READ_CHUNK, self.left))
+        if not data:
+            raise CorruptBlobError(self.path, why=f"it ended {self.left} bytes early")
+        self.left -= len(data)
+        return data
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class _Driver:
@@ -156,6 +155,7 @@ class _Driver:
         self.stack = AsyncExitStack()
         self.conn: PeerConnection | None = None
         self.files: dict[str, bytes] = {}  # sha -> bytes of the snapshot's capsule files
+        self.blob_sizes: dict[str, int] = {}  # sha -> size of each blob the snapshot's manifest lists
         self.manifest: fmt.Manifest | None = None
         self.bytes_sent = 0
         self.sent = 0
@@ -185,18 +185,20 @@ class _Driver:
         return args
 
     def _size(self, sha: str) -> int:
-        return len(self.files[sha]) if sha in self.files else self.host.store.blob_size(sha)
+        """A piece's size as the frozen manifest gives it (never the file's:
+        a blob that changed size here must not change the call's framing)."""
+        return len(self.files[sha]) if sha in self.files else self.blob_sizes[sha]
 
     async def _read_pieces(self, shas: list[str], out: trio.MemorySendChannel[bytes]) -> None:
-        """Send the pieces' bytes into ``out``, reading and hashing each
-        stored blob in a worker thread while the caller's task encrypts and
-        sends the chunks before."""
+        """Send the pieces' bytes into ``out``, reading each stored blob in a
+        worker thread while the caller's task encrypts and sends the chunks
+        before."""
         async with out:
             for sha in shas:
                 if sha in self.files:
                     await out.send(self.files[sha])
                     continue
-                reader = _BlobReader(self.host.store.blob_file(sha), sha)
+                reader = _BlobReader(self.host.store.blob_file(sha), self._size(sha))
                 try:
                     while chunk := await trio.to_thread.run_sync(reader.next):
                         await out.send(chunk)
@@ -284,12 +286,38 @@ class _Driver:
         self.status_asked += 1
         return self.control.abandon_reason is not None
 
+    async def _diagnose(self, reply: mv.VerifyReply) -> object:
+        """The target found pieces missing or corrupt: re-hash them here. One
+        that rotted in this store fails the move as a local read error that
+        names its path (and the machine rolls back as for any bad piece);
+        otherwise the target's answer stands (damaged on the way)."""
+
+        def rotten() -> CapsuleError | None:
+            for sha in reply.bad:
+                if sha in self.files:
+                    continue  # read and hashed when the snapshot was taken
+                try:
+                    self.host.store.verify_blob(sha)
+                except CorruptBlobError as exc:
+                    return exc
+                except (CapsuleError, OSError) as exc:
+                    return CorruptBlobError(self.host.store.blob_file(sha), why=f"unreadable ({exc})")
+            return None
+
+        exc = await trio.to_thread.run_sync(rotten)
+        if exc is None:
+            return reply
+        log.error("move of %s: %s; the target refused it", self.m.agent_id, exc)
+        self.link_error = exc
+        return mv.IoFailure(reason=f"reading the agent here: {exc}")
+
     # -- snapshot ---------------------------------------------------------------------
     def _snapshot(self) -> None:
         agent = self.host.store.agent(self.m.agent_id)
         files = archive.snapshot_files(agent)
         self.manifest = archive.frozen_manifest(agent, files)
         self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
+        self.blob_sizes = self.manifest.blobs()
 
     def _progress(self, phase: str) -> None:
         if self.control.on_progress is not None:
@@ -389,7 +417,10 @@ class _Driver:
                     queue.extend(self._feed(await self._call(c)))
                 case mv.Send():
                     self._progress(c.call.value)
-                    queue.extend(self._feed(await self._call(c)))
+                    answer = await self._call(c)
+                    if isinstance(answer, mv.VerifyReply) and answer.bad:
+                        answer = await self._diagnose(answer)
+                    queue.extend(self._feed(answer))
                 case _:
                     raise AssertionError(f"unexpected source command {c}")
 

@@ -176,8 +176,10 @@ class MoveService:
                 writing.add(sha)
             plan.append(Piece(sha, size, inc.content(sha) if keep and inc is not None else None))
         writer = PieceWriter(plan)
+        listed = {} if inc is None else inc.manifest.blobs()
+        blobs = [p.sha for p in plan if p.path is not None and p.sha in listed]
         try:
-            await _write_pieces(writer, payload)
+            await _write_pieces(writer, payload, beside=partial(self.host.store.make_blob_dirs, blobs))
             outcomes = writer.close()
         except BaseException:
             writer.abandon()
@@ -410,9 +412,11 @@ FEED_BYTES = 4 << 20  # payload bytes handed to the writer thread at a time
 FEED_DEPTH = 2  # batches received ahead of the writer
 
 
-async def _write_pieces(writer: PieceWriter, payload: Payload) -> None:
+async def _write_pieces(writer: PieceWriter, payload: Payload, *, beside: Callable[[], None]) -> None:
     """Receive ``payload`` into ``writer``: this task receives (TLS) while a
-    worker thread hashes and writes the batch before, so both cores work."""
+    worker thread hashes and writes the batch before, so both cores work.
+    ``beside`` runs in another worker thread meanwhile (the directories the
+    pieces will be adopted into)."""
     send, receive = trio.open_memory_channel[list[bytes]](FEED_DEPTH)
 
     async def write_all() -> None:
@@ -436,6 +440,7 @@ async def _write_pieces(writer: PieceWriter, payload: Payload) -> None:
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(write_all)
+            nursery.start_soon(trio.to_thread.run_sync, beside)
             await receive_all()
     except BaseExceptionGroup as group:
         raise first_failure(group) from None

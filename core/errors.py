@@ -33,11 +33,11 @@ class IntegrityError(CapsuleError):
 class CorruptBlobError(IntegrityError):
     """A stored blob's bytes do not hash to its name."""
 
-    def __init__(self, path: str, actual: str | None = None) -> None:
+    def __init__(self, path: str, actual: str | None = None, *, why: str | None = None) -> None:
         self.path = path
         self.actual = actual
         detail = f" (its bytes hash to {actual})" if actual else ""
-        super().__init__(f"corrupt blob {path}: content does not match its name{detail}")
+        super().__init__(f"corrupt blob {path}: {why or 'content does not match its name'}{detail}")
 
 
 class NotFoundError(CapsuleError):

@@ -308,6 +308,51 @@ async def test_corrupted_chunk_rolls_back(world: World) -> None:
     assert world.target.inner.served[-1] == "abort"
 
 
+async def test_a_piece_damaged_on_the_way_is_not_blamed_on_the_source(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world.target.corrupt_next_blob = True
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert "corrupt blob" not in result.reason, "the source's copy is whole: the source must not be named"
+    assert "the target refused it" not in caplog.text
+
+
+def _a_blob_to_send(world: World) -> str:
+    lacking = sorted(set(world.a.store.agent(world.agent_id).manifest().blobs()) - set(world.b.store.all_blobs()))
+    return world.a.store.blob_file(lacking[0])
+
+
+@pytest.mark.expect_error_log
+async def test_a_blob_rotten_at_the_source_is_named_by_its_path(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """The source does not hash what it sends (the target does): when the
+    target reports the piece bad, the source re-hashes it and names its path."""
+    path = _a_blob_to_send(world)
+    data = bytearray(Path(path).read_bytes())
+    data[7] ^= 0x01
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(bytes(data))  # bit rot: same size
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert "corrupt blob" in result.reason  # the record's note is cut short: the log names the path
+    assert f"corrupt blob {path}" in caplog.text
+    assert world.check() == "a"
+    assert not os.path.exists(world.b.store.blob_file(os.path.basename(path))), "the target kept the rotten piece"
+
+
+@pytest.mark.parametrize("change", ["truncated", "grown"])
+async def test_a_blob_whose_size_changed_at_the_source_fails_before_its_bytes_go(
+        world: World, change: str, caplog: pytest.LogCaptureFixture) -> None:
+    path = _a_blob_to_send(world)
+    data = Path(path).read_bytes()
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(data[:-10] if change == "truncated" else data + b"extra")
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert "corrupt blob" in result.reason  # the record's note is cut short: the log names the path
+    assert f"corrupt blob {path}: {len(data) - 10 if change == 'truncated' else len(data) + 5} bytes, the manifest says {len(data)}" in caplog.text
+    assert world.check() == "a"
+    assert world.b.holders.get(world.agent_id).state is HolderState.REFUSED
+
+
 async def test_dead_link_mid_transfer_rolls_back(world: World) -> None:
     world.target.break_in_blob = True
     result = await world.move()
