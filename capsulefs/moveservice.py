@@ -425,16 +425,8 @@ async def _write_pieces(writer: PieceWriter, payload: Payload, *, beside: Callab
                 await trio.to_thread.run_sync(writer.feed, batch)
 
     async def receive_all() -> None:
-        async with send, aclosing(payload.chunks()) as chunks:
-            batch: list[bytes] = []
-            size = 0
-            async for chunk in chunks:
-                batch.append(chunk)
-                size += len(chunk)
-                if size >= FEED_BYTES:
-                    await send.send(batch)
-                    batch, size = [], 0
-            if batch:
+        async with send, aclosing(payload.batches(FEED_BYTES)) as batches:
+            async for batch in batches:
                 await send.send(batch)
 
     try:

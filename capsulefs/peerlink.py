@@ -228,24 +228,40 @@ class Payload:
         self.remaining = size
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The rest of the payload, a chunk (about one TLS record) at a time."""
+        async with aclosing(self.batches(1)) as batches:
+            async for batch in batches:
+                for chunk in batch:
+                    yield chunk
+
+    async def batches(self, size: int) -> AsyncIterator[list[bytes]]:
+        """The rest of the payload as lists of chunks that add up to at least
+        ``size`` bytes (the last list may hold less): a bulk reader steps
+        once per list rather than once per TLS record."""
         f = self._framer
         while self.remaining:
-            if f._buf:
-                n = min(len(f._buf), self.remaining)
-                chunk = bytes(f._buf[:n])
-                del f._buf[:n]
-            else:  # straight from the stream, without a copy through the buffer
-                with _map_errors(f.what):
-                    data = await f.stream.receive_some(RECEIVE_CHUNK)
-                if not data:
-                    raise PeerBroken(f"{f.what}: the peer closed the link")
-                f.received_bytes += len(data)
-                if len(data) > self.remaining:
-                    f._buf += data[self.remaining:]
-                    data = data[: self.remaining]
-                chunk = bytes(data)
-            self.remaining -= len(chunk)
-            yield chunk
+            batch: list[bytes] = []
+            have = 0
+            with _map_errors(f.what):
+                while have < size and self.remaining:
+                    if f._buf:
+                        n = min(len(f._buf), self.remaining)
+                        chunk = bytes(f._buf[:n])
+                        del f._buf[:n]
+                    else:  # straight from the stream, without a copy through the buffer
+                        chunk = await f.stream.receive_some(RECEIVE_CHUNK)
+                        if not chunk:
+                            raise PeerBroken(f"{f.what}: the peer closed the link")
+                        f.received_bytes += len(chunk)
+                        if type(chunk) is not bytes:
+                            chunk = bytes(chunk)
+                        if len(chunk) > self.remaining:
+                            f._buf += chunk[self.remaining:]
+                            chunk = chunk[: self.remaining]
+                    self.remaining -= len(chunk)
+                    have += len(chunk)
+                    batch.append(chunk)
+            yield batch
 
     async def read(self, limit: int = 64 << 20) -> bytes:
         if self.remaining > limit:

@@ -112,14 +112,14 @@ class _Corrupt:
         self.inner = inner
         self.size = inner.size
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def batches(self, size: int) -> AsyncIterator[list[bytes]]:
         first = True
-        async with aclosing(self.inner.chunks()) as chunks:
-            async for chunk in chunks:
-                if first and chunk:
-                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+        async with aclosing(self.inner.batches(size)) as batches:
+            async for batch in batches:
+                if first and batch and batch[0]:
+                    batch = [bytes([batch[0][0] ^ 0xFF]) + batch[0][1:], *batch[1:]]
                     first = False
-                yield chunk
+                yield batch
 
     async def drain(self) -> None:
         await self.inner.drain()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,14 @@ class Recorder:
             async for chunk in payload.chunks():
                 h.update(chunk)
             return {"sha": h.hexdigest()}, b""
+        if call == "batches":
+            h, sizes = hashlib.sha256(), []
+            async with aclosing(payload.batches(args["size"])) as batches:
+                async for batch in batches:
+                    sizes.append(sum(map(len, batch)))
+                    for chunk in batch:
+                        h.update(chunk)
+            return {"sha": h.hexdigest(), "sizes": sizes}, b""
         if call == "fail":
             raise CallFailed("nope", "the handler said no")
         if call == "hang":
@@ -102,6 +111,19 @@ async def test_streamed_payload(pair: Pair) -> None:
     async with open_peer(pair.a, pair.peer_b()) as conn:
         result, _ = await conn.call("stream", payload=gen(), size=sum(map(len, parts)))
     assert result["sha"] == hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+async def test_a_payload_read_in_batches(pair: Pair) -> None:
+    """Batches add up to at least the size asked (the last may be short),
+    in order, and end where the frame does: the next call still works."""
+    data = os.urandom(1_000_003)
+    async with open_peer(pair.a, pair.peer_b()) as conn:
+        result, _ = await conn.call("batches", {"size": 200_000}, payload=data)
+        again, _ = await conn.call("batches", {"size": 1 << 30}, payload=b"tail")
+    assert result["sha"] == hashlib.sha256(data).hexdigest()
+    assert sum(result["sizes"]) == len(data)
+    assert all(s >= 200_000 for s in result["sizes"][:-1]) and len(result["sizes"]) <= 5
+    assert again == {"sha": hashlib.sha256(b"tail").hexdigest(), "sizes": [4]}
 
 
 async def test_client_refuses_a_server_with_another_id(pair: Pair, tmp_path: Path) -> None:
