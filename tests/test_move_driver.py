@@ -23,6 +23,7 @@ from capsulefs.core import move as mv
 from capsulefs.core.events import UserMessage
 from capsulefs.core.journal import open_journal
 from capsulefs.core.holder import HolderState, new_held
+from capsulefs import movedriver
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
 from capsulefs.moveservice import MoveService, serve_moves
@@ -338,19 +339,49 @@ async def test_a_blob_rotten_at_the_source_is_named_by_its_path(world: World, ca
     assert not os.path.exists(world.b.store.blob_file(os.path.basename(path))), "the target kept the rotten piece"
 
 
-@pytest.mark.parametrize("change", ["truncated", "grown"])
+@pytest.mark.parametrize("change", ["truncated", "grown", "missing"])
 async def test_a_blob_whose_size_changed_at_the_source_fails_before_its_bytes_go(
         world: World, change: str, caplog: pytest.LogCaptureFixture) -> None:
     path = _a_blob_to_send(world)
     data = Path(path).read_bytes()
     os.chmod(path, 0o644)
-    Path(path).write_bytes(data[:-10] if change == "truncated" else data + b"extra")
+    if change == "missing":
+        os.unlink(path)
+        why = "unreadable (No such file or directory)"
+    else:
+        Path(path).write_bytes(data[:-10] if change == "truncated" else data + b"extra")
+        why = f"{len(data) - 10 if change == 'truncated' else len(data) + 5} bytes, the manifest says {len(data)}"
     result = await world.move()
     assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
     assert "corrupt blob" in result.reason  # the record's note is cut short: the log names the path
-    assert f"corrupt blob {path}: {len(data) - 10 if change == 'truncated' else len(data) + 5} bytes, the manifest says {len(data)}" in caplog.text
+    assert f"corrupt blob {path}: {why}" in caplog.text
     assert world.check() == "a"
     assert world.b.holders.get(world.agent_id).state is HolderState.REFUSED
+
+
+@pytest.mark.parametrize("nowait", [True, False])
+async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nowait: bool) -> None:
+    """Cached chunks are read on the event loop; the rest (evicted here, or
+    every chunk where the file system refuses RWF_NOWAIT) in a thread."""
+    monkeypatch.setattr(movedriver._BlobReader, "nowait", nowait and movedriver._BlobReader.nowait)
+    waited = []
+    real_next = movedriver._BlobReader.next
+
+    def next_chunk(self: Any) -> bytearray:
+        waited.append(self.path)
+        return real_next(self)
+
+    monkeypatch.setattr(movedriver._BlobReader, "next", next_chunk)
+    for sha in world.a.store.agent(world.agent_id).manifest().blobs():
+        fd = os.open(world.a.store.blob_file(sha), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the page cache
+        os.close(fd)
+    result = await world.move()
+    assert result.moved and world.check() == "b"
+    assert waited, "no chunk was read in a worker thread"
+    verify_on(world.b, world.agent_id, tmp_path)
 
 
 async def test_dead_link_mid_transfer_rolls_back(world: World) -> None:
