@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python bench/bench_move.py [--mib 1024] [--blobs 1000]``
 
 Everything runs in one process on loopback, as the issue's reference numbers
-were measured. Three figures, each a ratio or a bound from issue 6:
+were measured (``--two-processes`` adds figure 1b, below). Three figures,
+each a ratio or a bound from issue 6:
 
 1. throughput of a move of N MiB in B blobs, against a raw TLS stream
    (same TLS settings, same bytes, read from the same files) sent in the
@@ -11,8 +12,11 @@ were measured. Three figures, each a ratio or a bound from issue 6:
    round, the source's agent restored, the move first in every other
    round), the median of per-round ratios.
    For context, each round also times the raw stream written into one
-   file per blob and fsynced: the floor of any copy that must be durable
-   before it is acknowledged, as a move's blobs must be before activate;
+   file per blob (plain buffered writes, no hashing, no protocol) and
+   fsynced: a naive durable copy, since a move's blobs must be durable
+   before activate. With ``--two-processes`` the receiving end of both
+   runs in a second process (``capsulefs peer-serve`` for the move), as
+   between two real daemons;
 2. bytes on the wire (TCP payload, so TLS overhead included) when the
    target already has 90% of the blobs: target <= missing + 1% + 64 KiB;
 3. freeze-to-activate time when the target has every blob: target <= 0.5 s.
@@ -327,7 +331,7 @@ async def main() -> None:
         print(f"1. {total / 2**20:.0f} MiB in {len(shas)} blobs: move / raw TLS, median of {args.rounds} rounds "
               f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}; target >= 0.70x)",
               flush=True)
-        print(f"   (context) move / raw TLS written into fsynced files, the floor of any durable copy: median "
+        print(f"   (context) move / raw TLS written into fsynced files (a naive durable copy): median "
               f"{statistics.median(durable_ratios):.2f}x (min {min(durable_ratios):.2f}, max {max(durable_ratios):.2f})",
               flush=True)
 
