@@ -49,7 +49,7 @@ from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
 from capsulefs.moveservice import BLOBS_CALL
 from capsulefs.nursery import first_failure
-from capsulefs.peerlink import PeerConnection, PeerError, PeerRefused, PeerUnreachable, open_peer
+from capsulefs.peerlink import PeerConnection, PeerError, PeerRefused, PeerUnreachable, RemoteError, open_peer
 from capsulefs.peers import Peer
 
 log = logging.getLogger(__name__)
@@ -386,6 +386,8 @@ class _Driver:
                 return "abandoned"
             case mv.Timeout():
                 return "timeout"
+            case mv.IoFailure() if isinstance(self.link_error, RemoteError):
+                return "refused"  # the target ran the call and could not do it (e.g. its disk is full)
             case mv.IoFailure() if isinstance(self.link_error, PeerRefused):
                 return "refused"
             case mv.IoFailure() if isinstance(self.link_error, PeerUnreachable):

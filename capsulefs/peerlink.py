@@ -494,6 +494,11 @@ async def _answer(state: _ServerState, framer: _Framer, peer: Peer, header: dict
         await payload.drain()
         await framer.send({"type": "error", "id": cid, "code": "failed", "message": str(exc)})
         return
+    except OSError as exc:  # this host's disk, not the link: the caller hears why, the link stays up
+        log.warning("%s from %s failed here: %s", name, peer.name, exc)
+        await payload.drain()
+        await framer.send({"type": "error", "id": cid, "code": "io-error", "message": f"{name}: {exc}"})
+        return
     await payload.drain()
     await framer.send({"type": "reply", "id": cid, "result": result}, data)
 

@@ -5,6 +5,7 @@ journal that lost nothing."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -382,6 +383,22 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
     assert result.moved and world.check() == "b"
     assert waited, "no chunk was read in a worker thread"
     verify_on(world.b, world.agent_id, tmp_path)
+
+
+async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC while the target writes a piece: the source hears why (not a
+    broken link), the move rolls back, and nothing is left staged."""
+    from capsulefs import piecewriter
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(piecewriter.os, "write", full)
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "refused"
+    assert "No space left on device" in result.reason
+    assert world.check() == "a"
 
 
 async def test_dead_link_mid_transfer_rolls_back(world: World) -> None:
