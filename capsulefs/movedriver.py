@@ -153,14 +153,11 @@ class _BlobReader:
         buf = bytearray(min(_READ_CHUNK, self.size - self.offset))
         try:
             n = os.preadv(self.fd, [buf], self.offset, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return None
         except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            _BlobReader.nowait = False
-            return None
-        return self._take(buf, n)
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                _BlobReader.nowait = False
+            return None  # EAGAIN, or an error that next() meets again and reports
+        return None if n == 0 else self._take(buf, n)  # 0: let next() tell the end of the file from a miss
 
     def next(self) -> bytearray:
         """The next chunk, b"" at the end (may wait for the disk)."""
@@ -219,6 +216,11 @@ class _Driver:
             assert self.manifest is not None
             args["manifest"] = self.manifest.to_bytes().decode()
         return args
+
+    def _batch_size(self, sha: str | None) -> int:
+        """For cutting calls only: 0 for a digest the snapshot does not have
+        (the call then fails as an IoFailure and the move rolls back)."""
+        return len(self.files[sha]) if sha in self.files else self.blob_sizes.get(sha or "", 0)
 
     def _size(self, sha: str) -> int:
         """A piece's size as the frozen manifest gives it (never the file's:
@@ -436,12 +438,12 @@ class _Driver:
                 case mv.Send(call=mv.Call.ABORT):
                     await self._abort(c)
                 case mv.Send(call=mv.Call.BLOB):
-                    batch, size = [c], self._size(c.sha or "")
+                    batch, size = [c], self._batch_size(c.sha)
                     while (queue and isinstance(queue[0], mv.Send) and queue[0].call is mv.Call.BLOB
                            and len(batch) < BATCH_ITEMS and size < BATCH_BYTES):
                         nxt = queue.popleft()
                         batch.append(nxt)
-                        size += self._size(nxt.sha or "")
+                        size += self._batch_size(nxt.sha)
                     batch = [b for b in batch if m.state is mv.SourceState.TRANSFERRING and b.sha in m.pending]
                     if not batch:
                         continue  # the move rolled back meanwhile

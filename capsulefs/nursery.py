@@ -15,8 +15,10 @@ __all__ = ["first_failure"]
 
 
 def first_failure(group: BaseExceptionGroup) -> BaseException:
-    """The first failure in ``group`` that is not a Cancelled; a Cancelled
-    only if that is all there is (the enclosing cancel scope then takes it)."""
+    """A KeyboardInterrupt or SystemExit in ``group`` if there is one (never
+    hidden behind an ordinary failure); else the first failure that is not a
+    Cancelled; a Cancelled only if that is all there is (the enclosing
+    cancel scope then takes it)."""
     leaves: list[BaseException] = []
 
     def walk(exc: BaseException) -> None:
@@ -27,5 +29,6 @@ def first_failure(group: BaseExceptionGroup) -> BaseException:
             leaves.append(exc)
 
     walk(group)
+    fatal = [e for e in leaves if not isinstance(e, (Exception, trio.Cancelled))]
     failures = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-    return (failures or leaves)[0]
+    return (fatal or failures or leaves)[0]

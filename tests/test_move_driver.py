@@ -401,6 +401,31 @@ async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
     assert world.check() == "a"
 
 
+async def test_a_target_that_asks_for_a_digest_the_agent_lacks_gets_a_rollback(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misbehaving target: the source cannot send what it does not have,
+    and rolls back rather than stay frozen."""
+    real = world.service_b._missing
+    monkeypatch.setattr(world.service_b, "_missing", lambda manifest, inc: real(manifest, inc) + ("ab" * 32,))
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK
+    assert world.check() == "a"
+
+
+async def test_a_read_error_on_the_page_cache_path_is_read_again_and_reported(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        if flags:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(movedriver.os, "preadv", preadv)
+    result = await world.move()
+    assert result.moved and world.check() == "b"  # the plain read succeeded
+
+
 async def test_dead_link_mid_transfer_rolls_back(world: World) -> None:
     world.target.break_in_blob = True
     result = await world.move()
