@@ -151,12 +151,13 @@ class PieceWriter:
                 self._flush()
 
     def _flush(self) -> None:
-        """Hash and write the whole buffer (a multiple of ALIGN)."""
-        with memoryview(self._buf) as whole:
-            data = whole[: self._fill]
+        """Hash and write what the buffer holds: its whole blocks directly,
+        then the rest (only a piece's last bytes leave a part block)."""
+        with memoryview(self._buf) as whole, whole[: self._fill] as data:
             self._hash.update(data)
-            self._write(data)
-            data.release()
+            blocks = len(data) - len(data) % ALIGN
+            self._write(data[:blocks])
+            self._write(data[blocks:])
         self._fill = 0
 
     def _write(self, data: memoryview) -> None:
@@ -188,14 +189,7 @@ class PieceWriter:
             self._piece = None
             return
         try:
-            with memoryview(self._buf) as whole:
-                tail = whole[: self._fill]
-                self._hash.update(tail)
-                whole_blocks = len(tail) - len(tail) % ALIGN
-                self._write(tail[:whole_blocks])
-                self._write(tail[whole_blocks:])
-                tail.release()
-            self._fill = 0
+            self._flush()
         except BaseException:
             self.abandon()
             raise
