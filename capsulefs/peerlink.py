@@ -266,12 +266,12 @@ class Payload:
     async def read(self, limit: int = 64 << 20) -> bytes:
         if self.remaining > limit:
             raise PeerProtocolError(f"payload of {self.remaining} bytes is over the {limit} byte limit")
-        async with aclosing(self.chunks()) as chunks:
-            return b"".join([c async for c in chunks])
+        async with aclosing(self.batches(self.remaining)) as batches:
+            return b"".join([c async for batch in batches for c in batch])
 
     async def drain(self) -> None:
-        async with aclosing(self.chunks()) as chunks:
-            async for _ in chunks:
+        async with aclosing(self.batches(RECEIVE_CHUNK)) as batches:
+            async for _ in batches:
                 pass
 
 
