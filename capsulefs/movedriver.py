@@ -231,29 +231,32 @@ class _Driver:
         """Send the pieces' bytes into ``out`` while the caller's task
         encrypts and sends the chunks before: from the page cache on the
         event loop, from the disk in a worker thread."""
-        async with out:
-            for sha in shas:
-                if sha in self.files:
-                    await out.send(self.files[sha])
-                    continue
-                reader = _BlobReader(self.host.store.blob_file(sha), self._size(sha))
-                try:
-                    while True:
-                        chunk = reader.cached()
-                        if chunk is None:
-                            chunk = await trio.to_thread.run_sync(reader.next)
-                        if not chunk:
-                            break
-                        await out.send(chunk)
-                finally:
-                    reader.close()
+        with out:  # closed without a checkpoint (see _write_pieces in moveservice)
+            try:
+                for sha in shas:
+                    if sha in self.files:
+                        await out.send(self.files[sha])
+                        continue
+                    reader = _BlobReader(self.host.store.blob_file(sha), self._size(sha))
+                    try:
+                        while True:
+                            chunk = reader.cached()
+                            if chunk is None:
+                                chunk = await trio.to_thread.run_sync(reader.next)
+                            if not chunk:
+                                break
+                            await out.send(chunk)
+                    finally:
+                        reader.close()
+            except trio.BrokenResourceError:
+                return  # the sender stopped; its own error says why
 
     async def _call_with_pieces(self, conn: PeerConnection, args: dict[str, Any], shas: list[str],
                                 total: int) -> dict[str, Any]:
         send, receive = trio.open_memory_channel[bytes | bytearray](READ_AHEAD)
 
         async def pieces() -> AsyncIterator[bytes | bytearray]:
-            async with receive:
+            with receive:
                 async for chunk in receive:
                     yield chunk
 

@@ -419,15 +419,22 @@ async def _write_pieces(writer: PieceWriter, payload: Payload, *, beside: Callab
     pieces will be adopted into)."""
     send, receive = trio.open_memory_channel[list[bytes]](FEED_DEPTH)
 
+    # Each end closes its channel without a checkpoint (``with``, not
+    # ``async with``): a checkpoint there could be cancelled by the other
+    # task's failure and replace this task's own error with Cancelled.
     async def write_all() -> None:
-        async with receive:
+        with receive:
             async for batch in receive:
                 await trio.to_thread.run_sync(writer.feed, batch)
 
     async def receive_all() -> None:
-        async with send, aclosing(payload.batches(FEED_BYTES)) as batches:
-            async for batch in batches:
-                await send.send(batch)
+        async with aclosing(payload.batches(FEED_BYTES)) as batches:
+            with send:
+                async for batch in batches:
+                    try:
+                        await send.send(batch)
+                    except trio.BrokenResourceError:
+                        return  # the writer stopped; its own error says why
 
     try:
         async with trio.open_nursery() as nursery:

@@ -179,3 +179,31 @@ def test_a_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
     assert info.value.errno == errno.ENOSPC and calls
     writer.abandon()
     assert not (tmp_path / "p").exists()
+
+
+# -- the receiving pipeline (moveservice._write_pieces) ---------------------------
+
+
+async def test_a_writer_failure_is_what_the_pipeline_reports_every_time(tmp_path, monkeypatch) -> None:
+    """The writer fails while the receiving task still has batches to hand
+    it. The receiving task meets the closed channel; the failure reported
+    must still be the writer's own (it used to come out, now and then, as
+    the channel's BrokenResourceError, the writer's error lost)."""
+    import trio
+    import trio.testing
+
+    from capsulefs import moveservice
+    from capsulefs.peerlink import Payload, _Framer
+
+    monkeypatch.setattr(moveservice, "FEED_BYTES", 1024)  # many small batches
+    data = os.urandom(64 * 1024)
+    sha = hashlib.sha256(data).hexdigest()
+    for attempt in range(40):
+        writer = PieceWriter([Piece(sha, len(data), str(tmp_path / "no-such-dir" / sha))])
+        wire_in, wire_out = trio.testing.memory_stream_one_way_pair()
+        payload = Payload(_Framer(trio.StapledStream(trio.testing.MemorySendStream(), wire_out), "test"), len(data))
+        await wire_in.send_all(data)
+        with pytest.raises(FileNotFoundError):
+            await moveservice._write_pieces(writer, payload, beside=lambda: None)
+        writer.abandon()
+
