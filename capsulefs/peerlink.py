@@ -38,6 +38,7 @@ import trio
 from capsulefs.core.errors import CapsuleError
 from capsulefs.identity import Identity, host_id_from_der
 from capsulefs.peers import Peer, PeerBook, parse_address
+from capsulefs.tlsstream import TLSStream
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ class Payload:
 class PeerConnection:
     """One authenticated link to a peer; one call at a time."""
 
-    def __init__(self, framer: _Framer, peer: Peer, tls: trio.SSLStream) -> None:
+    def __init__(self, framer: _Framer, peer: Peer, tls: TLSStream) -> None:
         self._framer = framer
         self._tls = tls
         self.peer = peer
@@ -330,7 +331,7 @@ StreamWrapper = Callable[[trio.abc.Stream], trio.abc.Stream]
 
 
 async def _connect(identity: Identity | None, peer: Peer, timeout: float,
-                   wrap: StreamWrapper | None = None) -> tuple[trio.SSLStream, _Framer]:
+                   wrap: StreamWrapper | None = None) -> tuple[TLSStream, _Framer]:
     host, port = parse_address(peer.address)
     what = f"peer {peer.name} ({peer.address})"
     with trio.move_on_after(timeout) as scope:
@@ -338,7 +339,7 @@ async def _connect(identity: Identity | None, peer: Peer, timeout: float,
             tcp = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise PeerUnreachable(f"{what}: cannot connect: {exc.strerror or exc}") from exc
-        tls = trio.SSLStream(wrap(tcp) if wrap else tcp, client_context(identity), server_hostname=None)
+        tls = TLSStream(wrap(tcp) if wrap else tcp, client_context(identity), server_hostname=None)
         try:
             with _map_errors(what):
                 await tls.do_handshake()
@@ -439,7 +440,7 @@ class _ServerState:
 
 
 async def _serve_connection(state: _ServerState, tcp: trio.SocketStream) -> None:
-    tls = trio.SSLStream(tcp, server_context(state.identity, state.book.trusted_pems()), server_side=True)
+    tls = TLSStream(tcp, server_context(state.identity, state.book.trusted_pems()), server_side=True)
     what = "incoming peer link"
     try:
         with trio.move_on_after(state.handshake_timeout) as scope:

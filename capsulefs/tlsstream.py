@@ -1,0 +1,284 @@
+"""TLS over any trio byte stream, tuned for bulk transfers: the peer link's
+transport.
+
+Why not ``trio.SSLStream``: it hands out at most one TLS record (16 KiB)
+per ``receive_some``, each through its general retry machinery, so a
+receiver pays that Python path some 65,000 times per GiB. Here a
+``receive_some`` decrypts every record its buffer holds, up to
+``max_bytes``, in one tight loop, and reads the transport in large steps.
+The peer link needs nothing else of it: TLS 1.3 only, so there is no
+renegotiation, and writing never has to wait for reading after the
+handshake.
+
+Rules (the same contract as trio's streams; see ``trio.abc.Stream``):
+  * ``send_all``, ``receive_some`` and ``wait_send_all_might_not_block``
+    are checkpoints. Two tasks may not send at once, nor receive at once
+    (``trio.BusyResourceError``); one task may send while another receives.
+  * Bytes leave in the order the TLS object made them: whoever flushes the
+    outgoing buffer does so under one FIFO lock, so records that a receive
+    produced (a key update, an alert) never overtake or split a send.
+  * A receive that is cancelled loses no data: decrypted bytes are returned
+    through a schedule point that cannot be cancelled, and a transport
+    receive is atomic. A send or handshake that is cancelled or fails
+    leaves the stream broken (some unknown part went out), as does any TLS
+    error: later calls raise ``trio.BrokenResourceError``.
+  * TLS errors are raised as ``trio.BrokenResourceError`` from the
+    ``ssl.SSLError``, as trio's own SSLStream does, so the peer link maps
+    both alike. A clean close_notify from the peer reads as end of file; a
+    transport that ends without one is an error (a truncation attack looks
+    exactly like that).
+  * ``aclose`` sends close_notify if it can without waiting on a sender,
+    then closes the transport. It never waits for the peer's close_notify.
+"""
+
+from __future__ import annotations
+
+import enum
+import ssl
+
+import trio
+
+__all__ = ["TLSStream"]
+
+#: Bytes asked of the transport at a time. Loopback and LAN sockets hand
+#: over up to this much per system call when a bulk transfer is running.
+TRANSPORT_RECEIVE = 256 << 10
+#: What ``receive_some()`` without a size returns at most.
+DEFAULT_RECEIVE = 256 << 10
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class TLSStream(trio.abc.Stream):
+    """A TLS client or server over ``transport``, from ``context``."""
+
+    def __init__(
+        self,
+        transport: trio.abc.Stream,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+    ) -> None:
+        self.transport_stream = transport
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
+                                     server_hostname=server_hostname)
+        self._state = _State.OPEN
+        self._handshook = False
+        self._handshake_lock = trio.Lock()
+        self._flush_lock = trio.Lock()  # FIFO: flushes go out in the order they were asked for
+        self._sending = False
+        self._receiving = False
+        self._eof = False  # the peer's close_notify has been read
+        self._error: BaseException | None = None  # a TLS error met after data that was returned first
+        self._delayed = b""  # bytes the handshake wrote that go out before the next send's
+
+    # -- what the handshake learned -------------------------------------------------
+    def getpeercert(self, binary_form: bool = False) -> dict | bytes | None:  # type: ignore[type-arg]
+        return self._tls.getpeercert(binary_form)
+
+    def version(self) -> str | None:
+        return self._tls.version()
+
+    # -- internals ----------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._state is _State.CLOSED:
+            raise trio.ClosedResourceError("the TLS stream is closed")
+        if self._state is _State.BROKEN:
+            raise trio.BrokenResourceError("the TLS stream is broken by an earlier failure")
+
+    def _broken(self, exc: ssl.SSLError) -> trio.BrokenResourceError:
+        self._state = _State.BROKEN
+        err = trio.BrokenResourceError(f"TLS failure: {exc}")
+        err.__cause__ = exc
+        return err
+
+    async def _flush(self) -> bool:
+        """Send whatever the TLS object has written so far; True if this
+        yielded to the scheduler. Any failure breaks the stream: an unknown
+        part of a record may have gone out."""
+        lock = self._flush_lock
+        try:
+            yielded = False
+            try:
+                lock.acquire_nowait()
+            except trio.WouldBlock:
+                await lock.acquire()
+                yielded = True
+            try:
+                data = self._outgoing.read()
+                if self._delayed:
+                    data, self._delayed = self._delayed + data, b""
+                if data:
+                    await self.transport_stream.send_all(data)
+                    yielded = True
+            finally:
+                lock.release()
+            return yielded
+        except BaseException:
+            self._state = _State.BROKEN
+            raise
+
+    async def _fill(self) -> None:
+        """Feed the TLS object the transport's next bytes (or its end)."""
+        data = await self.transport_stream.receive_some(TRANSPORT_RECEIVE)
+        if data:
+            self._incoming.write(data)
+        else:
+            self._incoming.write_eof()
+
+    async def _ensure_handshake(self) -> None:
+        if self._handshook:
+            return
+        async with self._handshake_lock:
+            if self._handshook:
+                return
+            try:
+                while True:
+                    try:
+                        self._tls.do_handshake()
+                        break
+                    except ssl.SSLWantReadError:
+                        await self._flush()
+                        await self._fill()
+                    except ssl.SSLError as exc:
+                        try:
+                            await self._flush()  # the alert that tells the peer why, if we can
+                        except BaseException:
+                            pass
+                        raise self._broken(exc) from exc
+                if self._tls.server_side and self._tls.version() == "TLSv1.3":
+                    # What a TLS 1.3 server writes after its handshake (session
+                    # tickets) goes out with its next send. Sent now, it could
+                    # wait forever on a client that has finished its own
+                    # handshake and reads only once it has sent something.
+                    self._delayed = self._outgoing.read()
+                else:
+                    await self._flush()
+            except BaseException:
+                self._state = _State.BROKEN if self._state is _State.OPEN else self._state
+                raise
+            self._handshook = True
+
+    async def do_handshake(self) -> None:
+        """Run the handshake now (else the first send or receive runs it)."""
+        self._check()
+        if self._handshook:
+            await trio.lowlevel.checkpoint()
+            return
+        await self._ensure_handshake()
+
+    # -- sending --------------------------------------------------------------------
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this TLS stream")
+        self._sending = True
+        try:
+            self._check()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await self._ensure_handshake()
+            self._check()
+            if data:
+                try:
+                    self._tls.write(data)  # every byte: partial writes are off
+                except ssl.SSLError as exc:
+                    raise self._broken(exc) from exc
+            if not await self._flush():
+                await trio.lowlevel.cancel_shielded_checkpoint()
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this TLS stream")
+        self._sending = True
+        try:
+            self._check()
+            await self.transport_stream.wait_send_all_might_not_block()
+        finally:
+            self._sending = False
+
+    # -- receiving ------------------------------------------------------------------
+    def _decrypt(self, max_bytes: int) -> bytes:
+        """Every record already buffered, up to ``max_bytes`` of plain text."""
+        chunks = []
+        got = 0
+        read = self._tls.read
+        while got < max_bytes:
+            try:
+                data = read(max_bytes - got)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # close_notify, once both ends have sent theirs
+                self._eof = True
+                break
+            except ssl.SSLError as exc:
+                if not chunks:
+                    raise self._broken(exc) from exc
+                self._error = exc  # hand out what came before it first
+                break
+            if not data:  # close_notify: CPython reads it as b"" rather than raising
+                self._eof = True
+                break
+            chunks.append(data)
+            got += len(data)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is None:
+            max_bytes = DEFAULT_RECEIVE
+        elif max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this TLS stream")
+        self._receiving = True
+        try:
+            self._check()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await self._ensure_handshake()
+            yielded = False
+            while True:
+                self._check()
+                if self._error is not None:
+                    exc, self._error = self._error, None
+                    raise self._broken(exc) from exc  # type: ignore[arg-type]
+                data = self._decrypt(max_bytes) if not self._eof else b""
+                if self._outgoing.pending and await self._flush():  # records that ask for an answer
+                    yielded = True
+                if data or self._eof:
+                    break
+                await self._fill()
+                yielded = True
+            if not yielded:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
+        finally:
+            self._receiving = False
+
+    # -- closing --------------------------------------------------------------------
+    async def aclose(self) -> None:
+        if self._state is _State.CLOSED:
+            await trio.lowlevel.checkpoint()
+            return
+        was_open = self._state is _State.OPEN and self._handshook
+        self._state = _State.CLOSED
+        try:
+            if was_open and not self._flush_lock.locked():
+                try:
+                    self._tls.unwrap()
+                except (ssl.SSLWantReadError, ssl.SSLError):
+                    pass  # unwrap waits for the peer's close_notify, which we do not
+                data = self._outgoing.read()
+                if data:
+                    try:
+                        await self.transport_stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+        finally:
+            await self.transport_stream.aclose()
