@@ -78,6 +78,7 @@ class TLSStream(trio.abc.Stream):
         self._eof = False  # the peer's close_notify has been read
         self._error: BaseException | None = None  # a TLS error met after data that was returned first
         self._delayed = b""  # bytes the handshake wrote that go out before the next send's
+        self._held = b""  # decrypted, not handed out yet (a receive cancelled while flushing a reply)
 
     # -- what the handshake learned -------------------------------------------------
     def getpeercert(self, binary_form: bool = False) -> dict | bytes | None:  # type: ignore[type-arg]
@@ -93,37 +94,43 @@ class TLSStream(trio.abc.Stream):
         if self._state is _State.BROKEN:
             raise trio.BrokenResourceError("the TLS stream is broken by an earlier failure")
 
+    def _break(self) -> None:
+        if self._state is _State.OPEN:  # a closed stream stays closed
+            self._state = _State.BROKEN
+
     def _broken(self, exc: ssl.SSLError) -> trio.BrokenResourceError:
-        self._state = _State.BROKEN
+        self._break()
         err = trio.BrokenResourceError(f"TLS failure: {exc}")
         err.__cause__ = exc
         return err
 
     async def _flush(self) -> bool:
         """Send whatever the TLS object has written so far; True if this
-        yielded to the scheduler. Any failure breaks the stream: an unknown
-        part of a record may have gone out."""
+        yielded to the scheduler. Cancelled while waiting for the lock, it
+        sent nothing and the bytes stay queued; any failure while sending
+        breaks the stream (an unknown part of a record may have gone out)."""
         lock = self._flush_lock
+        yielded = False
         try:
-            yielded = False
-            try:
-                lock.acquire_nowait()
-            except trio.WouldBlock:
-                await lock.acquire()
-                yielded = True
-            try:
-                data = self._outgoing.read()
-                if self._delayed:
-                    data, self._delayed = self._delayed + data, b""
-                if data:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+            yielded = True
+        try:
+            self._check()  # a flush before ours may have failed
+            data = self._outgoing.read()
+            if self._delayed:
+                data, self._delayed = self._delayed + data, b""
+            if data:
+                try:
                     await self.transport_stream.send_all(data)
-                    yielded = True
-            finally:
-                lock.release()
-            return yielded
-        except BaseException:
-            self._state = _State.BROKEN
-            raise
+                except BaseException:
+                    self._break()
+                    raise
+                yielded = True
+        finally:
+            lock.release()
+        return yielded
 
     async def _fill(self) -> None:
         """Feed the TLS object the transport's next bytes (or its end)."""
@@ -139,6 +146,7 @@ class TLSStream(trio.abc.Stream):
         async with self._handshake_lock:
             if self._handshook:
                 return
+            self._check()  # an earlier attempt may have failed while we waited
             try:
                 while True:
                     try:
@@ -150,7 +158,7 @@ class TLSStream(trio.abc.Stream):
                     except ssl.SSLError as exc:
                         try:
                             await self._flush()  # the alert that tells the peer why, if we can
-                        except BaseException:
+                        except Exception:
                             pass
                         raise self._broken(exc) from exc
                 if self._tls.server_side and self._tls.version() == "TLSv1.3":
@@ -162,7 +170,7 @@ class TLSStream(trio.abc.Stream):
                 else:
                     await self._flush()
             except BaseException:
-                self._state = _State.BROKEN if self._state is _State.OPEN else self._state
+                self._break()
                 raise
             self._handshook = True
 
@@ -200,7 +208,8 @@ class TLSStream(trio.abc.Stream):
         self._sending = True
         try:
             self._check()
-            await self.transport_stream.wait_send_all_might_not_block()
+            async with self._flush_lock:  # the transport's send side is the flusher's
+                await self.transport_stream.wait_send_all_might_not_block()
         finally:
             self._sending = False
 
@@ -248,9 +257,16 @@ class TLSStream(trio.abc.Stream):
                 if self._error is not None:
                     exc, self._error = self._error, None
                     raise self._broken(exc) from exc  # type: ignore[arg-type]
-                data = self._decrypt(max_bytes) if not self._eof else b""
-                if self._outgoing.pending and await self._flush():  # records that ask for an answer
-                    yielded = True
+                if self._held:
+                    data, self._held = self._held[:max_bytes], self._held[max_bytes:]
+                else:
+                    data = self._decrypt(max_bytes) if not self._eof else b""
+                if self._outgoing.pending:  # records that asked for an answer (a key update)
+                    try:
+                        yielded = await self._flush() or yielded
+                    except BaseException:
+                        self._held = data  # cancelled before sending: hand it out next time
+                        raise
                 if data or self._eof:
                     break
                 await self._fill()
@@ -274,7 +290,7 @@ class TLSStream(trio.abc.Stream):
                     self._tls.unwrap()
                 except (ssl.SSLWantReadError, ssl.SSLError):
                     pass  # unwrap waits for the peer's close_notify, which we do not
-                data = self._outgoing.read()
+                data = self._delayed + self._outgoing.read()  # close_notify after what the handshake wrote
                 if data:
                     try:
                         await self.transport_stream.send_all(data)

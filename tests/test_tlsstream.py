@@ -130,3 +130,56 @@ async def test_a_tampered_record_breaks_the_stream(contexts: tuple[ssl.SSLContex
     with trio.fail_after(5), pytest.raises(trio.BrokenResourceError) as info:
         await server.receive_some(10000)
     assert isinstance(info.value.__cause__, ssl.SSLError)
+
+
+async def test_a_server_that_closes_before_sending_anything_ends_cleanly(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """A TLS 1.3 server holds back what its handshake wrote (session
+    tickets) until it sends; its close_notify must go after those bytes, or
+    the client cannot decrypt it."""
+    client, server = await _handshaken(contexts)
+    await server.aclose()
+    with trio.fail_after(5):
+        assert await client.receive_some(100) == b""
+
+
+async def test_a_stream_closed_under_a_running_send_stays_closed(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    client_ctx, server_ctx = contexts
+    a, b = trio.testing.lockstep_stream_pair()  # nothing moves unless the other end reads
+    client = TLSStream(a, client_ctx, server_hostname="peer.test")
+    server = TLSStream(b, server_ctx, server_side=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.do_handshake)
+        nursery.start_soon(server.do_handshake)
+
+    async def send_forever() -> None:
+        with pytest.raises(trio.ClosedResourceError):
+            await client.send_all(b"x" * 100_000)  # the server never reads: blocks
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_forever)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await client.send_all(b"more")
+    await server.aclose()
+
+
+async def test_closing_while_a_task_waits_to_send_wakes_it_as_closed(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    client_ctx, server_ctx = contexts
+    a, b = trio.testing.lockstep_stream_pair()
+    client = TLSStream(a, client_ctx, server_hostname="peer.test")
+    server = TLSStream(b, server_ctx, server_side=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.do_handshake)
+        nursery.start_soon(server.do_handshake)
+
+    async def wait_to_send() -> None:
+        with pytest.raises(trio.ClosedResourceError):
+            await client.wait_send_all_might_not_block()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_to_send)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(5):
+            await client.aclose()  # neither raises Busy nor waits on the blocked waiter
+    await server.aclose()
