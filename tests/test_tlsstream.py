@@ -39,17 +39,14 @@ async def test_passes_trios_two_way_stream_conformance_suite(contexts: tuple[ssl
         return _pair(contexts)
 
     async def clogged_stream_maker() -> tuple[TLSStream, TLSStream]:
-        client, server = _pair(contexts, lockstep=True)
-        async with trio.open_nursery() as nursery:  # handshake first: a clogged stream cannot
-            nursery.start_soon(client.do_handshake)
-            nursery.start_soon(server.do_handshake)
-        return client, server
+        return await _handshaken(contexts, lockstep=True)  # handshake first: a clogged stream cannot
 
     await trio.testing.check_two_way_stream(stream_maker, clogged_stream_maker)
 
 
-async def _handshaken(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> tuple[TLSStream, TLSStream]:
-    client, server = _pair(contexts)
+async def _handshaken(contexts: tuple[ssl.SSLContext, ssl.SSLContext], *,
+                      lockstep: bool = False) -> tuple[TLSStream, TLSStream]:
+    client, server = _pair(contexts, lockstep=lockstep)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.do_handshake)
         nursery.start_soon(server.do_handshake)
@@ -143,13 +140,7 @@ async def test_a_server_that_closes_before_sending_anything_ends_cleanly(context
 
 
 async def test_a_stream_closed_under_a_running_send_stays_closed(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
-    client_ctx, server_ctx = contexts
-    a, b = trio.testing.lockstep_stream_pair()  # nothing moves unless the other end reads
-    client = TLSStream(a, client_ctx, server_hostname="peer.test")
-    server = TLSStream(b, server_ctx, server_side=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.do_handshake)
-        nursery.start_soon(server.do_handshake)
+    client, server = await _handshaken(contexts, lockstep=True)  # nothing moves unless the other end reads
 
     async def send_forever() -> None:
         with pytest.raises(trio.ClosedResourceError):
@@ -165,13 +156,7 @@ async def test_a_stream_closed_under_a_running_send_stays_closed(contexts: tuple
 
 
 async def test_closing_while_a_task_waits_to_send_wakes_it_as_closed(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
-    client_ctx, server_ctx = contexts
-    a, b = trio.testing.lockstep_stream_pair()
-    client = TLSStream(a, client_ctx, server_hostname="peer.test")
-    server = TLSStream(b, server_ctx, server_side=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.do_handshake)
-        nursery.start_soon(server.do_handshake)
+    client, server = await _handshaken(contexts, lockstep=True)
 
     async def wait_to_send() -> None:
         with pytest.raises(trio.ClosedResourceError):
