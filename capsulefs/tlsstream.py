@@ -197,7 +197,12 @@ class TLSStream(trio.abc.Stream):
                     self._tls.write(data)  # every byte: partial writes are off
                 except ssl.SSLError as exc:
                     raise self._broken(exc) from exc
-            if not await self._flush():
+            try:
+                flushed = await self._flush()
+            except BaseException:
+                self._break()  # our records may go out later or never: the caller cannot know
+                raise
+            if not flushed:
                 await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._sending = False
