@@ -53,6 +53,25 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+class _OneTask:
+    """Lets one task at a time in (one sender, one receiver: trio's rule);
+    a second raises ``trio.BusyResourceError``."""
+
+    __slots__ = ("_busy", "_doing")
+
+    def __init__(self, doing: str) -> None:
+        self._busy = False
+        self._doing = doing
+
+    def __enter__(self) -> None:
+        if self._busy:
+            raise trio.BusyResourceError(f"another task is {self._doing} on this TLS stream")
+        self._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy = False
+
+
 class TLSStream(trio.abc.Stream):
     """A TLS client or server over ``transport``, from ``context``."""
 
@@ -73,19 +92,16 @@ class TLSStream(trio.abc.Stream):
         self._handshook = False
         self._handshake_lock = trio.Lock()
         self._flush_lock = trio.Lock()  # FIFO: flushes go out in the order they were asked for
-        self._sending = False
-        self._receiving = False
+        self._sending = _OneTask("sending")
+        self._receiving = _OneTask("receiving")
         self._eof = False  # the peer's close_notify has been read
-        self._error: BaseException | None = None  # a TLS error met after data that was returned first
+        self._error: ssl.SSLError | None = None  # a TLS error met after data that was returned first
         self._delayed = b""  # bytes the handshake wrote that go out before the next send's
         self._held = b""  # decrypted, not handed out yet (a receive cancelled while flushing a reply)
 
     # -- what the handshake learned -------------------------------------------------
     def getpeercert(self, binary_form: bool = False) -> dict | bytes | None:  # type: ignore[type-arg]
         return self._tls.getpeercert(binary_form)
-
-    def version(self) -> str | None:
-        return self._tls.version()
 
     # -- internals ----------------------------------------------------------------------
     def _check(self) -> None:
@@ -184,10 +200,7 @@ class TLSStream(trio.abc.Stream):
 
     # -- sending --------------------------------------------------------------------
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._sending:
-            raise trio.BusyResourceError("another task is sending on this TLS stream")
-        self._sending = True
-        try:
+        with self._sending:
             self._check()
             await trio.lowlevel.checkpoint_if_cancelled()
             await self._ensure_handshake()
@@ -204,19 +217,12 @@ class TLSStream(trio.abc.Stream):
                 raise
             if not flushed:
                 await trio.lowlevel.cancel_shielded_checkpoint()
-        finally:
-            self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
-        if self._sending:
-            raise trio.BusyResourceError("another task is sending on this TLS stream")
-        self._sending = True
-        try:
+        with self._sending:
             self._check()
             async with self._flush_lock:  # the transport's send side is the flusher's
                 await self.transport_stream.wait_send_all_might_not_block()
-        finally:
-            self._sending = False
 
     # -- receiving ------------------------------------------------------------------
     def _decrypt(self, max_bytes: int) -> bytes:
@@ -249,10 +255,7 @@ class TLSStream(trio.abc.Stream):
             max_bytes = DEFAULT_RECEIVE
         elif max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
-        if self._receiving:
-            raise trio.BusyResourceError("another task is receiving on this TLS stream")
-        self._receiving = True
-        try:
+        with self._receiving:
             self._check()
             await trio.lowlevel.checkpoint_if_cancelled()
             await self._ensure_handshake()
@@ -261,7 +264,7 @@ class TLSStream(trio.abc.Stream):
                 self._check()
                 if self._error is not None:
                     exc, self._error = self._error, None
-                    raise self._broken(exc) from exc  # type: ignore[arg-type]
+                    raise self._broken(exc) from exc
                 if self._held:
                     data, self._held = self._held[:max_bytes], self._held[max_bytes:]
                 else:
@@ -279,8 +282,6 @@ class TLSStream(trio.abc.Stream):
             if not yielded:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return data
-        finally:
-            self._receiving = False
 
     # -- closing --------------------------------------------------------------------
     async def aclose(self) -> None:
