@@ -273,7 +273,7 @@ class TLSStream(trio.abc.Stream):
                     try:
                         yielded = await self._flush() or yielded
                     except BaseException:
-                        self._held = data  # cancelled before sending: hand it out next time
+                        self._held = data + self._held  # cancelled before sending: hand it out next time
                         raise
                 if data or self._eof:
                     break
