@@ -181,29 +181,68 @@ def test_a_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
     assert not (tmp_path / "p").exists()
 
 
-# -- the receiving pipeline (moveservice._write_pieces) ---------------------------
+# -- files made ahead of the writer (precreate, from another thread) ------------
 
 
-async def test_a_writer_failure_is_what_the_pipeline_reports_every_time(tmp_path, monkeypatch) -> None:
-    """The writer fails while the receiving task still has batches to hand
-    it. The receiving task meets the closed channel; the failure reported
-    must still be the writer's own (it used to come out, now and then, as
-    the channel's BrokenResourceError, the writer's error lost)."""
-    import trio
-    import trio.testing
+def test_precreate_makes_the_files_ahead_and_the_writer_fills_them(tmp_path):
+    blobs = [os.urandom(n) for n in (5000, 0, ALIGN, 3)]
+    pieces = [Piece(sha(b), len(b), str(tmp_path / f"p{i}")) for i, b in enumerate(blobs)]
+    writer = PieceWriter(pieces)
+    writer.precreate()
+    assert sorted(os.listdir(tmp_path)) == [f"p{i}" for i in range(4)]
+    writer.feed([b"".join(blobs)])
+    assert all(o.written and o.intact for o in writer.close())
+    assert [(tmp_path / f"p{i}").read_bytes() for i in range(4)] == blobs
 
-    from capsulefs import moveservice
-    from capsulefs.peerlink import Payload, _Framer
 
-    monkeypatch.setattr(moveservice, "FEED_BYTES", 1024)  # many small batches
-    data = os.urandom(64 * 1024)
-    sha = hashlib.sha256(data).hexdigest()
-    for attempt in range(40):
-        writer = PieceWriter([Piece(sha, len(data), str(tmp_path / "no-such-dir" / sha))])
-        wire_in, wire_out = trio.testing.memory_stream_one_way_pair()
-        payload = Payload(_Framer(trio.StapledStream(trio.testing.MemorySendStream(), wire_out), "test"), len(data))
-        await wire_in.send_all(data)
-        with pytest.raises(FileNotFoundError):
-            await moveservice._write_pieces(writer, payload, beside=lambda: None)
-        writer.abandon()
+def test_precreate_never_brings_back_a_piece_the_writer_removed(tmp_path):
+    """A piece that did not hash to its name is removed by the writer; a
+    precreate running behind it must not leave an empty file under that
+    name (the writer has reached it: precreate leaves it alone)."""
+    good, bad = os.urandom(100), os.urandom(100)
+    pieces = [Piece(sha(b"other"), len(bad), str(tmp_path / "bad")), Piece(sha(good), len(good), str(tmp_path / "good"))]
+    writer = PieceWriter(pieces)
+    writer.feed([bad])
+    writer.precreate()  # late: the first piece is done and gone
+    assert sorted(os.listdir(tmp_path)) == ["good"]
+    writer.feed([good])
+    assert [o.intact for o in writer.close()] == [False, True]
+    assert sorted(os.listdir(tmp_path)) == ["good"]
 
+
+def test_abandon_removes_the_files_made_for_pieces_never_reached(tmp_path):
+    blobs = [os.urandom(3000) for _ in range(4)]
+    pieces = [Piece(sha(b), len(b), str(tmp_path / f"p{i}")) for i, b in enumerate(blobs)]
+    writer = PieceWriter(pieces)
+    writer.precreate()
+    writer.feed([blobs[0] + blobs[1][:10]])  # the first piece whole, the second begun
+    writer.abandon()
+    assert os.listdir(tmp_path) == ["p0"]
+    writer.precreate()  # after abandon: does nothing
+    assert os.listdir(tmp_path) == ["p0"]
+
+
+def test_precreate_and_the_writer_in_two_threads_leave_exactly_the_good_pieces(tmp_path):
+    """Run together many times: whatever the interleaving, every good piece
+    is whole under its name and nothing else is left (bad pieces removed)."""
+    import threading
+
+    for attempt in range(30):
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        blobs = [os.urandom(n) for n in (0, 10, 4096, 100, 0, 7000, 1)] * 3
+        pieces = []
+        for i, b in enumerate(blobs):
+            name = sha(b) if i % 4 else sha(b + b"x")  # every fourth piece lies about its digest
+            pieces.append(Piece(name, len(b), str(d / f"p{i}")))
+        writer = PieceWriter(pieces)
+        ahead = threading.Thread(target=writer.precreate)
+        ahead.start()
+        writer.feed([b"".join(blobs)])
+        outcomes = writer.close()
+        ahead.join()
+        assert [o.intact for o in outcomes] == [bool(i % 4) for i in range(len(blobs))]
+        assert sorted(os.listdir(d)) == sorted(f"p{i}" for i in range(len(blobs)) if i % 4)
+        for i, b in enumerate(blobs):
+            if i % 4:
+                assert (d / f"p{i}").read_bytes() == b
