@@ -9,12 +9,14 @@ Rules:
   * The caller's host id comes from its authenticated certificate, never
     from the request.
   * Incoming content lands in a staging area of the store (``move-*``):
-    ``content/<sha256>`` for every piece. While this task receives a
-    ``blobs`` payload, a worker thread hashes and writes the batch before
-    (:mod:`capsulefs.piecewriter`, ``O_DIRECT``), so TLS, hashing and the
-    disk overlap. A piece that does not hash to its name is dropped. Verify
-    fsyncs what arrived, adopts the blobs into ``objects/`` (one fsync per
-    directory), and reports every piece missing or corrupt. The capsule
+    ``content/<sha256>`` for every piece. Each move has an intake
+    (:mod:`capsulefs.moveintake`): a ``blobs`` call hands its payload to
+    the intake's writer (hashing, ``O_DIRECT`` writes, in a worker thread)
+    and answers once the bytes have arrived; the writer and the settler
+    (fsync, adoption of the blobs into ``objects/``) finish them while the
+    next call's bytes come in. A piece that does not hash to its name is
+    dropped. Verify waits until the intake has passed every piece, then
+    reports every piece missing or corrupt. The capsule
     directory is assembled at prepare and renamed into ``agents/`` at
     activate. A discarded move leaves no staging behind; blobs already
     adopted stay (content addressed; gc frees them if no agent lists them).
@@ -44,12 +46,11 @@ from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable
-from capsulefs.core.hashing import parallel_map
 from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
-from capsulefs.nursery import first_failure
-from capsulefs.piecewriter import Piece, PieceWriter
+from capsulefs.moveintake import Intake
+from capsulefs.piecewriter import Outcome, Piece
 from capsulefs.peers import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ class _Incoming:
     area: str
     stack: ExitStack
     last_activity: float
+    intake: Intake  # where the pieces of its blobs calls go
     sent: set[str] = field(default_factory=set)  # arrived whole (whether or not they hash to their name)
-    received: set[str] = field(default_factory=set)  # hashed to their name; made durable at verify
+    received: set[str] = field(default_factory=set)  # hashed to their name (durable and adopted once the intake settles)
     bad: set[str] = field(default_factory=set)  # arrived, but did not hash to their name
 
     def content(self, sha: str) -> str:
@@ -92,6 +94,7 @@ class MoveService:
         self._incoming: dict[tuple[str, int], _Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
+        self._nursery: trio.Nursery | None = None  # where the intakes run (run_intakes)
 
     # -- the peer-link entry point --------------------------------------------------------
     async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:
@@ -168,37 +171,27 @@ class MoveService:
             raise CallFailed("bad-request", f"blobs: {exc}") from None
         rec = self.record(agent_id)  # read once: BlobReceived never changes it, and we hold the lock
         inc = self._open_move(rec, epoch, source)
-        plan: list[Piece] = []
-        writing: set[str] = set()
-        for sha, size in pieces:
-            keep = inc is not None and sha not in inc.received and sha not in writing
-            if keep:
-                writing.add(sha)
-            plan.append(Piece(sha, size, inc.content(sha) if keep and inc is not None else None))
-        writer = PieceWriter(plan)
-        listed = {} if inc is None else inc.manifest.blobs()
-        blobs = [p.sha for p in plan if p.path is not None and p.sha in listed]
-        try:
-            await _write_pieces(writer, payload, beside=partial(self.host.store.make_blob_dirs, blobs))
-            outcomes = writer.close()
-        except BaseException:
-            writer.abandon()
-            raise
+        async with aclosing(payload.batches(FEED_BYTES)) as batches:
+            if inc is None:
+                async for _ in batches:  # no open move for these: read and drop
+                    pass
+            else:
+                # A piece already received, or still in the intake, or twice
+                # in this call, is read and dropped (Piece without a path).
+                plan: list[Piece] = []
+                writing: set[str] = set()
+                for sha, size in pieces:
+                    keep = sha not in inc.received and sha not in inc.intake.inflight and sha not in writing
+                    if keep:
+                        writing.add(sha)
+                    plan.append(Piece(sha, size, inc.content(sha) if keep else None))
+                await inc.intake.take(batches, plan)
         results = []
-        for outcome in outcomes:
-            if outcome.written:
-                assert inc is not None
-                inc.sent.add(outcome.sha)
-                if outcome.intact:
-                    inc.received.add(outcome.sha)
-                    inc.bad.discard(outcome.sha)
-                else:
-                    log.warning("move of %s at epoch %d: a piece does not hash to %s", agent_id, epoch, outcome.sha)
-                    inc.bad.add(outcome.sha)
+        for sha, _ in pieces:
             # Arrived whole for an open move (a piece already here counts too);
-            # corruption is reported by verify, which names every bad piece.
-            event = mv.BlobReceived(agent_id=agent_id, epoch=epoch, source=source, sha=outcome.sha,
-                                    intact=inc is not None)
+            # whether it hashed to its name is verify's to report, which names
+            # every bad piece once the intake has passed them all.
+            event = mv.BlobReceived(agent_id=agent_id, epoch=epoch, source=source, sha=sha, intact=inc is not None)
             results.append(answer_to_result(await self.run(agent_id, event, record=rec)))
         if inc is not None:
             inc.last_activity = trio.current_time()
@@ -259,16 +252,48 @@ class MoveService:
 
     # -- staging areas ------------------------------------------------------------------------
     def _open(self, agent_id: str, epoch: int, source: str, manifest: fmt.Manifest) -> _Incoming:
+        if self._nursery is None:
+            raise RuntimeError("MoveService.run_intakes is not running: a move cannot be received")
         stack = ExitStack()
         area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
         os.mkdir(os.path.join(area, "content"))
-        inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time())
+        intake = Intake(record=lambda outcomes: _record(inc, outcomes),
+                        settle=partial(self._settle, manifest), depth=FEED_DEPTH)
+        inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         self._incoming[(agent_id, epoch)] = inc
+        self._nursery.start_soon(intake.run)
         return inc
+
+    def _settle(self, manifest: fmt.Manifest, durable: dict[str, str]) -> None:
+        """In the intake's worker thread: adopt the durable pieces that are
+        blobs of the move into objects/ (content addressed: safe before the
+        move is decided, and gc frees them if no agent lists them)."""
+        blobs = manifest.blobs()
+        adopt = []
+        for sha, path in sorted(durable.items()):
+            if sha in blobs:
+                tmp = path + ".adopt"  # a second name: the content file may also be a capsule file
+                os.link(path, tmp)
+                adopt.append((tmp, sha))
+        if adopt:
+            self.host.store.adopt_blob_files(adopt)
+
+    async def run_intakes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the intakes of the moves this service receives (their tasks
+        run here) until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
 
     async def _close(self, agent_id: str, epoch: int) -> None:
         inc = self._incoming.pop((agent_id, epoch), None)
         if inc is not None:
+            with trio.CancelScope(shield=True):  # the staging area goes only once nothing writes in it
+                await inc.intake.aclose()
             inc.stack.close()
 
     async def aclose_all(self) -> None:
@@ -292,23 +317,9 @@ class MoveService:
         inc = self._incoming[(agent_id, epoch)]
         store = self.host.store
 
-        def durable(sha: str) -> None:
-            fd = os.open(inc.content(sha), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
         def check() -> tuple[str, ...]:
-            list(parallel_map(durable, sorted(inc.received), workers=8))
             fsync_dir(os.path.dirname(inc.content("0" * 64)))
             blobs = inc.manifest.blobs()
-            adopt = []
-            for sha in sorted(inc.received & blobs.keys()):
-                tmp = inc.content(sha) + ".adopt"  # a second name: the content file may also be a capsule file
-                os.link(inc.content(sha), tmp)
-                adopt.append((tmp, sha))
-            store.adopt_blob_files(adopt)
             bad: list[str] = sorted(inc.bad)
             for sha, size in sorted(blobs.items()):
                 if sha in inc.received:
@@ -325,6 +336,7 @@ class MoveService:
                     bad.append(entry.sha256)
             return tuple(dict.fromkeys(bad))
 
+        await inc.intake.settled()  # every piece that arrived is hashed, durable and adopted (or failed)
         inc.last_activity = trio.current_time()
         return await trio.to_thread.run_sync(check)
 
@@ -402,6 +414,20 @@ class MoveService:
             await self.expire_idle(ttl)
 
 
+def _record(inc: _Incoming, outcomes: list[Outcome]) -> None:
+    """A call's pieces are written: note what arrived and what hashed right."""
+    for outcome in outcomes:
+        if not outcome.written:
+            continue
+        inc.sent.add(outcome.sha)
+        if outcome.intact:
+            inc.received.add(outcome.sha)
+            inc.bad.discard(outcome.sha)
+        else:
+            log.warning("move of %s at epoch %d: a piece does not hash to %s", inc.agent_id, inc.epoch, outcome.sha)
+            inc.bad.add(outcome.sha)
+
+
 @dataclass(frozen=True, slots=True)
 class ServingMoves:
     port: int  # where serve_moves listens
@@ -410,39 +436,6 @@ class ServingMoves:
 
 FEED_BYTES = 4 << 20  # payload bytes handed to the writer thread at a time
 FEED_DEPTH = 2  # batches received ahead of the writer
-
-
-async def _write_pieces(writer: PieceWriter, payload: Payload, *, beside: Callable[[], None]) -> None:
-    """Receive ``payload`` into ``writer``: this task receives (TLS) while a
-    worker thread hashes and writes the batch before, so both cores work.
-    ``beside`` runs in another worker thread meanwhile (the directories the
-    pieces will be adopted into)."""
-    send, receive = trio.open_memory_channel[list[bytes]](FEED_DEPTH)
-
-    # Each end closes its channel without a checkpoint (``with``, not
-    # ``async with``): a checkpoint there could be cancelled by the other
-    # task's failure and replace this task's own error with Cancelled.
-    async def write_all() -> None:
-        with receive:
-            async for batch in receive:
-                await trio.to_thread.run_sync(writer.feed, batch)
-
-    async def receive_all() -> None:
-        async with aclosing(payload.batches(FEED_BYTES)) as batches:
-            with send:
-                async for batch in batches:
-                    try:
-                        await send.send(batch)
-                    except trio.BrokenResourceError:
-                        return  # the writer stopped; its own error says why
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(write_all)
-            nursery.start_soon(trio.to_thread.run_sync, beside)
-            await receive_all()
-    except BaseExceptionGroup as group:
-        raise first_failure(group) from None
 
 
 async def serve_moves(
@@ -463,6 +456,7 @@ async def serve_moves(
     await service.recover()
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(service.run_intakes)
             handler = wrap(service) if wrap is not None else service
             bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler,
                                                 host=listen_host, port=port))

@@ -1,10 +1,10 @@
 """What a nursery of helper tasks reports when it fails.
 
-trio wraps every failure of a nursery in an ExceptionGroup. The move's
-pipelines (a task that receives beside one that writes, a task that sends
-beside one that reads) fail for one reason at a time, and their callers
-handle that reason by type (a broken link, a write error, a corrupt blob,
-a timeout's Cancelled), so :func:`first_failure` hands them the reason.
+trio wraps every failure of a nursery in an ExceptionGroup. The source's
+pipeline in a move (a task that sends beside one that reads) fails for one
+reason at a time, and its caller handles that reason by type (a broken
+link, a read error, a corrupt blob, a timeout's Cancelled), so
+:func:`first_failure` hands it the reason.
 """
 
 from __future__ import annotations

@@ -1,0 +1,257 @@
+"""The target's intake of one move: where the pieces of its ``blobs`` calls
+go after they have been received.
+
+Rules:
+  * Two stages, in order, each one task that hands its work to a worker
+    thread: the *writer* hashes and writes the pieces of each call
+    (:class:`~capsulefs.piecewriter.PieceWriter`, fed one batch at a time,
+    with another thread creating the call's files ahead of it);
+    the *settler* makes the pieces that hashed to their names durable (an
+    fsync each) and passes them to ``settle`` (the move service adopts the
+    blobs among them into ``objects/``).
+  * :meth:`Intake.take` returns once a call's payload has been received and
+    handed to the writer, which is then at most ``depth`` batches behind.
+    So a call's reply says its pieces *arrived*; the writer finishes them
+    while the next call's bytes come in, and the settler syncs them
+    meanwhile. Nothing counts as received on that basis: verify first
+    waits (:meth:`Intake.settled`) until both stages have passed every
+    piece handed over before it, and judges only then.
+  * A piece whose bytes are still in the intake (:attr:`Intake.inflight`)
+    must not be given a path a second time: its file may be in the middle
+    of being synced or linked into the store. The caller reads such a
+    duplicate and drops it.
+  * The first failure of either stage (a disk error) is kept. Every later
+    batch is dropped, every writer still open is abandoned, and every later
+    :meth:`take` and :meth:`settled` raises it (as OSError): the move then
+    fails and the source rolls back. A failure is never taken back.
+  * :meth:`aclose` stops both stages and waits for them; the piece being
+    written is removed (``PieceWriter.abandon``). The staging area around
+    them is the caller's.
+  * The intake's tasks run in a nursery the caller owns (:meth:`run`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+import trio
+
+from capsulefs.core.hashing import parallel_map
+from capsulefs.piecewriter import Outcome, Piece, PieceWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Intake"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Feed:
+    writer: PieceWriter
+    batch: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    writer: PieceWriter
+    paths: dict[str, str]  # sha -> file, the pieces it was given paths for (in flight until settled)
+    complete: bool  # every byte of the call was handed over (else: abandon it)
+
+
+@dataclass(frozen=True, slots=True)
+class _Settle:
+    paths: dict[str, str]  # sha -> file, the pieces that hashed to their names
+    shas: frozenset[str]  # leave the in-flight set once settled (or dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class _Barrier:
+    done: trio.Event
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Intake:
+    """The writer and settler of one move. ``record`` is called on the event
+    loop with each call's outcomes once its pieces are written (before they
+    are durable); ``settle`` is called in a worker thread with the
+    {sha: path} of pieces that hashed to their names, once they are durable."""
+
+    def __init__(self, *, record: Callable[[list[Outcome]], None], settle: Callable[[dict[str, str]], None],
+                 depth: int = 2, sync_workers: int = 8) -> None:
+        self._record = record
+        self._settle = settle
+        self._sync_workers = sync_workers
+        self._jobs_in, self._jobs = trio.open_memory_channel[_Feed | _End | _Barrier](depth)
+        # Unbounded, but only one entry per call and per barrier: the writer never waits on the settler.
+        self._settles_in, self._settles = trio.open_memory_channel[_Settle | _Barrier](math.inf)
+        self.inflight: set[str] = set()
+        self.failure: BaseException | None = None
+        self._open: set[PieceWriter] = set()  # handed to the intake, not yet closed or abandoned
+        self._barriers: set[trio.Event] = set()
+        self._scope = trio.CancelScope()
+        self._stopped = trio.Event()
+        self._helpers: trio.Nursery | None = None  # where precreate threads run, while the stages do
+
+    # -- the tasks -----------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run both stages until :meth:`aclose` (or the caller's nursery) stops them."""
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    self._helpers = nursery
+                    nursery.start_soon(self._write_stage)
+                    nursery.start_soon(self._settle_stage)
+                    task_status.started()
+        finally:
+            self._helpers = None
+            for writer in list(self._open):
+                writer.abandon()
+            self._open.clear()
+            self.inflight.clear()  # nothing is written or settled any more
+            if self.failure is None:
+                self.failure = OSError(errno.ECANCELED, "the move's intake was closed")
+            for done in self._barriers:
+                done.set()
+            self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Stop both stages; return once they have stopped (a worker thread
+        busy with a batch finishes it first)."""
+        self._scope.cancel()
+        await self._stopped.wait()
+
+    async def _write_stage(self) -> None:
+        # Closing both channels on the way out: a sender blocked on a full
+        # queue then fails instead of waiting forever, and the settler ends.
+        with self._jobs, self._settles_in:
+            async for job in self._jobs:
+                if isinstance(job, _Barrier):
+                    self._to_settler(job)
+                elif isinstance(job, _Feed):
+                    if self.failure is None and job.writer in self._open:
+                        try:
+                            await trio.to_thread.run_sync(job.writer.feed, job.batch)
+                        except Exception as exc:
+                            self._fail(exc)
+                else:
+                    await self._end(job)
+
+    async def _end(self, job: _End) -> None:
+        writer = job.writer
+        self._open.discard(writer)
+        if self.failure is not None or not job.complete:
+            writer.abandon()
+            self.inflight.difference_update(job.paths)
+            return
+        try:
+            outcomes = await trio.to_thread.run_sync(writer.close)
+        except Exception as exc:
+            writer.abandon()
+            self.inflight.difference_update(job.paths)
+            self._fail(exc)
+            return
+        self._record(outcomes)
+        intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
+        self._to_settler(_Settle(intact, frozenset(job.paths)))
+
+    def _to_settler(self, job: _Settle | _Barrier) -> None:
+        try:
+            self._settles_in.send_nowait(job)
+        except trio.BrokenResourceError:
+            pass  # the settler stopped: the intake is being closed (run's end settles the barriers)
+
+    async def _settle_stage(self) -> None:
+        with self._settles:
+            async for job in self._settles:
+                if isinstance(job, _Barrier):
+                    self._barriers.discard(job.done)
+                    job.done.set()
+                    continue
+                try:
+                    if self.failure is None and job.paths:
+                        await trio.to_thread.run_sync(self._sync_and_settle, job.paths)
+                except Exception as exc:
+                    self._fail(exc)
+                finally:
+                    self.inflight.difference_update(job.shas)
+
+    def _sync_and_settle(self, paths: dict[str, str]) -> None:
+        list(parallel_map(fsync_file, sorted(paths.values()), workers=self._sync_workers))
+        self._settle(paths)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            if not isinstance(exc, OSError):
+                log.error("a move's intake failed", exc_info=exc)
+            self.failure = exc
+
+    def _raise(self) -> None:
+        exc = self.failure
+        if exc is None:
+            return
+        code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+        raise OSError(code, f"writing the move's pieces failed: {exc}") from exc
+
+    # -- the callers' side --------------------------------------------------------------------
+    async def take(self, batches: AsyncIterator[list[bytes]], pieces: Iterable[Piece]) -> None:
+        """Receive one call's payload (``batches``, its pieces back to back)
+        and hand it to the writer. A piece with a path must not be in
+        :attr:`inflight`. Raises the intake's failure, if it has one."""
+        self._raise()
+        pieces = list(pieces)
+        paths = {p.sha: p.path for p in pieces if p.path is not None}
+        clash = self.inflight.intersection(paths)
+        if clash or len(paths) != sum(p.path is not None for p in pieces):
+            raise ValueError(f"a piece was given a path twice, or while it is in the intake: {sorted(clash)[:3]}")
+        writer = PieceWriter(pieces)
+        self._open.add(writer)
+        self.inflight.update(paths)
+        if paths and self._helpers is not None:
+            # The pieces' files, made ahead of the writer on the other core
+            # (a bounded job: it stops when the writer is closed or abandoned).
+            self._helpers.start_soon(trio.to_thread.run_sync, writer.precreate)
+        complete = False
+        try:
+            async for batch in batches:
+                self._raise()
+                await self._jobs_in.send(_Feed(writer, batch))
+            complete = True
+        except trio.BrokenResourceError:
+            pass  # the intake stopped; its failure says why (raised below)
+        finally:
+            # The writer's end goes in even if this task was cancelled (a
+            # bounded wait: the writer stage takes a job per batch, and
+            # fails the send if it has stopped), so that it is abandoned
+            # and its pieces leave the in-flight set.
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._jobs_in.send(_End(writer, paths, complete))
+                except trio.BrokenResourceError:
+                    writer.abandon()  # the intake stopped (run's end abandoned it too)
+                    self._open.discard(writer)
+                    self.inflight.difference_update(paths)
+        self._raise()
+
+    async def settled(self) -> None:
+        """Return once both stages have passed everything handed over before
+        this call; raise the intake's failure, if it has one."""
+        self._raise()
+        done = trio.Event()
+        self._barriers.add(done)
+        try:
+            await self._jobs_in.send(_Barrier(done))
+        except trio.BrokenResourceError:
+            pass
+        await done.wait()
+        self._raise()

@@ -1,0 +1,243 @@
+"""The target's intake of a move (capsulefs/moveintake.py): real files, real
+worker threads; the batches stand in for a call's payload."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pytest
+import trio
+import trio.testing
+
+from capsulefs.moveintake import Intake
+from capsulefs.piecewriter import Outcome, Piece
+
+
+class Sink:
+    """What the move service would do with the intake's reports."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+        self.settled: dict[str, str] = {}
+        self.settle_error: OSError | None = None
+
+    def record(self, outcomes: list[Outcome]) -> None:
+        self.outcomes.extend(outcomes)
+
+    def settle(self, durable: dict[str, str]) -> None:
+        if self.settle_error is not None:
+            raise self.settle_error
+        for sha, path in durable.items():
+            with open(path, "rb") as f:  # durable means whole, under its name
+                assert hashlib.sha256(f.read()).hexdigest() == sha
+        self.settled.update(durable)
+
+
+def piece(tmp_path, data: bytes, *, path: bool = True) -> Piece:
+    sha = hashlib.sha256(data).hexdigest()
+    return Piece(sha, len(data), str(tmp_path / sha) if path else None)
+
+
+class batches_of:
+    """A call's payload as the intake takes it: lists of chunks. An
+    iterator class, not a generator: a failed call leaves nothing to finalize."""
+
+    def __init__(self, data: bytes, size: int = 1000, *, fail_after: int | None = None,
+                 pause: trio.Event | None = None) -> None:
+        self.data, self.size, self.fail_after, self.pause = data, size, fail_after, pause
+        self.at = self.sent = 0
+
+    def __aiter__(self) -> "batches_of":
+        return self
+
+    async def __anext__(self) -> list[bytes]:
+        await trio.lowlevel.checkpoint()
+        if self.at >= len(self.data):
+            raise StopAsyncIteration
+        if self.fail_after is not None and self.sent >= self.fail_after:
+            raise ConnectionResetError("the link died")
+        if self.pause is not None and self.sent:
+            await self.pause.wait()
+        chunk = self.data[self.at : self.at + self.size]
+        self.at += self.size
+        self.sent += 1
+        return [chunk]
+
+
+async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    blobs = [os.urandom(n) for n in (5000, 1, 0, 12345)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        first = [piece(tmp_path, b) for b in blobs[:2]]
+        await intake.take(batches_of(b"".join(blobs[:2])), first)
+        second = [piece(tmp_path, b) for b in blobs[2:]]
+        await intake.take(batches_of(b"".join(blobs[2:]), 777), second)
+        await intake.settled()
+        assert [o.sha for o in sink.outcomes] == [p.sha for p in first + second]
+        assert all(o.written and o.intact for o in sink.outcomes)
+        assert set(sink.settled) == {p.sha for p in first + second}
+        assert intake.inflight == set()
+        await intake.aclose()
+    for p, data in zip(first + second, blobs):
+        with open(p.path, "rb") as f:
+            assert f.read() == data
+
+
+async def test_a_piece_that_does_not_hash_to_its_name_is_reported_not_settled(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle)
+    good, bad = os.urandom(3000), os.urandom(3000)
+    liar = Piece(hashlib.sha256(b"something else").hexdigest(), len(bad), str(tmp_path / "liar"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        await intake.take(batches_of(good + bad), [piece(tmp_path, good), liar])
+        await intake.settled()
+        await intake.aclose()
+    assert [(o.written, o.intact) for o in sink.outcomes] == [(True, True), (True, False)]
+    assert list(sink.settled) == [hashlib.sha256(good).hexdigest()]
+    assert not os.path.exists(liar.path)
+    assert intake.inflight == set()
+
+
+async def test_pieces_without_a_path_are_read_and_dropped(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle)
+    data = os.urandom(4000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        await intake.take(batches_of(data), [piece(tmp_path, data, path=False)])
+        await intake.settled()
+        await intake.aclose()
+    assert [o.written for o in sink.outcomes] == [False]
+    assert sink.settled == {} and os.listdir(tmp_path) == []
+
+
+async def test_a_piece_in_the_intake_is_never_given_a_path_twice(tmp_path) -> None:
+    """Its file may be being synced or linked into the store: a second
+    writer truncating it would change a stored blob under its name."""
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle)
+    data = os.urandom(4000)
+    pause, took = trio.Event(), trio.Event()
+
+    async def call() -> None:
+        await intake.take(batches_of(data, pause=pause), [piece(tmp_path, data)])
+        took.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        nursery.start_soon(call)
+        await trio.testing.wait_all_tasks_blocked()
+        assert intake.inflight == {hashlib.sha256(data).hexdigest()}
+        with pytest.raises(ValueError, match="path twice"):
+            await intake.take(batches_of(data), [piece(tmp_path, data)])
+        with pytest.raises(ValueError, match="path twice"):
+            await intake.take(batches_of(data + data), [piece(tmp_path, data), piece(tmp_path, data)])
+        pause.set()
+        await took.wait()
+        await intake.settled()
+        assert intake.inflight == set()
+        await intake.aclose()
+    assert list(sink.settled) == [hashlib.sha256(data).hexdigest()]
+
+
+async def test_a_write_failure_fails_every_later_call_and_verify(tmp_path) -> None:
+    """The writer's own error (not a closed channel's, not Cancelled) is
+    what the call, every later call and verify report; nothing is left
+    under a piece's name. Run many times: the stages race the caller."""
+    data = os.urandom(20_000)
+    sha = hashlib.sha256(data).hexdigest()
+    for _ in range(20):
+        sink = Sink()
+        intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+        lost = Piece(sha, len(data), str(tmp_path / "no-such-dir" / sha))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.run)
+            try:
+                await intake.take(batches_of(data, 500), [lost])
+            except OSError as exc:  # the failure came while the call was still handing over
+                assert exc.errno == errno.ENOENT
+            with pytest.raises(OSError) as failed:
+                await intake.settled()
+            assert failed.value.errno == errno.ENOENT and "no-such-dir" in str(failed.value)
+            fine = os.urandom(100)
+            with pytest.raises(OSError) as later:
+                await intake.take(batches_of(fine), [piece(tmp_path, fine)])
+            assert later.value.errno == errno.ENOENT
+            await intake.aclose()
+        assert sink.outcomes == [] and sink.settled == {}
+        assert os.listdir(tmp_path) == []
+        assert intake.inflight == set()
+
+
+async def test_a_settle_failure_fails_verify(tmp_path) -> None:
+    sink = Sink()
+    sink.settle_error = OSError(errno.ENOSPC, "No space left on device")
+    intake = Intake(record=sink.record, settle=sink.settle)
+    data = os.urandom(1000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        await intake.take(batches_of(data), [piece(tmp_path, data)])
+        with pytest.raises(OSError) as failed:
+            await intake.settled()
+        assert failed.value.errno == errno.ENOSPC
+        await intake.aclose()
+
+
+async def test_a_call_cut_short_leaves_no_piece_and_the_piece_can_come_again(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    data = os.urandom(10_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        with pytest.raises(ConnectionResetError):
+            await intake.take(batches_of(data, 1000, fail_after=4), [piece(tmp_path, data)])
+        await intake.settled()  # the cut call is no failure of the intake
+        assert sink.outcomes == [] and os.listdir(tmp_path) == [] and intake.inflight == set()
+        await intake.take(batches_of(data), [piece(tmp_path, data)])
+        await intake.settled()
+        await intake.aclose()
+    assert list(sink.settled) == [hashlib.sha256(data).hexdigest()]
+
+
+async def test_closing_the_intake_under_a_call_stops_it_and_removes_its_piece(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    data = os.urandom(10_000)
+    pause = trio.Event()
+    failures: list[BaseException] = []
+
+    async def call() -> None:
+        try:
+            await intake.take(batches_of(data, 1000, pause=pause), [piece(tmp_path, data)])
+        except OSError as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        nursery.start_soon(call)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(5):
+            await intake.aclose()
+        pause.set()
+    assert [f.errno for f in failures] == [errno.ECANCELED]
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError, match="closed"):
+        await intake.settled()
+
+
+async def test_a_caller_cancelled_mid_call_leaves_no_piece(tmp_path) -> None:
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    data = os.urandom(10_000)
+    pause = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        with trio.move_on_after(0.2):
+            await intake.take(batches_of(data, 1000, pause=pause), [piece(tmp_path, data)])
+        await intake.settled()
+        assert os.listdir(tmp_path) == [] and intake.inflight == set() and intake.failure is None
+        await intake.aclose()
