@@ -115,51 +115,64 @@ class Intake:
                     task_status.started()
         finally:
             self._helpers = None
-            for writer in list(self._open):
-                writer.abandon()
-            self._open.clear()
-            self.inflight.clear()  # nothing is written or settled any more
-            if self.failure is None:
-                self.failure = OSError(errno.ECANCELED, "the move's intake was closed")
-            for done in self._barriers:
-                done.set()
-            self._stopped.set()
+            try:
+                for writer in list(self._open):
+                    self._abandon(writer)
+            finally:
+                self._open.clear()
+                self.inflight.clear()  # nothing is written or settled any more
+                if self.failure is None:
+                    self.failure = OSError(errno.ECANCELED, "the move's intake was closed")
+                for done in self._barriers:
+                    done.set()
+                self._stopped.set()
 
     async def aclose(self) -> None:
         """Stop both stages; return once they have stopped (a worker thread
         busy with a batch finishes it first)."""
+        for writer in self._open:
+            writer.stop_precreate()  # its thread ends at the next file
         self._scope.cancel()
         await self._stopped.wait()
+
+    def _abandon(self, writer: PieceWriter) -> None:
+        """Abandon a writer; a failure to remove its files fails the intake
+        (never the stage, which would take the service's other moves down)."""
+        try:
+            writer.abandon()
+        except Exception as exc:
+            log.warning("a move's intake could not clean up a piece: %s", exc)
+            self._fail(exc)
 
     async def _write_stage(self) -> None:
         # Closing both channels on the way out: a sender blocked on a full
         # queue then fails instead of waiting forever, and the settler ends.
         with self._jobs, self._settles_in:
             async for job in self._jobs:
-                if isinstance(job, _Barrier):
-                    self._to_settler(job)
-                elif isinstance(job, _Feed):
-                    if self.failure is None and job.writer in self._open:
-                        try:
+                try:
+                    if isinstance(job, _Barrier):
+                        self._to_settler(job)
+                    elif isinstance(job, _Feed):
+                        if self.failure is None and job.writer in self._open:
                             await trio.to_thread.run_sync(job.writer.feed, job.batch)
-                        except Exception as exc:
-                            self._fail(exc)
-                else:
-                    await self._end(job)
+                    else:
+                        await self._end(job)
+                except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
+                    self._fail(exc)
 
     async def _end(self, job: _End) -> None:
         writer = job.writer
         self._open.discard(writer)
         if self.failure is not None or not job.complete:
-            writer.abandon()
+            self._abandon(writer)
             self.inflight.difference_update(job.paths)
             return
         try:
             outcomes = await trio.to_thread.run_sync(writer.close)
         except Exception as exc:
-            writer.abandon()
-            self.inflight.difference_update(job.paths)
             self._fail(exc)
+            self._abandon(writer)
+            self.inflight.difference_update(job.paths)
             return
         self._record(outcomes)
         intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
@@ -220,7 +233,10 @@ class Intake:
         if paths and self._helpers is not None:
             # The pieces' files, made ahead of the writer on the other core
             # (a bounded job: it stops when the writer is closed or abandoned).
-            self._helpers.start_soon(trio.to_thread.run_sync, writer.precreate)
+            try:
+                self._helpers.start_soon(trio.to_thread.run_sync, writer.precreate)
+            except RuntimeError:
+                pass  # the intake is stopping: the writer creates its own files, if it ever runs
         complete = False
         try:
             async for batch in batches:
@@ -237,10 +253,12 @@ class Intake:
             with trio.CancelScope(shield=True):
                 try:
                     await self._jobs_in.send(_End(writer, paths, complete))
-                except trio.BrokenResourceError:
-                    writer.abandon()  # the intake stopped (run's end abandoned it too)
+                except trio.BrokenResourceError:  # the intake stopped (run's end abandoned it too)
                     self._open.discard(writer)
+                    self._abandon(writer)
                     self.inflight.difference_update(paths)
+                    if self.failure is None:
+                        self.failure = OSError(errno.ECANCELED, "the move's intake was closed")
         self._raise()
 
     async def settled(self) -> None:

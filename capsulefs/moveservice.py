@@ -322,8 +322,8 @@ class MoveService:
             blobs = inc.manifest.blobs()
             bad: list[str] = sorted(inc.bad)
             for sha, size in sorted(blobs.items()):
-                if sha in inc.received:
-                    continue  # hashed on arrival, now durable in objects/
+                if sha in inc.received and store.has_blob(sha):
+                    continue  # hashed on arrival, durable in objects/ (unless a gc removed it since: then bad)
                 try:
                     if store.blob_size(sha) != size:
                         bad.append(sha)

@@ -134,6 +134,11 @@ class PieceWriter:
                 pass
         self._release()
 
+    def stop_precreate(self) -> None:
+        """Make :meth:`precreate` stop at its next file (from any thread)."""
+        with self._ahead:
+            self._stopped = True
+
     def precreate(self) -> None:
         """Create the files of the pieces the writer has not reached yet, in
         order (for another thread, while the writer works). Stops once the

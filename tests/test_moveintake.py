@@ -134,8 +134,9 @@ async def test_a_piece_in_the_intake_is_never_given_a_path_twice(tmp_path) -> No
         assert intake.inflight == {hashlib.sha256(data).hexdigest()}
         with pytest.raises(ValueError, match="path twice"):
             await intake.take(batches_of(data), [piece(tmp_path, data)])
+        other = os.urandom(10)  # not in flight: only the duplicate within the call is wrong
         with pytest.raises(ValueError, match="path twice"):
-            await intake.take(batches_of(data + data), [piece(tmp_path, data), piece(tmp_path, data)])
+            await intake.take(batches_of(other + other), [piece(tmp_path, other), piece(tmp_path, other)])
         pause.set()
         await took.wait()
         await intake.settled()
@@ -144,33 +145,89 @@ async def test_a_piece_in_the_intake_is_never_given_a_path_twice(tmp_path) -> No
     assert list(sink.settled) == [hashlib.sha256(data).hexdigest()]
 
 
-async def test_a_write_failure_fails_every_later_call_and_verify(tmp_path) -> None:
+async def test_a_write_failure_fails_every_later_call_and_verify(tmp_path, monkeypatch) -> None:
     """The writer's own error (not a closed channel's, not Cancelled) is
     what the call, every later call and verify report; nothing is left
     under a piece's name. Run many times: the stages race the caller."""
-    data = os.urandom(20_000)
-    sha = hashlib.sha256(data).hexdigest()
-    for _ in range(20):
+    from capsulefs import piecewriter
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(piecewriter.os, "write", full)
+    for attempt in range(20):
+        d = tmp_path / str(attempt)
+        d.mkdir()
         sink = Sink()
         intake = Intake(record=sink.record, settle=sink.settle, depth=1)
-        lost = Piece(sha, len(data), str(tmp_path / "no-such-dir" / sha))
+        first, second = os.urandom(20_000), os.urandom(5000)
         async with trio.open_nursery() as nursery:
             await nursery.start(intake.run)
             try:
-                await intake.take(batches_of(data, 500), [lost])
+                await intake.take(batches_of(first + second, 500), [piece(d, first), piece(d, second)])
             except OSError as exc:  # the failure came while the call was still handing over
-                assert exc.errno == errno.ENOENT
+                assert exc.errno == errno.ENOSPC
             with pytest.raises(OSError) as failed:
                 await intake.settled()
-            assert failed.value.errno == errno.ENOENT and "no-such-dir" in str(failed.value)
+            assert failed.value.errno == errno.ENOSPC and "No space left" in str(failed.value)
             fine = os.urandom(100)
             with pytest.raises(OSError) as later:
-                await intake.take(batches_of(fine), [piece(tmp_path, fine)])
-            assert later.value.errno == errno.ENOENT
+                await intake.take(batches_of(fine), [piece(d, fine)])
+            assert later.value.errno == errno.ENOSPC
             await intake.aclose()
         assert sink.outcomes == [] and sink.settled == {}
-        assert os.listdir(tmp_path) == []
+        assert os.listdir(d) == []  # neither the piece that failed nor the one made ahead of it
         assert intake.inflight == set()
+
+
+async def test_a_failure_to_clean_up_fails_the_move_not_the_service(tmp_path, monkeypatch) -> None:
+    """Removing a cut call's piece fails (say the file system went
+    read-only): that move's intake fails and says why; the nursery that
+    owns every move's intake does not see the error, and closing the
+    intake still returns."""
+    from capsulefs import piecewriter
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    data = os.urandom(10_000)
+    async with trio.open_nursery() as nursery:  # stands for the service's: it must not fail
+        await nursery.start(intake.run)
+        monkeypatch.setattr(piecewriter.os, "unlink", read_only)
+        with pytest.raises(ConnectionResetError):
+            await intake.take(batches_of(data, 1000, fail_after=4), [piece(tmp_path, data)])
+        with pytest.raises(OSError) as failed:
+            await intake.settled()
+        assert failed.value.errno == errno.EROFS
+        with trio.fail_after(5):
+            await intake.aclose()
+
+
+async def test_closing_with_a_call_ended_but_not_yet_written_removes_its_files(tmp_path) -> None:
+    """A call handed over its bytes and returned; the writer has not got
+    to it when the intake is closed: its files (made ahead or begun) go."""
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=64)
+    blobs = [os.urandom(3000) for _ in range(6)]
+    gate = trio.Event()
+    real_feed = Intake._write_stage
+
+    async def slow_stage(self) -> None:
+        await gate.wait()  # the writer stage is busy elsewhere
+        await real_feed(self)
+
+    intake._write_stage = slow_stage.__get__(intake)  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        await intake.take(batches_of(b"".join(blobs)), [piece(tmp_path, b) for b in blobs])
+        with trio.fail_after(5):
+            while len(os.listdir(tmp_path)) < len(blobs):  # made ahead of the writer
+                await trio.sleep(0.01)
+            await intake.aclose()
+    assert os.listdir(tmp_path) == []
+    assert sink.outcomes == [] and intake.inflight == set()
 
 
 async def test_a_settle_failure_fails_verify(tmp_path) -> None:

@@ -246,3 +246,20 @@ def test_precreate_and_the_writer_in_two_threads_leave_exactly_the_good_pieces(t
         for i, b in enumerate(blobs):
             if i % 4:
                 assert (d / f"p{i}").read_bytes() == b
+
+
+def test_abandon_while_precreate_runs_leaves_nothing_behind(tmp_path):
+    """abandon in one thread, precreate in another, many times: abandon
+    waits for a file being created, so none is left after it."""
+    import threading
+
+    for attempt in range(30):
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        blobs = [os.urandom(10) for _ in range(40)]
+        writer = PieceWriter([Piece(sha(b), len(b), str(d / f"p{i}")) for i, b in enumerate(blobs)])
+        ahead = threading.Thread(target=writer.precreate)
+        ahead.start()
+        writer.abandon()
+        ahead.join()
+        assert os.listdir(d) == []
