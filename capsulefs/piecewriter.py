@@ -19,6 +19,13 @@ Rules:
     run in another thread. Made to be fed from a worker thread, one batch at
     a time, while the event loop receives the next batch: hashing and
     ``write`` release the GIL.
+  * The feeder copies and hashes; a disk thread of its own writes, one
+    buffer behind (two buffers, each written before it is filled again),
+    so hashing one buffer and writing the other overlap. A write error is
+    raised into the feeder when that buffer comes round again, or by
+    :meth:`PieceWriter.close` at the latest; a piece counts as written only
+    once all its writes succeeded, and abandon removes every file whose
+    writes did not all succeed.
   * Creating a file can cost far more than writing a piece into it: on the
     ext4 of docs/move.md, 0.1-1.3 ms of CPU per file, depending on the
     block group the directory is in. ``precreate`` creates the files of the
@@ -37,6 +44,7 @@ import mmap
 import os
 import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,6 +68,56 @@ class Outcome:
     intact: bool  # written, and its bytes hash to ``sha`` (else the file was removed)
 
 
+class _File:
+    """A piece's open file. Written by the disk thread only (in the order of
+    the hand-overs); closed by it after the piece's last bytes, or by
+    abandon once the disk thread has nothing left to do."""
+
+    __slots__ = ("fd", "direct", "path", "writer", "whole")
+
+    def __init__(self, fd: int, direct: bool, path: str, writer: "PieceWriter") -> None:
+        self.fd = fd
+        self.direct = direct
+        self.path = path
+        self.writer = writer
+        self.whole = False  # every byte of the piece was written and the file closed
+
+    def write(self, buf: mmap.mmap, fill: int, last: bool) -> None:
+        with memoryview(buf) as whole, whole[:fill] as data:
+            blocks = len(data) - len(data) % ALIGN
+            self._write(data[:blocks])
+            self._write(data[blocks:])
+        if last:
+            self.close()
+            self.whole = True
+
+    def _write(self, data: memoryview) -> None:
+        while len(data):
+            if self.direct and len(data) % ALIGN:
+                self._buffered()  # a direct write must be whole blocks
+            try:
+                n = os.write(self.fd, data)
+            except OSError as exc:
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                self.writer.direct_refused = True  # open took O_DIRECT, write does not
+                self._buffered()
+                continue
+            data = data[n:]
+            if n % ALIGN:
+                self._buffered()  # a short direct write leaves the offset unaligned
+
+    def _buffered(self) -> None:
+        if self.direct:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class PieceWriter:
     """Cuts a stream into :class:`Piece` s, hashes and writes them. Feed it
     with :meth:`feed`, end with :meth:`close` (the outcomes, in order) or
@@ -74,12 +132,18 @@ class PieceWriter:
         self._creating = -1  # the piece precreate is creating the file of, if any
         self._ahead = threading.Condition()  # between the writer and precreate
         self.outcomes: list[Outcome] = []
-        self._buf = mmap.mmap(-1, BUFFER)
+        # Two buffers: the feeder fills and hashes one while the disk thread
+        # writes the other (each buffer's write is waited for before reuse).
+        self._bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
+        self._writes: list[Future[None] | None] = [None, None]
+        self._cur = 0
+        self._buf = self._bufs[0]
+        self._disk: ThreadPoolExecutor | None = None  # one thread: a file's writes stay in order
         self._fill = 0  # bytes of the current piece waiting in the buffer
         self._piece: Piece | None = None
         self._left = 0  # bytes of the current piece still to come
-        self._fd = -1
-        self._direct = False  # the current file is open with O_DIRECT
+        self._file: _File | None = None  # the current piece's file
+        self._files: list[_File] = []  # opened and not yet closed (by the disk thread or abandon)
         self._hash = hashlib.sha256()
         self.direct_refused = False  # the file system refused O_DIRECT once: write the rest buffered
 
@@ -108,6 +172,11 @@ class PieceWriter:
             left = self._left + sum(p.size for p in self._todo)
             self.abandon()
             raise ValueError(f"the payload ended {left} bytes before its pieces did")
+        try:
+            self._wait_all()  # a write error surfaces here at the latest
+        except BaseException:
+            self.abandon()
+            raise
         with self._ahead:
             self._stopped = True
         self._release()
@@ -123,8 +192,17 @@ class PieceWriter:
                 self._ahead.wait()
             unreached = {p.path for p in self._todo if p.path is not None}
         piece, self._piece = self._piece, None
-        self._close_fd()
+        for pending in self._writes:
+            if pending is not None:
+                pending.exception()  # wait; the error (if any) is the caller's already, or moot
+        self._writes = [None, None]
         doomed = [path for path in self._precreated if path in unreached]
+        for file in self._files:
+            file.close()
+            if not file.whole:  # a piece begun, or finished but whose writes failed or never ran
+                doomed.append(file.path)
+        self._files.clear()
+        self._file = None
         if piece is not None and piece.path is not None:
             doomed.append(piece.path)
         for path in doomed:
@@ -169,12 +247,16 @@ class PieceWriter:
                 return
 
     def _release(self) -> None:
-        # A view of the buffer may outlive a failed write (its traceback holds
+        if self._disk is not None:
+            self._disk.shutdown(wait=True)
+            self._disk = None
+        # A view of a buffer may outlive a failed write (its traceback holds
         # it); the mapping is then unmapped when that view goes.
-        try:
-            self._buf.close()
-        except BufferError:
-            pass
+        for buf in self._bufs:
+            try:
+                buf.close()
+            except BufferError:
+                pass
 
     # -- one piece -------------------------------------------------------------
     def _start(self) -> None:
@@ -186,24 +268,23 @@ class PieceWriter:
         self._piece, self._left, self._fill = piece, piece.size, 0
         self._hash = hashlib.sha256()
         if piece.path is not None:
-            self._fd = self._open(piece.path)
+            fd, direct = self._open(piece.path)
+            self._file = _File(fd, direct, piece.path, self)
+            self._files.append(self._file)
         if piece.size == 0:
             self._finish()
 
-    def _open(self, path: str) -> int:
+    def _open(self, path: str) -> tuple[int, bool]:
+        """The piece's file, and whether it is open with O_DIRECT."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         if not self.direct_refused:
             try:
-                fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 self.direct_refused = True  # e.g. tmpfs before Linux 6.6
-            else:
-                self._direct = True
-                return fd
-        self._direct = False
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o644), False
 
     def _absorb(self, view: memoryview) -> None:
         while len(view):
@@ -214,36 +295,31 @@ class PieceWriter:
             if self._fill == BUFFER:
                 self._flush()
 
-    def _flush(self) -> None:
-        """Hash and write what the buffer holds: its whole blocks directly,
-        then the rest (only a piece's last bytes leave a part block)."""
+    def _flush(self, *, last: bool = False) -> None:
+        """Hash what the buffer holds, hand it to the disk thread (which
+        writes its whole blocks directly, then the rest: only a piece's last
+        bytes leave a part block; and closes the file after its ``last``
+        bytes), and go on in the other buffer."""
+        file = self._file
+        assert file is not None
         with memoryview(self._buf) as whole, whole[: self._fill] as data:
             self._hash.update(data)
-            blocks = len(data) - len(data) % ALIGN
-            self._write(data[:blocks])
-            self._write(data[blocks:])
+        if self._disk is None:
+            self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="piece-disk")
+        self._writes[self._cur] = self._disk.submit(file.write, self._buf, self._fill, last)
         self._fill = 0
+        self._cur ^= 1
+        self._buf = self._bufs[self._cur]
+        self._wait(self._cur)  # the buffer about to be filled again has been written
 
-    def _write(self, data: memoryview) -> None:
-        while len(data):
-            if self._direct and len(data) % ALIGN:
-                self._buffered()  # a direct write must be whole blocks
-            try:
-                n = os.write(self._fd, data)
-            except OSError as exc:
-                if not self._direct or exc.errno != errno.EINVAL:
-                    raise
-                self.direct_refused = True  # open took O_DIRECT, write does not
-                self._buffered()
-                continue
-            data = data[n:]
-            if n % ALIGN:
-                self._buffered()  # a short direct write leaves the offset unaligned
+    def _wait(self, index: int) -> None:
+        pending, self._writes[index] = self._writes[index], None
+        if pending is not None:
+            pending.result()  # the write's error, in the feeder
 
-    def _buffered(self) -> None:
-        if self._direct:
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self._direct = False
+    def _wait_all(self) -> None:
+        for index in (self._cur ^ 1, self._cur):  # in the order they were handed over
+            self._wait(index)
 
     def _finish(self) -> None:
         piece = self._piece
@@ -253,18 +329,14 @@ class PieceWriter:
             self._piece = None
             return
         try:
-            self._flush()
+            self._flush(last=True)
+            intact = self._hash.hexdigest() == piece.sha
+            if not intact:
+                self._wait_all()  # its file is written and closed before it goes
+                os.unlink(piece.path)
         except BaseException:
             self.abandon()
             raise
-        self._close_fd()
+        self._file = None
         self._piece = None
-        intact = self._hash.hexdigest() == piece.sha
-        if not intact:
-            os.unlink(piece.path)
         self.outcomes.append(Outcome(piece.sha, written=True, intact=intact))
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)

@@ -88,7 +88,7 @@ def test_large_pieces_bypass_the_page_cache(tmp_path):
     blob = os.urandom(3 * BUFFER)
     writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "big"))])
     writer.feed([blob[: 2 * BUFFER]])
-    assert is_direct(writer._fd)
+    assert is_direct(writer._file.fd)
     writer.feed([blob[2 * BUFFER :]])
     assert writer.close() == [Outcome(sha(blob), written=True, intact=True)]
     assert (tmp_path / "big").read_bytes() == blob
@@ -174,11 +174,37 @@ def test_a_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(piecewriter.os, "write", write)
     blob = os.urandom(ALIGN + 1)
     writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))])
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OSError) as info:  # writes happen behind the feeder: the error comes by close at the latest
         writer.feed([blob])
+        writer.close()
     assert info.value.errno == errno.ENOSPC and calls
     writer.abandon()
     assert not (tmp_path / "p").exists()
+
+
+def test_a_write_error_stops_the_feeder_before_the_next_buffer_is_filled(tmp_path, monkeypatch):
+    """Writes run one buffer behind the feeder; an error in one is raised
+    into feed when that buffer comes round again, not lost."""
+    real = os.write
+    written = []
+
+    def write(fd, data):
+        if written:
+            raise OSError(errno.EIO, "Input/output error")
+        written.append(len(data))
+        return real(fd, data)
+
+    monkeypatch.setattr(piecewriter.os, "write", write)
+    monkeypatch.setattr(piecewriter, "BUFFER", 4 * ALIGN)
+    blob = os.urandom(40 * ALIGN)
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))])
+    with pytest.raises(OSError) as info:
+        for at in range(0, len(blob), ALIGN):
+            writer.feed([blob[at : at + ALIGN]])
+    assert info.value.errno == errno.EIO
+    assert writer._left > 0  # raised before the payload was all fed
+    writer.abandon()
+    assert os.listdir(tmp_path) == []
 
 
 # -- files made ahead of the writer (precreate, from another thread) ------------
