@@ -401,6 +401,30 @@ async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
     assert world.check() == "a"
 
 
+async def test_a_blob_removed_from_the_targets_store_before_verify_is_reported(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intake adopts blobs into objects/ while the move runs; a gc
+    (which knows no agent listing them yet) may remove one. Verify must
+    see that it is gone, not trust that it arrived: the move rolls back."""
+    real = world.service_b._check
+
+    async def check(agent_id: str, epoch: int) -> tuple[str, ...]:
+        await world.service_b._incoming[(agent_id, epoch)].intake.settled()
+        gone = sorted(world.service_b._incoming[(agent_id, epoch)].received
+                      & set(world.service_b._incoming[(agent_id, epoch)].manifest.blobs()))[0]
+        os.unlink(world.b.store.blob_file(gone))  # what gc would do
+        removed.append(gone)
+        return await real(agent_id, epoch)
+
+    removed: list[str] = []
+    monkeypatch.setattr(world.service_b, "_check", check)
+    result = await world.move()
+    assert removed
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"  # at verify, not later
+    assert "missing or corrupt" in result.reason
+    assert world.check() == "a"
+
+
 async def test_a_target_that_asks_for_a_digest_the_agent_lacks_gets_a_rollback(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A misbehaving target: the source cannot send what it does not have,
