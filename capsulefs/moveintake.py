@@ -4,13 +4,15 @@ go after they have been received.
 Rules:
   * Two stages, in order, each one task that hands its work to a worker
     thread: the *writer* hashes and writes the pieces of each call
-    (:class:`~capsulefs.piecewriter.PieceWriter`, fed one batch at a time,
+    (:class:`~capsulefs.piecewriter.PieceWriter`, one slab at a time,
     with another thread creating the call's files ahead of it);
     the *settler* makes the pieces that hashed to their names durable (an
     fsync each) and passes them to ``settle`` (the move service adopts the
     blobs among them into ``objects/``).
-  * :meth:`Intake.take` returns once a call's payload has been received and
-    handed to the writer, which is then at most ``depth`` batches behind.
+  * :meth:`Intake.take` reads a call's payload slab by slab straight into
+    the intake's buffers (``depth + 2`` of them: one being filled, one
+    being written, ``depth`` waiting), at the offsets of the writer's
+    layout, and returns once the last slab is handed to the writer.
     So a call's reply says its pieces *arrived*; the writer finishes them
     while the next call's bytes come in, and the settler syncs them
     meanwhile. Nothing counts as received on that basis: verify first
@@ -21,7 +23,7 @@ Rules:
     of being synced or linked into the store. The caller reads such a
     duplicate and drops it.
   * The first failure of either stage (a disk error) is kept. Every later
-    batch is dropped, every writer still open is abandoned, and every later
+    slab is dropped, every writer still open is abandoned, and every later
     :meth:`take` and :meth:`settled` raises it (as OSError): the move then
     fails and the source rolls back. A failure is never taken back.
   * :meth:`aclose` stops both stages and waits for them; the piece being
@@ -35,24 +37,32 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import mmap
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from capsulefs.core.hashing import parallel_map
-from capsulefs.piecewriter import Outcome, Piece, PieceWriter
+from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Intake"]
 
 
+class Source(Protocol):
+    """Where a call's payload comes from (``peerlink.Payload``)."""
+
+    async def readinto(self, buffer: memoryview) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Feed:
     writer: PieceWriter
-    batch: list[bytes]
+    buffer: mmap.mmap  # the writer's next slab; back to the pool once written (or dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,10 @@ class Intake:
         self._settle = settle
         self._sync_workers = sync_workers
         self._jobs_in, self._jobs = trio.open_memory_channel[_Feed | _End | _Barrier](depth)
+        # The slab buffers: one being filled, one being written, ``depth`` waiting.
+        self._pool_in, self._pool = trio.open_memory_channel[mmap.mmap](math.inf)
+        for _ in range(depth + 2):
+            self._pool_in.send_nowait(mmap.mmap(-1, BUFFER))
         # Unbounded, but only one entry per call and per barrier: the writer never waits on the settler.
         self._settles_in, self._settles = trio.open_memory_channel[_Settle | _Barrier](math.inf)
         self.inflight: set[str] = set()
@@ -119,6 +133,7 @@ class Intake:
                 for writer in list(self._open):
                     self._abandon(writer)
             finally:
+                self._pool_in.close()  # a call waiting for a buffer then stops (the failure below says why)
                 self._open.clear()
                 self.inflight.clear()  # nothing is written or settled any more
                 if self.failure is None:
@@ -129,7 +144,7 @@ class Intake:
 
     async def aclose(self) -> None:
         """Stop both stages; return once they have stopped (a worker thread
-        busy with a batch finishes it first)."""
+        busy with a slab finishes it first)."""
         for writer in self._open:
             writer.stop_precreate()  # its thread ends at the next file
         self._scope.cancel()
@@ -153,8 +168,11 @@ class Intake:
                     if isinstance(job, _Barrier):
                         self._to_settler(job)
                     elif isinstance(job, _Feed):
-                        if self.failure is None and job.writer in self._open:
-                            await trio.to_thread.run_sync(job.writer.feed, job.batch)
+                        try:
+                            if self.failure is None and job.writer in self._open:
+                                await trio.to_thread.run_sync(job.writer.write_slab, job.buffer)
+                        finally:
+                            self._give_back(job.buffer)
                     else:
                         await self._end(job)
                 except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
@@ -177,6 +195,12 @@ class Intake:
         self._record(outcomes)
         intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
         self._to_settler(_Settle(intact, frozenset(job.paths)))
+
+    def _give_back(self, buffer: mmap.mmap) -> None:
+        try:
+            self._pool_in.send_nowait(buffer)
+        except trio.ClosedResourceError:
+            pass  # the intake has stopped: nobody needs it any more
 
     def _to_settler(self, job: _Settle | _Barrier) -> None:
         try:
@@ -217,10 +241,12 @@ class Intake:
         raise OSError(code, f"writing the move's pieces failed: {exc}") from exc
 
     # -- the callers' side --------------------------------------------------------------------
-    async def take(self, batches: AsyncIterator[list[bytes]], pieces: Iterable[Piece]) -> None:
-        """Receive one call's payload (``batches``, its pieces back to back)
-        and hand it to the writer. A piece with a path must not be in
-        :attr:`inflight`. Raises the intake's failure, if it has one."""
+    async def take(self, payload: Source, pieces: Iterable[Piece]) -> None:
+        """Receive one call's payload (its pieces back to back) and hand it
+        to the writer: each slab is read from ``payload`` straight into a
+        buffer of the pool, at the offsets the writer's layout gives. A
+        piece with a path must not be in :attr:`inflight`. Raises the
+        intake's failure, if it has one."""
         self._raise()
         pieces = list(pieces)
         paths = {p.sha: p.path for p in pieces if p.path is not None}
@@ -239,15 +265,24 @@ class Intake:
                 pass  # the intake is stopping: the writer creates its own files, if it ever runs
         complete = False
         try:
-            async for batch in batches:
+            for slab in writer.slabs:
                 self._raise()
-                await self._jobs_in.send(_Feed(writer, batch))
+                buffer = await self._pool.receive()
+                try:
+                    with memoryview(buffer) as view:
+                        for seg in slab:
+                            if seg.size:
+                                await payload.readinto(view[seg.offset : seg.offset + seg.size])
+                    await self._jobs_in.send(_Feed(writer, buffer))
+                except BaseException:
+                    self._give_back(buffer)  # not handed over: still ours
+                    raise
             complete = True
-        except trio.BrokenResourceError:
+        except (trio.BrokenResourceError, trio.EndOfChannel, trio.ClosedResourceError):
             pass  # the intake stopped; its failure says why (raised below)
         finally:
             # The writer's end goes in even if this task was cancelled (a
-            # bounded wait: the writer stage takes a job per batch, and
+            # bounded wait: the writer stage takes a job per slab, and
             # fails the send if it has stopped), so that it is abandoned
             # and its pieces leave the in-flight set.
             with trio.CancelScope(shield=True):

@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from contextlib import ExitStack, aclosing
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -171,21 +171,19 @@ class MoveService:
             raise CallFailed("bad-request", f"blobs: {exc}") from None
         rec = self.record(agent_id)  # read once: BlobReceived never changes it, and we hold the lock
         inc = self._open_move(rec, epoch, source)
-        async with aclosing(payload.batches(FEED_BYTES)) as batches:
-            if inc is None:
-                async for _ in batches:  # no open move for these: read and drop
-                    pass
-            else:
-                # A piece already received, or still in the intake, or twice
-                # in this call, is read and dropped (Piece without a path).
-                plan: list[Piece] = []
-                writing: set[str] = set()
-                for sha, size in pieces:
-                    keep = sha not in inc.received and sha not in inc.intake.inflight and sha not in writing
-                    if keep:
-                        writing.add(sha)
-                    plan.append(Piece(sha, size, inc.content(sha) if keep else None))
-                await inc.intake.take(batches, plan)
+        if inc is None:
+            await payload.drain()  # no open move for these: read and drop
+        else:
+            # A piece already received, or still in the intake, or twice
+            # in this call, is read and dropped (Piece without a path).
+            plan: list[Piece] = []
+            writing: set[str] = set()
+            for sha, size in pieces:
+                keep = sha not in inc.received and sha not in inc.intake.inflight and sha not in writing
+                if keep:
+                    writing.add(sha)
+                plan.append(Piece(sha, size, inc.content(sha) if keep else None))
+            await inc.intake.take(payload, plan)
         results = []
         for sha, _ in pieces:
             # Arrived whole for an open move (a piece already here counts too);
@@ -434,8 +432,7 @@ class ServingMoves:
     service: MoveService
 
 
-FEED_BYTES = 4 << 20  # payload bytes handed to the writer thread at a time
-FEED_DEPTH = 2  # batches received ahead of the writer
+FEED_DEPTH = 2  # slabs (piecewriter.BUFFER bytes each) received ahead of the writer
 
 
 async def serve_moves(

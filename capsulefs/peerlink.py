@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import ssl
 import struct
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
@@ -263,6 +264,37 @@ class Payload:
                     have += len(chunk)
                     batch.append(chunk)
             yield batch
+
+    async def readinto(self, buffer: bytearray | memoryview | mmap.mmap) -> None:
+        """Fill ``buffer`` with the payload's next ``len(buffer)`` bytes (at
+        most what remains). Over a :class:`TLSStream` the records are
+        decrypted straight into it: the bulk reader's path, without a copy."""
+        f = self._framer
+        with memoryview(buffer) as whole, whole.cast("B") as view:
+            if len(view) > self.remaining:
+                raise ValueError(f"{len(view)} bytes asked for, {self.remaining} left in the payload")
+            got = 0
+            if f._buf:
+                got = min(len(f._buf), len(view))
+                view[:got] = f._buf[:got]
+                del f._buf[:got]
+                self.remaining -= got
+            receive_into = getattr(f.stream, "receive_into", None)
+            with _map_errors(f.what):
+                while got < len(view):
+                    if receive_into is not None:
+                        n = await receive_into(view[got:])
+                    else:
+                        chunk = await f.stream.receive_some(RECEIVE_CHUNK)
+                        n = min(len(chunk), len(view) - got)
+                        view[got : got + n] = chunk[:n]
+                        f._buf += chunk[n:]
+                        f.received_bytes += len(chunk) - n
+                    if not n:
+                        raise PeerBroken(f"{f.what}: the peer closed the link")
+                    f.received_bytes += n
+                    self.remaining -= n  # as it goes: a cancelled read leaves the frame's count true
+                    got += n
 
     async def read(self, limit: int = 64 << 20) -> bytes:
         if self.remaining > limit:

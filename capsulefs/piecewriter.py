@@ -2,30 +2,36 @@
 
 Rules:
   * A ``blobs`` payload is its pieces back to back. :class:`PieceWriter`
-    cuts the bytes it is fed at the sizes it was given, hashes each piece
-    and writes each piece it was given a path for; a piece without a path is
-    read and dropped (no open move for it, or it is already here).
-  * A piece is written through one page-aligned buffer with ``O_DIRECT``
-    where the file system takes it, so its bytes go to the device as they
-    arrive instead of piling up in the page cache for verify's fsync. Only
-    the last part of a piece that is not a whole number of blocks goes
-    through the page cache. Measured on the 2-core VM of docs/move.md:
-    1 GiB in 1,000 files took 2.7 s to write plus 1.5 s to fsync buffered,
-    1.3 s plus 0.15 s this way.
+    hashes each piece and writes each piece it was given a path for; a
+    piece without a path is read and dropped (no open move for it, or it
+    is already here).
+  * The payload is laid out in *slabs* (:func:`layout`): each slab is one
+    buffer's worth of segments, a segment being where the next bytes of a
+    piece go in the buffer. A kept piece starts on a block boundary and
+    every segment of it but the last is whole blocks, so its file is
+    written with ``O_DIRECT`` straight from the buffer, with no copy: the
+    receiver decrypts the payload into the buffer at those offsets
+    (``Payload.readinto``) and hands it to :meth:`PieceWriter.write_slab`.
+    :meth:`PieceWriter.feed` copies a stream of chunks into a buffer of the
+    writer's own, for callers that have chunks.
+  * ``O_DIRECT`` where the file system takes it, so a piece's bytes go to
+    the device as they arrive instead of piling up in the page cache for
+    verify's fsync; only the last part of a piece that is not a whole
+    number of blocks goes through the page cache. Measured on the 2-core
+    VM of docs/move.md: 1 GiB in 1,000 files took 2.7 s to write plus
+    1.5 s to fsync buffered, 1.3 s plus 0.15 s this way.
   * It decides nothing about the move: it reports, per piece, whether it
     was written and whether its bytes hash to its name; the caller feeds the
     move's machine. A file whose bytes do not hash to its name is removed.
   * Not thread-safe, with one exception: :meth:`PieceWriter.precreate` may
-    run in another thread. Made to be fed from a worker thread, one batch at
-    a time, while the event loop receives the next batch: hashing and
-    ``write`` release the GIL.
-  * The feeder copies and hashes; a disk thread of its own writes, one
-    buffer behind (two buffers, each written before it is filled again),
-    so hashing one buffer and writing the other overlap. A write error is
-    raised into the feeder when that buffer comes round again, or by
-    :meth:`PieceWriter.close` at the latest; a piece counts as written only
-    once all its writes succeeded, and abandon removes every file whose
-    writes did not all succeed.
+    run in another thread. Made to be called from a worker thread, a slab
+    at a time, while the event loop receives the next slab: hashing and
+    ``write`` release the GIL, and nothing else here holds it for long.
+  * ``write_slab`` hashes the slab in its own thread while a disk thread
+    writes it, and returns once both are done: the buffer is then free,
+    and a write error is raised by the slab that met it. A piece counts as
+    written only once all its writes succeeded, and abandon removes every
+    file whose writes did not all succeed.
   * Creating a file can cost far more than writing a piece into it: on the
     ext4 of docs/move.md, 0.1-1.3 ms of CPU per file, depending on the
     block group the directory is in. ``precreate`` creates the files of the
@@ -43,15 +49,15 @@ import hashlib
 import mmap
 import os
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ALIGN", "Outcome", "Piece", "PieceWriter"]
+__all__ = ["ALIGN", "BUFFER", "Outcome", "Piece", "PieceWriter", "Segment", "layout"]
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of every device's logical block size
-BUFFER = 4 << 20  # bytes gathered before each hash update and write
+BUFFER = 4 << 20  # bytes of one slab: what the writer hashes and writes in one go
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +74,57 @@ class Outcome:
     intact: bool  # written, and its bytes hash to ``sha`` (else the file was removed)
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Bytes of one piece in a slab: the payload's next ``size`` bytes go
+    at ``offset`` in the slab's buffer."""
+
+    piece: int  # index in the writer's pieces
+    offset: int
+    size: int
+    first: bool  # the piece's first bytes
+    last: bool  # the piece's last bytes
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(pieces: Sequence[Piece], buffer: int | None = None) -> list[list[Segment]]:
+    """Where the payload's bytes go: slabs of segments, in payload order,
+    each slab one buffer's worth. A piece that is written starts at an
+    ALIGN boundary of its buffer and every segment of it but the last is a
+    whole number of blocks, so its file is written with O_DIRECT straight
+    from the buffer; a piece that fits in one buffer is never split. A
+    dropped piece's bytes are packed anywhere (they are read, not kept)."""
+    buffer = BUFFER if buffer is None else buffer
+    if buffer <= 0 or buffer % ALIGN:
+        raise ValueError(f"a slab's buffer must be a positive multiple of {ALIGN} bytes")
+    slabs: list[list[Segment]] = []
+    slab: list[Segment] = []
+    fill = 0
+    for index, piece in enumerate(pieces):
+        left, first = piece.size, True
+        while True:
+            start = fill if piece.path is None else min(_align(fill), buffer)
+            take = min(left, buffer - start)
+            split = take < left and (take == 0 or (piece.path is not None and left <= buffer))
+            if slab and split:
+                slabs.append(slab)
+                slab, fill = [], 0
+                continue
+            last = take == left
+            slab.append(Segment(index, start, take, first, last))
+            fill, left, first = start + take, left - take, False
+            if last:
+                break
+    if slab:
+        slabs.append(slab)
+    return slabs
+
+
 class _File:
-    """A piece's open file. Written by the disk thread only (in the order of
-    the hand-overs); closed by it after the piece's last bytes, or by
-    abandon once the disk thread has nothing left to do."""
+    """A piece's open file, written in the order of its segments."""
 
     __slots__ = ("fd", "direct", "path", "writer", "whole")
 
@@ -82,11 +135,13 @@ class _File:
         self.writer = writer
         self.whole = False  # every byte of the piece was written and the file closed
 
-    def write(self, buf: mmap.mmap, fill: int, last: bool) -> None:
-        with memoryview(buf) as whole, whole[:fill] as data:
-            blocks = len(data) - len(data) % ALIGN
-            self._write(data[:blocks])
-            self._write(data[blocks:])
+    def write(self, data: memoryview, last: bool) -> None:
+        """Write a segment: its whole blocks directly, then the rest (only a
+        piece's last segment has a part block), closing after the last."""
+        blocks = len(data) - len(data) % ALIGN
+        with data[:blocks] as head, data[blocks:] as tail:
+            self._write(head)
+            self._write(tail)
         if last:
             self.close()
             self.whole = True
@@ -118,65 +173,171 @@ class _File:
             os.close(fd)
 
 
-class PieceWriter:
-    """Cuts a stream into :class:`Piece` s, hashes and writes them. Feed it
-    with :meth:`feed`, end with :meth:`close` (the outcomes, in order) or
-    :meth:`abandon` (removes the piece it was writing)."""
+def _write_all(writes: list[tuple[_File, memoryview, bool]]) -> None:
+    for file, data, last in writes:
+        file.write(data, last)
 
-    def __init__(self, pieces: Iterable[Piece]) -> None:
+
+class PieceWriter:
+    """Hashes and writes the :class:`Piece` s of one payload, slab by slab
+    (:attr:`slabs`, from :func:`layout`). The receiver puts each slab's
+    bytes into a buffer at the segments' offsets and hands it to
+    :meth:`write_slab`; or :meth:`feed` copies a stream of chunks into the
+    writer's own buffer. End with :meth:`close` (the outcomes, in order) or
+    :meth:`abandon` (removes what is not whole)."""
+
+    def __init__(self, pieces: Iterable[Piece], *, buffer: int | None = None) -> None:
         self._plan = list(pieces)
-        self._todo = deque(self._plan)
+        self._buffer = BUFFER if buffer is None else buffer
+        self.slabs = layout(self._plan, self._buffer)
+        self._written = 0  # slabs written so far
         self._reached = 0  # pieces the writer has started: precreate leaves these alone
         self._stopped = False  # closed or abandoned: precreate stops
         self._precreated: list[str] = []
         self._creating = -1  # the piece precreate is creating the file of, if any
         self._ahead = threading.Condition()  # between the writer and precreate
         self.outcomes: list[Outcome] = []
-        # Two buffers: the feeder fills and hashes one while the disk thread
-        # writes the other (each buffer's write is waited for before reuse).
-        self._bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
-        self._writes: list[Future[None] | None] = [None, None]
-        self._cur = 0
-        self._buf = self._bufs[0]
-        self._disk: ThreadPoolExecutor | None = None  # one thread: a file's writes stay in order
-        self._fill = 0  # bytes of the current piece waiting in the buffer
-        self._piece: Piece | None = None
-        self._left = 0  # bytes of the current piece still to come
-        self._file: _File | None = None  # the current piece's file
-        self._files: list[_File] = []  # opened and not yet closed (by the disk thread or abandon)
-        self._hash = hashlib.sha256()
+        self._piece = -1  # the piece begun and not finished, if any
+        self._file: _File | None = None  # its file
+        self._hash = hashlib.sha256()  # and its hash so far
+        self._files: list[_File] = []  # opened and not known whole
+        self._disk: ThreadPoolExecutor | None = None  # writes one slab while this thread hashes it
         self.direct_refused = False  # the file system refused O_DIRECT once: write the rest buffered
+        # feed()'s own buffer and where the next byte goes in it
+        self._own: mmap.mmap | None = None
+        self._seg = 0  # segment of slab ``_written`` being filled
+        self._got = 0  # bytes of that segment filled
 
-    # -- feeding -------------------------------------------------------------
+    # -- writing -------------------------------------------------------------------
+    def write_slab(self, buffer: mmap.mmap | bytearray | memoryview) -> None:
+        """Write the next slab, whose bytes the caller has put into
+        ``buffer`` at its segments' offsets: hash its pieces here while a
+        disk thread writes them. Returns once both are done (``buffer`` is
+        free again); a write error is raised here, and abandon then removes
+        every file that is not whole."""
+        if self._written >= len(self.slabs):
+            raise ValueError("every slab of this payload is written already")
+        slab = self.slabs[self._written]
+        self._written += 1
+        with memoryview(buffer) as whole, whole.cast("B") as view:
+            writes: list[tuple[_File, memoryview, bool]] = []
+            hashes: list[tuple[Any, memoryview]] = []
+            ends: list[tuple[int, Any, _File | None]] = []  # pieces that end in this slab
+            try:
+                for seg in slab:
+                    if seg.first:
+                        self._begin(seg.piece)
+                    file = self._file
+                    if file is not None:
+                        data = view[seg.offset : seg.offset + seg.size]
+                        writes.append((file, data, seg.last))
+                        hashes.append((self._hash, data))
+                    if seg.last:
+                        ends.append((seg.piece, self._hash, file))
+                        self._piece, self._file = -1, None
+                pending = None
+                if writes:
+                    if self._disk is None:
+                        self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="piece-disk")
+                    pending = self._disk.submit(_write_all, writes)
+                try:
+                    for h, data in hashes:
+                        h.update(data)
+                finally:
+                    if pending is not None:
+                        pending.result()  # waited for even if hashing failed: the buffer is the caller's again
+            finally:
+                for _, data in hashes:
+                    data.release()
+        for index, digest, file in ends:
+            self._end(index, digest, file)
+
+    def _begin(self, index: int) -> None:
+        with self._ahead:  # from here on precreate leaves this piece's file alone
+            while self._creating == index:
+                self._ahead.wait()
+            self._reached = index + 1
+        piece = self._plan[index]
+        self._piece, self._file, self._hash = index, None, hashlib.sha256()
+        if piece.path is not None:
+            fd, direct = self._open(piece.path)
+            self._file = _File(fd, direct, piece.path, self)
+            self._files.append(self._file)
+
+    def _end(self, index: int, digest: Any, file: _File | None) -> None:
+        piece = self._plan[index]
+        if file is None:
+            self.outcomes.append(Outcome(piece.sha, written=False, intact=False))
+            return
+        intact = digest.hexdigest() == piece.sha
+        self._files.remove(file)
+        if not intact:
+            os.unlink(file.path)
+        self.outcomes.append(Outcome(piece.sha, written=True, intact=intact))
+
+    def _open(self, path: str) -> tuple[int, bool]:
+        """The piece's file, and whether it is open with O_DIRECT."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        if not self.direct_refused:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self.direct_refused = True  # e.g. tmpfs before Linux 6.6
+        return os.open(path, flags, 0o644), False
+
+    # -- feeding a stream ---------------------------------------------------------------
     def feed(self, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Take the next bytes of the payload (in order)."""
+        """Take the next bytes of the payload (in order), copied into the
+        writer's own buffer; each slab is written once it is full."""
         for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            while len(view):
-                while self._piece is None:
-                    self._start()
-                n = min(len(view), self._left)
-                if self._piece.path is not None:
-                    self._absorb(view[:n])
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._finish()
+            with memoryview(chunk) as whole, whole.cast("B") as view:
+                at = 0
+                while at < len(view):
+                    self._skip_empty()
+                    if self._written >= len(self.slabs):
+                        raise ValueError("the payload is longer than its pieces")
+                    seg = self.slabs[self._written][self._seg]
+                    n = min(seg.size - self._got, len(view) - at)
+                    if self._own is None:
+                        self._own = mmap.mmap(-1, self._buffer)
+                    start = seg.offset + self._got
+                    self._own[start : start + n] = view[at : at + n]
+                    self._got += n
+                    at += n
+                    self._skip_empty()
 
+    def _skip_empty(self) -> None:
+        """Step past filled (and empty) segments; write a slab once every
+        segment of it is filled."""
+        while self._written < len(self.slabs):
+            slab = self.slabs[self._written]
+            if self._seg < len(slab) and self._got < slab[self._seg].size:
+                return
+            if self._seg < len(slab):
+                self._seg, self._got = self._seg + 1, 0
+                continue
+            if self._own is None:
+                self._own = mmap.mmap(-1, self._buffer)
+            self._seg = 0
+            try:
+                self.write_slab(self._own)
+            except BaseException:
+                self.abandon()
+                raise
+
+    # -- ending --------------------------------------------------------------------
     def close(self) -> list[Outcome]:
-        """The payload ended: settle the pieces left (only empty ones may be)
-        and return every outcome, in the order of the pieces."""
-        while self._piece is None and self._todo and self._todo[0].size == 0:
-            self._start()
-        if self._piece is not None or self._todo:
-            left = self._left + sum(p.size for p in self._todo)
+        """The payload ended: every slab must have been written (a slab of
+        empty pieces only is written here); return every outcome, in the
+        order of the pieces."""
+        if self._own is not None or self._written < len(self.slabs):
+            self._skip_empty()  # feed's last slab, or one of empty pieces only
+        if self._written < len(self.slabs):
+            left = sum(seg.size for slab in self.slabs[self._written :] for seg in slab) - self._got
             self.abandon()
             raise ValueError(f"the payload ended {left} bytes before its pieces did")
-        try:
-            self._wait_all()  # a write error surfaces here at the latest
-        except BaseException:
-            self.abandon()
-            raise
         with self._ahead:
             self._stopped = True
         self._release()
@@ -190,26 +351,21 @@ class PieceWriter:
             self._stopped = True
             while self._creating >= 0:
                 self._ahead.wait()
-            unreached = {p.path for p in self._todo if p.path is not None}
-        piece, self._piece = self._piece, None
-        for pending in self._writes:
-            if pending is not None:
-                pending.exception()  # wait; the error (if any) is the caller's already, or moot
-        self._writes = [None, None]
+            reached = self._reached
+        unreached = {p.path for p in self._plan[reached:] if p.path is not None}
         doomed = [path for path in self._precreated if path in unreached]
         for file in self._files:
             file.close()
             if not file.whole:  # a piece begun, or finished but whose writes failed or never ran
                 doomed.append(file.path)
         self._files.clear()
-        self._file = None
-        if piece is not None and piece.path is not None:
-            doomed.append(piece.path)
+        self._piece, self._file = -1, None
         for path in doomed:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        self._written = len(self.slabs)  # nothing more is written
         self._release()
 
     def stop_precreate(self) -> None:
@@ -250,93 +406,9 @@ class PieceWriter:
         if self._disk is not None:
             self._disk.shutdown(wait=True)
             self._disk = None
-        # A view of a buffer may outlive a failed write (its traceback holds
-        # it); the mapping is then unmapped when that view goes.
-        for buf in self._bufs:
+        if self._own is not None:
             try:
-                buf.close()
+                self._own.close()
             except BufferError:
-                pass
-
-    # -- one piece -------------------------------------------------------------
-    def _start(self) -> None:
-        with self._ahead:  # from here on precreate leaves this piece's file alone
-            piece = self._todo.popleft()  # IndexError: more bytes than pieces (the caller checked the sizes)
-            while self._creating == self._reached:
-                self._ahead.wait()
-            self._reached += 1
-        self._piece, self._left, self._fill = piece, piece.size, 0
-        self._hash = hashlib.sha256()
-        if piece.path is not None:
-            fd, direct = self._open(piece.path)
-            self._file = _File(fd, direct, piece.path, self)
-            self._files.append(self._file)
-        if piece.size == 0:
-            self._finish()
-
-    def _open(self, path: str) -> tuple[int, bool]:
-        """The piece's file, and whether it is open with O_DIRECT."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        if not self.direct_refused:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o644), True
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                self.direct_refused = True  # e.g. tmpfs before Linux 6.6
-        return os.open(path, flags, 0o644), False
-
-    def _absorb(self, view: memoryview) -> None:
-        while len(view):
-            n = min(len(view), BUFFER - self._fill)
-            self._buf[self._fill : self._fill + n] = view[:n]
-            self._fill += n
-            view = view[n:]
-            if self._fill == BUFFER:
-                self._flush()
-
-    def _flush(self, *, last: bool = False) -> None:
-        """Hash what the buffer holds, hand it to the disk thread (which
-        writes its whole blocks directly, then the rest: only a piece's last
-        bytes leave a part block; and closes the file after its ``last``
-        bytes), and go on in the other buffer."""
-        file = self._file
-        assert file is not None
-        with memoryview(self._buf) as whole, whole[: self._fill] as data:
-            self._hash.update(data)
-        if self._disk is None:
-            self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="piece-disk")
-        self._writes[self._cur] = self._disk.submit(file.write, self._buf, self._fill, last)
-        self._fill = 0
-        self._cur ^= 1
-        self._buf = self._bufs[self._cur]
-        self._wait(self._cur)  # the buffer about to be filled again has been written
-
-    def _wait(self, index: int) -> None:
-        pending, self._writes[index] = self._writes[index], None
-        if pending is not None:
-            pending.result()  # the write's error, in the feeder
-
-    def _wait_all(self) -> None:
-        for index in (self._cur ^ 1, self._cur):  # in the order they were handed over
-            self._wait(index)
-
-    def _finish(self) -> None:
-        piece = self._piece
-        assert piece is not None
-        if piece.path is None:
-            self.outcomes.append(Outcome(piece.sha, written=False, intact=False))
-            self._piece = None
-            return
-        try:
-            self._flush(last=True)
-            intact = self._hash.hexdigest() == piece.sha
-            if not intact:
-                self._wait_all()  # its file is written and closed before it goes
-                os.unlink(piece.path)
-        except BaseException:
-            self.abandon()
-            raise
-        self._file = None
-        self._piece = None
-        self.outcomes.append(Outcome(piece.sha, written=True, intact=intact))
+                pass  # a view of it outlives a failed write (its traceback holds it): unmapped when that goes
+            self._own = None

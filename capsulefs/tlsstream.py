@@ -250,11 +250,52 @@ class TLSStream(trio.abc.Stream):
             got += len(data)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def _decrypt_into(self, view: memoryview) -> int:
+        """Every record already buffered, up to ``len(view)`` bytes of plain
+        text, decrypted straight into ``view``; how many bytes it wrote."""
+        got = 0
+        want = len(view)
+        read = self._tls.read
+        while got < want:
+            try:
+                n = read(want - got, view[got:])
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:
+                self._eof = True
+                break
+            except ssl.SSLError as exc:
+                if not got:
+                    raise self._broken(exc) from exc
+                self._error = exc
+                break
+            if not n:
+                self._eof = True
+                break
+            got += n
+        return got
+
+    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+        """``receive_some(len(buffer))``, but the plain text is decrypted
+        straight into ``buffer`` (a bulk reader saves a copy of every byte);
+        returns how many bytes it wrote there, 0 at end of file. The same
+        rules as receive_some; a receive cancelled after it wrote into
+        ``buffer`` hands those bytes out again next time."""
+        with memoryview(buffer) as whole, whole.cast("B") as view:
+            if not len(view):
+                raise ValueError("the buffer must not be empty")
+            return await self._receive(len(view), view)  # type: ignore[return-value]  # an int with ``into``
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if max_bytes is None:
             max_bytes = DEFAULT_RECEIVE
         elif max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
+        return await self._receive(max_bytes, None)  # type: ignore[return-value]
+
+    async def _receive(self, max_bytes: int, into: memoryview | None) -> bytes | int:
+        """receive_some's and receive_into's common path: with ``into``, the
+        bytes land there and their count is returned."""
         with self._receiving:
             self._check()
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -265,23 +306,33 @@ class TLSStream(trio.abc.Stream):
                 if self._error is not None:
                     exc, self._error = self._error, None
                     raise self._broken(exc) from exc
+                data = b""
                 if self._held:
                     data, self._held = self._held[:max_bytes], self._held[max_bytes:]
+                    if into is not None:
+                        into[: len(data)] = data
+                    got = len(data)
+                elif self._eof:
+                    got = 0
+                elif into is not None:
+                    got = self._decrypt_into(into)
                 else:
-                    data = self._decrypt(max_bytes) if not self._eof else b""
+                    data = self._decrypt(max_bytes)
+                    got = len(data)
                 if self._outgoing.pending:  # records that asked for an answer (a key update)
                     try:
                         yielded = await self._flush() or yielded
                     except BaseException:
-                        self._held = data + self._held  # cancelled before sending: hand it out next time
+                        # cancelled before sending: hand the bytes out next time
+                        self._held = (bytes(into[:got]) if into is not None else data) + self._held
                         raise
-                if data or self._eof:
+                if got or self._eof:
                     break
                 await self._fill()
                 yielded = True
             if not yielded:
                 await trio.lowlevel.cancel_shielded_checkpoint()
-            return data
+            return got if into is not None else data
 
     # -- closing --------------------------------------------------------------------
     async def aclose(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
@@ -110,18 +109,18 @@ class FaultyTarget:
 
 
 class _Corrupt:
+    """The call's payload with its first byte flipped on the way in."""
+
     def __init__(self, inner: Payload) -> None:
         self.inner = inner
         self.size = inner.size
+        self.first = True
 
-    async def batches(self, size: int) -> AsyncIterator[list[bytes]]:
-        first = True
-        async with aclosing(self.inner.batches(size)) as batches:
-            async for batch in batches:
-                if first and batch and batch[0]:
-                    batch = [bytes([batch[0][0] ^ 0xFF]) + batch[0][1:], *batch[1:]]
-                    first = False
-                yield batch
+    async def readinto(self, buffer: memoryview) -> None:
+        await self.inner.readinto(buffer)
+        if self.first and len(buffer):
+            buffer[0] ^= 0xFF
+            self.first = False
 
     async def drain(self) -> None:
         await self.inner.drain()

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from capsulefs.moveintake import Intake
-from capsulefs.piecewriter import Outcome, Piece
+from capsulefs.piecewriter import BUFFER, Outcome, Piece
 
 
 class Sink:
@@ -40,29 +40,30 @@ def piece(tmp_path, data: bytes, *, path: bool = True) -> Piece:
 
 
 class batches_of:
-    """A call's payload as the intake takes it: lists of chunks. An
-    iterator class, not a generator: a failed call leaves nothing to finalize."""
+    """A call's payload as the intake takes it (what ``peerlink.Payload``
+    gives): ``readinto`` fills the buffer it is given, ``size`` bytes per
+    step, each step a checkpoint; it can fail after some steps (the link
+    died) or wait at each step after the first until ``pause`` is set."""
 
     def __init__(self, data: bytes, size: int = 1000, *, fail_after: int | None = None,
                  pause: trio.Event | None = None) -> None:
         self.data, self.size, self.fail_after, self.pause = data, size, fail_after, pause
         self.at = self.sent = 0
 
-    def __aiter__(self) -> "batches_of":
-        return self
-
-    async def __anext__(self) -> list[bytes]:
-        await trio.lowlevel.checkpoint()
-        if self.at >= len(self.data):
-            raise StopAsyncIteration
-        if self.fail_after is not None and self.sent >= self.fail_after:
-            raise ConnectionResetError("the link died")
-        if self.pause is not None and self.sent:
-            await self.pause.wait()
-        chunk = self.data[self.at : self.at + self.size]
-        self.at += self.size
-        self.sent += 1
-        return [chunk]
+    async def readinto(self, buffer: memoryview) -> None:
+        assert len(buffer) <= len(self.data) - self.at, "read past the payload"
+        got = 0
+        while got < len(buffer):
+            await trio.lowlevel.checkpoint()
+            if self.fail_after is not None and self.sent >= self.fail_after:
+                raise ConnectionResetError("the link died")
+            if self.pause is not None and self.sent:
+                await self.pause.wait()
+            n = min(self.size, len(buffer) - got)
+            buffer[got : got + n] = self.data[self.at : self.at + n]
+            self.at += n
+            got += n
+            self.sent += 1
 
 
 async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path) -> None:
@@ -192,12 +193,12 @@ async def test_a_failure_to_clean_up_fails_the_move_not_the_service(tmp_path, mo
 
     sink = Sink()
     intake = Intake(record=sink.record, settle=sink.settle, depth=1)
-    data = os.urandom(10_000)
+    data = os.urandom(BUFFER + 10_000)  # cut in its second slab: the first is on disk
     async with trio.open_nursery() as nursery:  # stands for the service's: it must not fail
         await nursery.start(intake.run)
         monkeypatch.setattr(piecewriter.os, "unlink", read_only)
         with pytest.raises(ConnectionResetError):
-            await intake.take(batches_of(data, 1000, fail_after=4), [piece(tmp_path, data)])
+            await intake.take(batches_of(data, 1 << 16, fail_after=BUFFER // (1 << 16)), [piece(tmp_path, data)])
         with pytest.raises(OSError) as failed:
             await intake.settled()
         assert failed.value.errno == errno.EROFS

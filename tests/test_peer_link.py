@@ -52,6 +52,19 @@ class Recorder:
                     for chunk in batch:
                         h.update(chunk)
             return {"sha": h.hexdigest(), "sizes": sizes}, b""
+        if call == "readinto":
+            buf = bytearray(payload.size)
+            view = memoryview(buf)
+            at = 0
+            for step in args["steps"]:
+                await payload.readinto(view[at : at + step])
+                at += step
+            try:
+                await payload.readinto(bytearray(payload.remaining + 1))
+            except ValueError:
+                pass  # more than the frame holds: refused, nothing read
+            await payload.readinto(view[at:])
+            return {"sha": hashlib.sha256(buf).hexdigest(), "left": payload.remaining}, b""
         if call == "fail":
             raise CallFailed("nope", "the handler said no")
         if call == "hang":
@@ -124,6 +137,40 @@ async def test_a_payload_read_in_batches(pair: Pair) -> None:
     assert sum(result["sizes"]) == len(data)
     assert all(s >= 200_000 for s in result["sizes"][:-1]) and len(result["sizes"]) <= 5
     assert again == {"sha": hashlib.sha256(b"tail").hexdigest(), "sizes": [4]}
+
+
+async def test_a_payload_read_into_buffers(pair: Pair) -> None:
+    """The bulk reader's path: any cut of the payload into buffers gets its
+    bytes in order; asking for more than the frame holds is refused without
+    reading; the next call's frame is untouched."""
+    data = os.urandom(3_000_001)
+    steps = [1, 4095, 1 << 20, 17, 1_500_000]
+    async with open_peer(pair.a, pair.peer_b()) as conn:
+        result, _ = await conn.call("readinto", {"steps": steps}, payload=data)
+        again, _ = await conn.call("readinto", {"steps": [2]}, payload=b"tail")
+    assert result == {"sha": hashlib.sha256(data).hexdigest(), "left": 0}
+    assert again == {"sha": hashlib.sha256(b"tail").hexdigest(), "left": 0}
+
+
+async def test_a_payload_read_into_buffers_over_a_plain_stream() -> None:
+    """Over a stream without receive_into (any trio stream): the same
+    bytes, and what a receive brought past the frame waits for the next."""
+    import trio.testing
+
+    from capsulefs.peerlink import _Framer
+
+    a, b = trio.testing.memory_stream_pair()
+    sender, receiver = _Framer(a, "test"), _Framer(b, "test")
+    data = os.urandom(300_001)
+    await sender.send({"type": "x"}, data)
+    await sender.send({"type": "y"}, b"next")
+    _, payload = await receiver.receive()
+    buf = bytearray(len(data))
+    for lo, hi in [(0, 7), (7, 100_000), (100_000, len(data))]:
+        await payload.readinto(memoryview(buf)[lo:hi])
+    assert buf == data and payload.remaining == 0
+    header, payload = await receiver.receive()
+    assert header == {"type": "y"} and await payload.read() == b"next"
 
 
 async def test_client_refuses_a_server_with_another_id(pair: Pair, tmp_path: Path) -> None:

@@ -39,12 +39,12 @@ def chunked(data: bytes, sizes: list[int]) -> list[bytes]:
     return out
 
 
-def run(tmp_path, blobs: list[bytes], chunk_sizes: list[int], *, keep=None) -> list[Outcome]:
+def run(tmp_path, blobs: list[bytes], chunk_sizes: list[int], *, keep=None, buffer=None) -> list[Outcome]:
     pieces = [
         Piece(sha(b), len(b), str(tmp_path / f"p{i}") if keep is None or keep[i] else None)
         for i, b in enumerate(blobs)
     ]
-    writer = PieceWriter(pieces)
+    writer = PieceWriter(pieces, buffer=buffer)
     writer.feed(chunked(b"".join(blobs), chunk_sizes))
     return writer.close()
 
@@ -66,13 +66,14 @@ def test_every_size_round_trips_whatever_the_chunking(tmp_path):
 @given(
     sizes=st.lists(st.sampled_from([0, 1, 5, ALIGN - 1, ALIGN, ALIGN + 3, 2 * ALIGN]), min_size=1, max_size=6),
     cuts=st.lists(st.integers(1, 3 * ALIGN), max_size=40),
+    buffer=st.sampled_from([ALIGN, 2 * ALIGN, BUFFER]),
     data=st.data(),
 )
-def test_pieces_are_cut_at_their_sizes(tmp_path_factory, sizes, cuts, data):
+def test_pieces_are_cut_at_their_sizes(tmp_path_factory, sizes, cuts, buffer, data):
     tmp = tmp_path_factory.mktemp("cut")
     blobs = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
     keep = data.draw(st.lists(st.booleans(), min_size=len(blobs), max_size=len(blobs)))
-    outcomes = run(tmp, blobs, cuts, keep=keep)
+    outcomes = run(tmp, blobs, cuts, keep=keep, buffer=buffer)
     assert [o.written for o in outcomes] == keep
     for i, b in enumerate(blobs):
         path = tmp / f"p{i}"
@@ -80,6 +81,37 @@ def test_pieces_are_cut_at_their_sizes(tmp_path_factory, sizes, cuts, data):
             assert path.read_bytes() == b and outcomes[i].intact
         else:
             assert not path.exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.sampled_from([0, 1, 100, ALIGN - 1, ALIGN, ALIGN + 1, 5 * ALIGN + 3]), st.booleans()),
+                    max_size=12),
+    buffer=st.sampled_from([ALIGN, 2 * ALIGN, 4 * ALIGN]),
+)
+def test_the_layout_puts_every_byte_once_and_kept_pieces_on_block_boundaries(pieces, buffer):
+    """What write_slab relies on to write a piece straight from the buffer
+    with O_DIRECT, and what the receiver relies on to fill the buffer."""
+    plan = [Piece(str(i), n, "f" if kept else None) for i, (n, kept) in enumerate(pieces)]
+    slabs = piecewriter.layout(plan, buffer)
+    segments = [seg for slab in slabs for seg in slab]
+    assert all(slabs)
+    # in payload order, every piece's bytes once: first..last, sizes adding up
+    assert [seg.piece for seg in segments] == sorted(seg.piece for seg in segments)
+    for i, piece in enumerate(plan):
+        mine = [seg for seg in segments if seg.piece == i]
+        assert mine and mine[0].first and mine[-1].last
+        assert not any(seg.first for seg in mine[1:]) and not any(seg.last for seg in mine[:-1])
+        assert sum(seg.size for seg in mine) == piece.size
+        if piece.path is not None:
+            assert all(seg.offset % ALIGN == 0 for seg in mine)
+            assert all(seg.size % ALIGN == 0 for seg in mine[:-1])
+            assert len(mine) == 1 or piece.size > buffer  # a piece that fits a buffer is not split
+    for slab in slabs:  # within the buffer, in order, never overlapping
+        end = 0
+        for seg in slab:
+            assert seg.offset >= end and seg.offset + seg.size <= buffer
+            end = seg.offset + seg.size
 
 
 def test_large_pieces_bypass_the_page_cache(tmp_path):
@@ -182,9 +214,10 @@ def test_a_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
     assert not (tmp_path / "p").exists()
 
 
-def test_a_write_error_stops_the_feeder_before_the_next_buffer_is_filled(tmp_path, monkeypatch):
-    """Writes run one buffer behind the feeder; an error in one is raised
-    into feed when that buffer comes round again, not lost."""
+def test_a_write_error_is_raised_by_the_slab_it_hit_and_nothing_is_left(tmp_path, monkeypatch):
+    """A slab is hashed and written before write_slab (or the feed that
+    filled it) returns: a write error is raised there, not later and not
+    lost, the slabs after it are never written, and abandon leaves nothing."""
     real = os.write
     written = []
 
@@ -195,14 +228,16 @@ def test_a_write_error_stops_the_feeder_before_the_next_buffer_is_filled(tmp_pat
         return real(fd, data)
 
     monkeypatch.setattr(piecewriter.os, "write", write)
-    monkeypatch.setattr(piecewriter, "BUFFER", 4 * ALIGN)
     blob = os.urandom(40 * ALIGN)
-    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))])
+    writer = PieceWriter([Piece(sha(blob), len(blob), str(tmp_path / "p"))], buffer=4 * ALIGN)
+    fed = 0
     with pytest.raises(OSError) as info:
         for at in range(0, len(blob), ALIGN):
             writer.feed([blob[at : at + ALIGN]])
+            fed += ALIGN
     assert info.value.errno == errno.EIO
-    assert writer._left > 0  # raised before the payload was all fed
+    assert fed == 7 * ALIGN  # raised by the feed that filled the second slab
+    assert written == [4 * ALIGN]
     writer.abandon()
     assert os.listdir(tmp_path) == []
 
@@ -227,7 +262,7 @@ def test_precreate_never_brings_back_a_piece_the_writer_removed(tmp_path):
     name (the writer has reached it: precreate leaves it alone)."""
     good, bad = os.urandom(100), os.urandom(100)
     pieces = [Piece(sha(b"other"), len(bad), str(tmp_path / "bad")), Piece(sha(good), len(good), str(tmp_path / "good"))]
-    writer = PieceWriter(pieces)
+    writer = PieceWriter(pieces, buffer=ALIGN)  # a slab each
     writer.feed([bad])
     writer.precreate()  # late: the first piece is done and gone
     assert sorted(os.listdir(tmp_path)) == ["good"]
@@ -239,7 +274,7 @@ def test_precreate_never_brings_back_a_piece_the_writer_removed(tmp_path):
 def test_abandon_removes_the_files_made_for_pieces_never_reached(tmp_path):
     blobs = [os.urandom(3000) for _ in range(4)]
     pieces = [Piece(sha(b), len(b), str(tmp_path / f"p{i}")) for i, b in enumerate(blobs)]
-    writer = PieceWriter(pieces)
+    writer = PieceWriter(pieces, buffer=ALIGN)  # a slab each
     writer.precreate()
     writer.feed([blobs[0] + blobs[1][:10]])  # the first piece whole, the second begun
     writer.abandon()

@@ -3,6 +3,7 @@ and what the peer link relies on beyond it."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Iterator
 
@@ -64,6 +65,29 @@ async def test_one_receive_decrypts_every_record_that_has_arrived(contexts: tupl
     while len(got) < len(data):
         got += await server.receive_some(len(data) - len(got))
     assert got == data
+
+
+async def test_receive_into_decrypts_straight_into_the_callers_buffer(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """The bulk reader's path (a move's pieces): records land in the
+    caller's buffer, many per call, exactly up to its length; the bytes
+    after it stay for the next receive, and end of file reads as 0."""
+    client, server = await _handshaken(contexts)
+    data = os.urandom(1 << 20)
+    await client.send_all(data + b"after")
+    buf = bytearray(len(data))
+    view = memoryview(buf)
+    got = await server.receive_into(view)
+    assert got > 16 * 1024, got
+    while got < len(data):
+        n = await server.receive_into(view[got:])
+        assert n > 0
+        got += n
+    assert buf == data
+    assert await server.receive_some(100) == b"after"
+    await client.aclose()
+    assert await server.receive_into(bytearray(10)) == 0
+    with pytest.raises(ValueError):
+        await server.receive_into(bytearray())
 
 
 async def test_close_notify_reads_as_end_of_file_every_time(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
