@@ -37,7 +37,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import mmap
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from typing import Protocol
 import trio
 
 from capsulefs.core.hashing import parallel_map
-from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter
+from capsulefs.piecewriter import Outcome, Piece
+from capsulefs.slabworker import ProcessWriters, ThreadWriters, WriterHandle
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ class Source(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Feed:
-    writer: PieceWriter
-    buffer: mmap.mmap  # the writer's next slab; back to the pool once written (or dropped)
+    writer: WriterHandle
+    buffer: int  # the pool's buffer holding the writer's next slab; back to the pool once written (or dropped)
 
 
 @dataclass(frozen=True, slots=True)
 class _End:
-    writer: PieceWriter
+    writer: WriterHandle
     paths: dict[str, str]  # sha -> file, the pieces it was given paths for (in flight until settled)
     complete: bool  # every byte of the call was handed over (else: abandon it)
 
@@ -98,24 +98,27 @@ class Intake:
     {sha: path} of pieces that hashed to their names, once they are durable."""
 
     def __init__(self, *, record: Callable[[list[Outcome]], None], settle: Callable[[dict[str, str]], None],
-                 depth: int = 2, sync_workers: int = 8) -> None:
+                 depth: int = 2, sync_workers: int = 8, writers: str = "thread") -> None:
+        if writers not in ("thread", "process"):
+            raise ValueError(f"writers must be 'thread' or 'process', not {writers!r}")
         self._record = record
         self._settle = settle
         self._sync_workers = sync_workers
         self._jobs_in, self._jobs = trio.open_memory_channel[_Feed | _End | _Barrier](depth)
         # The slab buffers: one being filled, one being written, ``depth`` waiting.
-        self._pool_in, self._pool = trio.open_memory_channel[mmap.mmap](math.inf)
-        for _ in range(depth + 2):
-            self._pool_in.send_nowait(mmap.mmap(-1, BUFFER))
+        self._writers: ThreadWriters | ProcessWriters = (
+            ThreadWriters(depth + 2) if writers == "thread" else ProcessWriters(depth + 2))
+        self._pool_in, self._pool = trio.open_memory_channel[int](math.inf)
+        for index in range(depth + 2):
+            self._pool_in.send_nowait(index)
         # Unbounded, but only one entry per call and per barrier: the writer never waits on the settler.
         self._settles_in, self._settles = trio.open_memory_channel[_Settle | _Barrier](math.inf)
         self.inflight: set[str] = set()
         self.failure: BaseException | None = None
-        self._open: set[PieceWriter] = set()  # handed to the intake, not yet closed or abandoned
+        self._open: set[WriterHandle] = set()  # handed to the intake, not yet closed or abandoned
         self._barriers: set[trio.Event] = set()
         self._scope = trio.CancelScope()
         self._stopped = trio.Event()
-        self._helpers: trio.Nursery | None = None  # where precreate threads run, while the stages do
 
     # -- the tasks -----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -123,15 +126,19 @@ class Intake:
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
-                    self._helpers = nursery
+                    try:
+                        await self._writers.start(nursery)
+                    except OSError as exc:  # no helper process: every call of this move fails, saying why
+                        self._fail(exc)
                     nursery.start_soon(self._write_stage)
                     nursery.start_soon(self._settle_stage)
                     task_status.started()
         finally:
-            self._helpers = None
             try:
-                for writer in list(self._open):
-                    self._abandon(writer)
+                with trio.CancelScope(shield=True):
+                    for writer in list(self._open):
+                        await self._abandon(writer)
+                    await self._writers.aclose()
             finally:
                 self._pool_in.close()  # a call waiting for a buffer then stops (the failure below says why)
                 self._open.clear()
@@ -146,15 +153,15 @@ class Intake:
         """Stop both stages; return once they have stopped (a worker thread
         busy with a slab finishes it first)."""
         for writer in self._open:
-            writer.stop_precreate()  # its thread ends at the next file
+            self._writers.stop_precreate(writer)  # its thread ends at the next file
         self._scope.cancel()
         await self._stopped.wait()
 
-    def _abandon(self, writer: PieceWriter) -> None:
+    async def _abandon(self, writer: WriterHandle) -> None:
         """Abandon a writer; a failure to remove its files fails the intake
         (never the stage, which would take the service's other moves down)."""
         try:
-            writer.abandon()
+            await self._writers.abandon(writer)
         except Exception as exc:
             log.warning("a move's intake could not clean up a piece: %s", exc)
             self._fail(exc)
@@ -170,7 +177,7 @@ class Intake:
                     elif isinstance(job, _Feed):
                         try:
                             if self.failure is None and job.writer in self._open:
-                                await trio.to_thread.run_sync(job.writer.write_slab, job.buffer)
+                                await self._writers.write_slab(job.writer, job.buffer)
                         finally:
                             self._give_back(job.buffer)
                     else:
@@ -182,21 +189,21 @@ class Intake:
         writer = job.writer
         self._open.discard(writer)
         if self.failure is not None or not job.complete:
-            self._abandon(writer)
+            await self._abandon(writer)
             self.inflight.difference_update(job.paths)
             return
         try:
-            outcomes = await trio.to_thread.run_sync(writer.close)
+            outcomes = await self._writers.close(writer)
         except Exception as exc:
             self._fail(exc)
-            self._abandon(writer)
+            await self._abandon(writer)
             self.inflight.difference_update(job.paths)
             return
         self._record(outcomes)
         intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
         self._to_settler(_Settle(intact, frozenset(job.paths)))
 
-    def _give_back(self, buffer: mmap.mmap) -> None:
+    def _give_back(self, buffer: int) -> None:
         try:
             self._pool_in.send_nowait(buffer)
         except trio.ClosedResourceError:
@@ -253,23 +260,22 @@ class Intake:
         clash = self.inflight.intersection(paths)
         if clash or len(paths) != sum(p.path is not None for p in pieces):
             raise ValueError(f"a piece was given a path twice, or while it is in the intake: {sorted(clash)[:3]}")
-        writer = PieceWriter(pieces)
-        self._open.add(writer)
         self.inflight.update(paths)
-        if paths and self._helpers is not None:
-            # The pieces' files, made ahead of the writer on the other core
-            # (a bounded job: it stops when the writer is closed or abandoned).
-            try:
-                self._helpers.start_soon(trio.to_thread.run_sync, writer.precreate)
-            except RuntimeError:
-                pass  # the intake is stopping: the writer creates its own files, if it ever runs
+        try:
+            writer = await self._writers.open(pieces)
+        except OSError as exc:
+            self.inflight.difference_update(paths)
+            self._fail(exc)
+            self._raise()
+            raise
+        self._open.add(writer)
         complete = False
         try:
             for slab in writer.slabs:
                 self._raise()
                 buffer = await self._pool.receive()
                 try:
-                    with memoryview(buffer) as view:
+                    with memoryview(self._writers.buffers[buffer]) as view:
                         for seg in slab:
                             if seg.size:
                                 await payload.readinto(view[seg.offset : seg.offset + seg.size])
@@ -290,7 +296,7 @@ class Intake:
                     await self._jobs_in.send(_End(writer, paths, complete))
                 except trio.BrokenResourceError:  # the intake stopped (run's end abandoned it too)
                     self._open.discard(writer)
-                    self._abandon(writer)
+                    await self._abandon(writer)
                     self.inflight.difference_update(paths)
                     if self.failure is None:
                         self.failure = OSError(errno.ECANCELED, "the move's intake was closed")

@@ -256,7 +256,7 @@ class MoveService:
         area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
         os.mkdir(os.path.join(area, "content"))
         intake = Intake(record=lambda outcomes: _record(inc, outcomes),
-                        settle=partial(self._settle, manifest), depth=FEED_DEPTH)
+                        settle=partial(self._settle, manifest), depth=FEED_DEPTH, writers=INTAKE_WRITERS)
         inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         self._incoming[(agent_id, epoch)] = inc
         self._nursery.start_soon(intake.run)
@@ -433,6 +433,7 @@ class ServingMoves:
 
 
 FEED_DEPTH = 2  # slabs (piecewriter.BUFFER bytes each) received ahead of the writer
+INTAKE_WRITERS = "process"  # where a move's pieces are hashed and written (capsulefs/slabworker.py)
 
 
 async def serve_moves(

@@ -388,11 +388,14 @@ async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC while the target writes a piece: the source hears why (not a
     broken link), the move rolls back, and nothing is left staged."""
-    from capsulefs import piecewriter
+    from capsulefs import moveservice, piecewriter
 
     def full(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    # The disk error is injected in this process, so the writers run here
+    # (test_moveintake fills a real file system under the writer process).
+    monkeypatch.setattr(moveservice, "INTAKE_WRITERS", "thread")
     monkeypatch.setattr(piecewriter.os, "write", full)
     result = await world.move()
     assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "refused"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import subprocess
 import pytest
 import trio
 import trio.testing
@@ -39,6 +40,12 @@ def piece(tmp_path, data: bytes, *, path: bool = True) -> Piece:
     return Piece(sha, len(data), str(tmp_path / sha) if path else None)
 
 
+@pytest.fixture(params=["thread", "process"])
+def writers(request) -> str:
+    """Where the writers run: worker threads, or the helper process."""
+    return request.param
+
+
 class batches_of:
     """A call's payload as the intake takes it (what ``peerlink.Payload``
     gives): ``readinto`` fills the buffer it is given, ``size`` bytes per
@@ -66,9 +73,9 @@ class batches_of:
             self.sent += 1
 
 
-async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path) -> None:
+async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers)
     blobs = [os.urandom(n) for n in (5000, 1, 0, 12345)]
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
@@ -87,9 +94,9 @@ async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path) 
             assert f.read() == data
 
 
-async def test_a_piece_that_does_not_hash_to_its_name_is_reported_not_settled(tmp_path) -> None:
+async def test_a_piece_that_does_not_hash_to_its_name_is_reported_not_settled(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle)
+    intake = Intake(record=sink.record, settle=sink.settle, writers=writers)
     good, bad = os.urandom(3000), os.urandom(3000)
     liar = Piece(hashlib.sha256(b"something else").hexdigest(), len(bad), str(tmp_path / "liar"))
     async with trio.open_nursery() as nursery:
@@ -103,9 +110,9 @@ async def test_a_piece_that_does_not_hash_to_its_name_is_reported_not_settled(tm
     assert intake.inflight == set()
 
 
-async def test_pieces_without_a_path_are_read_and_dropped(tmp_path) -> None:
+async def test_pieces_without_a_path_are_read_and_dropped(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle)
+    intake = Intake(record=sink.record, settle=sink.settle, writers=writers)
     data = os.urandom(4000)
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
@@ -116,11 +123,11 @@ async def test_pieces_without_a_path_are_read_and_dropped(tmp_path) -> None:
     assert sink.settled == {} and os.listdir(tmp_path) == []
 
 
-async def test_a_piece_in_the_intake_is_never_given_a_path_twice(tmp_path) -> None:
+async def test_a_piece_in_the_intake_is_never_given_a_path_twice(tmp_path, writers) -> None:
     """Its file may be being synced or linked into the store: a second
     writer truncating it would change a stored blob under its name."""
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle)
+    intake = Intake(record=sink.record, settle=sink.settle, writers=writers)
     data = os.urandom(4000)
     pause, took = trio.Event(), trio.Event()
 
@@ -206,11 +213,11 @@ async def test_a_failure_to_clean_up_fails_the_move_not_the_service(tmp_path, mo
             await intake.aclose()
 
 
-async def test_closing_with_a_call_ended_but_not_yet_written_removes_its_files(tmp_path) -> None:
+async def test_closing_with_a_call_ended_but_not_yet_written_removes_its_files(tmp_path, writers) -> None:
     """A call handed over its bytes and returned; the writer has not got
     to it when the intake is closed: its files (made ahead or begun) go."""
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=64)
+    intake = Intake(record=sink.record, settle=sink.settle, depth=64, writers=writers)
     blobs = [os.urandom(3000) for _ in range(6)]
     gate = trio.Event()
     real_feed = Intake._write_stage
@@ -231,10 +238,10 @@ async def test_closing_with_a_call_ended_but_not_yet_written_removes_its_files(t
     assert sink.outcomes == [] and intake.inflight == set()
 
 
-async def test_a_settle_failure_fails_verify(tmp_path) -> None:
+async def test_a_settle_failure_fails_verify(tmp_path, writers) -> None:
     sink = Sink()
     sink.settle_error = OSError(errno.ENOSPC, "No space left on device")
-    intake = Intake(record=sink.record, settle=sink.settle)
+    intake = Intake(record=sink.record, settle=sink.settle, writers=writers)
     data = os.urandom(1000)
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
@@ -245,9 +252,9 @@ async def test_a_settle_failure_fails_verify(tmp_path) -> None:
         await intake.aclose()
 
 
-async def test_a_call_cut_short_leaves_no_piece_and_the_piece_can_come_again(tmp_path) -> None:
+async def test_a_call_cut_short_leaves_no_piece_and_the_piece_can_come_again(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers)
     data = os.urandom(10_000)
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
@@ -261,9 +268,9 @@ async def test_a_call_cut_short_leaves_no_piece_and_the_piece_can_come_again(tmp
     assert list(sink.settled) == [hashlib.sha256(data).hexdigest()]
 
 
-async def test_closing_the_intake_under_a_call_stops_it_and_removes_its_piece(tmp_path) -> None:
+async def test_closing_the_intake_under_a_call_stops_it_and_removes_its_piece(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers)
     data = os.urandom(10_000)
     pause = trio.Event()
     failures: list[BaseException] = []
@@ -287,9 +294,9 @@ async def test_closing_the_intake_under_a_call_stops_it_and_removes_its_piece(tm
         await intake.settled()
 
 
-async def test_a_caller_cancelled_mid_call_leaves_no_piece(tmp_path) -> None:
+async def test_a_caller_cancelled_mid_call_leaves_no_piece(tmp_path, writers) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=1)
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers)
     data = os.urandom(10_000)
     pause = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -299,3 +306,65 @@ async def test_a_caller_cancelled_mid_call_leaves_no_piece(tmp_path) -> None:
         await intake.settled()
         assert os.listdir(tmp_path) == [] and intake.inflight == set() and intake.failure is None
         await intake.aclose()
+
+
+async def test_a_writer_process_that_dies_fails_the_move_and_leaves_no_piece(tmp_path) -> None:
+    """The helper process is killed while a call streams in: that call,
+    every later one and verify fail with EIO; the files it had made for the
+    call (begun or made ahead) are removed from the intake's side; closing
+    returns."""
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers="process")
+    blobs = [os.urandom(BUFFER // 2 + 1) for _ in range(6)]
+    data = b"".join(blobs)
+    pause = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        proc = intake._writers._proc
+        assert proc is not None and proc.poll() is None
+
+        async def killer() -> None:
+            with trio.fail_after(10):
+                while len(os.listdir(tmp_path)) < 2:  # it has begun the call's files
+                    await trio.sleep(0.005)
+            proc.kill()
+            pause.set()
+
+        nursery.start_soon(killer)
+        with pytest.raises(OSError) as failed:
+            await intake.take(batches_of(data, 1 << 20, pause=pause), [piece(tmp_path, b) for b in blobs])
+            await intake.settled()  # if the call had handed everything over before the kill
+        assert failed.value.errno == errno.EIO
+        with pytest.raises(OSError) as later:
+            await intake.take(batches_of(blobs[0]), [piece(tmp_path, blobs[0])])
+        assert later.value.errno == errno.EIO
+        with trio.fail_after(10):
+            await intake.aclose()
+    assert os.listdir(tmp_path) == []
+    assert sink.settled == {} and intake.inflight == set()
+
+
+async def test_a_full_disk_under_the_writer_process_fails_the_move_with_enospc(tmp_path) -> None:
+    """A real ENOSPC, from a 1 MiB tmpfs, met by the helper process: the
+    call or verify reports it as ENOSPC and no piece is left behind."""
+    small = tmp_path / "small"
+    small.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    try:
+        sink = Sink()
+        intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers="process")
+        data = os.urandom(3 << 20)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.run)
+            with pytest.raises(OSError) as failed:
+                await intake.take(batches_of(data, 1 << 20), [piece(small, data)])
+                await intake.settled()
+            assert failed.value.errno == errno.ENOSPC
+            await intake.aclose()
+        assert os.listdir(small) == [] and sink.settled == {}
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -1,0 +1,293 @@
+"""Where a move's target hashes and writes its pieces: in this process's
+worker threads, or in a helper process of its own.
+
+Rules:
+  * Both run :class:`~capsulefs.piecewriter.PieceWriter` s, one per
+    ``blobs`` call, the same way: open (the call's files are created ahead
+    in a thread), one slab at a time from a buffer of the slab pool, then
+    close (the outcomes) or abandon. The intake (``moveintake.Intake``)
+    drives either through the same calls and does not know which it has.
+  * :class:`ThreadWriters`: the pool is private memory and each step runs
+    in a trio worker thread.
+  * :class:`ProcessWriters`: the pool is one shared memory file (memfd);
+    the event loop decrypts a slab into it and a helper process
+    (``python -m capsulefs.slabworker``) hashes and writes it from the same
+    pages. Why: in one process the worker threads keep retaking the GIL
+    from the event loop, which gives it up on every TLS record it decrypts;
+    measured on the 2-core VM of docs/move.md, a move's transfer ran at
+    268-276 MB/s with the writer in threads and 354-376 MB/s with it in a
+    process, the raw stream at 350-510 MB/s.
+  * The helper is the intake's: started by :meth:`ProcessWriters.start`,
+    ended by :meth:`ProcessWriters.aclose` (its stdin closes; it is killed
+    if it does not exit), and it dies with the daemon (PDEATHSIG). It takes
+    one request at a time and answers each, in order, on its stdout: a JSON
+    line each way. A request that fails there (a disk error) is raised here
+    as the same OSError; if the helper dies, every request raises
+    OSError(EIO) and the files of writers still open are removed from here.
+  * Paths come from the intake (the move's staging area), never from a peer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter, Segment, layout
+
+__all__ = ["ProcessWriters", "ThreadWriters", "WriterHandle"]
+
+
+@dataclass(eq=False)
+class WriterHandle:
+    """One call's writer, as the intake holds it."""
+
+    id: int
+    pieces: list[Piece]
+    slabs: list[list[Segment]]
+    local: PieceWriter | None = None  # ThreadWriters only
+
+
+class ThreadWriters:
+    """The writers run in this process, each step in a trio worker thread."""
+
+    def __init__(self, buffers: int) -> None:
+        self.buffers = [mmap.mmap(-1, BUFFER) for _ in range(buffers)]
+        self._ids = 0
+
+    async def start(self, helpers: trio.Nursery) -> None:
+        self._helpers = helpers
+
+    async def open(self, pieces: list[Piece]) -> WriterHandle:
+        writer = PieceWriter(pieces)
+        self._ids += 1
+        handle = WriterHandle(self._ids, pieces, writer.slabs, writer)
+        if any(p.path is not None for p in pieces):
+            # The pieces' files, made ahead of the writer on the other core
+            # (a bounded job: it stops when the writer is closed or abandoned).
+            try:
+                self._helpers.start_soon(trio.to_thread.run_sync, writer.precreate)
+            except RuntimeError:
+                pass  # the intake is stopping: the writer creates its own files, if it ever runs
+        await trio.lowlevel.checkpoint()
+        return handle
+
+    async def write_slab(self, handle: WriterHandle, buffer: int) -> None:
+        assert handle.local is not None
+        await trio.to_thread.run_sync(handle.local.write_slab, self.buffers[buffer])
+
+    async def close(self, handle: WriterHandle) -> list[Outcome]:
+        assert handle.local is not None
+        return await trio.to_thread.run_sync(handle.local.close)
+
+    async def abandon(self, handle: WriterHandle) -> None:
+        assert handle.local is not None
+        handle.local.abandon()
+        await trio.lowlevel.checkpoint()
+
+    def stop_precreate(self, handle: WriterHandle) -> None:
+        assert handle.local is not None
+        handle.local.stop_precreate()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ProcessWriters:
+    """The writers run in a helper process, fed through shared memory."""
+
+    def __init__(self, buffers: int, *, python: str | None = None) -> None:
+        self._fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, buffers * BUFFER)
+        self._map = mmap.mmap(self._fd, buffers * BUFFER)
+        whole = memoryview(self._map)
+        self.buffers = [whole[i * BUFFER : (i + 1) * BUFFER] for i in range(buffers)]
+        self._count = buffers
+        self._python = python or sys.executable
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._send: trio.lowlevel.FdStream | None = None
+        self._receive: trio.lowlevel.FdStream | None = None
+        self._replies = bytearray()
+        self._lock = trio.Lock()  # one request in flight
+        self._dead: str | None = None  # why the helper can no longer be asked
+        self._open: dict[int, WriterHandle] = {}
+        self._ids = 0
+
+    async def start(self, helpers: trio.Nursery) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [self._python, "-m", "capsulefs.slabworker", str(self._fd), str(self._count), str(BUFFER)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd], env=env,
+            preexec_fn=_die_with_parent)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._send = trio.lowlevel.FdStream(os.dup(self._proc.stdin.fileno()))
+        self._receive = trio.lowlevel.FdStream(os.dup(self._proc.stdout.fileno()))
+        self._proc.stdin.close()
+        self._proc.stdout.close()
+        await trio.lowlevel.checkpoint()
+
+    async def _ask(self, request: dict[str, Any]) -> Any:
+        async with self._lock:
+            if self._dead is not None:
+                raise OSError(errno.EIO, f"the move's writer process {self._dead}")
+            assert self._send is not None and self._receive is not None
+            try:
+                with trio.CancelScope(shield=True):  # a request half sent or half answered would desync the pipe
+                    await self._send.send_all(json.dumps(request).encode() + b"\n")
+                    while b"\n" not in self._replies:
+                        data = await self._receive.receive_some(65536)
+                        if not data:
+                            raise EOFError
+                        self._replies += data
+            except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                self._dead = "died"
+                raise OSError(errno.EIO, "the move's writer process died") from None
+            line, _, rest = bytes(self._replies).partition(b"\n")
+            self._replies = bytearray(rest)
+        reply = json.loads(line)
+        if reply.get("ok"):
+            return reply.get("result")
+        if reply.get("type") == "ValueError":
+            raise ValueError(reply["message"])
+        raise OSError(reply.get("errno") or errno.EIO, reply["message"])
+
+    async def open(self, pieces: list[Piece]) -> WriterHandle:
+        self._ids += 1
+        handle = WriterHandle(self._ids, pieces, layout(pieces))
+        self._open[handle.id] = handle
+        await self._ask({"op": "open", "w": handle.id, "pieces": [[p.sha, p.size, p.path] for p in pieces]})
+        return handle
+
+    async def write_slab(self, handle: WriterHandle, buffer: int) -> None:
+        await self._ask({"op": "slab", "w": handle.id, "buffer": buffer})
+
+    async def close(self, handle: WriterHandle) -> list[Outcome]:
+        try:
+            result = await self._ask({"op": "close", "w": handle.id})
+        except OSError:
+            await self.abandon(handle)
+            raise
+        self._open.pop(handle.id, None)
+        return [Outcome(sha, written=written, intact=intact) for sha, written, intact in result]
+
+    async def abandon(self, handle: WriterHandle) -> None:
+        if handle.id not in self._open:
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.CancelScope(shield=True):  # clean-up: a cancelled caller must not leave the files
+            try:
+                await self._ask({"op": "abandon", "w": handle.id})
+            except OSError:
+                if self._dead is None:
+                    raise  # the helper could not remove them (say the disk went read-only): the caller's failure
+                _remove_pieces(handle)  # it died with them open: remove them from here
+            finally:
+                self._open.pop(handle.id, None)
+
+    def stop_precreate(self, handle: WriterHandle) -> None:
+        pass  # the helper's precreate stops at abandon or close, which come next
+
+    async def aclose(self) -> None:
+        """Abandon what is still open, then end the helper."""
+        with trio.CancelScope(shield=True):
+            for handle in list(self._open.values()):
+                try:
+                    await self.abandon(handle)
+                except OSError:
+                    pass
+            if self._send is not None:
+                await self._send.aclose()
+            if self._receive is not None:
+                await self._receive.aclose()
+            proc = self._proc
+            if proc is not None:
+                with trio.move_on_after(5):
+                    while proc.poll() is None:
+                        await trio.sleep(0.005)
+                if proc.poll() is None:
+                    proc.kill()
+                    await trio.to_thread.run_sync(proc.wait)
+            self._dead = self._dead or "was closed"
+            for buf in self.buffers:
+                buf.release()
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view of a buffer is still out (a cancelled read): unmapped when it goes
+            os.close(self._fd)
+
+
+def _remove_pieces(handle: WriterHandle) -> None:
+    for piece in handle.pieces:
+        if piece.path is not None:
+            try:
+                os.unlink(piece.path)
+            except FileNotFoundError:
+                pass
+
+
+# -- the helper process -----------------------------------------------------------------
+
+
+def _serve(fd: int, count: int, buffer: int) -> None:
+    shared = mmap.mmap(fd, count * buffer)
+    whole = memoryview(shared)
+    views = [whole[i * buffer : (i + 1) * buffer] for i in range(count)]
+    writers: dict[int, PieceWriter] = {}
+    ahead: dict[int, threading.Thread] = {}
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        op, wid = request["op"], request["w"]
+        try:
+            result: Any = None
+            if op == "open":
+                writer = writers[wid] = PieceWriter([Piece(sha, size, path) for sha, size, path in request["pieces"]],
+                                                    buffer=buffer)
+                if any(path is not None for _, _, path in request["pieces"]):
+                    ahead[wid] = threading.Thread(target=writer.precreate, daemon=True)
+                    ahead[wid].start()
+            elif op == "slab":
+                writers[wid].write_slab(views[request["buffer"]])
+            elif op == "close":
+                outcomes = writers.pop(wid).close()
+                result = [[o.sha, o.written, o.intact] for o in outcomes]
+            elif op == "abandon":
+                writer = writers.pop(wid, None)
+                if writer is not None:
+                    writer.abandon()
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            if op in ("close", "abandon") and wid in ahead:
+                ahead.pop(wid).join()
+            reply = {"ok": True, "result": result}
+        except OSError as exc:
+            reply = {"ok": False, "type": "OSError", "errno": exc.errno, "message": str(exc)}
+        except (ValueError, KeyError) as exc:
+            reply = {"ok": False, "type": "ValueError", "message": str(exc)}
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+    for writer in writers.values():  # the intake went away: leave nothing half written
+        try:
+            writer.abandon()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
