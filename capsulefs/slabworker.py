@@ -19,7 +19,8 @@ Rules:
     process, the raw stream at 350-510 MB/s.
   * The helper is the intake's: started by :meth:`ProcessWriters.start`,
     ended by :meth:`ProcessWriters.aclose` (its stdin closes; it is killed
-    if it does not exit), and it dies with the daemon (PDEATHSIG). It takes
+    if it does not exit); it also ends when the daemon dies, which closes
+    its stdin, after abandoning what it was writing. It takes
     one request at a time and answers each, in order, on its stdout: a JSON
     line each way. A request that fails there (a disk error) is raised here
     as the same OSError; if the helper dies, every request raises
@@ -29,12 +30,10 @@ Rules:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -103,20 +102,13 @@ class ThreadWriters:
         await trio.lowlevel.checkpoint()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class ProcessWriters:
     """The writers run in a helper process, fed through shared memory."""
 
     def __init__(self, buffers: int, *, python: str | None = None) -> None:
-        self._fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, buffers * BUFFER)
-        self._map = mmap.mmap(self._fd, buffers * BUFFER)
-        whole = memoryview(self._map)
-        self.buffers = [whole[i * BUFFER : (i + 1) * BUFFER] for i in range(buffers)]
+        self.buffers: list[memoryview] = []  # made by start
+        self._fd = -1
+        self._map: mmap.mmap | None = None
         self._count = buffers
         self._python = python or sys.executable
         self._proc: subprocess.Popen[bytes] | None = None
@@ -129,11 +121,18 @@ class ProcessWriters:
         self._ids = 0
 
     async def start(self, helpers: trio.Nursery) -> None:
+        self._fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, self._count * BUFFER)
+        self._map = mmap.mmap(self._fd, self._count * BUFFER)
+        whole = memoryview(self._map)
+        self.buffers = [whole[i * BUFFER : (i + 1) * BUFFER] for i in range(self._count)]
+        whole.release()
+        # The helper finds capsulefs where this process did; it ends when its
+        # stdin does, which this process's death closes too.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._proc = subprocess.Popen(
             [self._python, "-m", "capsulefs.slabworker", str(self._fd), str(self._count), str(BUFFER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd], env=env,
-            preexec_fn=_die_with_parent)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd], env=env)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._send = trio.lowlevel.FdStream(os.dup(self._proc.stdin.fileno()))
         self._receive = trio.lowlevel.FdStream(os.dup(self._proc.stdout.fileno()))
@@ -224,12 +223,18 @@ class ProcessWriters:
                     await trio.to_thread.run_sync(proc.wait)
             self._dead = self._dead or "was closed"
             for buf in self.buffers:
-                buf.release()
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a view of a buffer is still out (a cancelled read): unmapped when it goes
-            os.close(self._fd)
+                try:
+                    buf.release()
+                except BufferError:
+                    pass
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:
+                    pass  # a view of a buffer is still out (a cancelled read): unmapped when it goes
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def _remove_pieces(handle: WriterHandle) -> None:
