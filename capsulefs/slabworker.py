@@ -11,7 +11,7 @@ Rules:
     in a trio worker thread.
   * :class:`ProcessWriters`: the pool is one shared memory file (memfd);
     the event loop decrypts a slab into it and a helper process
-    (``python -m capsulefs.slabworker``) hashes and writes it from the same
+    (``python -m capsulefs.slabhelper``) hashes and writes it from the same
     pages. Why: in one process the worker threads keep retaking the GIL
     from the event loop, which gives it up on every TLS record it decrypts;
     measured on the 2-core VM of docs/move.md, a move's transfer ran at
@@ -36,7 +36,6 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +120,13 @@ class ProcessWriters:
         self._ids = 0
 
     async def start(self, helpers: trio.Nursery) -> None:
+        """Start the helper now, while the offer is answered: every move
+        sends at least its capsule's small files, and the helper's start-up
+        (some 50 ms of python) then overlaps the offer's round trip."""
+        self._spawn()
+        await trio.lowlevel.checkpoint()
+
+    def _spawn(self) -> None:
         self._fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, self._count * BUFFER)
         self._map = mmap.mmap(self._fd, self._count * BUFFER)
@@ -131,14 +137,13 @@ class ProcessWriters:
         # stdin does, which this process's death closes too.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._proc = subprocess.Popen(
-            [self._python, "-m", "capsulefs.slabworker", str(self._fd), str(self._count), str(BUFFER)],
+            [self._python, "-m", "capsulefs.slabhelper", str(self._fd), str(self._count), str(BUFFER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd], env=env)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._send = trio.lowlevel.FdStream(os.dup(self._proc.stdin.fileno()))
         self._receive = trio.lowlevel.FdStream(os.dup(self._proc.stdout.fileno()))
         self._proc.stdin.close()
         self._proc.stdout.close()
-        await trio.lowlevel.checkpoint()
 
     async def _ask(self, request: dict[str, Any]) -> Any:
         async with self._lock:
@@ -244,55 +249,3 @@ def _remove_pieces(handle: WriterHandle) -> None:
                 os.unlink(piece.path)
             except FileNotFoundError:
                 pass
-
-
-# -- the helper process -----------------------------------------------------------------
-
-
-def _serve(fd: int, count: int, buffer: int) -> None:
-    shared = mmap.mmap(fd, count * buffer)
-    whole = memoryview(shared)
-    views = [whole[i * buffer : (i + 1) * buffer] for i in range(count)]
-    writers: dict[int, PieceWriter] = {}
-    ahead: dict[int, threading.Thread] = {}
-    out = sys.stdout.buffer
-    for line in sys.stdin.buffer:
-        request = json.loads(line)
-        op, wid = request["op"], request["w"]
-        try:
-            result: Any = None
-            if op == "open":
-                writer = writers[wid] = PieceWriter([Piece(sha, size, path) for sha, size, path in request["pieces"]],
-                                                    buffer=buffer)
-                if any(path is not None for _, _, path in request["pieces"]):
-                    ahead[wid] = threading.Thread(target=writer.precreate, daemon=True)
-                    ahead[wid].start()
-            elif op == "slab":
-                writers[wid].write_slab(views[request["buffer"]])
-            elif op == "close":
-                outcomes = writers.pop(wid).close()
-                result = [[o.sha, o.written, o.intact] for o in outcomes]
-            elif op == "abandon":
-                writer = writers.pop(wid, None)
-                if writer is not None:
-                    writer.abandon()
-            else:
-                raise ValueError(f"unknown request {op!r}")
-            if op in ("close", "abandon") and wid in ahead:
-                ahead.pop(wid).join()
-            reply = {"ok": True, "result": result}
-        except OSError as exc:
-            reply = {"ok": False, "type": "OSError", "errno": exc.errno, "message": str(exc)}
-        except (ValueError, KeyError) as exc:
-            reply = {"ok": False, "type": "ValueError", "message": str(exc)}
-        out.write(json.dumps(reply).encode() + b"\n")
-        out.flush()
-    for writer in writers.values():  # the intake went away: leave nothing half written
-        try:
-            writer.abandon()
-        except OSError:
-            pass
-
-
-if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -320,13 +320,13 @@ async def test_a_writer_process_that_dies_fails_the_move_and_leaves_no_piece(tmp
     pause = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
-        proc = intake._writers._proc
-        assert proc is not None and proc.poll() is None
 
         async def killer() -> None:
             with trio.fail_after(10):
                 while len(os.listdir(tmp_path)) < 2:  # it has begun the call's files
                     await trio.sleep(0.005)
+            proc = intake._writers._proc  # started with the call's writer
+            assert proc is not None and proc.poll() is None
             proc.kill()
             pause.set()
 

@@ -1,0 +1,79 @@
+"""The helper process of a move's target (see capsulefs/slabworker.py): it
+hashes and writes the slabs the daemon's event loop decrypted into shared
+memory. Imports nothing but the standard library and the piece writer, so
+that it starts in a few tens of milliseconds.
+
+Run as ``python -m capsulefs.slabhelper FD COUNT BUFFER``: FD is the shared
+memory file of COUNT buffers of BUFFER bytes. Requests on stdin, one JSON
+object per line; one reply per request, in order, on stdout:
+  * ``{"op": "open", "w": ID, "pieces": [[sha256, size, path|null], ...]}``:
+    a writer for one call; a thread starts creating its files ahead;
+  * ``{"op": "slab", "w": ID, "buffer": I}``: write the writer's next slab
+    from buffer I;
+  * ``{"op": "close", "w": ID}``: the outcomes, ``[[sha256, written, intact], ...]``;
+  * ``{"op": "abandon", "w": ID}``: remove what is not whole.
+A reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "type":
+"OSError"|"ValueError", "errno": N, "message": ...}``. At the end of its
+stdin it abandons every writer still open and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import sys
+import threading
+from typing import Any
+
+from capsulefs.piecewriter import Piece, PieceWriter
+
+__all__ = ["serve"]
+
+
+def serve(fd: int, count: int, buffer: int) -> None:
+    shared = mmap.mmap(fd, count * buffer)
+    whole = memoryview(shared)
+    views = [whole[i * buffer : (i + 1) * buffer] for i in range(count)]
+    writers: dict[int, PieceWriter] = {}
+    ahead: dict[int, threading.Thread] = {}
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        op, wid = request["op"], request["w"]
+        try:
+            result: Any = None
+            if op == "open":
+                writer = writers[wid] = PieceWriter([Piece(sha, size, path) for sha, size, path in request["pieces"]],
+                                                    buffer=buffer)
+                if any(path is not None for _, _, path in request["pieces"]):
+                    ahead[wid] = threading.Thread(target=writer.precreate, daemon=True)
+                    ahead[wid].start()
+            elif op == "slab":
+                writers[wid].write_slab(views[request["buffer"]])
+            elif op == "close":
+                outcomes = writers.pop(wid).close()
+                result = [[o.sha, o.written, o.intact] for o in outcomes]
+            elif op == "abandon":
+                writer = writers.pop(wid, None)
+                if writer is not None:
+                    writer.abandon()
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            if op in ("close", "abandon") and wid in ahead:
+                ahead.pop(wid).join()
+            reply = {"ok": True, "result": result}
+        except OSError as exc:
+            reply = {"ok": False, "type": "OSError", "errno": exc.errno, "message": str(exc)}
+        except (ValueError, KeyError) as exc:
+            reply = {"ok": False, "type": "ValueError", "message": str(exc)}
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+    for writer in writers.values():  # the intake went away: leave nothing half written
+        try:
+            writer.abandon()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
