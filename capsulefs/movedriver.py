@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -137,20 +138,20 @@ class _BlobReader:
             os.close(self.fd)
             raise
 
-    def _take(self, buf: bytearray, n: int) -> bytearray:
+    def _take(self, buf: memoryview, n: int) -> memoryview:
         if n == 0:
             raise CorruptBlobError(self.path, why=f"it ended {self.size - self.offset} bytes early")
         self.offset += n
-        return buf if n == len(buf) else buf[:n]
+        return buf[:n]
 
-    def cached(self) -> bytearray | None:
-        """The next chunk if the page cache holds (some of) it, b"" at the
-        end, None if reading it would wait for the disk."""
+    def cached(self, buf: memoryview) -> memoryview | None:
+        """The next chunk, read into ``buf``, if the page cache holds (some
+        of) it; empty at the end, None if reading it would wait for the disk."""
         if self.offset == self.size:
-            return bytearray()
+            return buf[:0]
         if not _BlobReader.nowait:
             return None
-        buf = bytearray(min(_READ_CHUNK, self.size - self.offset))
+        buf = buf[: min(len(buf), self.size - self.offset)]
         try:
             n = os.preadv(self.fd, [buf], self.offset, os.RWF_NOWAIT)
         except OSError as exc:
@@ -159,11 +160,11 @@ class _BlobReader:
             return None  # EAGAIN, or an error that next() meets again and reports
         return None if n == 0 else self._take(buf, n)  # 0: let next() tell the end of the file from a miss
 
-    def next(self) -> bytearray:
-        """The next chunk, b"" at the end (may wait for the disk)."""
+    def next(self, buf: memoryview) -> memoryview:
+        """The next chunk, read into ``buf``, empty at the end (may wait for the disk)."""
         if self.offset == self.size:
-            return bytearray()
-        buf = bytearray(min(_READ_CHUNK, self.size - self.offset))
+            return buf[:0]
+        buf = buf[: min(len(buf), self.size - self.offset)]
         try:
             n = os.preadv(self.fd, [buf], self.offset)
         except OSError as exc:
@@ -227,7 +228,9 @@ class _Driver:
         a blob that changed size here must not change the call's framing)."""
         return len(self.files[sha]) if sha in self.files else self.blob_sizes[sha]
 
-    async def _read_pieces(self, shas: list[str], out: trio.MemorySendChannel[bytes | bytearray]) -> None:
+    async def _read_pieces(self, shas: list[str], out: trio.MemorySendChannel[bytes | memoryview],
+                           free: trio.MemoryReceiveChannel[bytearray],
+                           free_in: trio.MemorySendChannel[bytearray]) -> None:
         """Send the pieces' bytes into ``out`` while the caller's task
         encrypts and sends the chunks before: from the page cache on the
         event loop, from the disk in a worker thread."""
@@ -240,10 +243,12 @@ class _Driver:
                     reader = _BlobReader(self.host.store.blob_file(sha), self._size(sha))
                     try:
                         while True:
-                            chunk = reader.cached()
+                            buf = memoryview(await free.receive())
+                            chunk = reader.cached(buf)
                             if chunk is None:
-                                chunk = await trio.to_thread.run_sync(reader.next)
+                                chunk = await trio.to_thread.run_sync(reader.next, buf)
                             if not chunk:
+                                free_in.send_nowait(buf.obj)
                                 break
                             await out.send(chunk)
                     finally:
@@ -253,16 +258,24 @@ class _Driver:
 
     async def _call_with_pieces(self, conn: PeerConnection, args: dict[str, Any], shas: list[str],
                                 total: int) -> dict[str, Any]:
-        send, receive = trio.open_memory_channel[bytes | bytearray](READ_AHEAD)
+        send, receive = trio.open_memory_channel[bytes | memoryview](READ_AHEAD)
+        # The buffers blobs are read into, each back once its chunk is sent
+        # (fresh 1 MiB buffers cost the event loop their zeroing and page
+        # faults: about a tenth of its time in a move).
+        free_in, free = trio.open_memory_channel[bytearray](math.inf)
+        for _ in range(READ_AHEAD + 2):
+            free_in.send_nowait(bytearray(_READ_CHUNK))
 
-        async def pieces() -> AsyncIterator[bytes | bytearray]:
+        async def pieces() -> AsyncIterator[bytes | memoryview]:
             with receive:
                 async for chunk in receive:
                     yield chunk
+                    if isinstance(chunk, memoryview):  # sent (encrypted): its buffer may be read into again
+                        free_in.send_nowait(chunk.obj)
 
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_pieces, shas, send)
+                nursery.start_soon(self._read_pieces, shas, send, free, free_in)
                 result, _ = await conn.call(BLOBS_CALL, args, payload=pieces(), size=total)
         except BaseExceptionGroup as group:
             raise first_failure(group) from None

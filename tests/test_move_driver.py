@@ -368,9 +368,9 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
     waited = []
     real_next = movedriver._BlobReader.next
 
-    def next_chunk(self: Any) -> bytearray:
+    def next_chunk(self: Any, buf: memoryview) -> memoryview:
         waited.append(self.path)
-        return real_next(self)
+        return real_next(self, buf)
 
     monkeypatch.setattr(movedriver._BlobReader, "next", next_chunk)
     for sha in world.a.store.agent(world.agent_id).manifest().blobs():
