@@ -659,3 +659,20 @@ async def test_source_daemon_dies_at_every_phase_and_resumes(world: World, tmp_p
     holder = world.check()
     assert holder == ("b" if call == "activate" else "a") and result.moved == (holder == "b")
     verify_on(world.a if holder == "a" else world.b, world.agent_id, tmp_path)
+
+
+async def test_a_move_of_many_large_cached_blobs_arrives_byte_for_byte(world: World, tmp_path: Path) -> None:
+    """Every blob in the page cache, each larger than a read chunk: the
+    source's reader runs far ahead of the sender on the event loop, and
+    reuses its read buffers; each byte must still arrive as read (a buffer
+    reused too early shows up as pieces that do not hash to their names)."""
+    big = make_agent(world.a.store, "big", workspace={f"w{i}": os.urandom((1 << 20) + 4096 * i + 7) for i in range(24)})
+    big.set_holder(world.a.me, 1)
+    world.a.holders.put(new_held(big.agent_id, 1))
+    world.hooks_a.running.add(big.agent_id)
+    for sha in big.manifest().blobs():
+        with open(world.a.store.blob_file(sha), "rb") as f:
+            f.read()  # in the page cache: every chunk is read on the event loop
+    result = await move_agent(world.a, big.agent_id, world.peer_b, retry_pause=0)
+    assert result.moved, result
+    verify_on(world.b, big.agent_id, tmp_path)
