@@ -38,7 +38,7 @@ import errno
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 

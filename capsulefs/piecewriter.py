@@ -54,7 +54,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIGN", "BUFFER", "Outcome", "Piece", "PieceWriter", "Segment", "layout"]
+__all__ = ["ALIGN", "BUFFER", "Outcome", "Piece", "PieceWriter", "Segment", "layout", "remove_files"]
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of every device's logical block size
 BUFFER = 4 << 20  # bytes of one slab: what the writer hashes and writes in one go
@@ -173,6 +173,15 @@ class _File:
             os.close(fd)
 
 
+def remove_files(paths: Iterable[str]) -> None:
+    """Remove each file; one that is already gone is no error."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _write_all(writes: list[tuple[_File, memoryview, bool]]) -> None:
     for file, data, last in writes:
         file.write(data, last)
@@ -197,8 +206,7 @@ class PieceWriter:
         self._creating = -1  # the piece precreate is creating the file of, if any
         self._ahead = threading.Condition()  # between the writer and precreate
         self.outcomes: list[Outcome] = []
-        self._piece = -1  # the piece begun and not finished, if any
-        self._file: _File | None = None  # its file
+        self._file: _File | None = None  # the file of the piece begun and not finished, if any
         self._hash = hashlib.sha256()  # and its hash so far
         self._files: list[_File] = []  # opened and not known whole
         self._disk: ThreadPoolExecutor | None = None  # writes one slab while this thread hashes it
@@ -234,7 +242,7 @@ class PieceWriter:
                         hashes.append((self._hash, data))
                     if seg.last:
                         ends.append((seg.piece, self._hash, file))
-                        self._piece, self._file = -1, None
+                        self._file = None
                 pending = None
                 if writes:
                     if self._disk is None:
@@ -258,7 +266,7 @@ class PieceWriter:
                 self._ahead.wait()
             self._reached = index + 1
         piece = self._plan[index]
-        self._piece, self._file, self._hash = index, None, hashlib.sha256()
+        self._file, self._hash = None, hashlib.sha256()
         if piece.path is not None:
             fd, direct = self._open(piece.path)
             self._file = _File(fd, direct, piece.path, self)
@@ -300,13 +308,16 @@ class PieceWriter:
                         raise ValueError("the payload is longer than its pieces")
                     seg = self.slabs[self._written][self._seg]
                     n = min(seg.size - self._got, len(view) - at)
-                    if self._own is None:
-                        self._own = mmap.mmap(-1, self._buffer)
                     start = seg.offset + self._got
-                    self._own[start : start + n] = view[at : at + n]
+                    self._own_buffer()[start : start + n] = view[at : at + n]
                     self._got += n
                     at += n
                     self._skip_empty()
+
+    def _own_buffer(self) -> mmap.mmap:
+        if self._own is None:
+            self._own = mmap.mmap(-1, self._buffer)
+        return self._own
 
     def _skip_empty(self) -> None:
         """Step past filled (and empty) segments; write a slab once every
@@ -318,11 +329,9 @@ class PieceWriter:
             if self._seg < len(slab):
                 self._seg, self._got = self._seg + 1, 0
                 continue
-            if self._own is None:
-                self._own = mmap.mmap(-1, self._buffer)
             self._seg = 0
             try:
-                self.write_slab(self._own)
+                self.write_slab(self._own_buffer())
             except BaseException:
                 self.abandon()
                 raise
@@ -359,12 +368,8 @@ class PieceWriter:
             if not file.whole:  # a piece begun, or finished but whose writes failed or never ran
                 doomed.append(file.path)
         self._files.clear()
-        self._piece, self._file = -1, None
-        for path in doomed:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        self._file = None
+        remove_files(doomed)
         self._written = len(self.slabs)  # nothing more is written
         self._release()
 

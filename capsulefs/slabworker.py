@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter, Segment, layout
+from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter, Segment, layout, remove_files
 
 __all__ = ["ProcessWriters", "ThreadWriters", "WriterHandle"]
 
@@ -199,7 +199,8 @@ class ProcessWriters:
             except OSError:
                 if self._dead is None:
                     raise  # the helper could not remove them (say the disk went read-only): the caller's failure
-                _remove_pieces(handle)  # it died with them open: remove them from here
+                # It died with them open: remove them from here.
+                remove_files(p.path for p in handle.pieces if p.path is not None)
             finally:
                 self._open.pop(handle.id, None)
 
@@ -240,12 +241,3 @@ class ProcessWriters:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-
-
-def _remove_pieces(handle: WriterHandle) -> None:
-    for piece in handle.pieces:
-        if piece.path is not None:
-            try:
-                os.unlink(piece.path)
-            except FileNotFoundError:
-                pass
