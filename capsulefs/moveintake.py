@@ -6,9 +6,11 @@ Rules:
     thread: the *writer* hashes and writes the pieces of each call
     (:class:`~capsulefs.piecewriter.PieceWriter`, one slab at a time,
     with another thread creating the call's files ahead of it);
-    the *settler* makes the pieces that hashed to their names durable (an
-    fsync each) and passes them to ``settle`` (the move service adopts the
-    blobs among them into ``objects/``).
+    the *settler* makes the pieces that hashed to their names durable (with
+    ``sync``, a :class:`~capsulefs.core.fsutil.FileSystemSync`, one syncfs
+    of their file system per call; else an fsync each) and passes them to
+    ``settle`` (the move service adopts the blobs among them into
+    ``objects/``).
   * :meth:`Intake.take` reads a call's payload slab by slab straight into
     the intake's buffers (``depth + 2`` of them: one being filled, one
     being written, ``depth`` waiting), at the offsets of the writer's
@@ -44,6 +46,7 @@ from typing import Protocol
 
 import trio
 
+from capsulefs.core.fsutil import FileSystemSync, fsync_file
 from capsulefs.core.hashing import parallel_map
 from capsulefs.piecewriter import Outcome, Piece
 from capsulefs.slabworker import ProcessWriters, ThreadWriters, WriterHandle
@@ -83,14 +86,6 @@ class _Barrier:
     done: trio.Event
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Intake:
     """The writer and settler of one move. ``record`` is called on the event
     loop with each call's outcomes once its pieces are written (before they
@@ -98,12 +93,14 @@ class Intake:
     {sha: path} of pieces that hashed to their names, once they are durable."""
 
     def __init__(self, *, record: Callable[[list[Outcome]], None], settle: Callable[[dict[str, str]], None],
-                 depth: int = 2, sync_workers: int = 8, writers: str = "thread") -> None:
+                 depth: int = 2, sync_workers: int = 8, writers: str = "thread",
+                 sync: FileSystemSync | None = None) -> None:
         if writers not in ("thread", "process"):
             raise ValueError(f"writers must be 'thread' or 'process', not {writers!r}")
         self._record = record
         self._settle = settle
         self._sync_workers = sync_workers
+        self._sync = sync  # None: an fsync per piece
         self._jobs_in, self._jobs = trio.open_memory_channel[_Feed | _End | _Barrier](depth)
         # The slab buffers: one being filled, one being written, ``depth`` waiting.
         self._writers: ThreadWriters | ProcessWriters = (
@@ -231,7 +228,10 @@ class Intake:
                     self.inflight.difference_update(job.shas)
 
     def _sync_and_settle(self, paths: dict[str, str]) -> None:
-        list(parallel_map(fsync_file, sorted(paths.values()), workers=self._sync_workers))
+        if self._sync is not None:
+            self._sync.files(paths.values())
+        else:
+            list(parallel_map(fsync_file, sorted(paths.values()), workers=self._sync_workers))
         self._settle(paths)
 
     def _fail(self, exc: BaseException) -> None:

@@ -45,7 +45,7 @@ import trio
 from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
-from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable
+from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable
 from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
@@ -253,16 +253,22 @@ class MoveService:
         if self._nursery is None:
             raise RuntimeError("MoveService.run_intakes is not running: a move cannot be received")
         stack = ExitStack()
-        area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
-        os.mkdir(os.path.join(area, "content"))
-        intake = Intake(record=lambda outcomes: _record(inc, outcomes),
-                        settle=partial(self._settle, manifest), depth=FEED_DEPTH, writers=INTAKE_WRITERS)
+        try:
+            area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
+            os.mkdir(os.path.join(area, "content"))
+            # Opened before any piece is written (see FileSystemSync); closed with the staging area.
+            sync = stack.enter_context(FileSystemSync(area))
+        except BaseException:
+            stack.close()
+            raise
+        intake = Intake(record=lambda outcomes: _record(inc, outcomes), settle=partial(self._settle, manifest, sync),
+                        depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync)
         inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         self._incoming[(agent_id, epoch)] = inc
         self._nursery.start_soon(intake.run)
         return inc
 
-    def _settle(self, manifest: fmt.Manifest, durable: dict[str, str]) -> None:
+    def _settle(self, manifest: fmt.Manifest, sync: FileSystemSync, durable: dict[str, str]) -> None:
         """In the intake's worker thread: adopt the durable pieces that are
         blobs of the move into objects/ (content addressed: safe before the
         move is decided, and gc frees them if no agent lists them)."""
@@ -274,7 +280,7 @@ class MoveService:
                 os.link(path, tmp)
                 adopt.append((tmp, sha))
         if adopt:
-            self.host.store.adopt_blob_files(adopt)
+            self.host.store.adopt_blob_files(adopt, sync_dirs=sync.dirs)
 
     async def run_intakes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the intakes of the moves this service receives (their tasks

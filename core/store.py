@@ -51,7 +51,7 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -236,12 +236,15 @@ class HostStore:
         with self.writing():
             self._place(path, sha256)
 
-    def adopt_blob_files(self, items: Iterable[tuple[str, str]]) -> None:
+    def adopt_blob_files(self, items: Iterable[tuple[str, str]], *,
+                         sync_dirs: Callable[[Iterable[str]], None] | None = None) -> None:
         """Move many already written, fsynced and hashed files, given as
-        (path, sha256), into objects/, fsyncing each directory once at the end
-        rather than once per blob (the move service adopts a thousand at a
-        time), several at once so that the file system can commit them
-        together."""
+        (path, sha256), into objects/, making each directory durable once at
+        the end rather than once per blob (the move service adopts a
+        thousand at a time): with ``sync_dirs`` given the directories
+        touched (the move service's syncs its whole file system at once),
+        else an fsync of each, several at a time so that the file system
+        can commit them together."""
         items = list(items)
         touched: set[str] = set()
         with self.writing():
@@ -254,7 +257,11 @@ class HostStore:
                 os.chmod(path, 0o444)
                 os.replace(path, dest)
                 touched.add(os.path.dirname(dest))
-            list(parallel_map(fsync_dir, sorted(touched), workers=8))
+            if sync_dirs is not None:
+                if touched:
+                    sync_dirs(sorted(touched))
+            else:
+                list(parallel_map(fsync_dir, sorted(touched), workers=8))
 
     def make_blob_dirs(self, shas: Iterable[str]) -> None:
         """Create the directories (``objects/xx``) that these blobs will be

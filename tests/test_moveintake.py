@@ -3,6 +3,7 @@ worker threads; the batches stand in for a call's payload."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
@@ -11,6 +12,8 @@ import pytest
 import trio
 import trio.testing
 
+from capsulefs.core import fsutil
+from capsulefs.core.fsutil import FileSystemSync
 from capsulefs.moveintake import Intake
 from capsulefs.piecewriter import BUFFER, Outcome, Piece
 
@@ -73,9 +76,11 @@ class batches_of:
             self.sent += 1
 
 
-async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, writers) -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["fsync-each", "syncfs"])
+async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, writers, whole) -> None:
     sink = Sink()
-    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers)
+    sync = FileSystemSync(str(tmp_path)) if whole else None
+    intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers, sync=sync)
     blobs = [os.urandom(n) for n in (5000, 1, 0, 12345)]
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
@@ -250,6 +255,31 @@ async def test_a_settle_failure_fails_verify(tmp_path, writers) -> None:
             await intake.settled()
         assert failed.value.errno == errno.ENOSPC
         await intake.aclose()
+
+
+async def test_a_failed_sync_of_the_file_system_fails_verify_and_settles_nothing(tmp_path, monkeypatch) -> None:
+    """syncfs reporting a write-back error: the pieces are not known to be
+    durable, so none is settled and the move fails (the source rolls back)."""
+
+    def fn(fd: int) -> int:
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(fsutil, "_syncfs", (ctypes, fn))
+    sink = Sink()
+    with FileSystemSync(str(tmp_path)) as sync:
+        intake = Intake(record=sink.record, settle=sink.settle, sync=sync, writers="process")
+        data = os.urandom(1000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.run)
+            await intake.take(batches_of(data), [piece(tmp_path, data)])
+            with pytest.raises(OSError) as failed:
+                await intake.settled()
+            assert failed.value.errno == errno.EIO
+            with pytest.raises(OSError):
+                await intake.take(batches_of(data), [piece(tmp_path, data)])
+            await intake.aclose()
+    assert sink.settled == {}
 
 
 async def test_a_call_cut_short_leaves_no_piece_and_the_piece_can_come_again(tmp_path, writers) -> None:

@@ -124,3 +124,30 @@ def test_staging_left_by_a_crash_is_swept(state_dir: Path) -> None:
     (leftover / "half").write_bytes(b"x")
     HostStore.open(state_dir)
     assert not leftover.exists()
+
+
+def test_adopted_files_become_blobs_and_their_directories_are_synced_once(store: HostStore, tmp_path: Path) -> None:
+    """adopt_blob_files: each file lands under its digest, a duplicate is
+    dropped, and the directories it renamed into are handed to sync_dirs
+    once, together (the move service syncs the whole file system then)."""
+    import hashlib
+
+    present = store.put_blob(b"already here")
+    items = []
+    for data in (b"one", b"two", b"already here"):
+        path = tmp_path / hashlib.sha256(data).hexdigest()
+        path.write_bytes(data)
+        items.append((str(path), hashlib.sha256(data).hexdigest()))
+    synced: list[list[str]] = []
+    store.adopt_blob_files(items, sync_dirs=lambda dirs: synced.append(list(dirs)))
+    for path, sha in items:
+        assert not os.path.exists(path)
+        with open(store.blob_file(sha), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == sha
+    new = {os.path.dirname(store.blob_file(sha)) for _, sha in items if sha != present}
+    assert synced == [sorted(new)]
+    # Nothing renamed (all present already): nothing to sync.
+    again = tmp_path / present
+    again.write_bytes(b"already here")
+    store.adopt_blob_files([(str(again), present)], sync_dirs=lambda dirs: synced.append(list(dirs)))
+    assert len(synced) == 1 and not again.exists()

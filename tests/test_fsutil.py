@@ -1,0 +1,114 @@
+"""core/fsutil.py's bulk durability: syncfs(2) and FileSystemSync, on real
+files. The C library's syncfs is replaced only to make it fail (ENOSYS as
+under a seccomp filter, EIO as after a write-back error), which a test
+cannot make a real file system do on demand."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import pytest
+
+from capsulefs.core import fsutil
+from capsulefs.core.fsutil import FileSystemSync, syncfs
+
+
+def make_files(tmp_path, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(100 + i))
+        paths.append(str(p))
+    return paths
+
+
+class Fsyncs:
+    """Counts os.fsync calls (and still makes them)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        real = os.fsync
+
+        def fsync(fd: int) -> None:
+            self.calls += 1
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+
+def failing_syncfs(monkeypatch, err: int) -> list[int]:
+    """Make the C library's syncfs fail with ``err``; returns the fds it was called with."""
+    calls: list[int] = []
+
+    def fn(fd: int) -> int:
+        calls.append(fd)
+        ctypes.set_errno(err)
+        return -1
+
+    monkeypatch.setattr(fsutil, "_syncfs", (ctypes, fn))
+    return calls
+
+
+def test_syncfs_returns_on_a_file_system_and_names_a_bad_descriptor(tmp_path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        syncfs(fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="syncfs") as bad:
+        syncfs(fd)  # closed now
+    assert bad.value.errno == errno.EBADF
+
+
+def test_many_files_are_made_durable_by_one_syncfs_not_an_fsync_each(tmp_path, monkeypatch) -> None:
+    paths = make_files(tmp_path, 20)
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path)) as sync:
+        assert sync.whole
+        sync.files(paths)
+        sync.dirs([str(tmp_path)])
+    assert fsyncs.calls == 0
+
+
+def test_where_syncfs_is_refused_each_path_is_fsynced_instead(tmp_path, monkeypatch) -> None:
+    paths = make_files(tmp_path, 5)
+    calls = failing_syncfs(monkeypatch, errno.ENOSYS)
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path)) as sync:
+        sync.files(paths)
+        assert not sync.whole  # refused once: not asked again
+        sync.dirs([str(tmp_path)])
+    assert len(calls) == 1
+    assert fsyncs.calls == len(paths) + 1
+
+
+def test_without_syncfs_each_path_is_fsynced(tmp_path, monkeypatch) -> None:
+    paths = make_files(tmp_path, 3)
+    monkeypatch.setattr(fsutil, "_syncfs", None)
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path)) as sync:
+        assert not sync.whole
+        sync.files(paths)
+    assert fsyncs.calls == len(paths)
+
+
+def test_a_failed_syncfs_is_an_error_that_names_the_file_system(tmp_path, monkeypatch) -> None:
+    """A write-back error: nothing may count as durable, and no fsync of
+    each file may paper over it (Linux reports such an error once)."""
+    paths = make_files(tmp_path, 3)
+    failing_syncfs(monkeypatch, errno.EIO)
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path)) as sync:
+        with pytest.raises(OSError) as failed:
+            sync.files(paths)
+        assert sync.whole  # still the bulk path: the next call asks the kernel again
+    assert failed.value.errno == errno.EIO
+    assert str(tmp_path) in str(failed.value)
+    assert fsyncs.calls == 0
+
+
+def test_a_file_system_sync_needs_a_directory_that_exists(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        FileSystemSync(str(tmp_path / "missing"))
