@@ -253,25 +253,59 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def dirty_bytes() -> int | None:
+    """Bytes this machine's page cache holds dirty or being written back
+    (``Dirty`` + ``Writeback`` in /proc/meminfo), or None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    found = 0
+    for line in text.splitlines():
+        if line.startswith((b"Dirty:", b"Writeback:")):
+            parts = line.split()
+            try:
+                total += int(parts[1]) * 1024  # kB
+            except (IndexError, ValueError):
+                return None
+            found += 1
+    return total if found == 2 else None
+
+
+#: syncfs writes everything dirty on the file system, not only the caller's
+#: files: it is used only while the machine has at most this much dirty.
+MAX_DIRTY = 64 << 20
+
+
 class FileSystemSync:
     """Makes many files or directories of one file system durable at once:
-    one syncfs(2) per call where the platform allows it, else an fsync of
-    each, several at a time.
+    one syncfs(2) where that is cheap, else an fsync of each, several at a
+    time.
 
-    The descriptor syncfs needs is opened by the constructor, so make one
-    before writing what it will sync: a write-back error anywhere on the
-    file system after that fails the next call. One caller at a time;
-    :meth:`close` releases the descriptor.
+    syncfs also writes whatever else is dirty on the file system, so it is
+    used for two paths or more, and only while the machine's page cache
+    holds at most ``max_dirty`` bytes dirty (``dirty`` reads that;
+    :func:`dirty_bytes` by default): a call then costs one device cache
+    flush plus a bounded amount of other write-back, instead of a flush
+    per path. The descriptor syncfs needs is opened by the constructor, so
+    make one before writing what it will sync: a write-back error anywhere
+    on the file system after that fails the next syncfs. One caller at a
+    time; :meth:`close` releases the descriptor.
     """
 
-    def __init__(self, path: str, *, workers: int = 8) -> None:
+    def __init__(self, path: str, *, workers: int = 8, max_dirty: int = MAX_DIRTY,
+                 dirty: Callable[[], int | None] = dirty_bytes) -> None:
         self.path = path
         self._workers = workers
+        self._max_dirty = max_dirty
+        self._dirty = dirty
         self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if _syncfs is not None else -1
 
     @property
     def whole(self) -> bool:
-        """Whether calls sync the whole file system (else: each path)."""
+        """Whether syncfs may be used (else: an fsync of each path, always)."""
         return self._fd >= 0
 
     def close(self) -> None:
@@ -287,22 +321,26 @@ class FileSystemSync:
 
     def files(self, paths: Iterable[str]) -> None:
         """Make these files (their data and size) durable."""
-        self._sync(paths, fsync_file)
+        self._sync(sorted(paths), fsync_file)
 
     def dirs(self, paths: Iterable[str]) -> None:
         """Make these directories (the names created or renamed in them) durable."""
-        self._sync(paths, fsync_dir)
+        self._sync(sorted(paths), fsync_dir)
 
-    def _sync(self, paths: Iterable[str], each: Callable[[str], None]) -> None:
-        if self._fd >= 0:
-            try:
-                syncfs(self._fd)
-                return
-            except OSError as exc:
-                if exc.errno != errno.ENOSYS:  # the kernel's syncfs failed: nothing here is known durable
-                    raise OSError(exc.errno, f"making the file system of {self.path} durable failed: "
-                                             f"{exc.strerror or exc}") from exc
-                self.close()  # refused here (a seccomp filter, say): an fsync each from now on
+    def _sync(self, paths: list[str], each: Callable[[str], None]) -> None:
+        if not paths:
+            return
+        if self._fd >= 0 and len(paths) > 1:
+            dirty = self._dirty()
+            if dirty is not None and dirty <= self._max_dirty:
+                try:
+                    syncfs(self._fd)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.ENOSYS:  # the kernel's syncfs failed: nothing here is known durable
+                        raise OSError(exc.errno, f"making the file system of {self.path} durable failed: "
+                                                 f"{exc.strerror or exc}") from exc
+                    self.close()  # refused here (a seccomp filter, say): an fsync each from now on
         from .hashing import parallel_map
 
-        list(parallel_map(each, sorted(paths), workers=self._workers))
+        list(parallel_map(each, paths, workers=self._workers))

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from capsulefs.core import fsutil
-from capsulefs.core.fsutil import FileSystemSync, syncfs
+from capsulefs.core.fsutil import FileSystemSync, dirty_bytes, syncfs
 
 
 def make_files(tmp_path, n: int) -> list[str]:
@@ -36,6 +36,11 @@ class Fsyncs:
             real(fd)
 
         monkeypatch.setattr(os, "fsync", fsync)
+
+
+def calm() -> int:
+    """A machine with nothing else dirty (the real reading varies)."""
+    return 0
 
 
 def failing_syncfs(monkeypatch, err: int) -> list[int]:
@@ -65,23 +70,45 @@ def test_syncfs_returns_on_a_file_system_and_names_a_bad_descriptor(tmp_path) ->
 def test_many_files_are_made_durable_by_one_syncfs_not_an_fsync_each(tmp_path, monkeypatch) -> None:
     paths = make_files(tmp_path, 20)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path)) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
         assert sync.whole
         sync.files(paths)
-        sync.dirs([str(tmp_path)])
+        sync.dirs([str(tmp_path), str(tmp_path.parent)])
     assert fsyncs.calls == 0
+
+
+@pytest.mark.parametrize("dirty", [lambda: 1 << 30, lambda: None], ids=["much-dirty", "unknown"])
+def test_with_much_else_to_write_back_or_one_path_each_path_is_fsynced(tmp_path, monkeypatch, dirty) -> None:
+    """syncfs would write back everything dirty on the file system: with
+    more than the bound (or no way to tell), or for a single path, an
+    fsync each is cheaper and bounded by the caller's own files."""
+    paths = make_files(tmp_path, 4)
+    calls = failing_syncfs(monkeypatch, errno.EIO)  # would fail the call if it were used
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path), dirty=dirty) as sync:
+        sync.files(paths)
+    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
+        sync.files(paths[:1])
+    assert calls == [] and fsyncs.calls == len(paths) + 1
+
+
+def test_dirty_bytes_reads_the_machine(tmp_path) -> None:
+    before = dirty_bytes()
+    assert before is not None and before >= 0
+    (tmp_path / "dirt").write_bytes(os.urandom(4 << 20))  # not synced: dirty now, unless written back already
+    assert dirty_bytes() is not None
 
 
 def test_where_syncfs_is_refused_each_path_is_fsynced_instead(tmp_path, monkeypatch) -> None:
     paths = make_files(tmp_path, 5)
     calls = failing_syncfs(monkeypatch, errno.ENOSYS)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path)) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
         sync.files(paths)
         assert not sync.whole  # refused once: not asked again
-        sync.dirs([str(tmp_path)])
+        sync.dirs([str(tmp_path), str(tmp_path.parent)])
     assert len(calls) == 1
-    assert fsyncs.calls == len(paths) + 1
+    assert fsyncs.calls == len(paths) + 2
 
 
 def test_without_syncfs_each_path_is_fsynced(tmp_path, monkeypatch) -> None:
@@ -100,7 +127,7 @@ def test_a_failed_syncfs_is_an_error_that_names_the_file_system(tmp_path, monkey
     paths = make_files(tmp_path, 3)
     failing_syncfs(monkeypatch, errno.EIO)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path)) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
         with pytest.raises(OSError) as failed:
             sync.files(paths)
         assert sync.whole  # still the bulk path: the next call asks the kernel again
