@@ -253,6 +253,47 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def _load_statfs():  # pragma: no cover - depends on the C library
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return ctypes, fn
+
+
+_statfs = _load_statfs()
+_STATFS_SIZE = 256  # more than sizeof(struct statfs); f_type is its first field, a C long
+
+
+def fs_magic(path: str) -> int | None:
+    """The type of the file system holding ``path`` (statfs(2) f_type,
+    e.g. 0xEF53 for ext4), or None if it cannot be read."""
+    if _statfs is None:  # pragma: no cover
+        return None
+    ctypes, fn = _statfs
+    buf = ctypes.create_string_buffer(_STATFS_SIZE)
+    if fn(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+#: File systems whose syncfs writes back every file's data and inodes and
+#: flushes the device, as their fsync would. Elsewhere (FUSE, whose syncfs
+#: asks the server for nothing unless it is virtiofs; network file
+#: systems; anything unknown) FileSystemSync fsyncs each path.
+SYNCFS_FILE_SYSTEMS = frozenset({
+    0xEF53,  # ext2/3/4
+    0x58465342,  # XFS
+    0x9123683E,  # btrfs
+    0xF2F52010,  # F2FS
+    0x01021994,  # tmpfs (nothing to make durable either way)
+})
+
+
 def dirty_bytes() -> int | None:
     """Bytes this machine's page cache holds dirty or being written back
     (``Dirty`` + ``Writeback`` in /proc/meminfo), or None if unknown."""
@@ -284,8 +325,10 @@ class FileSystemSync:
     one syncfs(2) where that is cheap, else an fsync of each, several at a
     time.
 
-    syncfs also writes whatever else is dirty on the file system, so it is
-    used for two paths or more, and only while the machine's page cache
+    syncfs is used only on file systems known to make it as durable as an
+    fsync of each file (``SYNCFS_FILE_SYSTEMS``). It also writes whatever
+    else is dirty on the file system, so it is used for two paths or
+    more, and only while the machine's page cache
     holds at most ``max_dirty`` bytes dirty (``dirty`` reads that;
     :func:`dirty_bytes` by default): a call then costs one device cache
     flush plus a bounded amount of other write-back, instead of a flush
@@ -296,12 +339,17 @@ class FileSystemSync:
     """
 
     def __init__(self, path: str, *, workers: int = 8, max_dirty: int = MAX_DIRTY,
-                 dirty: Callable[[], int | None] = dirty_bytes) -> None:
+                 dirty: Callable[[], int | None] = dirty_bytes,
+                 magic: Callable[[str], int | None] = fs_magic) -> None:
         self.path = path
         self._workers = workers
         self._max_dirty = max_dirty
         self._dirty = dirty
-        self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if _syncfs is not None else -1
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # also: the directory must exist
+        if _syncfs is None or magic(path) not in SYNCFS_FILE_SYSTEMS:
+            os.close(fd)
+            fd = -1
+        self._fd = fd
 
     @property
     def whole(self) -> bool:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import subprocess
 
 import pytest
 
 from capsulefs.core import fsutil
-from capsulefs.core.fsutil import FileSystemSync, dirty_bytes, syncfs
+from capsulefs.core.fsutil import SYNCFS_FILE_SYSTEMS, FileSystemSync, dirty_bytes, fs_magic, syncfs
 
 
 def make_files(tmp_path, n: int) -> list[str]:
@@ -43,6 +44,11 @@ def calm() -> int:
     return 0
 
 
+def ext4(path: str) -> int:
+    """The file system type syncfs is trusted on (tmp_path may be on any)."""
+    return 0xEF53
+
+
 def failing_syncfs(monkeypatch, err: int) -> list[int]:
     """Make the C library's syncfs fail with ``err``; returns the fds it was called with."""
     calls: list[int] = []
@@ -70,7 +76,7 @@ def test_syncfs_returns_on_a_file_system_and_names_a_bad_descriptor(tmp_path) ->
 def test_many_files_are_made_durable_by_one_syncfs_not_an_fsync_each(tmp_path, monkeypatch) -> None:
     paths = make_files(tmp_path, 20)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm, magic=ext4) as sync:
         assert sync.whole
         sync.files(paths)
         sync.dirs([str(tmp_path), str(tmp_path.parent)])
@@ -85,9 +91,9 @@ def test_with_much_else_to_write_back_or_one_path_each_path_is_fsynced(tmp_path,
     paths = make_files(tmp_path, 4)
     calls = failing_syncfs(monkeypatch, errno.EIO)  # would fail the call if it were used
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path), dirty=dirty) as sync:
+    with FileSystemSync(str(tmp_path), dirty=dirty, magic=ext4) as sync:
         sync.files(paths)
-    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm, magic=ext4) as sync:
         sync.files(paths[:1])
     assert calls == [] and fsyncs.calls == len(paths) + 1
 
@@ -103,7 +109,7 @@ def test_where_syncfs_is_refused_each_path_is_fsynced_instead(tmp_path, monkeypa
     paths = make_files(tmp_path, 5)
     calls = failing_syncfs(monkeypatch, errno.ENOSYS)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm, magic=ext4) as sync:
         sync.files(paths)
         assert not sync.whole  # refused once: not asked again
         sync.dirs([str(tmp_path), str(tmp_path.parent)])
@@ -127,7 +133,7 @@ def test_a_failed_syncfs_is_an_error_that_names_the_file_system(tmp_path, monkey
     paths = make_files(tmp_path, 3)
     failing_syncfs(monkeypatch, errno.EIO)
     fsyncs = Fsyncs(monkeypatch)
-    with FileSystemSync(str(tmp_path), dirty=calm) as sync:
+    with FileSystemSync(str(tmp_path), dirty=calm, magic=ext4) as sync:
         with pytest.raises(OSError) as failed:
             sync.files(paths)
         assert sync.whole  # still the bulk path: the next call asks the kernel again
@@ -139,3 +145,24 @@ def test_a_failed_syncfs_is_an_error_that_names_the_file_system(tmp_path, monkey
 def test_a_file_system_sync_needs_a_directory_that_exists(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         FileSystemSync(str(tmp_path / "missing"))
+
+
+def test_the_file_system_type_is_read_as_stat_reports_it(tmp_path) -> None:
+    out = subprocess.run(["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True, text=True, check=True)
+    assert fs_magic(str(tmp_path)) == int(out.stdout, 16)
+    assert fs_magic(str(tmp_path / "missing")) is None
+    with FileSystemSync(str(tmp_path)) as sync:
+        assert sync.whole == (fs_magic(str(tmp_path)) in SYNCFS_FILE_SYSTEMS)
+
+
+@pytest.mark.parametrize("magic", [0x65735546, 0x6969, None], ids=["fuse", "nfs", "unknown"])
+def test_on_a_file_system_whose_syncfs_is_not_trusted_each_path_is_fsynced(tmp_path, monkeypatch, magic) -> None:
+    """FUSE's syncfs asks the server for nothing (unless virtiofs), so a
+    state directory on sshfs, say, must keep an fsync per file."""
+    paths = make_files(tmp_path, 4)
+    calls = failing_syncfs(monkeypatch, errno.EIO)  # would fail the call if it were used
+    fsyncs = Fsyncs(monkeypatch)
+    with FileSystemSync(str(tmp_path), dirty=calm, magic=lambda path: magic) as sync:
+        assert not sync.whole
+        sync.files(paths)
+    assert calls == [] and fsyncs.calls == len(paths)

@@ -79,7 +79,7 @@ class batches_of:
 @pytest.mark.parametrize("whole", [False, True], ids=["fsync-each", "syncfs"])
 async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, writers, whole) -> None:
     sink = Sink()
-    sync = FileSystemSync(str(tmp_path), dirty=lambda: 0) if whole else None
+    sync = FileSystemSync(str(tmp_path), dirty=lambda: 0, magic=lambda path: 0xEF53) if whole else None
     intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers, sync=sync)
     blobs = [os.urandom(n) for n in (5000, 1, 0, 12345)]
     async with trio.open_nursery() as nursery:
@@ -267,7 +267,7 @@ async def test_a_failed_sync_of_the_file_system_fails_verify_and_settles_nothing
 
     monkeypatch.setattr(fsutil, "_syncfs", (ctypes, fn))
     sink = Sink()
-    with FileSystemSync(str(tmp_path), dirty=lambda: 0) as sync:
+    with FileSystemSync(str(tmp_path), dirty=lambda: 0, magic=lambda path: 0xEF53) as sync:
         intake = Intake(record=sink.record, settle=sink.settle, sync=sync, writers="process")
         data, more = os.urandom(1000), os.urandom(1000)
         async with trio.open_nursery() as nursery:
