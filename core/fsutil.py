@@ -118,20 +118,21 @@ _STX_INO = 32  # offsetof(struct statx, stx_ino)
 _STX_DEV = 136  # offsetof(struct statx, stx_dev_major); stx_dev_minor follows
 
 
-def _load_statx():  # pragma: no cover - depends on the C library
+def _libc(name: str, argtypes: Callable[[object], list[object]]):  # pragma: no cover - depends on the C library
+    """(ctypes, the C library's function ``name`` returning int, with the
+    argument types ``argtypes(ctypes)``), or None where it has none."""
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.statx
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.argtypes = argtypes(ctypes)
     fn.restype = ctypes.c_int
     return ctypes, fn
 
 
-_statx = _load_statx()
+_statx = _libc("statx", lambda c: [c.c_int, c.c_char_p, c.c_int, c.c_uint, c.c_void_p])
 
 
 _statx_buffers = threading.local()  # one struct statx per thread, reused
@@ -217,19 +218,7 @@ def dio_alignment(fd: int) -> tuple[int, int] | None:
 # descriptor was opened, so a caller opens the descriptor before it writes.
 
 
-def _load_syncfs():  # pragma: no cover - depends on the C library
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return ctypes, fn
-
-
-_syncfs = _load_syncfs()
+_syncfs = _libc("syncfs", lambda c: [c.c_int])
 
 
 def syncfs(fd: int) -> None:
@@ -253,19 +242,7 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _load_statfs():  # pragma: no cover - depends on the C library
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return ctypes, fn
-
-
-_statfs = _load_statfs()
+_statfs = _libc("statfs", lambda c: [c.c_char_p, c.c_void_p])
 _STATFS_SIZE = 256  # more than sizeof(struct statfs); f_type is its first field, a C long
 
 
