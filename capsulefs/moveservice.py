@@ -256,14 +256,16 @@ class MoveService:
         try:
             area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
             os.mkdir(os.path.join(area, "content"))
-            # Opened before any piece is written (see FileSystemSync); closed with the staging area.
+            # Opened before any piece is written (see FileSystemSync), closed
+            # with the staging area: by _close, once the intake has stopped
+            # (its settler's thread is waited for), so never under a sync.
             sync = stack.enter_context(FileSystemSync(area))
+            intake = Intake(record=lambda outcomes: _record(inc, outcomes), settle=partial(self._settle, manifest, sync),
+                            depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync)
+            inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         except BaseException:
             stack.close()
             raise
-        intake = Intake(record=lambda outcomes: _record(inc, outcomes), settle=partial(self._settle, manifest, sync),
-                        depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync)
-        inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         self._incoming[(agent_id, epoch)] = inc
         self._nursery.start_soon(intake.run)
         return inc

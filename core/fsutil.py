@@ -258,15 +258,22 @@ def fs_magic(path: str) -> int | None:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
-#: File systems whose syncfs writes back every file's data and inodes and
-#: flushes the device, as their fsync would. Elsewhere (FUSE, whose syncfs
-#: asks the server for nothing unless it is virtiofs; network file
-#: systems; anything unknown) FileSystemSync fsyncs each path.
+#: File systems whose syncfs, followed by an fsync of a directory on them,
+#: makes durable what an fsync of each file and directory would. syncfs
+#: writes back every dirty page and inode, commits (ext4 with a journal,
+#: XFS: a log force; btrfs: a transaction) and flushes the device; but
+#: sync_filesystem writes the block device's dirty buffers once more
+#: *after* that flush, which on ext4 without a journal (and ext2) holds the
+#: inode tables, bitmaps and directory blocks, so the closing fsync's flush
+#: is what makes those durable. Not trusted: F2FS (its sync_fs returns 0
+#: without writing after a checkpoint error or with checkpoint=disable),
+#: FUSE (syncfs asks the server for nothing unless it is virtiofs),
+#: network file systems, anything unknown: there FileSystemSync fsyncs
+#: each path.
 SYNCFS_FILE_SYSTEMS = frozenset({
     0xEF53,  # ext2/3/4
     0x58465342,  # XFS
     0x9123683E,  # btrfs
-    0xF2F52010,  # F2FS
     0x01021994,  # tmpfs (nothing to make durable either way)
 })
 
@@ -302,17 +309,20 @@ class FileSystemSync:
     one syncfs(2) where that is cheap, else an fsync of each, several at a
     time.
 
-    syncfs is used only on file systems known to make it as durable as an
-    fsync of each file (``SYNCFS_FILE_SYSTEMS``). It also writes whatever
+    syncfs is used only on file systems known to make it (with a closing
+    fsync) as durable as an fsync of each path (``SYNCFS_FILE_SYSTEMS``),
+    and a file system gone read-only fails it. It also writes whatever
     else is dirty on the file system, so it is used for two paths or
     more, and only while the machine's page cache
     holds at most ``max_dirty`` bytes dirty (``dirty`` reads that;
-    :func:`dirty_bytes` by default): a call then costs one device cache
-    flush plus a bounded amount of other write-back, instead of a flush
+    :func:`dirty_bytes` by default): a call then costs two device cache
+    flushes plus a bounded amount of other write-back, instead of a flush
     per path. The descriptor syncfs needs is opened by the constructor, so
     make one before writing what it will sync: a write-back error anywhere
-    on the file system after that fails the next syncfs. One caller at a
-    time; :meth:`close` releases the descriptor.
+    on the file system after that (anyone's) fails the next syncfs. One
+    caller at a time, and :meth:`close` only once no call is running (a
+    descriptor number closed under a syncfs could name another file system
+    by the time it is used).
     """
 
     def __init__(self, path: str, *, workers: int = 8, max_dirty: int = MAX_DIRTY,
@@ -323,7 +333,12 @@ class FileSystemSync:
         self._max_dirty = max_dirty
         self._dirty = dirty
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # also: the directory must exist
-        if _syncfs is None or magic(path) not in SYNCFS_FILE_SYSTEMS:
+        try:
+            trusted = _syncfs is not None and magic(path) in SYNCFS_FILE_SYSTEMS
+        except BaseException:
+            os.close(fd)
+            raise
+        if not trusted:
             os.close(fd)
             fd = -1
         self._fd = fd
@@ -359,7 +374,7 @@ class FileSystemSync:
             dirty = self._dirty()
             if dirty is not None and dirty <= self._max_dirty:
                 try:
-                    syncfs(self._fd)
+                    self._whole()
                     return
                 except OSError as exc:
                     if exc.errno != errno.ENOSYS:  # the kernel's syncfs failed: nothing here is known durable
@@ -369,3 +384,14 @@ class FileSystemSync:
         from .hashing import parallel_map
 
         list(parallel_map(each, paths, workers=self._workers))
+
+    def _whole(self) -> None:
+        """syncfs, then a flush after its last write-back (see
+        ``SYNCFS_FILE_SYSTEMS``), then refuse a file system that has gone
+        read-only: Linux's syncfs returns 0 at once on one (after ext4's
+        errors=remount-ro or a btrfs transaction abort) without writing
+        anything, where an fsync of each file would fail."""
+        syncfs(self._fd)
+        os.fsync(self._fd)
+        if os.fstatvfs(self._fd).f_flag & os.ST_RDONLY:
+            raise OSError(errno.EROFS, "the file system is read-only (remounted after an error?)")

@@ -49,6 +49,19 @@ def ext4(path: str) -> int:
     return 0xEF53
 
 
+def counted_syncfs(monkeypatch) -> list[int]:
+    """Count the real syncfs calls; returns the fds it was called with."""
+    calls: list[int] = []
+    ctypes_, real = fsutil._syncfs
+
+    def fn(fd: int) -> int:
+        calls.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(fsutil, "_syncfs", (ctypes_, fn))
+    return calls
+
+
 def failing_syncfs(monkeypatch, err: int) -> list[int]:
     """Make the C library's syncfs fail with ``err``; returns the fds it was called with."""
     calls: list[int] = []
@@ -69,18 +82,23 @@ def test_syncfs_returns_on_a_file_system_and_names_a_bad_descriptor(tmp_path) ->
     finally:
         os.close(fd)
     with pytest.raises(OSError, match="syncfs") as bad:
-        syncfs(fd)  # closed now
+        syncfs(-1)
     assert bad.value.errno == errno.EBADF
 
 
 def test_many_files_are_made_durable_by_one_syncfs_not_an_fsync_each(tmp_path, monkeypatch) -> None:
+    """One syncfs per call, closed by one fsync of the directory held (its
+    device flush comes after syncfs's last write-back), instead of an
+    fsync per path."""
     paths = make_files(tmp_path, 20)
+    syncs = counted_syncfs(monkeypatch)
     fsyncs = Fsyncs(monkeypatch)
     with FileSystemSync(str(tmp_path), dirty=calm, magic=ext4) as sync:
         assert sync.whole
         sync.files(paths)
+        assert len(syncs) == 1 and fsyncs.calls == 1
         sync.dirs([str(tmp_path), str(tmp_path.parent)])
-    assert fsyncs.calls == 0
+        assert len(syncs) == 2 and fsyncs.calls == 2
 
 
 @pytest.mark.parametrize("dirty", [lambda: 1 << 30, lambda: None], ids=["much-dirty", "unknown"])
@@ -166,3 +184,32 @@ def test_on_a_file_system_whose_syncfs_is_not_trusted_each_path_is_fsynced(tmp_p
         assert not sync.whole
         sync.files(paths)
     assert calls == [] and fsyncs.calls == len(paths)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A tmpfs of our own (root only), to remount read-only under a sync."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_file_system_gone_read_only_fails_the_sync(small_tmpfs) -> None:
+    """Linux's syncfs returns 0 on a read-only file system without writing
+    anything (as after ext4's errors=remount-ro): that must not count as
+    durable."""
+    paths = make_files(small_tmpfs, 3)
+    with FileSystemSync(str(small_tmpfs), dirty=calm) as sync:
+        assert sync.whole  # tmpfs is trusted
+        sync.files(paths)
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+        with pytest.raises(OSError) as failed:
+            sync.files(paths)
+    assert failed.value.errno == errno.EROFS
+    assert str(small_tmpfs) in str(failed.value)

@@ -22,8 +22,9 @@ from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.events import UserMessage
 from capsulefs.core.journal import open_journal
+from capsulefs.core.fsutil import FileSystemSync
 from capsulefs.core.holder import HolderState, new_held
-from capsulefs import movedriver
+from capsulefs import movedriver, moveservice
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
 from capsulefs.moveservice import MoveService, serve_moves
@@ -245,6 +246,43 @@ async def test_a_clean_move(world: World, tmp_path: Path) -> None:
     assert world.agent_id not in world.a.store.agent_ids()
     verify_on(world.b, world.agent_id, tmp_path)
     assert world.b.store.agent(world.agent_id).manifest().holder == fmt.Holder(host=world.b.me, epoch=2)
+
+
+async def test_the_target_syncs_each_calls_pieces_and_their_adoption_through_one_file_system_sync(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The move service opens a FileSystemSync on the staging area before
+    any piece arrives (so a later write-back error reaches it), makes each
+    call's pieces durable through it, then the objects/ directories their
+    adoption renamed into, and closes it with the staging area."""
+    made: list[Any] = []
+
+    class Recording(FileSystemSync):
+        def __init__(self, path: str, **kwargs: Any) -> None:
+            super().__init__(path, dirty=lambda: 0, **kwargs)
+            made.append(self)
+            self.content_at_open = os.listdir(os.path.join(path, "content"))
+            self.calls: list[tuple[str, list[str]]] = []
+
+        def files(self, paths: Any) -> None:
+            self.calls.append(("files", sorted(paths)))
+            super().files(self.calls[-1][1])
+
+        def dirs(self, paths: Any) -> None:
+            self.calls.append(("dirs", sorted(paths)))
+            super().dirs(self.calls[-1][1])
+
+    monkeypatch.setattr(moveservice, "FileSystemSync", Recording)
+    result = await world.move()
+    assert result.moved and world.check() == "b"
+    [sync] = made
+    assert sync.content_at_open == []
+    files = [p for kind, paths in sync.calls if kind == "files" for p in paths]
+    dirs = {p for kind, paths in sync.calls if kind == "dirs" for p in paths}
+    assert len(files) == result.contents_sent and all(os.path.dirname(p).endswith("content") for p in files)
+    sent_blobs = world.b.store.agent(world.agent_id).manifest().blobs()
+    assert dirs and dirs <= {os.path.dirname(world.b.store.blob_file(sha)) for sha in sent_blobs}
+    assert [kind for kind, _ in sync.calls].index("files") < [kind for kind, _ in sync.calls].index("dirs")
+    assert not sync.whole  # closed with the staging area
 
 
 async def test_empty_files_and_a_shared_digest_move(world: World, tmp_path: Path) -> None:

@@ -38,6 +38,19 @@ class Sink:
         self.settled.update(durable)
 
 
+class CountingSync(FileSystemSync):
+    """A FileSystemSync that records the paths of each ``files`` call."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.synced: list[list[str]] = []
+
+    def files(self, paths) -> None:
+        paths = sorted(paths)
+        self.synced.append(paths)
+        super().files(paths)
+
+
 def piece(tmp_path, data: bytes, *, path: bool = True) -> Piece:
     sha = hashlib.sha256(data).hexdigest()
     return Piece(sha, len(data), str(tmp_path / sha) if path else None)
@@ -79,7 +92,7 @@ class batches_of:
 @pytest.mark.parametrize("whole", [False, True], ids=["fsync-each", "syncfs"])
 async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, writers, whole) -> None:
     sink = Sink()
-    sync = FileSystemSync(str(tmp_path), dirty=lambda: 0, magic=lambda path: 0xEF53) if whole else None
+    sync = CountingSync(str(tmp_path), dirty=lambda: 0, magic=lambda path: 0xEF53) if whole else None
     intake = Intake(record=sink.record, settle=sink.settle, depth=1, writers=writers, sync=sync)
     blobs = [os.urandom(n) for n in (5000, 1, 0, 12345)]
     async with trio.open_nursery() as nursery:
@@ -97,6 +110,10 @@ async def test_calls_are_written_synced_and_settled_in_the_background(tmp_path, 
     for p, data in zip(first + second, blobs):
         with open(p.path, "rb") as f:
             assert f.read() == data
+    if sync is not None:  # one bulk sync per call, of that call's pieces
+        sync.close()
+        assert sync.synced == [sorted(p.path for p in first), sorted(p.path for p in second)]
+        assert sync.whole is False  # closed
 
 
 async def test_a_piece_that_does_not_hash_to_its_name_is_reported_not_settled(tmp_path, writers) -> None:
