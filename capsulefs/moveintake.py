@@ -39,15 +39,13 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
-from capsulefs.core.fsutil import FileSystemSync, fsync_file
-from capsulefs.core.hashing import parallel_map
+from capsulefs.core.fsutil import FileSystemSync, fsync_each
 from capsulefs.piecewriter import Outcome, Piece
 from capsulefs.slabworker import ProcessWriters, ThreadWriters, WriterHandle
 
@@ -231,7 +229,7 @@ class Intake:
         if self._sync is not None:
             self._sync.files(paths.values())
         else:
-            list(parallel_map(fsync_file, sorted(paths.values()), workers=self._sync_workers))
+            fsync_each(paths.values(), workers=self._sync_workers)
         self._settle(paths)
 
     def _fail(self, exc: BaseException) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
+from .hashing import parallel_map
+
 TMP_PREFIX = ".tmp-"
 
 
@@ -242,6 +244,12 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def fsync_each(paths: Iterable[str], each: Callable[[str], None] = fsync_file, *, workers: int = 8) -> None:
+    """fsync every path (``fsync_file``, or ``fsync_dir`` for directories),
+    several at a time so that the file system can commit them together."""
+    list(parallel_map(each, sorted(paths), workers=workers))
+
+
 _statfs = _libc("statfs", lambda c: [c.c_char_p, c.c_void_p])
 _STATFS_SIZE = 256  # more than sizeof(struct statfs); f_type is its first field, a C long
 
@@ -381,9 +389,7 @@ class FileSystemSync:
                         raise OSError(exc.errno, f"making the file system of {self.path} durable failed: "
                                                  f"{exc.strerror or exc}") from exc
                     self.close()  # refused here (a seccomp filter, say): an fsync each from now on
-        from .hashing import parallel_map
-
-        list(parallel_map(each, paths, workers=self._workers))
+        fsync_each(paths, each, workers=self._workers)
 
     def _whole(self) -> None:
         """syncfs, then a flush after its last write-back (see

@@ -58,7 +58,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, sweep_temps
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
 from .journal_recovery import RingMismatch, agent_recovery_dir, forget_ring, journal_ring_path, recover_journal, replacing_journal
 from .spec import default_spec, spec_bytes
@@ -257,11 +257,11 @@ class HostStore:
                 os.chmod(path, 0o444)
                 os.replace(path, dest)
                 touched.add(os.path.dirname(dest))
-            if sync_dirs is not None:
-                if touched:
+            if touched:
+                if sync_dirs is not None:
                     sync_dirs(sorted(touched))
-            else:
-                list(parallel_map(fsync_dir, sorted(touched), workers=8))
+                else:
+                    fsync_each(touched, fsync_dir)
 
     def make_blob_dirs(self, shas: Iterable[str]) -> None:
         """Create the directories (``objects/xx``) that these blobs will be
