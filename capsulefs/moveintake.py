@@ -2,11 +2,13 @@
 go after they have been received.
 
 Rules:
-  * Two stages, in order, each one task that hands its work to a worker
-    thread: the *writer* hashes and writes the pieces of each call
-    (:class:`~capsulefs.piecewriter.PieceWriter`, one slab at a time,
-    with another thread creating the call's files ahead of it);
-    the *settler* makes the pieces that hashed to their names durable (with
+  * Two stages, in order: the *writer* hashes and writes the pieces of
+    each call (:class:`~capsulefs.piecewriter.PieceWriter`, one slab at a
+    time, with another thread creating the call's files ahead of it, in
+    the writers of ``capsulefs.slabworker``). One task sends it each slab
+    and each call's close as they come; another (the *reaper*) takes the
+    answers in that order, gives each slab's buffer back and passes each
+    closed call on. Then the *settler* makes the pieces that hashed to their names durable (with
     ``sync``, a :class:`~capsulefs.core.fsutil.FileSystemSync`, one syncfs
     of their file system per call; else an fsync each) and passes them to
     ``settle`` (the move service adopts the blobs among them into
@@ -46,8 +48,8 @@ from typing import Protocol
 import trio
 
 from capsulefs.core.fsutil import FileSystemSync, fsync_each
-from capsulefs.piecewriter import Outcome, Piece
-from capsulefs.slabworker import ProcessWriters, ThreadWriters, WriterHandle
+from capsulefs.piecewriter import Outcome, Piece, remove_files
+from capsulefs.slabworker import ProcessWriters, ThreadWriters, Ticket, WriterHandle
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class Intake:
         self._pool_in, self._pool = trio.open_memory_channel[int](math.inf)
         for index in range(depth + 2):
             self._pool_in.send_nowait(index)
+        # Unbounded, but at most one entry per buffer of the pool, per call and per barrier.
+        self._reaps_in, self._reaps = trio.open_memory_channel[tuple[_Feed | _End, Ticket] | _Barrier](math.inf)
         # Unbounded, but only one entry per call and per barrier: the writer never waits on the settler.
         self._settles_in, self._settles = trio.open_memory_channel[_Settle | _Barrier](math.inf)
         self.inflight: set[str] = set()
@@ -126,6 +130,7 @@ class Intake:
                     except OSError as exc:  # no helper process: every call of this move fails, saying why
                         self._fail(exc)
                     nursery.start_soon(self._write_stage)
+                    nursery.start_soon(self._reap_stage)
                     nursery.start_soon(self._settle_stage)
                     task_status.started()
         finally:
@@ -162,19 +167,21 @@ class Intake:
             self._fail(exc)
 
     async def _write_stage(self) -> None:
-        # Closing both channels on the way out: a sender blocked on a full
-        # queue then fails instead of waiting forever, and the settler ends.
-        with self._jobs, self._settles_in:
+        # Closing the channels on the way out: a sender blocked on a full
+        # queue then fails instead of waiting forever, and the next stages end.
+        with self._jobs, self._reaps_in:
             async for job in self._jobs:
                 try:
                     if isinstance(job, _Barrier):
-                        self._to_settler(job)
+                        self._reaps_in.send_nowait(job)
                     elif isinstance(job, _Feed):
+                        reaped = False
                         try:
                             if self.failure is None and job.writer in self._open:
-                                await self._writers.write_slab(job.writer, job.buffer)
+                                reaped = self._reap(job, await self._writers.write_slab(job.writer, job.buffer))
                         finally:
-                            self._give_back(job.buffer)
+                            if not reaped:
+                                self._give_back(job.buffer)
                     else:
                         await self._end(job)
                 except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
@@ -187,16 +194,52 @@ class Intake:
             await self._abandon(writer)
             self.inflight.difference_update(job.paths)
             return
-        try:
-            outcomes = await self._writers.close(writer)
-        except Exception as exc:
-            self._fail(exc)
+        if not self._reap(job, await self._writers.close(writer)):
             await self._abandon(writer)
             self.inflight.difference_update(job.paths)
-            return
-        self._record(outcomes)
-        intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
-        self._to_settler(_Settle(intact, frozenset(job.paths)))
+
+    def _reap(self, job: _Feed | _End, ticket: Ticket) -> bool:
+        """Hand a request's ticket to the reaper; False if it has stopped
+        (the intake is being closed: the caller cleans up)."""
+        try:
+            self._reaps_in.send_nowait((job, ticket))
+        except trio.BrokenResourceError:
+            return False
+        return True
+
+    async def _reap_stage(self) -> None:
+        """Take the writers' answers in the order the requests went: give
+        each slab's buffer back, and pass each closed call's pieces on."""
+        with self._reaps, self._settles_in:
+            async for item in self._reaps:
+                if isinstance(item, _Barrier):
+                    self._to_settler(item)
+                    continue
+                job, ticket = item
+                if isinstance(job, _Feed):
+                    try:
+                        await ticket.result()
+                    except Exception as exc:
+                        self._fail(exc)
+                    finally:
+                        self._give_back(job.buffer)
+                    continue
+                try:
+                    outcomes = await ticket.result()
+                except Exception as exc:
+                    self._fail(exc)
+                    await self._abandon(job.writer)
+                    self.inflight.difference_update(job.paths)
+                    continue
+                if self.failure is not None:  # a slab or a call failed after this close was asked for
+                    try:
+                        await trio.to_thread.run_sync(remove_files, list(job.paths.values()))
+                    finally:
+                        self.inflight.difference_update(job.paths)
+                    continue
+                self._record(outcomes)
+                intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
+                self._to_settler(_Settle(intact, frozenset(job.paths)))
 
     def _give_back(self, buffer: int) -> None:
         try:

@@ -13,8 +13,13 @@ object per line; one reply per request, in order, on stdout:
   * ``{"op": "close", "w": ID}``: the outcomes, ``[[sha256, written, intact], ...]``;
   * ``{"op": "abandon", "w": ID}``: remove what is not whole.
 A reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "type":
-"OSError"|"ValueError", "errno": N, "message": ...}``. At the end of its
-stdin it abandons every writer still open and exits.
+"OSError"|"ValueError", "errno": N, "message": ...}``. Requests come
+pipelined (the next slab may be queued before this one is answered), so
+once a writer's open or slab has failed, each later slab and the close of
+that writer fail the same way, without touching it: a piece must never be
+reported written past a write that failed. Its abandon still removes what
+is not whole. At the end of its stdin it abandons every writer still open
+and exits.
 """
 
 from __future__ import annotations
@@ -36,12 +41,20 @@ def serve(fd: int, count: int, buffer: int) -> None:
     views = [whole[i * buffer : (i + 1) * buffer] for i in range(count)]
     writers: dict[int, PieceWriter] = {}
     ahead: dict[int, threading.Thread] = {}
+    failed: dict[int, dict[str, Any]] = {}  # writer -> the failure later slabs and its close repeat
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
         request = json.loads(line)
         op, wid = request["op"], request["w"]
         try:
             result: Any = None
+            if op in ("slab", "close") and wid in failed:
+                reply = failed[wid]
+                if op == "close":
+                    failed.pop(wid)
+                out.write(json.dumps(reply).encode() + b"\n")
+                out.flush()
+                continue
             if op == "open":
                 writer = writers[wid] = PieceWriter([Piece(sha, size, path) for sha, size, path in request["pieces"]],
                                                     buffer=buffer)
@@ -66,6 +79,10 @@ def serve(fd: int, count: int, buffer: int) -> None:
             reply = {"ok": False, "type": "OSError", "errno": exc.errno, "message": str(exc)}
         except (ValueError, KeyError) as exc:
             reply = {"ok": False, "type": "ValueError", "message": str(exc)}
+        if not reply["ok"] and op in ("open", "slab"):
+            failed[wid] = reply
+        elif op == "abandon":
+            failed.pop(wid, None)
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
     for writer in writers.values():  # the intake went away: leave nothing half written

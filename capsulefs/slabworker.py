@@ -7,6 +7,11 @@ Rules:
     in a thread), one slab at a time from a buffer of the slab pool, then
     close (the outcomes) or abandon. The intake (``moveintake.Intake``)
     drives either through the same calls and does not know which it has.
+  * A slab written and a writer closed are answered by a :class:`Ticket`,
+    awaited apart from the request: the intake sends the next requests
+    while earlier ones are still being served, and takes the answers in
+    the order it asked. ThreadWriters answers before it returns the
+    ticket; ProcessWriters pipelines.
   * :class:`ThreadWriters`: the pool is private memory and each step runs
     in a trio worker thread.
   * :class:`ProcessWriters`: the pool is one shared memory file (memfd);
@@ -20,11 +25,14 @@ Rules:
   * The helper is the intake's: started by :meth:`ProcessWriters.start`,
     ended by :meth:`ProcessWriters.aclose` (its stdin closes; it is killed
     if it does not exit); it also ends when the daemon dies, which closes
-    its stdin, after abandoning what it was writing. It takes
-    one request at a time and answers each, in order, on its stdout: a JSON
-    line each way. A request that fails there (a disk error) is raised here
-    as the same OSError; if the helper dies, every request raises
-    OSError(EIO) and the files of writers still open are removed from here.
+    its stdin, after abandoning what it was writing. Requests queue in its
+    stdin; it serves them one at a time and answers each, in order, on its
+    stdout: a JSON line each way. A request that fails there (a disk error)
+    is raised here as the same OSError, and so is every later slab and the
+    close of that writer (the helper refuses them: nothing counts as
+    written past a failed write); if the helper dies, every ticket waiting
+    and every later request raises OSError(EIO) and the files of writers
+    still open are removed from here.
   * Paths come from the intake (the move's staging area), never from a peer.
 """
 
@@ -36,6 +44,8 @@ import mmap
 import os
 import subprocess
 import sys
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +66,59 @@ class WriterHandle:
     local: PieceWriter | None = None  # ThreadWriters only
 
 
+class Ticket:
+    """A request made of the writers, whose answer may come later: a slab
+    written, or a writer closed. :meth:`result` waits for it (and raises
+    its failure)."""
+
+    __slots__ = ("done", "_value", "_error", "_convert", "_wait")
+
+    def __init__(self, convert: Callable[[Any], Any] | None = None,
+                 wait: "Callable[[Ticket], Awaitable[None]] | None" = None) -> None:
+        self.done = False
+        self._value: Any = None
+        self._error: tuple[int, str] | tuple[None, str] | None = None  # (errno or None for ValueError, message)
+        self._convert = convert
+        self._wait = wait  # reads answers until this one has come (ProcessWriters)
+
+    @classmethod
+    def answered(cls, value: Any = None, error: BaseException | None = None) -> "Ticket":
+        ticket = cls()
+        if isinstance(error, OSError):
+            ticket._fail(error.errno or errno.EIO, str(error))
+        elif error is not None:
+            ticket._fail(None, str(error))
+        else:
+            ticket._set(value)
+        return ticket
+
+    def _set(self, value: Any) -> None:
+        self._value, self.done = value, True
+
+    def _fail(self, code: int | None, message: str) -> None:
+        self._error, self.done = (code, message), True
+
+    async def result(self) -> Any:
+        if not self.done:
+            assert self._wait is not None
+            await self._wait(self)
+        else:
+            await trio.lowlevel.checkpoint()
+        if self._error is not None:
+            code, message = self._error
+            if code is None:
+                raise ValueError(message)
+            raise OSError(code, message)
+        return self._convert(self._value) if self._convert is not None else self._value
+
+
+def _outcomes(result: Any) -> list[Outcome]:
+    return [Outcome(sha, written=written, intact=intact) for sha, written, intact in result]
+
+
 class ThreadWriters:
-    """The writers run in this process, each step in a trio worker thread."""
+    """The writers run in this process, each step in a trio worker thread
+    (so a ticket is answered by the time it is handed out)."""
 
     def __init__(self, buffers: int) -> None:
         self.buffers = [mmap.mmap(-1, BUFFER) for _ in range(buffers)]
@@ -80,13 +141,20 @@ class ThreadWriters:
         await trio.lowlevel.checkpoint()
         return handle
 
-    async def write_slab(self, handle: WriterHandle, buffer: int) -> None:
+    async def write_slab(self, handle: WriterHandle, buffer: int) -> Ticket:
         assert handle.local is not None
-        await trio.to_thread.run_sync(handle.local.write_slab, self.buffers[buffer])
+        try:
+            await trio.to_thread.run_sync(handle.local.write_slab, self.buffers[buffer])
+        except (OSError, ValueError) as exc:
+            return Ticket.answered(error=exc)
+        return Ticket.answered()
 
-    async def close(self, handle: WriterHandle) -> list[Outcome]:
+    async def close(self, handle: WriterHandle) -> Ticket:
         assert handle.local is not None
-        return await trio.to_thread.run_sync(handle.local.close)
+        try:
+            return Ticket.answered(await trio.to_thread.run_sync(handle.local.close))
+        except (OSError, ValueError) as exc:
+            return Ticket.answered(error=exc)
 
     async def abandon(self, handle: WriterHandle) -> None:
         assert handle.local is not None
@@ -102,7 +170,14 @@ class ThreadWriters:
 
 
 class ProcessWriters:
-    """The writers run in a helper process, fed through shared memory."""
+    """The writers run in a helper process, fed through shared memory.
+
+    Requests are pipelined: each is written to the helper's stdin as it
+    comes (one at a time, never half), and the helper answers them in
+    order. Whoever waits for an answer reads the helper's stdout and hands
+    out every answer that comes before its own, to the tickets waiting
+    for them. So the helper has the next slab queued while it writes one,
+    and the event loop never waits for it to start a call."""
 
     def __init__(self, buffers: int, *, python: str | None = None) -> None:
         self.buffers: list[memoryview] = []  # made by start
@@ -114,7 +189,9 @@ class ProcessWriters:
         self._send: trio.lowlevel.FdStream | None = None
         self._receive: trio.lowlevel.FdStream | None = None
         self._replies = bytearray()
-        self._lock = trio.Lock()  # one request in flight
+        self._sending = trio.Lock()  # one request written at a time
+        self._reading = trio.Lock()  # one reader of the answers at a time
+        self._asked: deque[Ticket] = deque()  # sent, not yet answered: in the helper's order
         self._dead: str | None = None  # why the helper can no longer be asked
         self._open: dict[int, WriterHandle] = {}
         self._ids = 0
@@ -145,49 +222,81 @@ class ProcessWriters:
         self._proc.stdin.close()
         self._proc.stdout.close()
 
-    async def _ask(self, request: dict[str, Any]) -> Any:
-        async with self._lock:
+    def _died(self, why: str) -> None:
+        """The helper can no longer answer: every ticket still waiting fails."""
+        self._dead = self._dead or why
+        while self._asked:
+            self._asked.popleft()._fail(errno.EIO, f"the move's writer process {self._dead}")
+
+    async def _request(self, request: dict[str, Any], convert: Callable[[Any], Any] | None = None) -> Ticket:
+        """Send one request; its ticket is answered in the helper's order."""
+        ticket = Ticket(convert, self._await)
+        async with self._sending:
             if self._dead is not None:
-                raise OSError(errno.EIO, f"the move's writer process {self._dead}")
-            assert self._send is not None and self._receive is not None
+                ticket._fail(errno.EIO, f"the move's writer process {self._dead}")
+                return ticket
+            assert self._send is not None
+            self._asked.append(ticket)  # before the bytes go: an answer can come as soon as they are out
             try:
-                with trio.CancelScope(shield=True):  # a request half sent or half answered would desync the pipe
+                with trio.CancelScope(shield=True):  # a request half sent would desync the pipe
                     await self._send.send_all(json.dumps(request).encode() + b"\n")
-                    while b"\n" not in self._replies:
-                        data = await self._receive.receive_some(65536)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                self._died("died")
+        return ticket
+
+    async def _await(self, ticket: Ticket) -> None:
+        """Read answers, in order, until ``ticket``'s has come. Cancelling
+        this loses nothing: bytes read stay in the buffer for the next reader."""
+        while not ticket.done:
+            async with self._reading:
+                while not ticket.done:
+                    end = self._replies.find(b"\n")
+                    if end < 0:
+                        assert self._receive is not None
+                        try:
+                            data = await self._receive.receive_some(65536)
+                        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                            data = b""
                         if not data:
-                            raise EOFError
+                            self._died("died")
+                            break
                         self._replies += data
-            except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
-                self._dead = "died"
-                raise OSError(errno.EIO, "the move's writer process died") from None
-            line, _, rest = bytes(self._replies).partition(b"\n")
-            self._replies = bytearray(rest)
-        reply = json.loads(line)
-        if reply.get("ok"):
-            return reply.get("result")
-        if reply.get("type") == "ValueError":
-            raise ValueError(reply["message"])
-        raise OSError(reply.get("errno") or errno.EIO, reply["message"])
+                        continue
+                    line = bytes(self._replies[:end])
+                    del self._replies[: end + 1]
+                    if not self._asked:  # an answer nobody asked for: the pipe cannot be trusted any more
+                        self._died("answered out of turn")
+                        break
+                    answered = self._asked.popleft()
+                    reply = json.loads(line)
+                    if reply.get("ok"):
+                        answered._set(reply.get("result"))
+                    elif reply.get("type") == "ValueError":
+                        answered._fail(None, reply["message"])
+                    else:
+                        answered._fail(reply.get("errno") or errno.EIO, reply["message"])
+
+    async def _ask(self, request: dict[str, Any]) -> Any:
+        return await (await self._request(request)).result()
 
     async def open(self, pieces: list[Piece]) -> WriterHandle:
+        """A writer for one call. Not waited for: the helper opens it before
+        any of its slabs, and a failure there fails the writer's slabs."""
         self._ids += 1
         handle = WriterHandle(self._ids, pieces, layout(pieces))
         self._open[handle.id] = handle
-        await self._ask({"op": "open", "w": handle.id, "pieces": [[p.sha, p.size, p.path] for p in pieces]})
+        await self._request({"op": "open", "w": handle.id, "pieces": [[p.sha, p.size, p.path] for p in pieces]})
         return handle
 
-    async def write_slab(self, handle: WriterHandle, buffer: int) -> None:
-        await self._ask({"op": "slab", "w": handle.id, "buffer": buffer})
+    async def write_slab(self, handle: WriterHandle, buffer: int) -> Ticket:
+        return await self._request({"op": "slab", "w": handle.id, "buffer": buffer})
 
-    async def close(self, handle: WriterHandle) -> list[Outcome]:
-        try:
-            result = await self._ask({"op": "close", "w": handle.id})
-        except OSError:
-            await self.abandon(handle)
-            raise
-        self._open.pop(handle.id, None)
-        return [Outcome(sha, written=written, intact=intact) for sha, written, intact in result]
+    async def close(self, handle: WriterHandle) -> Ticket:
+        def closed(result: Any) -> list[Outcome]:
+            self._open.pop(handle.id, None)  # refused, it stays open: the caller abandons it
+            return _outcomes(result)
+
+        return await self._request({"op": "close", "w": handle.id}, closed)
 
     async def abandon(self, handle: WriterHandle) -> None:
         if handle.id not in self._open:

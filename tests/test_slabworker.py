@@ -1,0 +1,123 @@
+"""The writer process of a move's target (capsulefs/slabworker.py and
+capsulefs/slabhelper.py): a real helper process, real files. Requests are
+pipelined, so these tests send several before reading any answer."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from capsulefs.piecewriter import BUFFER, Piece
+from capsulefs.slabworker import ProcessWriters, WriterHandle
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@asynccontextmanager
+async def helper(buffers: int) -> AsyncIterator[ProcessWriters]:
+    """A started ProcessWriters, ended (helper and all) however the test goes."""
+    writers = ProcessWriters(buffers)
+    async with trio.open_nursery() as nursery:
+        await writers.start(nursery)
+        try:
+            yield writers
+        finally:
+            await writers.aclose()
+
+
+def fill(writers: ProcessWriters, handle: WriterHandle, slab: int, buffer: int, payload: bytes) -> None:
+    """Put slab ``slab`` of ``payload`` (the pieces back to back) into the
+    pool's ``buffer`` at its segments' offsets, as the intake does."""
+    at = sum(seg.size for s in handle.slabs[:slab] for seg in s)
+    for seg in handle.slabs[slab]:
+        writers.buffers[buffer][seg.offset : seg.offset + seg.size] = payload[at : at + seg.size]
+        at += seg.size
+
+
+async def test_pipelined_requests_of_two_writers_are_answered_to_their_own_tickets(tmp_path) -> None:
+    """Two calls' writers, their slabs interleaved, every request sent
+    before any answer is read: each ticket gets its own answer, and every
+    piece is written whole under its name."""
+    one = [os.urandom(BUFFER // 2 + 7), os.urandom(3000)]
+    two = [os.urandom(BUFFER - 5), os.urandom(BUFFER // 3)]
+    async with helper(4) as writers:
+        h1 = await writers.open([Piece(sha(b), len(b), str(tmp_path / sha(b))) for b in one])
+        h2 = await writers.open([Piece(sha(b), len(b), str(tmp_path / sha(b))) for b in two])
+        assert len(h1.slabs) == 1 and len(h2.slabs) == 2
+        fill(writers, h1, 0, 0, b"".join(one))
+        fill(writers, h2, 0, 1, b"".join(two))
+        fill(writers, h2, 1, 2, b"".join(two))
+        tickets = [await writers.write_slab(h2, 1), await writers.write_slab(h1, 0),
+                   await writers.write_slab(h2, 2)]
+        closed2, closed1 = await writers.close(h2), await writers.close(h1)
+        assert not any(t.done for t in (*tickets, closed1, closed2))  # nothing read yet: all in flight
+        outcomes1 = await closed1.result()  # reads every answer before its own, for the others
+        assert all(t.done for t in (*tickets, closed2))
+        for t in tickets:
+            assert await t.result() is None
+        outcomes2 = await closed2.result()
+    assert [(o.sha, o.written, o.intact) for o in outcomes1] == [(sha(b), True, True) for b in one]
+    assert [(o.sha, o.written, o.intact) for o in outcomes2] == [(sha(b), True, True) for b in two]
+    for b in one + two:
+        assert (tmp_path / sha(b)).read_bytes() == b
+
+
+async def test_after_a_failed_slab_the_writers_later_requests_fail_the_same_way(tmp_path) -> None:
+    """A slab fails (its piece's directory is missing) while the next slab
+    and the close are already queued behind it: both fail with the same
+    error, so the piece of the next slab is never reported written past
+    the failure, and abandon leaves no file."""
+    first, second = os.urandom(BUFFER), os.urandom(5000)
+    pieces = [Piece(sha(first), len(first), str(tmp_path / "missing" / sha(first))),
+              Piece(sha(second), len(second), str(tmp_path / sha(second)))]
+    async with helper(3) as writers:
+        handle = await writers.open(pieces)
+        assert len(handle.slabs) == 2
+        fill(writers, handle, 0, 0, first + second)
+        fill(writers, handle, 1, 1, first + second)
+        tickets = [await writers.write_slab(handle, 0), await writers.write_slab(handle, 1),
+                   await writers.close(handle)]
+        for ticket in tickets:
+            with pytest.raises(OSError) as failed:
+                await ticket.result()
+            assert failed.value.errno == errno.ENOENT
+            assert "missing" in str(failed.value)
+        await writers.abandon(handle)
+        # The helper still answers, in order, for a writer of its own.
+        ok = os.urandom(100)
+        other = await writers.open([Piece(sha(ok), len(ok), str(tmp_path / sha(ok)))])
+        fill(writers, other, 0, 2, ok)
+        await (await writers.write_slab(other, 2)).result()
+        assert [o.intact for o in await (await writers.close(other)).result()] == [True]
+    assert sorted(os.listdir(tmp_path)) == [sha(ok)]
+
+
+async def test_a_dead_helper_fails_every_ticket_in_flight_with_eio(tmp_path) -> None:
+    """The helper dies with requests queued: each of their tickets, and
+    every later request, fails with EIO; abandon removes the files from
+    this side."""
+    data = os.urandom(BUFFER + 10)
+    async with helper(3) as writers:
+        handle = await writers.open([Piece(sha(data), len(data), str(tmp_path / sha(data)))])
+        fill(writers, handle, 0, 0, data)
+        assert writers._proc is not None
+        writers._proc.kill()
+        await trio.to_thread.run_sync(writers._proc.wait)
+        tickets = [await writers.write_slab(handle, 0), await writers.close(handle)]
+        for ticket in tickets:
+            with pytest.raises(OSError) as failed:
+                await ticket.result()
+            assert failed.value.errno == errno.EIO
+        with pytest.raises(OSError) as later:
+            await (await writers.write_slab(handle, 1)).result()
+        assert later.value.errno == errno.EIO
+        await writers.abandon(handle)
+    assert os.listdir(tmp_path) == []
