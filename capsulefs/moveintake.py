@@ -212,34 +212,41 @@ class Intake:
         each slab's buffer back, and pass each closed call's pieces on."""
         with self._reaps, self._settles_in:
             async for item in self._reaps:
-                if isinstance(item, _Barrier):
-                    self._to_settler(item)
-                    continue
-                job, ticket = item
-                if isinstance(job, _Feed):
-                    try:
-                        await ticket.result()
-                    except Exception as exc:
-                        self._fail(exc)
-                    finally:
-                        self._give_back(job.buffer)
-                    continue
                 try:
-                    outcomes = await ticket.result()
-                except Exception as exc:
+                    if isinstance(item, _Barrier):
+                        self._to_settler(item)
+                    elif isinstance(item[0], _Feed):
+                        feed, ticket = item
+                        try:
+                            await ticket.result()
+                        finally:
+                            self._give_back(feed.buffer)
+                    else:
+                        await self._closed(*item)
+                except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
                     self._fail(exc)
-                    await self._abandon(job.writer)
-                    self.inflight.difference_update(job.paths)
-                    continue
-                if self.failure is not None:  # a slab or a call failed after this close was asked for
-                    try:
-                        await trio.to_thread.run_sync(remove_files, list(job.paths.values()))
-                    finally:
-                        self.inflight.difference_update(job.paths)
-                    continue
-                self._record(outcomes)
-                intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
-                self._to_settler(_Settle(intact, frozenset(job.paths)))
+
+    async def _closed(self, job: _End, ticket: Ticket) -> None:
+        """A call's writer was closed: record its outcomes and settle its
+        intact pieces, unless the intake failed meanwhile."""
+        try:
+            outcomes = await ticket.result()
+        except Exception as exc:
+            self._fail(exc)
+            await self._abandon(job.writer)
+            self.inflight.difference_update(job.paths)
+            return
+        if self.failure is not None:  # a slab or a call failed after this close was asked for
+            try:
+                await trio.to_thread.run_sync(remove_files, list(job.paths.values()))
+            except OSError as exc:  # the staging area goes with the move anyway
+                log.warning("a move's intake could not remove the pieces of a call it dropped: %s", exc)
+            finally:
+                self.inflight.difference_update(job.paths)
+            return
+        self._record(outcomes)
+        intact = {o.sha: job.paths[o.sha] for o in outcomes if o.intact and o.sha in job.paths}
+        self._to_settler(_Settle(intact, frozenset(job.paths)))
 
     def _give_back(self, buffer: int) -> None:
         try:
