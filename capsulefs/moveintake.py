@@ -175,13 +175,16 @@ class Intake:
                     if isinstance(job, _Barrier):
                         self._reaps_in.send_nowait(job)
                     elif isinstance(job, _Feed):
-                        reaped = False
+                        ticket = None
                         try:
                             if self.failure is None and job.writer in self._open:
-                                reaped = self._reap(job, await self._writers.write_slab(job.writer, job.buffer))
+                                ticket = await self._writers.write_slab(job.writer, job.buffer)
+                                self._noticed(ticket)
                         finally:
-                            if not reaped:
-                                self._give_back(job.buffer)
+                            if ticket is None:
+                                self._give_back(job.buffer)  # never sent
+                            elif not self._reap(job, ticket) and ticket.done:
+                                self._give_back(job.buffer)  # else the helper may still read it: it stays out
                     else:
                         await self._end(job)
                 except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
@@ -194,9 +197,22 @@ class Intake:
             await self._abandon(writer)
             self.inflight.difference_update(job.paths)
             return
-        if not self._reap(job, await self._writers.close(writer)):
+        try:
+            ticket = await self._writers.close(writer)
+        except Exception as exc:
+            ticket = None
+            self._fail(exc)
+        if ticket is None or not self._reap(job, ticket):
             await self._abandon(writer)
             self.inflight.difference_update(job.paths)
+
+    def _noticed(self, ticket: Ticket) -> None:
+        """A slab already answered (in-process writers, or a dead helper)
+        fails the intake at once: the next slabs are then dropped rather
+        than written after it."""
+        failure = ticket.failure()
+        if failure is not None:
+            self._fail(failure)
 
     def _reap(self, job: _Feed | _End, ticket: Ticket) -> bool:
         """Hand a request's ticket to the reaper; False if it has stopped
@@ -220,7 +236,8 @@ class Intake:
                         try:
                             await ticket.result()
                         finally:
-                            self._give_back(feed.buffer)
+                            if ticket.done:  # cancelled before the answer: the helper may still read it
+                                self._give_back(feed.buffer)
                     else:
                         await self._closed(*item)
                 except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on

@@ -19,13 +19,14 @@ once a writer's open or slab has failed, each later slab and the close of
 that writer fail the same way, without touching it: a piece must never be
 reported written past a write that failed. Its abandon still removes what
 is not whole. At the end of its stdin it abandons every writer still open
-and exits.
+and exits; so it does when the daemon stops reading its answers.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 import sys
 import threading
 from typing import Any
@@ -33,6 +34,17 @@ from typing import Any
 from capsulefs.piecewriter import Piece, PieceWriter
 
 __all__ = ["serve"]
+
+
+def _answer(out: Any, reply: dict[str, Any]) -> bool:
+    """Write one answer; False if nobody reads them any more (the daemon
+    closed its end): then stop, abandoning what is open."""
+    try:
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        return False
+    return True
 
 
 def serve(fd: int, count: int, buffer: int) -> None:
@@ -52,8 +64,8 @@ def serve(fd: int, count: int, buffer: int) -> None:
                 reply = failed[wid]
                 if op == "close":
                     failed.pop(wid)
-                out.write(json.dumps(reply).encode() + b"\n")
-                out.flush()
+                if not _answer(out, reply):
+                    break
                 continue
             if op == "open":
                 writer = writers[wid] = PieceWriter([Piece(sha, size, path) for sha, size, path in request["pieces"]],
@@ -83,8 +95,8 @@ def serve(fd: int, count: int, buffer: int) -> None:
             failed[wid] = reply
         elif op == "abandon":
             failed.pop(wid, None)
-        out.write(json.dumps(reply).encode() + b"\n")
-        out.flush()
+        if not _answer(out, reply):
+            break
     for writer in writers.values():  # the intake went away: leave nothing half written
         try:
             writer.abandon()
@@ -94,3 +106,8 @@ def serve(fd: int, count: int, buffer: int) -> None:
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    # Every answer was flushed as it went and every writer is closed or
+    # abandoned: nothing is left for the interpreter's exit to do but a
+    # flush into a pipe that may be gone (the daemon's wait for this exit
+    # is part of a move's activate).
+    os._exit(0)

@@ -98,17 +98,23 @@ class Ticket:
     def _fail(self, code: int | None, message: str) -> None:
         self._error, self.done = (code, message), True
 
+    def failure(self) -> OSError | ValueError | None:
+        """An answered ticket's failure, without waiting (None if it has
+        none, or no answer yet)."""
+        if not self.done or self._error is None:
+            return None
+        code, message = self._error
+        return ValueError(message) if code is None else OSError(code, message)
+
     async def result(self) -> Any:
         if not self.done:
             assert self._wait is not None
             await self._wait(self)
         else:
             await trio.lowlevel.checkpoint()
-        if self._error is not None:
-            code, message = self._error
-            if code is None:
-                raise ValueError(message)
-            raise OSError(code, message)
+        failure = self.failure()
+        if failure is not None:
+            raise failure
         return self._convert(self._value) if self._convert is not None else self._value
 
 
@@ -177,7 +183,9 @@ class ProcessWriters:
     order. Whoever waits for an answer reads the helper's stdout and hands
     out every answer that comes before its own, to the tickets waiting
     for them. So the helper has the next slab queued while it writes one,
-    and the event loop never waits for it to start a call."""
+    and the event loop never waits for it to start a call. A request that
+    does not fit in the pipe is sent while reading answers: the helper
+    stops reading requests while nobody reads its answers."""
 
     def __init__(self, buffers: int, *, python: str | None = None) -> None:
         self.buffers: list[memoryview] = []  # made by start
@@ -237,44 +245,72 @@ class ProcessWriters:
                 return ticket
             assert self._send is not None
             self._asked.append(ticket)  # before the bytes go: an answer can come as soon as they are out
+            line = json.dumps(request).encode() + b"\n"
             try:
                 with trio.CancelScope(shield=True):  # a request half sent would desync the pipe
-                    await self._send.send_all(json.dumps(request).encode() + b"\n")
+                    try:
+                        sent = os.write(self._send.fileno(), line)  # the pipe is non-blocking: what fits now
+                    except BlockingIOError:
+                        sent = 0
+                    if sent < len(line):
+                        await self._send_draining(memoryview(line)[sent:])
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 self._died("died")
         return ticket
+
+    async def _send_draining(self, rest: memoryview) -> None:
+        """Send the rest of a request while reading answers: the helper
+        stops reading its stdin while its stdout is full, and a request
+        (an ``open`` of many pieces) can be larger than the pipe."""
+        assert self._send is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drain)
+            await self._send.send_all(rest)
+            nursery.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
+        """Hand out answers as they come, until cancelled."""
+        async with self._reading:
+            while await self._read_answer():
+                pass
 
     async def _await(self, ticket: Ticket) -> None:
         """Read answers, in order, until ``ticket``'s has come. Cancelling
         this loses nothing: bytes read stay in the buffer for the next reader."""
         while not ticket.done:
             async with self._reading:
-                while not ticket.done:
-                    end = self._replies.find(b"\n")
-                    if end < 0:
-                        assert self._receive is not None
-                        try:
-                            data = await self._receive.receive_some(65536)
-                        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                            data = b""
-                        if not data:
-                            self._died("died")
-                            break
-                        self._replies += data
-                        continue
-                    line = bytes(self._replies[:end])
-                    del self._replies[: end + 1]
-                    if not self._asked:  # an answer nobody asked for: the pipe cannot be trusted any more
-                        self._died("answered out of turn")
-                        break
-                    answered = self._asked.popleft()
-                    reply = json.loads(line)
-                    if reply.get("ok"):
-                        answered._set(reply.get("result"))
-                    elif reply.get("type") == "ValueError":
-                        answered._fail(None, reply["message"])
-                    else:
-                        answered._fail(reply.get("errno") or errno.EIO, reply["message"])
+                while not ticket.done and await self._read_answer():
+                    pass
+
+    async def _read_answer(self) -> bool:
+        """Read the next answer and hand it to the oldest ticket waiting;
+        False once the helper can no longer answer. Caller holds ``_reading``."""
+        while (end := self._replies.find(b"\n")) < 0:
+            if self._dead is not None and not self._asked:
+                return False
+            assert self._receive is not None
+            try:
+                data = await self._receive.receive_some(65536)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self._died("died")
+                return False
+            self._replies += data
+        line = bytes(self._replies[:end])
+        del self._replies[: end + 1]
+        if not self._asked:  # an answer nobody asked for: the pipe cannot be trusted any more
+            self._died("answered out of turn")
+            return False
+        answered = self._asked.popleft()
+        reply = json.loads(line)
+        if reply.get("ok"):
+            answered._set(reply.get("result"))
+        elif reply.get("type") == "ValueError":
+            answered._fail(None, reply["message"])
+        else:
+            answered._fail(reply.get("errno") or errno.EIO, reply["message"])
+        return True
 
     async def _ask(self, request: dict[str, Any]) -> Any:
         return await (await self._request(request)).result()

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import subprocess
+import sys
 import pytest
 import trio
 import trio.testing
@@ -353,6 +354,76 @@ async def test_a_caller_cancelled_mid_call_leaves_no_piece(tmp_path, writers) ->
         await intake.settled()
         assert os.listdir(tmp_path) == [] and intake.inflight == set() and intake.failure is None
         await intake.aclose()
+
+
+async def test_after_a_failed_slab_the_calls_later_pieces_are_not_written(tmp_path, writers) -> None:
+    """The first piece's slab fails (its directory is missing): the pieces
+    of the slabs after it are never written, with either kind of writer,
+    and the call fails with that error."""
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=2, writers=writers)
+    first, later = os.urandom(BUFFER), [os.urandom(BUFFER // 2) for _ in range(4)]
+    pieces = [piece(tmp_path / "missing", first)] + [piece(tmp_path, b) for b in later]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        with pytest.raises(OSError) as failed:
+            await intake.take(batches_of(first + b"".join(later), 1 << 20), pieces)
+            await intake.settled()
+        assert failed.value.errno == errno.ENOENT
+        await intake.aclose()
+    assert os.listdir(tmp_path) == [] and sink.settled == {} and sink.outcomes == []
+
+
+SLOW_HELPER = """#!/bin/sh
+# capsulefs.slabhelper with each slab taking a second ("-m capsulefs.slabhelper" dropped)
+shift 2
+exec {python} -c '
+import sys, time
+import capsulefs.piecewriter as pw
+write_slab = pw.PieceWriter.write_slab
+def slow(self, buffer):
+    time.sleep(1.0)
+    return write_slab(self, buffer)
+pw.PieceWriter.write_slab = slow
+from capsulefs import slabhelper
+slabhelper.serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+' "$@"
+"""
+
+
+async def test_a_buffer_the_helper_may_still_read_is_never_handed_to_a_call(tmp_path) -> None:
+    """Closing the intake while the helper still works on a call's slabs,
+    with the next call waiting for a buffer: that call must not get one
+    of those buffers (it would decrypt into memory the helper is hashing
+    and writing); it fails without reading a byte."""
+    wrapper = tmp_path / "slow-helper"
+    wrapper.write_text(SLOW_HELPER.format(python=sys.executable))
+    wrapper.chmod(0o755)
+    pieces_dir = tmp_path / "pieces"
+    pieces_dir.mkdir()
+    sink = Sink()
+    intake = Intake(record=sink.record, settle=sink.settle, depth=0, writers="process")  # two buffers
+    intake._writers._python = str(wrapper)
+    first = os.urandom(2 * BUFFER)
+    second = batches_of(os.urandom(1000))
+    failures: list[BaseException] = []
+
+    async def next_call() -> None:
+        try:
+            await intake.take(second, [piece(pieces_dir, second.data)])
+        except OSError as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.run)
+        await intake.take(batches_of(first, 1 << 20), [piece(pieces_dir, first)])  # both buffers at the helper
+        nursery.start_soon(next_call)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(20):
+            await intake.aclose()
+    assert [f.errno for f in failures] == [errno.ECANCELED]
+    assert second.at == 0  # it never got a buffer
+    assert sink.settled == {}
 
 
 async def test_a_writer_process_that_dies_fails_the_move_and_leaves_no_piece(tmp_path) -> None:

@@ -121,3 +121,20 @@ async def test_a_dead_helper_fails_every_ticket_in_flight_with_eio(tmp_path) -> 
         assert later.value.errno == errno.EIO
         await writers.abandon(handle)
     assert os.listdir(tmp_path) == []
+
+
+async def test_a_request_larger_than_the_pipe_goes_out_while_answers_wait_to_be_read(tmp_path) -> None:
+    """The helper answers a close of 3,000 pieces (some 250 KB: more than
+    its stdout pipe holds, so it waits for us to read) while the next
+    call's open (as large) is being sent (more than its stdin pipe holds):
+    the send reads answers as it goes, so neither side waits for the
+    other forever."""
+    empty = sha(b"")
+    many = [Piece(empty, 0, None) for _ in range(3000)]
+    async with helper(2) as writers:
+        with trio.fail_after(20):
+            first = await writers.open(many)
+            closed = await writers.close(first)  # its answer fills the helper's stdout
+            second = await writers.open(many)  # about 250 KB into its stdin
+            assert [o.sha for o in await closed.result()] == [empty] * 3000
+            assert len(await (await writers.close(second)).result()) == 3000
