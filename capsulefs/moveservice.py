@@ -137,7 +137,11 @@ class MoveService:
                     raise CallFailed("bad-request", f"manifest of {manifest.agent_id} offered as {agent_id}")
                 self._offered[(agent_id, epoch)] = manifest
                 inc = self._incoming.get((agent_id, epoch))
-                return mv.OfferReceived(**base, missing=self._missing(manifest, inc))
+                have = frozenset(inc.sent) if inc is not None else frozenset()
+                # A stat per blob: in a thread, so that a manifest of many
+                # blobs does not hold up the event loop (and the mount on it).
+                missing = await trio.to_thread.run_sync(self._missing, manifest, have)
+                return mv.OfferReceived(**base, missing=missing)
             case mv.Call.VERIFY:
                 return mv.VerifyRequested(**base)
             case mv.Call.PREPARE:
@@ -300,14 +304,17 @@ class MoveService:
         if inc is not None:
             with trio.CancelScope(shield=True):  # the staging area goes only once nothing writes in it
                 await inc.intake.aclose()
-            inc.stack.close()
+                # Removing the staging area is a file per piece: in a thread,
+                # off the event loop (waited for: it is gone when we return).
+                await trio.to_thread.run_sync(inc.stack.close)
 
     async def aclose_all(self) -> None:
         for key in list(self._incoming):
             await self._close(*key)
 
-    def _missing(self, manifest: fmt.Manifest, inc: _Incoming | None) -> tuple[str, ...]:
-        have = inc.sent if inc is not None else set()
+    def _missing(self, manifest: fmt.Manifest, have: frozenset[str]) -> tuple[str, ...]:
+        """The digests the offer's manifest names that are neither sent
+        already (``have``) nor, for blobs, in the store. In a worker thread."""
         want: dict[str, None] = {}
         for path, entry in sorted(manifest.files.items()):
             sha = entry.sha256
