@@ -263,10 +263,16 @@ class ProcessWriters:
         stops reading its stdin while its stdout is full, and a request
         (an ``open`` of many pieces) can be larger than the pipe."""
         assert self._send is not None
+        failure: BaseException | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drain)
-            await self._send.send_all(rest)
+            try:
+                await self._send.send_all(rest)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                failure = exc  # raised as itself below, not inside the nursery's ExceptionGroup
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     async def _drain(self) -> None:
         """Hand out answers as they come, until cancelled."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from capsulefs.piecewriter import BUFFER, Piece
 from capsulefs.slabworker import ProcessWriters, WriterHandle
@@ -138,3 +140,24 @@ async def test_a_request_larger_than_the_pipe_goes_out_while_answers_wait_to_be_
             second = await writers.open(many)  # about 250 KB into its stdin
             assert [o.sha for o in await closed.result()] == [empty] * 3000
             assert len(await (await writers.close(second)).result()) == 3000
+
+
+async def test_a_helper_that_dies_while_a_large_request_is_sent_fails_it_with_eio(tmp_path) -> None:
+    """The helper stops reading (stopped, then killed) while an open larger
+    than the pipe is being sent: the send fails as the helper's death, EIO
+    for this writer and every later request, not as an error of the send."""
+    async with helper(2) as writers:
+        proc = writers._proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # from here it reads nothing
+
+        async def kill_once_the_send_waits() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(proc.pid, signal.SIGKILL)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill_once_the_send_waits)
+            handle = await writers.open([Piece(sha(b""), 0, None) for _ in range(5000)])  # about 400 KB
+        with pytest.raises(OSError) as failed:
+            await (await writers.close(handle)).result()
+        assert failed.value.errno == errno.EIO
