@@ -166,6 +166,12 @@ class Intake:
             log.warning("a move's intake could not clean up a piece: %s", exc)
             self._fail(exc)
 
+    async def _drop(self, writer: WriterHandle, paths: dict[str, str]) -> None:
+        """A call that will not be settled: abandon its writer (its files go)
+        and take its pieces out of the in-flight set."""
+        await self._abandon(writer)
+        self.inflight.difference_update(paths)
+
     async def _write_stage(self) -> None:
         # Closing the channels on the way out: a sender blocked on a full
         # queue then fails instead of waiting forever, and the next stages end.
@@ -194,8 +200,7 @@ class Intake:
         writer = job.writer
         self._open.discard(writer)
         if self.failure is not None or not job.complete:
-            await self._abandon(writer)
-            self.inflight.difference_update(job.paths)
+            await self._drop(writer, job.paths)
             return
         try:
             ticket = await self._writers.close(writer)
@@ -203,8 +208,7 @@ class Intake:
             ticket = None
             self._fail(exc)
         if ticket is None or not self._reap(job, ticket):
-            await self._abandon(writer)
-            self.inflight.difference_update(job.paths)
+            await self._drop(writer, job.paths)
 
     def _noticed(self, ticket: Ticket) -> None:
         """A slab already answered (in-process writers, or a dead helper)
@@ -250,8 +254,7 @@ class Intake:
             outcomes = await ticket.result()
         except Exception as exc:
             self._fail(exc)
-            await self._abandon(job.writer)
-            self.inflight.difference_update(job.paths)
+            await self._drop(job.writer, job.paths)
             return
         if self.failure is not None:  # a slab or a call failed after this close was asked for
             try:
@@ -361,8 +364,7 @@ class Intake:
                     await self._jobs_in.send(_End(writer, paths, complete))
                 except trio.BrokenResourceError:  # the intake stopped (run's end abandoned it too)
                     self._open.discard(writer)
-                    await self._abandon(writer)
-                    self.inflight.difference_update(paths)
+                    await self._drop(writer, paths)
                     if self.failure is None:
                         self.failure = OSError(errno.ECANCELED, "the move's intake was closed")
         self._raise()
