@@ -196,6 +196,24 @@ def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
 
 
 @contextmanager
+def holding_journal(path: str) -> Iterator[None]:
+    """Hold the journal's flock (if there is a journal at ``path``) while
+    the caller removes it, or the directory it is in: an appender that
+    kept the flock since its last append (a lease, see journal_lease)
+    checks nothing until it lets go, so nobody may pull the file from under
+    it without the lock. The next append then finds the file gone."""
+    try:
+        fd = _open_locked(path)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[None]:
     """Hold the journal's flock while the caller renames a new file over it.
 

@@ -60,7 +60,15 @@ from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
-from .journal_recovery import RingMismatch, agent_recovery_dir, forget_ring, journal_ring_path, recover_journal, replacing_journal
+from .journal_recovery import (
+    RingMismatch,
+    agent_recovery_dir,
+    forget_ring,
+    holding_journal,
+    journal_ring_path,
+    recover_journal,
+    replacing_journal,
+)
 from .spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
@@ -449,8 +457,9 @@ class HostStore:
     def remove_agent(self, agent_id: str) -> None:
         agent = self.agent(agent_id)
         trash = os.path.join(self.staging_dir, f"rm-{agent_id}-{secrets.token_hex(4)}")
-        os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
-        fsync_dir(self.agents_dir)
+        with holding_journal(agent.path(fmt.JOURNAL)):  # no appender is between its checks and its write
+            os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
+            fsync_dir(self.agents_dir)
         forget_ring(journal_ring_path(self.root, agent_id))
         shutil.rmtree(trash)
 
