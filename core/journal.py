@@ -45,6 +45,15 @@ Theory of operation (appends):
   the old file's flock), the Journal follows it: nothing is appended to an
   unlinked file.
 
+  The lease (:mod:`capsulefs.core.journal_lease`): after a commit that
+  succeeded the Journal keeps the flock, for ``IDLE`` seconds after its
+  last append and ``MAX_HOLD`` at most, and its next append within that
+  time asks the file only its size (a writer outside the rules is still
+  seen): no flock, no statx, no read of the ring's header. Whoever appends,
+  replays the ring, renames a file over the journal or removes it holds
+  the flock, so none of them can have acted meanwhile. A thread per
+  process gives idle leases back.
+
 Theory of operation (the write-ahead ring):
   Growing a file makes its fdatasync write the inode (the new size) after
   the data: two dependent writes. A ring (:mod:`capsulefs.core.journal_ring`)
@@ -108,6 +117,7 @@ from .journal_recovery import (
     replay_ring,
     save_torn,
 )
+from .journal_lease import IDLE, MAX_HOLD, keeper
 from .journal_ring import Ring
 
 __all__ = [
@@ -196,10 +206,19 @@ class Journal:
         # the only durable copy. No more appends through this object: reopen
         # (which replays the ring) to go on.
         self._broken: str | None = None
+        # The lease (see journal_lease): the flock kept since our last commit,
+        # until _lease_end (at most _lease_start + MAX_HOLD). Guarded by _lock.
+        self._leased = False
+        self._lease_start = 0.0
+        self._lease_end = 0.0
+        self._lease_pause = False  # the lease just ended at MAX_HOLD: the next commit takes none
+        self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
+        self.leased_commits = 0  # commits that found the lease held (no flock or checks)
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         with self._lock:
+            self._leased = False  # closing the descriptor gives the flock back
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -222,11 +241,30 @@ class Journal:
         return _Locked(self)
 
     def _acquire(self) -> None:
-        """Take both locks and catch up with the file (see :class:`_Locked`)."""
+        """Take both locks and catch up with the file (see :class:`_Locked`).
+        Under a lease the flock is ours already and nothing changed since
+        our last commit (see journal_lease): nothing to ask the file."""
         if self._fd < 0:
             raise ValueError(f"journal {self.path} is closed")
         self._lock.acquire()
+        if self._leased:  # (close() ends the lease under the lock)
+            # Still one system call: the size. Every writer that follows the
+            # rules holds the flock, but one that does not (a tool appending
+            # to the file by hand, a write torn by a crash outside the rules)
+            # must still be seen before we write after it.
+            try:
+                unchanged = os.lseek(self._fd, 0, os.SEEK_END) == self._size
+            except BaseException:
+                self._lock.release()
+                raise
+            if unchanged:
+                self._unchanged = True
+                return
+            self._leased = False  # the full checks below, with the flock we hold
+        self._unchanged = False
         try:
+            if self._fd < 0:  # closed while we waited for the lock
+                raise ValueError(f"journal {self.path} is closed")
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 size = self._follow_replacement()
@@ -239,9 +277,45 @@ class Journal:
             self._lock.release()
             raise
 
-    def _release(self) -> None:
+    def _release(self, *, lease: bool = False) -> None:
+        """Give both locks back; with ``lease`` (a commit that succeeded),
+        keep the flock for the next append (see journal_lease)."""
         try:
+            if lease:
+                now = keeper().clock()
+                if self._leased:
+                    if now < self._lease_start + MAX_HOLD:
+                        self._lease_end = now + IDLE
+                        return
+                    # Held long enough: give others their chance, twice (now,
+                    # and after the next commit, which takes no lease).
+                    self._lease_pause = True
+                elif self._lease_pause:
+                    self._lease_pause = False
+                else:
+                    self._leased = True
+                    self._lease_start = now
+                    self._lease_end = now + IDLE
+                    keeper().hold(self, self._lease_end)
+                    return
+            self._leased = False
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
+
+    def _lease_over(self, now: float) -> float | None:
+        """For the keeper: give the flock back if the lease is over. Never
+        blocks on the journal's lock (an append in progress: look again)."""
+        if not self._lock.acquire(blocking=False):
+            return now + IDLE
+        try:
+            if not self._leased:
+                return None
+            if now < self._lease_end:
+                return self._lease_end
+            self._leased = False
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            return None
         finally:
             self._lock.release()
 
@@ -356,6 +430,7 @@ class Journal:
             raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
                                      f"reopen the journal to append again")
         self._acquire()
+        ok = False
         try:
             records = self._state.plan((event,), machine=self.machine, now=self._now,  # type: ignore[arg-type]
                                        new_id=self._new_id)
@@ -373,9 +448,11 @@ class Journal:
             self._state.take(records)
             self._size = start + len(data)
             self.commits += 1
+            self.leased_commits += self._unchanged
+            ok = True
             return records[0]
         finally:
-            self._release()
+            self._release(lease=ok)
 
     def append_many(self, events: Iterable[Event]) -> list[Record]:
         """Append a group of events with one write and one fdatasync (all or none).
@@ -420,6 +497,7 @@ class Journal:
                 raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
                                          f"reopen the journal to append again")
             self._acquire()
+            ok = False
             try:
                 if len(group) == 1:  # the common case: plan on the state itself (plan changes nothing)
                     req = group[0]
@@ -465,10 +543,12 @@ class Journal:
                     self._state = state
                 self._size = end
                 self.commits += 1
+                self.leased_commits += self._unchanged
+                ok = True
                 for req, records in planned:
                     req.settle(records=records)
             finally:
-                self._release()
+                self._release(lease=ok)
         except BaseException as exc:
             for req in group:
                 if not req.done:
@@ -514,7 +594,7 @@ class Journal:
             return
         assert self._id is not None
         ino = self._id[0]
-        restart = not ring.continues(start, ino) or not ring.fits(len(data))
+        restart = not ring.continues(start, ino, unchanged=self._unchanged) or not ring.fits(len(data))
         if restart:
             if not ring.is_current():  # removed or replaced (the agent left and came back)
                 ring.close()

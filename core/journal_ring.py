@@ -147,14 +147,16 @@ class Ring:
         return self._direct is not None
 
     # -- writing -------------------------------------------------------------
-    def continues(self, offset: int, ino: int) -> bool:
+    def continues(self, offset: int, ino: int, *, unchanged: bool = False) -> bool:
         """Whether a record for journal ``offset`` may follow our chain (else:
-        checkpoint the journal and restart)."""
+        checkpoint the journal and restart). ``unchanged``: the caller held
+        the journal's flock since our last record (a lease), so no other
+        process can have restarted the ring: its first header is not read."""
         return (
             self._first is not None
             and offset == self._next
             and ino == self._ino
-            and os.pread(self._fd, HEADER.size, 0) == self._first
+            and (unchanged or os.pread(self._fd, HEADER.size, 0) == self._first)
         )
 
     def fits(self, length: int) -> bool:

@@ -290,7 +290,12 @@ def test_a_journal_replaced_by_rename_is_followed(tmp_path: Path) -> None:
         assert (r.seq, r.clock, r.prev) == (1, 3, None)  # host-a's first line in this file
         lines = split_lines(path.read_bytes())
         assert len(lines) == 3 and verify_lines(lines) == []
+        # Removed, again holding its flock (HostStore.remove_agent does so):
+        # an appender under a lease checks nothing until it lets go of it.
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         os.unlink(path)
+        os.close(fd)
         with pytest.raises(NotFoundError, match="removed"):
             j.append(note("lost?"))
 

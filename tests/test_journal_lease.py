@@ -1,0 +1,182 @@
+"""The lease: a journal keeps its flock between appends, and gives it back.
+
+Real files, real flocks, a real second process; the keeper is the
+process's own thread. Bounds on waiting are liveness bounds (seconds), not
+speed targets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from capsulefs.core import format as fmt
+from capsulefs.core.errors import FormatError, NotFoundError
+from capsulefs.core.events import Note, Record
+from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines
+from capsulefs.core.journal_lease import IDLE, MAX_HOLD
+from capsulefs.core.store import HostStore
+
+from journal_helpers import T0, id_source, open_test_journal
+
+HOST = "host-a"
+
+
+def _try_flock(path: Path) -> bool:
+    """Whether another open file description gets the journal's flock right now."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _free_within(path: Path, seconds: float) -> float | None:
+    """Seconds until the flock could be taken, or None if not within ``seconds``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if _try_flock(path):
+            return time.monotonic() - t0
+        time.sleep(0.0005)
+    return None
+
+
+def test_the_flock_is_kept_after_an_append_and_given_back_when_idle(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        j.append(Note(text="one"))
+        assert not _try_flock(path)  # kept: the next append asks the file nothing
+        waited = _free_within(path, 5.0)
+        assert waited is not None, "the keeper never gave the flock back"
+        assert waited >= IDLE / 2
+        for i in range(20):
+            j.append(Note(text=f"n{i}"))
+        assert j.leased_commits >= 15  # back to back, nearly every commit found the lease
+        assert j.commits == 21
+    assert _try_flock(path)  # closing gives it back at once
+    assert verify_lines(split_lines(path.read_bytes())) == []
+
+
+def test_a_failed_append_gives_the_flock_back_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with open_journal(path, machine=HOST, now=lambda: T0, new_id=lambda: "NOT-HEX",  # every stamp fails
+                      recovery_dir=tmp_path / "recovery") as j:
+        with pytest.raises(FormatError):
+            j.append(Note(text="bad id"))
+        assert _try_flock(path)
+    with open_test_journal(path) as j:
+        j.append(Note(text="good"))
+        assert not _try_flock(path)
+        with pytest.raises(FormatError):
+            j.append_many([Note(text="fine"), "not an event"])  # type: ignore[list-item]
+        assert _try_flock(path)  # the failed group ended the lease
+        assert len(split_lines(path.read_bytes())) == 1
+
+
+OTHER = r"""
+import fcntl, os, sys, time
+from capsulefs.core.events import Note
+from capsulefs.core.journal import open_journal
+path = sys.argv[1]
+j = open_journal(path, machine="host-b", now=lambda: 1764684000.0,
+                 new_id=iter(f"{0xb:08x}{k:016x}" for k in range(1, 10**6)).__next__,
+                 recovery_dir=os.path.join(os.path.dirname(path), "recovery"))
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+recs = [j.append(Note(text=f"b{k}")) for k in range(5)]
+print(f"{time.monotonic() - t0:.6f} " + " ".join(r.id for r in recs), flush=True)
+j.close()
+"""
+
+
+def test_a_tight_appender_lets_another_process_in_and_catches_up_with_it(tmp_path: Path) -> None:
+    """MAX_HOLD: however often this process appends, it gives the flock
+    back often enough for another process's appends, and its own next
+    append reads what that process wrote."""
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        j.append(Note(text="first"))
+        with subprocess.Popen([sys.executable, "-c", OTHER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as other:
+            assert other.stdout is not None and other.stdin is not None
+            watchdog = threading.Timer(60, other.kill)  # a starved child fails the test, never hangs it
+            watchdog.start()
+            assert other.stdout.readline().strip() == "ready"
+            stop = threading.Event()
+            mine: list[Record] = []
+
+            def tight() -> None:
+                while not stop.is_set():
+                    mine.append(j.append(Note(text=f"a{len(mine)}")))
+
+            appender = threading.Thread(target=tight)
+            appender.start()
+            try:
+                time.sleep(0.05)  # well into a stream of leased appends
+                other.stdin.write("go\n")
+                other.stdin.flush()
+                answer = other.stdout.readline().split()
+            finally:
+                time.sleep(0.05)  # and on after the other process's appends
+                stop.set()
+                appender.join()
+            assert other.wait(10) == 0
+            watchdog.cancel()
+    assert answer, "the other process never appended"
+    waited, theirs = float(answer[0]), answer[1:]
+    assert len(theirs) == 5
+    assert waited < 100 * MAX_HOLD  # a liveness bound: it got in while we kept appending
+    lines = split_lines(path.read_bytes())
+    assert verify_lines(lines) == []
+    records = [Record.from_line(x) for x in lines]
+    assert sorted(r.id for r in records if r.machine == "host-b") == sorted(theirs)
+    after = [r for r in mine if r.clock > max(r2.clock for r2 in records if r2.machine == "host-b")]
+    assert after, "no append of ours came after the other process's"
+    assert {r.id for r in mine} <= {r.id for r in records}  # nothing of ours lost either
+    assert j.leased_commits > 0
+
+
+def test_removing_the_agent_waits_for_the_lease_and_the_next_append_is_refused(tmp_path: Path) -> None:
+    store = HostStore.open(tmp_path / "state")
+    agent = store.create_agent("leasy", host_id=HOST, agent_id="c" * 32)
+    j = open_agent_journal(agent, machine=HOST, now=lambda: T0, new_id=id_source(1))
+    try:
+        j.append(Note(text="before"))
+        assert not _try_flock(Path(agent.path(fmt.JOURNAL)))  # leased
+        store.remove_agent(agent.agent_id)  # takes the journal's flock: waits for the keeper
+        with pytest.raises(NotFoundError, match="removed"):
+            j.append(Note(text="after the agent left"))
+    finally:
+        j.close()
+
+
+def test_a_journal_replaced_through_the_store_under_a_lease_is_followed(tmp_path: Path) -> None:
+    """Replacing goes through replacing_journal, which takes the flock: an
+    appender holding a lease lets go first, then follows the new file."""
+    store = HostStore.open(tmp_path / "state")
+    agent = store.create_agent("leasy", host_id=HOST, agent_id="d" * 32)
+    with open_agent_journal(agent, machine=HOST, now=lambda: T0, new_id=id_source(1)) as j:
+        j.append(Note(text="old"))
+        new_lines = b""
+        with open_test_journal(tmp_path / "other.jsonl", "host-b", prefix=2) as other:
+            other.append(Note(text="b1"))
+            new_lines = (tmp_path / "other.jsonl").read_bytes()
+        agent.write_files({fmt.JOURNAL: new_lines})
+        r = j.append(Note(text="after"))
+        assert (r.seq, r.prev) == (1, None)  # host-a's first line in the new file
+    lines = split_lines(Path(agent.path(fmt.JOURNAL)).read_bytes())
+    assert [Record.from_line(x).machine for x in lines] == ["host-b", HOST]
+    assert verify_lines(lines) == []
