@@ -196,19 +196,20 @@ def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
 
 
 @contextmanager
-def holding_journal(path: str) -> Iterator[None]:
-    """Hold the journal's flock (if there is a journal at ``path``) while
-    the caller removes it, or the directory it is in: an appender that
-    kept the flock since its last append (a lease, see journal_lease)
-    checks nothing until it lets go, so nobody may pull the file from under
-    it without the lock. The next append then finds the file gone."""
+def holding_journal(path: str) -> Iterator[int | None]:
+    """Hold the journal's flock (if there is a journal at ``path``: its
+    descriptor, else None) while the caller removes it, the directory it is
+    in, or renames a file over it: an appender that kept the flock since
+    its last append (a lease, see journal_lease) checks nothing until it
+    lets go, so nobody may pull the file from under it without the lock.
+    The next append then finds the file gone, or follows the new one."""
     try:
         fd = _open_locked(path)
     except FileNotFoundError:
-        yield
+        yield None
         return
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)
 
@@ -222,13 +223,8 @@ def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[
     be replayed into the new file, and appenders that were waiting for the
     lock follow the new file (see ``Journal._follow_replacement``).
     """
-    try:
-        fd = _open_locked(path)
-    except FileNotFoundError:
-        yield
-        return
-    try:
-        if os.path.exists(ring_path):
+    with holding_journal(path) as fd:
+        if fd is not None and os.path.exists(ring_path):
             replay_ring(fd, path, ring_path, recovery_dir)
             fdatasync(fd)
             ring = Ring.open(ring_path, create=False)
@@ -238,8 +234,6 @@ def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[
                 finally:
                     ring.close()
         yield
-    finally:
-        os.close(fd)
 
 
 def forget_ring(ring_path: str) -> None:
