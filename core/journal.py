@@ -212,13 +212,20 @@ class Journal:
         self._lease_start = 0.0
         self._lease_end = 0.0
         self._lease_pause = False  # the lease just ended at MAX_HOLD: the next commit takes none
+        self._last_commit = float("-inf")  # keeper clock at the end of our last commit
+        self.lease_idle = IDLE  # seconds the flock is kept after an append in a run of them
+        self.lease_max = MAX_HOLD  # ... and at most after it was taken
         self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
         self.leased_commits = 0  # commits that found the lease held (no flock or checks)
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         with self._lock:
-            self._leased = False  # closing the descriptor gives the flock back
+            if self._leased and self._fd >= 0:
+                # Closing the descriptor would not free the flock if a forked
+                # child still holds the same open file.
+                self._leased = False
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -279,35 +286,52 @@ class Journal:
 
     def _release(self, *, lease: bool = False) -> None:
         """Give both locks back; with ``lease`` (a commit that succeeded),
-        keep the flock for the next append (see journal_lease)."""
+        maybe keep the flock for the next append (see journal_lease)."""
         try:
-            if lease:
-                now = keeper().clock()
-                if self._leased:
-                    if now < self._lease_start + MAX_HOLD:
-                        self._lease_end = now + IDLE
-                        return
-                    # Held long enough: give others their chance, twice (now,
-                    # and after the next commit, which takes no lease).
-                    self._lease_pause = True
-                elif self._lease_pause:
-                    self._lease_pause = False
-                else:
-                    self._leased = True
-                    self._lease_start = now
-                    self._lease_end = now + IDLE
-                    keeper().hold(self, self._lease_end)
-                    return
-            self._leased = False
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            keep = False
+            try:
+                keep = lease and self._keep_lease()
+            finally:
+                if not keep:
+                    self._leased = False
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._lock.release()
+
+    def _keep_lease(self) -> bool:
+        """After a commit that succeeded: whether to keep the flock (and
+        until when). Only appends that follow each other closely take a
+        lease: a lone append gives the flock back at once, as it always did."""
+        now = keeper().clock()
+        last, self._last_commit = self._last_commit, now
+        if self._leased:
+            if now < self._lease_start + self.lease_max:
+                self._lease_end = min(now + self.lease_idle, self._lease_start + self.lease_max)
+                return True
+            # Held long enough: give others their chance, twice (now, and
+            # after the next commit, which takes no lease).
+            self._lease_pause = True
+            return False
+        if self._lease_pause:
+            self._lease_pause = False
+            return False
+        if now - last > self.lease_idle:  # not in a run of appends
+            return False
+        try:
+            keeper().hold(self, now + self.lease_idle)
+        except Exception as exc:  # e.g. no thread can be started: no lease, the commit stands
+            log.warning("journal %s: no lease (%s); giving the flock back after each append", self.path, exc)
+            return False
+        self._leased = True
+        self._lease_start = now
+        self._lease_end = now + self.lease_idle
+        return True
 
     def _lease_over(self, now: float) -> float | None:
         """For the keeper: give the flock back if the lease is over. Never
         blocks on the journal's lock (an append in progress: look again)."""
         if not self._lock.acquire(blocking=False):
-            return now + IDLE
+            return now + self.lease_idle
         try:
             if not self._leased:
                 return None

@@ -18,7 +18,7 @@ gives the flock back once a journal has been idle for ``IDLE`` seconds.
 
 Rules:
   * A lease lasts ``IDLE`` after the last append, and never more than
-    ``MAX_HOLD`` after the flock was taken: a process appending in a tight
+    ``MAX_HOLD`` after the flock was taken (plus the commit then running): a process appending in a tight
     loop gives the flock back at least that often, so another process
     waiting for it (an appender, recovery, a replacement, a removal) waits
     at most about ``MAX_HOLD``.
@@ -27,6 +27,13 @@ Rules:
     lock while waiting for anything: it cannot deadlock with appenders.
   * Only a commit that succeeded keeps the lease; any failure, and any
     other use of the journal's locks, gives the flock back at once.
+  * Only a run of appends takes a lease: an append that comes more than
+    ``IDLE`` after the previous one gives the flock back at once, as
+    before. A process that keeps the GIL for a long time (a long call into
+    C) right after a run of appends delays the keeper, and so others, by
+    that long.
+  * A forked child forgets every lease (the open file, and so the flock,
+    is shared with the parent): its journals ask the file again.
   * Appenders do not wake the keeper, except when they take a new lease.
     The keeper wakes at the deadline it knows; a journal whose lease was
     extended meanwhile tells it the new one.
@@ -65,13 +72,26 @@ class Keeper:
         self._thread: threading.Thread | None = None
 
     def hold(self, journal: Leaseholder, deadline: float) -> None:
-        """A journal took a new lease, to end at ``deadline`` unless extended."""
+        """A journal takes a new lease, to end at ``deadline`` unless
+        extended. Raises (and holds nothing) if the keeper cannot run."""
         with self._cond:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="journal-lease-keeper", daemon=True)
+                thread.start()  # RuntimeError if no thread can be started: no lease
+                self._thread = thread
             self._held[journal] = deadline
-            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-                self._thread = threading.Thread(target=self._run, name="journal-lease-keeper", daemon=True)
-                self._thread.start()
             self._cond.notify()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's keeper thread is not here, and
+        the flocks the parent's leases kept are the parent's (the open file
+        is shared): every journal here asks the file again at its next
+        append. A journal lock the keeper held at the fork is freed."""
+        for journal in self._held:
+            journal._leased = False  # type: ignore[attr-defined]
+            if journal._lock.locked():  # type: ignore[attr-defined]  # held by a thread that is not here
+                journal._lock = threading.Lock()  # type: ignore[attr-defined]
+        self._held.clear()
 
     def _run(self) -> None:
         with self._cond:
@@ -101,9 +121,10 @@ def keeper() -> Keeper:
     return _keeper
 
 
-def _after_fork() -> None:  # pragma: no cover - exercised by forking processes only
+def _after_fork() -> None:
     global _keeper
-    _keeper = Keeper()  # the parent's thread and leases are not the child's
+    _keeper.forget_after_fork()
+    _keeper = Keeper()  # the parent's thread is not the child's
 
 
 os.register_at_fork(after_in_child=_after_fork)

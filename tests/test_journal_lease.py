@@ -21,7 +21,7 @@ from capsulefs.core import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.events import Note, Record
 from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines
-from capsulefs.core.journal_lease import IDLE, MAX_HOLD
+from capsulefs.core.journal_lease import MAX_HOLD
 from capsulefs.core.store import HostStore
 
 from journal_helpers import T0, id_source, open_test_journal
@@ -56,15 +56,20 @@ def _free_within(path: Path, seconds: float) -> float | None:
 def test_the_flock_is_kept_after_an_append_and_given_back_when_idle(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:
+        j.lease_idle = 0.05  # (2 ms in use; longer here, so that a slow machine still sees the lease)
+        j.append(Note(text="alone"))
+        assert _try_flock(path)  # a lone append takes no lease
+        time.sleep(3 * j.lease_idle)
         j.append(Note(text="one"))
-        assert not _try_flock(path)  # kept: the next append asks the file nothing
+        j.append(Note(text="right after"))
+        assert not _try_flock(path)  # a run of appends keeps it: the next one asks the file nothing
         waited = _free_within(path, 5.0)
         assert waited is not None, "the keeper never gave the flock back"
-        assert waited >= IDLE / 2
+        assert waited >= j.lease_idle / 2
         for i in range(20):
             j.append(Note(text=f"n{i}"))
         assert j.leased_commits >= 15  # back to back, nearly every commit found the lease
-        assert j.commits == 21
+        assert j.commits == 23
     assert _try_flock(path)  # closing gives it back at once
     assert verify_lines(split_lines(path.read_bytes())) == []
 
@@ -77,12 +82,14 @@ def test_a_failed_append_gives_the_flock_back_at_once(tmp_path: Path) -> None:
             j.append(Note(text="bad id"))
         assert _try_flock(path)
     with open_test_journal(path) as j:
+        j.lease_idle = j.lease_max = 60.0
         j.append(Note(text="good"))
+        j.append(Note(text="good too"))
         assert not _try_flock(path)
         with pytest.raises(FormatError):
             j.append_many([Note(text="fine"), "not an event"])  # type: ignore[list-item]
         assert _try_flock(path)  # the failed group ended the lease
-        assert len(split_lines(path.read_bytes())) == 1
+        assert len(split_lines(path.read_bytes())) == 2
 
 
 OTHER = r"""
@@ -153,8 +160,10 @@ def test_removing_the_agent_waits_for_the_lease_and_the_next_append_is_refused(t
     store = HostStore.open(tmp_path / "state")
     agent = store.create_agent("leasy", host_id=HOST, agent_id="c" * 32)
     j = open_agent_journal(agent, machine=HOST, now=lambda: T0, new_id=id_source(1))
+    j.lease_idle = 0.05
     try:
         j.append(Note(text="before"))
+        j.append(Note(text="just before"))
         assert not _try_flock(Path(agent.path(fmt.JOURNAL)))  # leased
         store.remove_agent(agent.agent_id)  # takes the journal's flock: waits for the keeper
         with pytest.raises(NotFoundError, match="removed"):
@@ -169,7 +178,10 @@ def test_a_journal_replaced_through_the_store_under_a_lease_is_followed(tmp_path
     store = HostStore.open(tmp_path / "state")
     agent = store.create_agent("leasy", host_id=HOST, agent_id="d" * 32)
     with open_agent_journal(agent, machine=HOST, now=lambda: T0, new_id=id_source(1)) as j:
+        j.lease_idle = 0.05
         j.append(Note(text="old"))
+        j.append(Note(text="old too"))
+        assert not _try_flock(Path(agent.path(fmt.JOURNAL)))  # leased
         new_lines = b""
         with open_test_journal(tmp_path / "other.jsonl", "host-b", prefix=2) as other:
             other.append(Note(text="b1"))
@@ -180,3 +192,84 @@ def test_a_journal_replaced_through_the_store_under_a_lease_is_followed(tmp_path
     lines = split_lines(Path(agent.path(fmt.JOURNAL)).read_bytes())
     assert [Record.from_line(x).machine for x in lines] == ["host-b", HOST]
     assert verify_lines(lines) == []
+
+
+FORKING = r"""
+import fcntl, os, sys, time
+from capsulefs.core.events import Note
+from capsulefs.core.journal import open_journal
+path = sys.argv[1]
+
+def free():
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+j = open_journal(path, machine="host-a", now=lambda: 1764684000.0,
+                 new_id=iter(f"{k:024x}" for k in range(1, 10**6)).__next__,
+                 recovery_dir=os.path.join(os.path.dirname(path), "recovery"))
+j.lease_idle = j.lease_max = 60.0  # held until closed, however slow this machine is
+j.append(Note(text="one"))
+j.append(Note(text="two"))
+print("leased before fork:", j._leased, "free:", free(), flush=True)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(r)
+    os.write(w, f"child leased: {j._leased}\n".encode())
+    os.close(w)
+    time.sleep(2)  # keeps the shared open file alive
+    os._exit(0)
+os.close(w)
+print(os.read(r, 100).decode().strip(), flush=True)
+j.close()
+print("free right after close:", free(), flush=True)
+os.waitpid(child, 0)
+"""
+
+
+def test_close_and_fork_under_a_lease(tmp_path: Path) -> None:
+    """close() gives the flock back even if a forked child still holds the
+    open file; a forked child forgets the parent's lease."""
+    out = subprocess.run([sys.executable, "-c", FORKING, str(tmp_path / "j.jsonl")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "leased before fork: True free: False",
+        "child leased: False",
+        "free right after close: True",
+    ]
+
+
+NO_THREADS = r"""
+import fcntl, os, resource, sys
+from capsulefs.core.events import Note
+from capsulefs.core.journal import open_journal
+path = sys.argv[1]
+j = open_journal(path, machine="host-a", now=lambda: 1764684000.0,
+                 new_id=iter(f"{k:024x}" for k in range(1, 10**6)).__next__,
+                 recovery_dir=os.path.join(os.path.dirname(path), "recovery"))
+j.append(Note(text="one"))
+size = int([x for x in open("/proc/self/status") if x.startswith("VmSize:")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 20), resource.RLIM_INFINITY))  # no room for a thread's stack
+rec = j.append(Note(text="two"))  # would take a lease: the keeper's thread cannot start
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+fd = os.open(path, os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the flock was kept
+print("acknowledged", rec.seq, "leased", j._leased, flush=True)
+"""
+
+
+def test_an_append_stands_and_keeps_no_flock_when_the_keeper_cannot_start(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", NO_THREADS, str(tmp_path / "j.jsonl")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "acknowledged 2 leased False"
+    assert "no lease" in out.stderr  # logged
+    assert len(split_lines((tmp_path / "j.jsonl").read_bytes())) == 2
