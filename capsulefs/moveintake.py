@@ -49,7 +49,7 @@ import trio
 
 from capsulefs.core.fsutil import FileSystemSync, fsync_each
 from capsulefs.piecewriter import Outcome, Piece, remove_files
-from capsulefs.slabworker import ProcessWriters, ThreadWriters, Ticket, WriterHandle
+from capsulefs.slabworker import ProcessWriters, SpareHelper, ThreadWriters, Ticket, WriterHandle
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Intake:
 
     def __init__(self, *, record: Callable[[list[Outcome]], None], settle: Callable[[dict[str, str]], None],
                  depth: int = 2, sync_workers: int = 8, writers: str = "thread",
-                 sync: FileSystemSync | None = None) -> None:
+                 sync: FileSystemSync | None = None, spare: SpareHelper | None = None) -> None:
         if writers not in ("thread", "process"):
             raise ValueError(f"writers must be 'thread' or 'process', not {writers!r}")
         self._record = record
@@ -104,7 +104,7 @@ class Intake:
         self._jobs_in, self._jobs = trio.open_memory_channel[_Feed | _End | _Barrier](depth)
         # The slab buffers: one being filled, one being written, ``depth`` waiting.
         self._writers: ThreadWriters | ProcessWriters = (
-            ThreadWriters(depth + 2) if writers == "thread" else ProcessWriters(depth + 2))
+            ThreadWriters(depth + 2) if writers == "thread" else ProcessWriters(depth + 2, spare=spare))
         self._pool_in, self._pool = trio.open_memory_channel[int](math.inf)
         for index in range(depth + 2):
             self._pool_in.send_nowait(index)

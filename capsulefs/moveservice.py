@@ -50,6 +50,7 @@ from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
 from capsulefs.moveintake import Intake
+from capsulefs.slabworker import SpareHelper
 from capsulefs.piecewriter import Outcome, Piece
 from capsulefs.peers import DEFAULT_PORT, Peer
 
@@ -95,6 +96,8 @@ class MoveService:
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
         self._nursery: trio.Nursery | None = None  # where the intakes run (run_intakes)
+        # A writer process started ahead for the next move's intake (run_intakes owns it).
+        self.spare: SpareHelper | None = None
 
     # -- the peer-link entry point --------------------------------------------------------
     async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:
@@ -265,7 +268,7 @@ class MoveService:
             # (its settler's thread is waited for), so never under a sync.
             sync = stack.enter_context(FileSystemSync(area))
             intake = Intake(record=lambda outcomes: _record(inc, outcomes), settle=partial(self._settle, manifest, sync),
-                            depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync)
+                            depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync, spare=self.spare)
             inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         except BaseException:
             stack.close()
@@ -291,19 +294,29 @@ class MoveService:
     async def run_intakes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the intakes of the moves this service receives (their tasks
         run here) until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            try:
-                task_status.started()
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
+        if INTAKE_WRITERS == "process":
+            self.spare = SpareHelper(FEED_DEPTH + 2)
+            self.spare.fill()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                try:
+                    task_status.started()
+                    await trio.sleep_forever()
+                finally:
+                    self._nursery = None
+        finally:
+            if self.spare is not None:
+                self.spare.close()  # (the intakes have ended: their nursery is done)
+                self.spare = None
 
     async def _close(self, agent_id: str, epoch: int) -> None:
         inc = self._incoming.pop((agent_id, epoch), None)
         if inc is not None:
             with trio.CancelScope(shield=True):  # the staging area goes only once nothing writes in it
                 await inc.intake.aclose()
+                if self.spare is not None:
+                    self.spare.fill()  # for the next move, now that this one no longer needs the CPU
                 # Removing the staging area is a file per piece: in a thread,
                 # off the event loop (waited for: it is gone when we return).
                 await trio.to_thread.run_sync(inc.stack.close)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import mmap
 import os
 import subprocess
@@ -52,6 +53,8 @@ from typing import Any
 import trio
 
 from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter, Segment, layout, remove_files
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProcessWriters", "ThreadWriters", "WriterHandle"]
 
@@ -175,6 +178,104 @@ class ThreadWriters:
         await trio.lowlevel.checkpoint()
 
 
+@dataclass
+class _Started:
+    """A helper process and its shared buffers, started and not yet used."""
+
+    fd: int  # the memfd of the buffers
+    count: int  # buffers in it
+    map: mmap.mmap
+    proc: "subprocess.Popen[bytes]"
+    to_helper: int  # its stdin (ours to write)
+    from_helper: int  # its stdout (ours to read)
+
+    def end(self) -> None:
+        """Close our ends: the helper then exits (its stdin ends); wait for it."""
+        for fd in (self.to_helper, self.from_helper):
+            os.close(fd)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - it exits when its stdin ends
+            self.proc.kill()
+            self.proc.wait()
+        self.map.close()
+        os.close(self.fd)
+
+
+def _start_helper(count: int, python: str) -> _Started:
+    """Start a helper process with ``count`` shared buffers."""
+    fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, count * BUFFER)
+        shared = mmap.mmap(fd, count * BUFFER)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        # The helper finds capsulefs where this process did; it ends when its
+        # stdin does, which this process's death closes too.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.Popen(
+            [python, "-m", "capsulefs.slabhelper", str(fd), str(count), str(BUFFER)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], env=env)
+    except BaseException:
+        shared.close()
+        os.close(fd)
+        raise
+    assert proc.stdin is not None and proc.stdout is not None
+    to_helper, from_helper = os.dup(proc.stdin.fileno()), os.dup(proc.stdout.fileno())
+    proc.stdin.close()
+    proc.stdout.close()
+    return _Started(fd, count, shared, proc, to_helper, from_helper)
+
+
+class SpareHelper:
+    """One helper process started ahead of the move that will use it.
+
+    A helper takes 10-45 ms of Python to start. ``ProcessWriters.start``
+    overlaps that with the offer's round trip, but a move whose blobs are
+    all present sends only its capsule's few small files, and then waits
+    for the helper in verify: most of its freeze-to-activate time. The move
+    service keeps one spare started: a move takes it (:meth:`take`) and the
+    service starts the next one once that move's intake has ended
+    (:meth:`fill`), off the move's path. A spare that died meanwhile is not
+    used. :meth:`close` ends an unused spare. Event-loop thread only."""
+
+    def __init__(self, buffers: int, *, python: str | None = None) -> None:
+        self.buffers = buffers
+        self._python = python or sys.executable
+        self._spare: _Started | None = None
+        self._closed = False
+        self.started = 0  # helpers started here (tests and logs)
+
+    def fill(self) -> None:
+        """Start a spare if there is none (an OSError is logged: moves then
+        start their own helper, as without a spare)."""
+        if self._closed or self._spare is not None:
+            return
+        try:
+            self._spare = _start_helper(self.buffers, self._python)
+            self.started += 1
+        except OSError as exc:
+            log.warning("cannot start a spare writer process for moves: %s", exc)
+
+    def take(self, count: int) -> _Started | None:
+        """The spare, if one with ``count`` buffers is alive; it is then the caller's."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if spare.count != count or spare.proc.poll() is not None:
+            spare.end()
+            return None
+        return spare
+
+    def close(self) -> None:
+        self._closed = True
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.end()
+
+
 class ProcessWriters:
     """The writers run in a helper process, fed through shared memory.
 
@@ -187,8 +288,10 @@ class ProcessWriters:
     does not fit in the pipe is sent while reading answers: the helper
     stops reading requests while nobody reads its answers."""
 
-    def __init__(self, buffers: int, *, python: str | None = None) -> None:
+    def __init__(self, buffers: int, *, python: str | None = None, spare: SpareHelper | None = None) -> None:
         self.buffers: list[memoryview] = []  # made by start
+        self._spare = spare  # where a helper started ahead may be waiting
+        self.pid: int | None = None  # the helper's (tests and logs)
         self._fd = -1
         self._map: mmap.mmap | None = None
         self._count = buffers
@@ -212,23 +315,15 @@ class ProcessWriters:
         await trio.lowlevel.checkpoint()
 
     def _spawn(self) -> None:
-        self._fd = os.memfd_create("capsulefs-slabs", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, self._count * BUFFER)
-        self._map = mmap.mmap(self._fd, self._count * BUFFER)
+        started = self._spare.take(self._count) if self._spare is not None else None
+        if started is None:
+            started = _start_helper(self._count, self._python)
+        self._fd, self._map, self._proc, self.pid = started.fd, started.map, started.proc, started.proc.pid
         whole = memoryview(self._map)
         self.buffers = [whole[i * BUFFER : (i + 1) * BUFFER] for i in range(self._count)]
         whole.release()
-        # The helper finds capsulefs where this process did; it ends when its
-        # stdin does, which this process's death closes too.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = subprocess.Popen(
-            [self._python, "-m", "capsulefs.slabhelper", str(self._fd), str(self._count), str(BUFFER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd], env=env)
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._send = trio.lowlevel.FdStream(os.dup(self._proc.stdin.fileno()))
-        self._receive = trio.lowlevel.FdStream(os.dup(self._proc.stdout.fileno()))
-        self._proc.stdin.close()
-        self._proc.stdout.close()
+        self._send = trio.lowlevel.FdStream(started.to_helper)
+        self._receive = trio.lowlevel.FdStream(started.from_helper)
 
     def _died(self, why: str) -> None:
         """The helper can no longer answer: every ticket still waiting fails."""

@@ -714,3 +714,26 @@ async def test_a_move_of_many_large_cached_blobs_arrives_byte_for_byte(world: Wo
     result = await move_agent(world.a, big.agent_id, world.peer_b, retry_pause=0)
     assert result.moved, result
     verify_on(world.b, big.agent_id, tmp_path)
+
+
+async def test_the_target_keeps_a_writer_process_started_for_the_next_move(world: World) -> None:
+    """The target starts its next move's writer process ahead (a helper
+    takes 10-45 ms of Python to start): the move uses that process, a new
+    spare is started once the move's intake has ended, and the service's
+    end ends the unused spare (no process left behind)."""
+    spare = world.service_b.spare
+    assert spare is not None and spare.started == 1
+    first = spare._spare
+    assert first is not None and first.proc.poll() is None
+    assert (await world.move()).moved
+    with trio.fail_after(10):
+        while spare.started < 2:  # the intake ends after activate's reply
+            await trio.sleep(0.01)
+    assert first.proc.poll() is not None  # used by the move, and ended with its intake
+    second = spare._spare
+    assert second is not None and second.proc.pid != first.proc.pid and second.proc.poll() is None
+    assert world.b_scope is not None and world.b_stopped is not None
+    world.b_scope.cancel()
+    await world.b_stopped.wait()
+    assert second.proc.poll() is not None  # ended with the service, not left behind
+    assert world.check() == "b"

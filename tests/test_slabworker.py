@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from capsulefs.piecewriter import BUFFER, Piece
-from capsulefs.slabworker import ProcessWriters, WriterHandle
+from capsulefs.slabworker import ProcessWriters, SpareHelper, WriterHandle
 
 
 def sha(data: bytes) -> str:
@@ -161,3 +161,65 @@ async def test_a_helper_that_dies_while_a_large_request_is_sent_fails_it_with_ei
         with pytest.raises(OSError) as failed:
             await (await writers.close(handle)).result()
         assert failed.value.errno == errno.EIO
+
+
+async def _write_one(writers: ProcessWriters, where, data: bytes) -> None:
+    """One call of one piece through ``writers``: it must come out whole."""
+    handle = await writers.open([Piece(sha(data), len(data), str(where / sha(data)))])
+    fill(writers, handle, 0, 0, data)
+    await writers.write_slab(handle, 0)
+    outcomes = await (await writers.close(handle)).result()
+    assert [(o.written, o.intact) for o in outcomes] == [(True, True)]
+    assert (where / sha(data)).read_bytes() == data
+
+
+async def test_a_spare_helper_is_taken_by_the_next_writers_and_ended_on_close(tmp_path) -> None:
+    """The move service keeps one helper started ahead: the next intake's
+    writers use that very process; fill() starts another; close() ends the
+    unused one."""
+    spare = SpareHelper(4)
+    try:
+        spare.fill()
+        started = spare._spare
+        assert started is not None and started.proc.poll() is None
+        writers = ProcessWriters(4, spare=spare)
+        async with trio.open_nursery() as nursery:
+            await writers.start(nursery)
+            try:
+                assert writers.pid == started.proc.pid  # no new process
+                assert spare._spare is None
+                await _write_one(writers, tmp_path, os.urandom(10_000))
+            finally:
+                await writers.aclose()
+        assert started.proc.poll() is not None  # the used helper ended with its writers
+        spare.fill()
+        second = spare._spare
+        assert second is not None and second.proc.pid != started.proc.pid and spare.started == 2
+    finally:
+        spare.close()
+    assert second.proc.poll() is not None  # close ended the unused spare, and waited for it
+    spare.fill()
+    assert spare._spare is None  # closed: no more spares
+
+
+@pytest.mark.parametrize("how", ["dead", "other size"])
+async def test_a_spare_that_died_or_does_not_fit_is_not_used(tmp_path, how: str) -> None:
+    spare = SpareHelper(4 if how == "dead" else 3)
+    try:
+        spare.fill()
+        started = spare._spare
+        assert started is not None
+        if how == "dead":
+            started.proc.kill()
+            started.proc.wait()
+        writers = ProcessWriters(4, spare=spare)
+        async with trio.open_nursery() as nursery:
+            await writers.start(nursery)
+            try:
+                assert writers.pid != started.proc.pid  # a fresh helper instead
+                await _write_one(writers, tmp_path, os.urandom(5000))
+            finally:
+                await writers.aclose()
+        assert started.proc.poll() is not None  # the unfit spare was ended, not leaked
+    finally:
+        spare.close()
