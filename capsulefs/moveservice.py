@@ -316,7 +316,13 @@ class MoveService:
             with trio.CancelScope(shield=True):  # the staging area goes only once nothing writes in it
                 await inc.intake.aclose()
                 if self.spare is not None:
-                    self.spare.fill()  # for the next move, now that this one no longer needs the CPU
+                    # For the next move: the fork and exec (about 0.5 ms) run
+                    # here, in activate or rollback; the helper's start-up
+                    # runs in its own process. Never let it skip the cleanup.
+                    try:
+                        self.spare.fill()
+                    except Exception:  # pragma: no cover - fill logs the OSErrors it expects
+                        log.exception("cannot start a spare writer process for moves")
                 # Removing the staging area is a file per piece: in a thread,
                 # off the event loop (waited for: it is gone when we return).
                 await trio.to_thread.run_sync(inc.stack.close)

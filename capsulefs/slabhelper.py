@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -105,6 +106,10 @@ def serve(fd: int, count: int, buffer: int) -> None:
 
 
 if __name__ == "__main__":
+    # A Ctrl-C at the daemon's terminal reaches this process too; the daemon
+    # ends it by closing its stdin once the intake is done with it, so the
+    # signal is not ours to act on (and must not print a traceback).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
     # Every answer was flushed as it went and every writer is closed or
     # abandoned: nothing is left for the interpreter's exit to do but a

@@ -184,6 +184,7 @@ class _Started:
 
     fd: int  # the memfd of the buffers
     count: int  # buffers in it
+    python: str  # the interpreter it runs
     map: mmap.mmap
     proc: "subprocess.Popen[bytes]"
     to_helper: int  # its stdin (ours to write)
@@ -226,7 +227,7 @@ def _start_helper(count: int, python: str) -> _Started:
     to_helper, from_helper = os.dup(proc.stdin.fileno()), os.dup(proc.stdout.fileno())
     proc.stdin.close()
     proc.stdout.close()
-    return _Started(fd, count, shared, proc, to_helper, from_helper)
+    return _Started(fd, count, python, shared, proc, to_helper, from_helper)
 
 
 class SpareHelper:
@@ -237,9 +238,13 @@ class SpareHelper:
     all present sends only its capsule's few small files, and then waits
     for the helper in verify: most of its freeze-to-activate time. The move
     service keeps one spare started: a move takes it (:meth:`take`) and the
-    service starts the next one once that move's intake has ended
-    (:meth:`fill`), off the move's path. A spare that died meanwhile is not
-    used. :meth:`close` ends an unused spare. Event-loop thread only."""
+    service starts the next one as that move's intake ends (:meth:`fill`:
+    a fork and exec, some 0.5 ms on the event loop; the start-up runs in
+    the new process). A spare that died meanwhile, or that was started
+    with another interpreter or number of buffers, is ended and not used.
+    :meth:`close` ends an unused spare; ending one waits for its process
+    (at most 5 s, on the event loop: it exits as soon as its stdin ends).
+    Event-loop thread only."""
 
     def __init__(self, buffers: int, *, python: str | None = None) -> None:
         self.buffers = buffers
@@ -259,12 +264,13 @@ class SpareHelper:
         except OSError as exc:
             log.warning("cannot start a spare writer process for moves: %s", exc)
 
-    def take(self, count: int) -> _Started | None:
-        """The spare, if one with ``count`` buffers is alive; it is then the caller's."""
+    def take(self, count: int, python: str | None = None) -> _Started | None:
+        """The spare, if one with ``count`` buffers, run by ``python`` (by
+        default this interpreter), is alive; it is then the caller's."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None
-        if spare.count != count or spare.proc.poll() is not None:
+        if spare.count != count or spare.python != (python or sys.executable) or spare.proc.poll() is not None:
             spare.end()
             return None
         return spare
@@ -315,7 +321,7 @@ class ProcessWriters:
         await trio.lowlevel.checkpoint()
 
     def _spawn(self) -> None:
-        started = self._spare.take(self._count) if self._spare is not None else None
+        started = self._spare.take(self._count, self._python) if self._spare is not None else None
         if started is None:
             started = _start_helper(self._count, self._python)
         self._fd, self._map, self._proc, self.pid = started.fd, started.map, started.proc, started.proc.pid

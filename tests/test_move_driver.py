@@ -727,7 +727,7 @@ async def test_the_target_keeps_a_writer_process_started_for_the_next_move(world
     assert first is not None and first.proc.poll() is None
     assert (await world.move()).moved
     with trio.fail_after(10):
-        while spare.started < 2:  # the intake ends after activate's reply
+        while spare.started < 2:  # (the intake ends in activate, as the capsule is installed)
             await trio.sleep(0.01)
     assert first.proc.poll() is not None  # used by the move, and ended with its intake
     second = spare._spare

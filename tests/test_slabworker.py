@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -202,9 +203,14 @@ async def test_a_spare_helper_is_taken_by_the_next_writers_and_ended_on_close(tm
     assert spare._spare is None  # closed: no more spares
 
 
-@pytest.mark.parametrize("how", ["dead", "other size"])
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("how", ["dead", "other size", "other python"])
 async def test_a_spare_that_died_or_does_not_fit_is_not_used(tmp_path, how: str) -> None:
-    spare = SpareHelper(4 if how == "dead" else 3)
+    before = _open_fds()
+    spare = SpareHelper(3 if how == "other size" else 4)
     try:
         spare.fill()
         started = spare._spare
@@ -212,7 +218,11 @@ async def test_a_spare_that_died_or_does_not_fit_is_not_used(tmp_path, how: str)
         if how == "dead":
             started.proc.kill()
             started.proc.wait()
-        writers = ProcessWriters(4, spare=spare)
+        python = None
+        if how == "other python":  # the same program under another name, for the test
+            (tmp_path / "python").symlink_to(sys.executable)
+            python = str(tmp_path / "python")
+        writers = ProcessWriters(4, spare=spare, python=python)
         async with trio.open_nursery() as nursery:
             await writers.start(nursery)
             try:
@@ -221,5 +231,31 @@ async def test_a_spare_that_died_or_does_not_fit_is_not_used(tmp_path, how: str)
             finally:
                 await writers.aclose()
         assert started.proc.poll() is not None  # the unfit spare was ended, not leaked
+        assert started.map.closed
+        # Its memfd and both pipe ends were closed too (the fresh helper's,
+        # ended with the writers, as well): no descriptor is left behind.
+        assert _open_fds() == before
     finally:
         spare.close()
+
+
+async def test_a_helper_ignores_the_terminals_ctrl_c_and_ends_with_its_stdin() -> None:
+    """A Ctrl-C at a foreground daemon's terminal reaches the spare helper
+    too: it neither dies with a traceback nor stays behind; it ends when
+    the daemon closes its stdin."""
+    spare = SpareHelper(2)
+    try:
+        spare.fill()
+        started = spare._spare
+        assert started is not None
+        # Wait until it has started (and set its signals): it answers an abandon.
+        os.write(started.to_helper, b'{"op": "abandon", "w": 1}\n')
+        with trio.fail_after(10):
+            while not os.read(started.from_helper, 4096).endswith(b"\n"):
+                pass  # pragma: no cover - one read gets the short answer
+        started.proc.send_signal(signal.SIGINT)
+        await trio.sleep(0.2)
+        assert started.proc.poll() is None
+    finally:
+        spare.close()
+    assert started.proc.returncode == 0
