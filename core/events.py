@@ -63,6 +63,14 @@ def _line_encoder() -> Any:
 
 
 _LINE_ENCODER = _line_encoder()
+_QUOTE = json.encoder.encode_basestring  # the C function where CPython has it: a str as a JSON string
+
+
+def _encode_value(value: Any) -> str:
+    """One value of a stamped line, canonical (a str the common case)."""
+    if type(value) is str:
+        return _QUOTE(value)
+    return "".join(_LINE_ENCODER(value, 0)) if _LINE_ENCODER is not None else _CANONICAL.encode(value)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -116,6 +124,65 @@ class Event:
 def _payload_fields(cls: type) -> tuple[tuple[str, bool], ...]:
     """(name, optional) of each field of an event class: fields() is slow."""
     return tuple((f.name, f.default is None) for f in fields(cls))
+
+
+@functools.cache
+def _line_writer(cls: type) -> Any:
+    """A function that writes the canonical line of a stamped event of
+    ``cls`` straight from its fields, for the journal's append path: the
+    same bytes as ``canonical_json(record.to_json())`` (the tests hold the
+    two equal for every kind), without a dict to build and sort per line.
+    Its keys are sorted once, here. None for a class it cannot serve: an
+    unknown kind (its fields are data), or fields named like the envelope.
+
+    The function takes (event, id, machine, seq, clock, prev, time): ``id``
+    checked hex (it is written as it is), seq and clock ints, prev None or
+    a str, machine and time str. Generated as source once per class, as
+    dataclasses makes its methods."""
+    if cls is UnknownEvent or not issubclass(cls, Event) or cls.payload is not Event.payload:
+        return None
+    payload = _payload_fields(cls)
+    if any(name in ENVELOPE or not name.isidentifier() for name, _ in payload):
+        return None
+    envelope = {
+        "v": repr(str(EVENT_VERSION)),
+        "id": "'\"' + id + '\"'",
+        "machine": "_q(machine)",
+        "seq": "str(seq)",
+        "clock": "str(clock)",
+        "prev": "('null' if prev is None else _q(prev))",
+        "time": "_q(time)",
+        "kind": repr(_QUOTE(cls.KIND)),
+    }
+    keys = sorted([*envelope, *(name for name, _ in payload)])
+    optional = {name for name, opt in payload if opt}
+
+    def run(members: list[str]) -> str:  # members that are always there, as one expression
+        return " + ',' + ".join(f"({m})" for m in members) if members else "''"
+
+    body = ["    parts = []"] if optional else []
+    members: list[str] = []  # the members since the last optional one
+    for key in keys:
+        head = repr(_QUOTE(key) + ":")
+        if key in envelope:
+            members.append(f"{head} + {envelope[key]}")
+        elif key in optional:  # left out when None, as Event.payload does
+            body.append(f"    parts.append({run(members)})")
+            members = []
+            body.append(f"    value = event.{key}")
+            body.append("    if value is not None:")
+            body.append(f"        parts.append({head} + _e(value))")
+        else:
+            members.append(f"{head} + _e(event.{key})")
+    if optional:
+        body.append(f"    parts.append({run(members)})")
+        body.append("    return ('{' + ','.join([p for p in parts if p]) + '}').encode()")
+    else:
+        body.append(f"    return ('{{' + {run(members)} + '}}').encode()")
+    source = "def write(event, id, machine, seq, clock, prev, time):\n" + "\n".join(body) + "\n"
+    scope: dict[str, Any] = {"_q": _QUOTE, "_e": _encode_value}
+    exec(compile(source, f"<line writer of {cls.__name__}>", "exec"), scope)  # noqa: S102 - our own source
+    return scope["write"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -379,15 +446,20 @@ class Record:
             raise FormatError(f"event id {id!r} is not 8-64 lowercase hex digits")
         if not isinstance(event, Event):
             raise FormatError(f"cannot stamp {type(event).__name__}: not an event")
-        doc = event.payload()  # a new dict on every call
-        doc["v"] = EVENT_VERSION
-        doc["id"] = id
-        doc["machine"] = machine
-        doc["seq"] = seq
-        doc["clock"] = clock
-        doc["prev"] = prev
-        doc["time"] = time
-        doc["kind"] = event.kind
+        write = _line_writer(type(event))
+        if write is not None:  # (the common case: a kind of this version)
+            line = write(event, id, machine, seq, clock, prev, time)
+        else:
+            doc = event.payload()  # a new dict on every call
+            doc["v"] = EVENT_VERSION
+            doc["id"] = id
+            doc["machine"] = machine
+            doc["seq"] = seq
+            doc["clock"] = clock
+            doc["prev"] = prev
+            doc["time"] = time
+            doc["kind"] = event.kind
+            line = canonical_json(doc) if _LINE_ENCODER is None else "".join(_LINE_ENCODER(doc, 0)).encode()
         rec = object.__new__(cls)
         _set = object.__setattr__
         _set(rec, "id", id)
@@ -397,7 +469,7 @@ class Record:
         _set(rec, "prev", prev)
         _set(rec, "time", time)
         _set(rec, "event", event)
-        _set(rec, "line", canonical_json(doc) if _LINE_ENCODER is None else "".join(_LINE_ENCODER(doc, 0)).encode())
+        _set(rec, "line", line)
         return rec
 
     @property

@@ -7,10 +7,15 @@ import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from journal_helpers import future_event, note, open_test_journal
 
 from capsulefs.core.errors import FormatError
-from capsulefs.core.events import Record, ToolCall, UserMessage, line_hash
+from capsulefs.core.events import (
+    AssistantMessage, Event, MemoryEdit, ModelSwitch, Note, Reasoning, Record, System, ToolCall, ToolResult,
+    UnknownEvent, UserMessage, WorkspaceUpdate, canonical_json, line_hash,
+)
 from capsulefs.core.journal import TORN_SUFFIX, split_lines, verify_lines
 
 
@@ -303,11 +308,6 @@ def test_a_journal_replaced_by_rename_is_followed(tmp_path: Path) -> None:
 def test_stamped_records_equal_constructed_ones() -> None:
     # Record.stamped (the journal's path) skips re-checking the envelope it
     # made; the record, line included, must be what the constructor gives.
-    from capsulefs.core.events import (
-        AssistantMessage, MemoryEdit, ModelSwitch, Note, Reasoning, System, ToolResult, UnknownEvent,
-        WorkspaceUpdate,
-    )
-
     events = [
         UserMessage(text="h\u00e9llo \"quoted\" \\ \n\t\u2028 \U0001f600"),
         AssistantMessage(text="a", provider=None, model="m"),
@@ -333,6 +333,56 @@ def test_stamped_records_equal_constructed_ones() -> None:
             Record.stamped(note("x"), id=bad, machine="host-a", seq=1, clock=1, prev=None, time="t")  # type: ignore[arg-type]
     with pytest.raises(FormatError, match="not an event"):
         Record.stamped({"kind": "note"}, id="0" * 24, machine="host-a", seq=1, clock=1, prev=None, time="t")  # type: ignore[arg-type]
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)  # any text a str can encode
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+    max_leaves=8)
+_SHA = st.text("0123456789abcdef", min_size=64, max_size=64)
+_OPT = st.none() | _TEXT
+_EVENTS = st.one_of(
+    st.builds(UserMessage, text=_TEXT),
+    st.builds(AssistantMessage, text=_TEXT, provider=_OPT, model=_OPT),
+    st.builds(Reasoning, provider=_TEXT.filter(bool), model=_TEXT.filter(bool), payload_format=_TEXT.filter(bool),
+              data=st.dictionaries(_TEXT, _JSON, max_size=3), text=_OPT),
+    st.builds(ToolCall, call_id=_TEXT.filter(bool), name=_TEXT.filter(bool),
+              arguments=st.dictionaries(_TEXT, _JSON, max_size=4), provider=_OPT, model=_OPT),
+    st.builds(ToolResult, call_id=_TEXT.filter(bool), content=_TEXT, is_error=st.booleans()),
+    st.builds(MemoryEdit, text=_TEXT),
+    st.builds(MemoryEdit, blob=_SHA),
+    st.builds(WorkspaceUpdate, changes=st.dictionaries(st.sampled_from(["a", "b/c", "d.txt"]), st.none() | _SHA,
+                                                       min_size=1)),
+    st.builds(ModelSwitch, provider=_TEXT.filter(bool), model=_TEXT.filter(bool)),
+    st.builds(Note, text=_TEXT),
+    st.builds(System, text=_TEXT),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(event=_EVENTS, machine=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+       seq=st.integers(1, 2**70), clock=st.integers(1, 2**70), prev=st.none() | _SHA,
+       id=st.text("0123456789abcdef", min_size=8, max_size=64))
+def test_a_stamped_line_is_the_canonical_json_of_its_record(event: Event, machine: str, seq: int, clock: int,
+                                                            prev: str | None, id: str) -> None:
+    """The append path writes each known kind's line from its fields (a
+    writer generated per kind, keys sorted once); the bytes must be exactly
+    the canonical JSON of the record (sorted keys, no spaces, UTF-8), or
+    the chain's hashes would differ from every other reader's."""
+    time = "2026-12-05T05:00:00.123Z"
+    stamped = Record.stamped(event, id=id, machine=machine, seq=seq, clock=clock, prev=prev, time=time)
+    record = Record(event=event, id=id, machine=machine, seq=seq, clock=clock, prev=prev, time=time)
+    assert stamped.line == canonical_json(record.to_json()) == record.line
+    assert Record.from_line(stamped.line) == stamped
+
+
+def test_every_known_kind_has_a_line_writer() -> None:
+    # The fast path of the append (see Record.stamped); unknown kinds keep the generic encoder.
+    from capsulefs.core.events import KINDS, _line_writer
+
+    assert all(_line_writer(cls) is not None for cls in KINDS.values())
+    assert _line_writer(UnknownEvent) is None
 
 
 def test_a_bad_machine_id_is_refused_before_stamping(tmp_path: Path) -> None:
