@@ -144,43 +144,41 @@ def _line_writer(cls: type) -> Any:
     payload = _payload_fields(cls)
     if any(name in ENVELOPE or not name.isidentifier() for name, _ in payload):
         return None
+    # The line is one f-string in which each member starts with its comma
+    # (the first is cut). Its literal text holds only the JSON of the keys
+    # (identifiers) and the kind; its expressions hold names, no quotes.
+    if not _KIND_RE.fullmatch(cls.KIND):  # pragma: no cover - every kind is a plain name
+        return None
+    scope: dict[str, Any] = {"_q": _QUOTE, "_e": _encode_value, "_null": "null", "_nothing": ""}
     envelope = {
-        "v": repr(str(EVENT_VERSION)),
-        "id": "'\"' + id + '\"'",
-        "machine": "_q(machine)",
-        "seq": "str(seq)",
-        "clock": "str(clock)",
-        "prev": "('null' if prev is None else _q(prev))",
-        "time": "_q(time)",
-        "kind": repr(_QUOTE(cls.KIND)),
+        "v": str(EVENT_VERSION),
+        "id": '"{id}"',  # checked hex: written as it is
+        "machine": "{_q(machine)}",
+        "seq": "{seq}",
+        "clock": "{clock}",
+        "prev": "{_null if prev is None else _q(prev)}",
+        "time": "{_q(time)}",
+        "kind": f'"{cls.KIND}"',
     }
-    keys = sorted([*envelope, *(name for name, _ in payload)])
     optional = {name for name, opt in payload if opt}
-
-    def run(members: list[str]) -> str:  # members that are always there, as one expression
-        return " + ',' + ".join(f"({m})" for m in members) if members else "''"
-
-    body = ["    parts = []"] if optional else []
-    members: list[str] = []  # the members since the last optional one
-    for key in keys:
-        head = repr(_QUOTE(key) + ":")
+    members = []
+    for key in sorted([*envelope, *(name for name, _ in payload)]):
+        value = f"(_q(f_{key}) if type(f_{key}) is str else _e(f_{key}))"
         if key in envelope:
-            members.append(f"{head} + {envelope[key]}")
+            members.append(f',"{key}":{envelope[key]}')
         elif key in optional:  # left out when None, as Event.payload does
-            body.append(f"    parts.append({run(members)})")
-            members = []
-            body.append(f"    value = event.{key}")
-            body.append("    if value is not None:")
-            body.append(f"        parts.append({head} + _e(value))")
+            scope[f"h_{key}"] = f',"{key}":'
+            members.append(f"{{_nothing if f_{key} is None else h_{key} + {value}}}")
         else:
-            members.append(f"{head} + _e(event.{key})")
-    if optional:
-        body.append(f"    parts.append({run(members)})")
-        body.append("    return ('{' + ','.join([p for p in parts if p]) + '}').encode()")
-    else:
-        body.append(f"    return ('{{' + {run(members)} + '}}').encode()")
-    source = "def write(event, id, machine, seq, clock, prev, time):\n" + "\n".join(body) + "\n"
-    scope: dict[str, Any] = {"_q": _QUOTE, "_e": _encode_value}
+            members.append(f',"{key}":{{{value}}}')
+    text = "".join(members)
+    assert "'" not in text and "\\" not in text
+    source = "\n".join([
+        "def write(event, id, machine, seq, clock, prev, time):",
+        *(f"    f_{name} = event.{name}" for name, _ in payload),
+        f"    line = f'{text}'",
+        "    return ('{' + line[1:] + '}').encode()",
+    ]) + "\n"
     exec(compile(source, f"<line writer of {cls.__name__}>", "exec"), scope)  # noqa: S102 - our own source
     return scope["write"]
 
