@@ -116,3 +116,36 @@ def test_export_rm_import_elsewhere_then_here_never_gives_two_holders(tmp_path: 
     assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
     assert "walker" not in run_cli("ls", state=a, check=True).stdout
     assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
+
+
+def test_offline_move_commands_refuse_while_another_holds_the_state(tmp_path: Path) -> None:
+    """Without a daemon, a move, --resume, --learn, --abandon, --force-hold
+    and peer-serve each hold the state directory, as a daemon does: a second
+    one (or a daemon starting) could otherwise freeze, move or hold the same
+    agent from the same records twice. Here another process holds it: each
+    is refused, names what it was refused, and changes no record."""
+    from capsulefs.daemon import holding_state
+
+    a = tmp_path / "a"
+    run_cli("init", state=a, check=True)
+    run_cli("new", "walker", state=a, check=True)
+    run_cli("peer", "add", "b", "127.0.0.1:1", "B" * 52, state=a, check=True)
+    agent_id = re.search(r"[0-9a-f]{32}", run_cli("ls", "--json", state=a, check=True).stdout).group(0)
+    before = (a / "holders" / f"{agent_id}.json").read_bytes()
+    commands = {
+        "moving walker": ["move", "walker", "b"],
+        "resuming interrupted moves": ["move", "-", "--resume"],
+        "learning who holds walker": ["move", "walker", "--learn"],
+        "abandoning the move of walker": ["move", "walker", "--abandon", "--why", "test"],
+        "forcing the hold of walker": ["move", "walker", "--force-hold", "--why", "test"],
+        "serving moves on 127.0.0.1:0": ["peer-serve", "--listen", "127.0.0.1:0"],
+    }
+    with holding_state(str(a), doing="the test"):
+        for doing, argv in commands.items():
+            r = run_cli(*argv, state=a)
+            assert r.returncode == 1, (argv, r.stdout, r.stderr)
+            assert f"already holds {a}: {doing}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (a / "holders" / f"{agent_id}.json").read_bytes() == before
+    # Once the state is free, the offline commands run again (here: refused for their own reasons).
+    r = run_cli("move", "walker", "--abandon", "--why", "test", state=a)
+    assert r.returncode == 1 and "no move in progress" in r.stderr

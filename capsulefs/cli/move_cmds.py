@@ -6,7 +6,12 @@ While a mount daemon serves the state directory (its runtime file
 ``.control/abandon``) of the agent in its mount and draw the progress from
 ``.control/status``, so one state directory never has two move drivers.
 Without a daemon they run the move driver in this process, on the host
-store alone.
+store alone, holding the state directory as a daemon does for its life
+(``daemon.holding_state``): no daemon can start and run the agent meanwhile,
+and no second command can change the same holder records. So do
+``--resume``, ``--learn``, ``--force-hold`` and ``peer-serve``; while a
+daemon serves, ``--force-hold`` is refused (unmount first), since the
+daemon may be changing that record.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import trio
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.holder import HolderRecord, HolderState, force_hold
-from capsulefs.daemon import find_daemon
+from capsulefs.daemon import find_daemon, holding_state
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
 from capsulefs.moveservice import serve_moves
@@ -144,17 +149,31 @@ def cmd_move(args: argparse.Namespace) -> int:
     for flag, given in (("--abandon", args.abandon), ("--force-hold", args.force_hold)):
         if given and not args.why.strip():
             raise CapsuleError(f"{flag} needs --why REASON: it is logged with the risk it takes")
-    host = MoveHost.open(state_dir(args))
-    daemon = find_daemon(state_dir(args))
+    state = state_dir(args)
+    host = MoveHost.open(state)
+    daemon = find_daemon(state)
     if daemon is not None:
         if args.resume:
             print(f"the daemon serving {daemon['mountpoint']} (pid {daemon['pid']}) resumes interrupted moves itself")
             return 0
-        if args.learn:
-            raise CapsuleError(f"--learn runs without a daemon (it may remove the agent's files here): "
-                               f"unmount first ('capsulefs umount {daemon['mountpoint']}')")
-        if not args.force_hold:
-            return _through_daemon(args, host, str(daemon["mountpoint"]))
+        for flag, given, why in (("--learn", args.learn, "it may remove the agent's files here"),
+                                 ("--force-hold", args.force_hold, "the daemon may be changing the agent's record")):
+            if given:
+                raise CapsuleError(f"{flag} runs without a daemon ({why}): "
+                                   f"unmount first ('capsulefs umount {daemon['mountpoint']}')")
+        return _through_daemon(args, host, str(daemon["mountpoint"]))
+    if args.resume:
+        doing = "resuming interrupted moves"
+    else:
+        verb = ("learning who holds" if args.learn else "forcing the hold of" if args.force_hold
+                else "abandoning the move of" if args.abandon else "moving")
+        doing = f"{verb} {args.agent} without a daemon"
+    with holding_state(state, doing=doing):
+        return _offline(args, host)
+
+
+def _offline(args: argparse.Namespace, host: MoveHost) -> int:
+    """``cmd_move`` without a daemon; the caller holds the state directory."""
     if args.resume:
         results = trio.run(partial(resume_moves, host, call_timeout=args.timeout))
         for r in results:
@@ -203,8 +222,14 @@ def cmd_move(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:
-    host = MoveHost.open(state_dir(args))
     listen_host, port = parse_address(args.listen, listen=True)
+    # Serving moves changes holder records and installs agents: like a
+    # daemon, it holds the state directory for its life.
+    with holding_state(state_dir(args), doing=f"serving moves on {args.listen}"):
+        return _peer_serve(MoveHost.open(state_dir(args)), listen_host, port)
+
+
+def _peer_serve(host: MoveHost, listen_host: str, port: int) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
