@@ -253,6 +253,46 @@ def test_a_torn_ring_record_ends_the_chain(tmp_path: Path, where: str) -> None:
     assert _recovery(store, agent) == []
 
 
+def test_opening_the_store_reads_a_ring_whose_bytes_the_journal_holds_without_changing_either(tmp_path: Path) -> None:
+    """Every store open checks every agent's ring (a daemon's rings stay
+    full while it runs). When the journal holds every byte even the ring's
+    headers alone vouch for, nothing is changed; a record torn in the middle
+    of its data (its header intact) still ends the checked chain, and the
+    journal that holds the whole chain is left as it is."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 30)
+    before, ring_before = agent.read(fmt.JOURNAL), Path(agent.ring_path).read_bytes()
+    ring = Ring.open(agent.ring_path, create=False)
+    assert ring is not None
+    try:
+        start, ino, data = ring.vouched()
+        chain = ring.scan()
+        assert (start, ino) == (chain[0].offset, chain[0].ino)
+        assert data == b"".join(e.data for e in chain) == before[start:]
+    finally:
+        ring.close()
+    HostStore.open(tmp_path / "state")
+    assert agent.read(fmt.JOURNAL) == before and Path(agent.ring_path).read_bytes() == ring_before
+
+    victim = chain[len(chain) // 2]
+    with open(agent.ring_path, "r+b") as f:  # garbage in a record's data, its header intact
+        f.seek(victim.pos + HEADER.size + len(victim.data) // 2)
+        f.write(b"\x00garbage\x00")
+    ring = Ring.open(agent.ring_path, create=False)
+    assert ring is not None
+    try:
+        assert len(ring.vouched()[2]) == len(before) - start  # the headers still read as one chain
+        assert [e.pos for e in ring.scan()] == [e.pos for e in chain if e.pos < victim.pos]
+    finally:
+        ring.close()
+    HostStore.open(tmp_path / "state")
+    assert agent.read(fmt.JOURNAL) == before  # held every checked byte: untouched
+    _lines(agent)
+    assert _recovery(store, agent) == []
+
+
 # -- replaced journals, disagreements ----------------------------------------------------
 
 
