@@ -15,7 +15,7 @@ cleanup() {
         mountpoint -q "$m" 2>/dev/null && $CFS umount "$m" >/dev/null 2>&1 || true
     done
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    wait 2>/dev/null || true  # the daemons and the stub have exited (and ended their agents)
     for m in "$work/mnt-a" "$work/mnt-b"; do
         mountpoint -q "$m" 2>/dev/null && umount -l "$m" || true
     done
@@ -64,9 +64,11 @@ run a new scout --spec "$work/spec.json"
 
 say "mount both hosts (each daemon also listens for moves)"
 mkdir -p "$work/mnt-a" "$work/mnt-b"
-a mount "$work/mnt-a" --listen "127.0.0.1:$port_a" --log-file "$work/a.log" &
+# (Started directly, not through a() and b(): $! is then the daemon itself,
+# which the cleanup waits for, not a subshell around it.)
+$CFS --state "$work/a" mount "$work/mnt-a" --listen "127.0.0.1:$port_a" --log-file "$work/a.log" &
 pids+=($!)
-b mount "$work/mnt-b" --listen "127.0.0.1:$port_b" --log-file "$work/b.log" &
+$CFS --state "$work/b" mount "$work/mnt-b" --listen "127.0.0.1:$port_b" --log-file "$work/b.log" &
 pids+=($!)
 wait_for 30 "mount A" mountpoint -q "$work/mnt-a"
 wait_for 30 "mount B" mountpoint -q "$work/mnt-b"
