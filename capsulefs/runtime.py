@@ -97,7 +97,7 @@ class AgentRuntime:
             return False, f"the mount shows it {self.live.state(agent_id).value}"
         rec = self.holders.get(agent_id)
         if rec is None:
-            return False, "this host has no holder record for it: it runs only after a move or 'capsulefs move --force-hold'"
+            return False, "this host has no holder record for it: it runs only after a move or 'capsulefs move --force-hold' (the daemon stopped)"
         if not rec.runnable:
             return False, f"its holder record here says {rec.state.value} at epoch {rec.epoch}"
         return True, ""

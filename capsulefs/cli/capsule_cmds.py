@@ -138,12 +138,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         if not rec.runnable:
             print(f"note: {agent.name} was removed here earlier; another host may have taken it since, so it will "
                   f"not run here until 'capsulefs move {agent.name} --learn' finds that no peer holds it "
-                  f"(or an operator forces it with --force-hold --why ...)")
+                  f"(or an operator forces it with --force-hold --why ..., the daemon stopped)")
     else:
         # A copy of an agent another host holds: running it here could run it
         # twice. It stays unrunnable until peers confirm or an operator decides.
         print(f"note: the export says host {holder.host} holds it at epoch {holder.epoch}; it will not run here "
-              f"until 'capsulefs move {agent.name} --force-hold --why ...' or a move makes this host its holder")
+              f"until 'capsulefs move {agent.name} --force-hold --why ...' (the daemon stopped) or a move makes this host its holder")
     return 0
 
 
