@@ -373,8 +373,11 @@ class _Driver:
     # -- snapshot ---------------------------------------------------------------------
     def _snapshot(self) -> None:
         agent = self.host.store.agent(self.m.agent_id)
-        files = archive.snapshot_files(agent)
-        self.manifest = archive.frozen_manifest(agent, files)
+        # FROZEN is durable by now: a `capsulefs append` still running
+        # finishes first (journal, projections, manifest), later ones are refused.
+        with self.host.holders.files_lock(self.m.agent_id, shared=True):
+            files = archive.snapshot_files(agent)
+            self.manifest = archive.frozen_manifest(agent, files)
         self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
         self.blob_sizes = self.manifest.blobs()
 

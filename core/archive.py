@@ -25,7 +25,7 @@ from .capsule import Problem, check, scan_dir
 from .errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from .fsutil import atomic_write, fsync_dir
 from .signing import sign_manifest
-from .journal_recovery import agent_recovery_dir, journal_ring_path, recover_journal
+from .journal_recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from .store import STORE_FILE, AgentHandle, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
 
@@ -91,7 +91,10 @@ def snapshot_files(agent: AgentHandle) -> dict[str, bytes]:
     agent.recover_journal()
     files: dict[str, bytes] = {}
     for rel in agent.local_files():
-        data = agent.read(rel)
+        # The journal under its flock: an append that began before this read
+        # is in it whole (a move's source persisted FROZEN before it reads,
+        # and `capsulefs append` checks that record under the same flock).
+        data = read_journal_locked(agent.path(rel)) if rel == fmt.JOURNAL else agent.read(rel)
         if rel == fmt.JOURNAL and data and not data.endswith(b"\n"):
             data = data[: data.rfind(b"\n") + 1]
         files[rel] = data

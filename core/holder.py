@@ -39,10 +39,12 @@ States, by role:
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -262,6 +264,22 @@ class HolderBook:
 
     def agent_ids(self) -> list[str]:
         return sorted(n[:-5] for n in os.listdir(self.directory) if n.endswith(".json") and not n.startswith("."))
+
+    @contextmanager
+    def files_lock(self, agent_id: str, *, shared: bool) -> Iterator[None]:
+        """Hold the agent's files lock (an flock on ``<agent_id>.lock``
+        beside its record), across processes. A writer that changes the
+        agent's files from outside the daemon (`capsulefs append`: journal,
+        projections, manifest) holds it exclusively and checks the record
+        under it; a move's snapshot holds it shared once FROZEN is durable.
+        So an append is either whole in the snapshot, or sees FROZEN and is
+        refused: never half in, never left behind on the source."""
+        fd = os.open(self._path(agent_id)[: -len(".json")] + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def reconcile(self, present: Iterable[str]) -> list[HolderRecord]:
         """Mark agents whose files are ``present`` here but who have no

@@ -225,6 +225,25 @@ def holding_journal(path: str) -> Iterator[int | None]:
         os.close(fd)
 
 
+def read_journal_locked(path: str) -> bytes:
+    """The journal's bytes, read under a shared flock: no append (appenders
+    hold it exclusively) is half way through, and none that started before
+    the read is left out. A rename over the file while waiting is followed.
+    A move's snapshot relies on it (see ``archive.snapshot_files``)."""
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if (os.stat(path).st_ino, os.stat(path).st_dev) != (os.fstat(fd).st_ino, os.fstat(fd).st_dev):
+                continue  # replaced while we waited: read the new file
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def replacing_journal(path: str, ring_path: str, recovery_dir: str) -> Iterator[None]:
     """Hold the journal's flock while the caller renames a new file over it.

@@ -104,6 +104,39 @@ def test_append_keeps_projections_current(cli, store: HostStore) -> None:  # typ
     assert p.returncode == 1 and "not in the store" in p.stderr
 
 
+@pytest.mark.parametrize("state, says", [
+    ("frozen", "is in a move (frozen, moving to"),
+    ("committing", "in doubt: the target may have activated it"),
+    ("unknown", "--learn"),
+    ("retired", "no longer holds it (retired"),
+])
+def test_append_is_refused_unless_this_host_holds_the_agent(cli, store: HostStore, state_dir: Path,
+                                                            state: str, says: str) -> None:  # type: ignore[no-untyped-def]
+    """Events appended while the agent moves away would stay behind on the
+    source; appended to an agent this host may not hold, they could be
+    dropped with its files. The record is checked under the agent's files
+    lock and again under the journal's flock; nothing is written."""
+    from capsulefs.core.holder import HolderBook, HolderState
+    from capsulefs.movehost import holders_dir
+
+    cli("new", "ada", check=True)
+    agent = store.find("ada")
+    holders = HolderBook(holders_dir(str(state_dir)))
+    held = holders.get(agent.agent_id)
+    assert held is not None and held.runnable
+    cli("append", "ada", "--kind", "note", "--text", "while held", "-q", check=True)
+    before = agent.read(fmt.JOURNAL)
+    peer = "P" * 52 if state in ("frozen", "committing", "retired") else None
+    holding = HolderState(state) in (HolderState.FROZEN, HolderState.COMMITTING)
+    holders.put(held.with_(state=HolderState(state), epoch=held.epoch + 1, peer=peer, note="a test",
+                           held_epoch=held.held_epoch if holding else None))
+    p = cli("append", "ada", "--kind", "note", "--text", "lost?")
+    assert p.returncode == 1 and "cannot append to agent ada" in p.stderr and says in p.stderr, p.stderr
+    assert agent.read(fmt.JOURNAL) == before
+    holders.put(held)
+    cli("append", "ada", "--kind", "note", "--text", "held again", "-q", check=True)
+
+
 def _diverged(cli, tmp_path: Path, state_b: Path) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
     """Agent ada exported, imported on a second host, both sides go on."""
     cli("new", "ada", check=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -737,3 +737,47 @@ async def test_the_target_keeps_a_writer_process_started_for_the_next_move(world
     await world.b_stopped.wait()
     assert second.proc.poll() is not None  # ended with the service, not left behind
     assert world.check() == "b"
+
+
+async def test_an_append_from_outside_the_daemon_is_whole_in_the_move_or_refused(world: World) -> None:
+    """`capsulefs append` writes an agent's files from another process: it
+    holds the agent's files lock, checks the holder record under it, then
+    appends and updates the projections. The source persists FROZEN before
+    it freezes and reads the agent, and reads it under the same lock: an
+    append already under way finishes first and moves with the agent; one
+    that starts later finds FROZEN (or the agent gone) and is refused."""
+    from capsulefs.cli.journal_cmds import _refuse_unless_held
+    from capsulefs.core.errors import CapsuleError
+    from capsulefs.core.events import Note
+
+    holders, agent_id = world.a.holders, world.agent_id
+    results: list[Any] = []
+
+    async def move() -> None:
+        results.append(await world.move())
+
+    append = ExitStack()
+    append.enter_context(holders.files_lock(agent_id, shared=False))  # an append under way: it found HELD
+    try:
+        _refuse_unless_held(holders, agent_id, "mover")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(move)
+            with trio.fail_after(10):
+                while holders.get(agent_id).state is not HolderState.FROZEN:
+                    await trio.sleep(0.005)
+            await trio.sleep(0.2)  # the snapshot waits for the lock: nothing was offered yet
+            assert results == [] and world.hooks_b.log == []
+            with pytest.raises(CapsuleError, match="is in a move"):  # an append starting now
+                _refuse_unless_held(holders, agent_id, "mover")
+            agent = world.a.store.agent(agent_id)
+            with open_journal(agent.path(fmt.JOURNAL), machine=world.a.me, now=lambda: 1.7e9,
+                              new_id=lambda: "f" * 24, recovery_dir=world.b_root / "unused") as journal:
+                line = journal.append(Note(text="appended while the move waited")).line + b"\n"
+            append.close()  # the append is done: the snapshot reads the agent now
+    finally:
+        append.close()
+    assert results and results[0].moved
+    world.journal += line
+    assert world.check() == "b"  # the target's journal holds it, whole
+    with pytest.raises(CapsuleError, match="no longer holds"):
+        _refuse_unless_held(holders, agent_id, "mover")

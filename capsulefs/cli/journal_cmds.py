@@ -17,17 +17,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any
 
 from capsulefs.cli import UsageError
-from capsulefs.cli.common import host_id, now_seconds, open_store
+from capsulefs.cli.common import host_id, now_seconds, open_store, state_dir
 from capsulefs.core import format as fmt
 from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
-from capsulefs.core.errors import FormatError, NotFoundError
+from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
+from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
+from capsulefs.movehost import holders_dir
 
 SUMMARY_CHARS = 100
 
@@ -178,13 +181,40 @@ def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
         agent.write_files(files, add_blobs=blobs)
 
 
+def _refuse_unless_held(holders: HolderBook, agent_id: str, name: str) -> None:
+    """CapsuleError unless this host holds the agent and no move of it is
+    under way (an agent without a record, from before holder records, may
+    be written)."""
+    rec = holders.get(agent_id)
+    if rec is None or rec.state is HolderState.HELD:
+        return
+    if rec.moving:
+        why = (f"it is in a move ({rec.describe_move()}): events appended here now would be left behind; "
+               f"append once the move has ended, on the host that holds it")
+    elif rec.state is HolderState.UNKNOWN:
+        why = (f"this host may not hold it ({rec.note or 'in doubt'}): "
+               f"run 'capsulefs move {name} --learn' first")
+    else:
+        why = f"this host no longer holds it ({rec.state.value}{': ' + rec.note if rec.note else ''})"
+    raise CapsuleError(f"cannot append to agent {name} ({agent_id}): {why}")
+
+
 def cmd_append(args: argparse.Namespace) -> int:
     events = _drafts(args)
     store = open_store(args)
     agent = store.find(args.agent)
-    with store.writing():  # blobs the events name stay put until the manifest lists them
+    holders = HolderBook(holders_dir(state_dir(args)))
+    # Under the agent's files lock, the holder record is checked (again
+    # under the journal's flock, right before the write): a move of the
+    # agent reads its files under the same lock once FROZEN is durable, so
+    # these events are either whole in what it moves or refused here.
+    with holders.files_lock(agent.agent_id, shared=False), store.writing():
+        # (store.writing: blobs the events name stay put until the manifest lists them)
+        guard = partial(_refuse_unless_held, holders, agent.agent_id, agent.name)
+        guard()
         blobs = _check_blobs(agent, events)
         with agent_journal(agent, machine=host_id(args)) as journal:
+            journal.guard = guard
             records = journal.append_many(events)
         _project(agent, events, blobs)
     if not args.quiet:
