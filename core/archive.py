@@ -91,9 +91,7 @@ def snapshot_files(agent: AgentHandle) -> dict[str, bytes]:
     agent.recover_journal()
     files: dict[str, bytes] = {}
     for rel in agent.local_files():
-        # The journal under its flock: an append that began before this read
-        # is in it whole (a move's source persisted FROZEN before it reads,
-        # and `capsulefs append` checks that record under the same flock).
+        # The journal under a shared flock: no append is half way through it.
         data = read_journal_locked(agent.path(rel)) if rel == fmt.JOURNAL else agent.read(rel)
         if rel == fmt.JOURNAL and data and not data.endswith(b"\n"):
             data = data[: data.rfind(b"\n") + 1]

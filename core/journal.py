@@ -217,10 +217,6 @@ class Journal:
         self.lease_max = MAX_HOLD  # ... and at most after it was taken
         self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
         self.leased_commits = 0  # commits that found the lease held (no flock or checks)
-        # Run under the journal's flock before each commit; what it raises
-        # fails the commit, and nothing is written. `capsulefs append` checks
-        # the agent's holder record here (see archive.snapshot_files).
-        self.guard: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -460,8 +456,6 @@ class Journal:
         self._acquire()
         ok = False
         try:
-            if self.guard is not None:
-                self.guard()
             records = self._state.plan((event,), machine=self.machine, now=self._now,  # type: ignore[arg-type]
                                        new_id=self._new_id)
             data = records[0].line + b"\n"
@@ -529,8 +523,6 @@ class Journal:
             self._acquire()
             ok = False
             try:
-                if self.guard is not None:
-                    self.guard()
                 if len(group) == 1:  # the common case: plan on the state itself (plan changes nothing)
                     req = group[0]
                     state = None

@@ -173,13 +173,13 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
         ring.close()
 
 
-def _open_locked(path: str) -> int:
-    """A descriptor of the journal at ``path`` with its flock held, following
-    a rename over it while waiting for the lock."""
+def _open_locked(path: str, *, shared: bool = False) -> int:
+    """A descriptor of the journal at ``path`` with its flock held (shared:
+    read-only, for a reader), following a rename over it while waiting."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR | os.O_APPEND) | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             on_disk = os.stat(path)
             held = os.fstat(fd)
         except BaseException:
@@ -230,18 +230,14 @@ def read_journal_locked(path: str) -> bytes:
     hold it exclusively) is half way through, and none that started before
     the read is left out. A rename over the file while waiting is followed.
     A move's snapshot relies on it (see ``archive.snapshot_files``)."""
-    while True:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if (os.stat(path).st_ino, os.stat(path).st_dev) != (os.fstat(fd).st_ino, os.fstat(fd).st_dev):
-                continue  # replaced while we waited: read the new file
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+    fd = _open_locked(path, shared=True)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from functools import partial
 from typing import Any
 
 from capsulefs.cli import UsageError
@@ -204,17 +203,14 @@ def cmd_append(args: argparse.Namespace) -> int:
     store = open_store(args)
     agent = store.find(args.agent)
     holders = HolderBook(holders_dir(state_dir(args)))
-    # Under the agent's files lock, the holder record is checked (again
-    # under the journal's flock, right before the write): a move of the
-    # agent reads its files under the same lock once FROZEN is durable, so
-    # these events are either whole in what it moves or refused here.
+    # The holder record is checked under the agent's files lock: a move of
+    # the agent reads its files under the same lock once FROZEN is durable,
+    # so these events are either whole in what it moves or refused here.
     with holders.files_lock(agent.agent_id, shared=False), store.writing():
         # (store.writing: blobs the events name stay put until the manifest lists them)
-        guard = partial(_refuse_unless_held, holders, agent.agent_id, agent.name)
-        guard()
+        _refuse_unless_held(holders, agent.agent_id, agent.name)
         blobs = _check_blobs(agent, events)
         with agent_journal(agent, machine=host_id(args)) as journal:
-            journal.guard = guard
             records = journal.append_many(events)
         _project(agent, events, blobs)
     if not args.quiet:

@@ -125,7 +125,7 @@ def _s_start(m: SourceMachine, ev: MoveRequested) -> list[Command]:
     frozen = r.with_(state=HolderState.FROZEN, epoch=r.epoch + 1, peer=ev.target, note=f"moving to {ev.target}")
     # FROZEN is durable before the agent is frozen and its files read: a
     # writer outside the daemon (`capsulefs append`) checks the record under
-    # the journal's flock, and the snapshot reads the journal under it, so
+    # the agent's files lock, and the snapshot reads the files under it, so
     # an event is either in the snapshot or refused, never left behind.
     return [Persist(record=frozen), Freeze(agent_id=m.agent_id), _send_after(frozen, Call.OFFER)]
 
