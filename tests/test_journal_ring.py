@@ -210,6 +210,39 @@ def test_the_ring_wraps_and_every_pass_recovers(tmp_path: Path) -> None:
     assert len(_lines(agent)) == len(acked)
 
 
+def test_a_chain_that_ends_exactly_at_the_rings_end_recovers_and_then_restarts(tmp_path: Path) -> None:
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    _small_ring(agent, 4096)
+    with _open(agent) as j:
+        j.append(Note(text="a"))
+        j.append(Note(text="b"))
+        second = _chain(agent)[-1]
+        free = 4096 - (second.pos + HEADER.size + len(second.data))
+        # A third line differs from the second only by its text (same digits
+        # in seq and clock, same id length): size it to fill the ring exactly.
+        text = "x" * (free - HEADER.size - len(second.data) + 1)
+        j.append(Note(text=text))
+        chain = _chain(agent)
+        assert [e.pos for e in chain][0] == 0 and len(chain) == 3
+        assert chain[-1].pos + HEADER.size + len(chain[-1].data) == 4096  # not a byte to spare
+        assert j.checkpoints == 1  # the first append only: the full ring did not restart
+        before = agent.read(fmt.JOURNAL)
+    _power_loss(agent, keep=7)
+    HostStore.open(tmp_path / "state")  # the headers' reading stops at the ring's end, not past it
+    assert agent.read(fmt.JOURNAL) == before
+    assert len(_lines(agent)) == 3
+    with _open(agent) as j:
+        j.append(Note(text="after"))  # the checked chain was reset: this one starts a new pass
+        assert j.checkpoints == 1
+        after = agent.read(fmt.JOURNAL)
+    chain = _chain(agent)
+    assert [e.pos for e in chain] == [0] and chain[0].offset == len(before)
+    _power_loss(agent)
+    HostStore.open(tmp_path / "state")
+    assert agent.read(fmt.JOURNAL) == after
+
+
 def test_stale_records_of_an_earlier_pass_are_not_replayed(tmp_path: Path) -> None:
     store = HostStore.open(tmp_path / "state")
     agent = _agent(store)
