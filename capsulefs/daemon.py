@@ -71,6 +71,7 @@ FSNAME = "capsulefs"
 WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
+HOLDER_FILE = "holder.json"  # under WORK_DIR while someone holds LOCK_FILE: {"pid", "doing"}
 
 
 def work_dir(state_dir: str) -> str:
@@ -85,22 +86,45 @@ def runtime_path(state_dir: str) -> str:
 @contextmanager
 def holding_state(state_dir: str, *, doing: str) -> Iterator[None]:
     """Hold the state directory alone: one daemon for its whole life, or a
-    command that changes agents without one (offline ``rm``). A second daemon
-    on the same state would run every agent twice on this host. The flock
-    goes with the process, so a killed holder never blocks the next one."""
+    command that changes agents without one (offline ``rm``, ``move``,
+    ``peer-serve``). A second daemon on the same state would run every agent
+    twice on this host. The flock goes with the process, so a killed holder
+    never blocks the next one. While it holds, a note of who and what
+    (:data:`HOLDER_FILE`) lets a refused command name them."""
     os.makedirs(work_dir(state_dir), exist_ok=True)
     fd = os.open(os.path.join(work_dir(state_dir), LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    note = os.path.join(work_dir(state_dir), HOLDER_FILE)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            running = find_daemon(state_dir)
-            who = (f"a daemon (pid {running['pid']}, mounted on {running['mountpoint']})" if running
-                   else "another capsulefs daemon or command")
-            raise CapsuleError(f"{who} already holds {state_dir}: {doing} refused") from None
-        yield
+            raise CapsuleError(f"{_state_holder(state_dir, note)} already holds {state_dir}: {doing} refused") from None
+        atomic_write(note, json.dumps({"pid": os.getpid(), "doing": doing}).encode(), mode=0o600)
+        try:
+            yield
+        finally:
+            try:
+                os.unlink(note)  # (under the flock: nobody else wrote it meanwhile)
+            except OSError:
+                pass
     finally:
         os.close(fd)
+
+
+def _state_holder(state_dir: str, note: str) -> str:
+    """Who holds the state directory, as well as can be told: the daemon by
+    its runtime file, another command by its note (if its pid still runs)."""
+    running = find_daemon(state_dir)
+    if running:
+        return f"a daemon (pid {running['pid']}, mounted on {running['mountpoint']})"
+    try:
+        with open(note, "rb") as f:
+            info = json.loads(f.read(4096))
+        pid, what = int(info["pid"]), str(info["doing"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another capsulefs daemon or command"  # (just starting, or it left no note)
+    return f"capsulefs (pid {pid}, {what[:200]!r})"
 
 
 def find_daemon(state_dir: str) -> dict[str, object] | None:

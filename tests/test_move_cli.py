@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -145,7 +146,10 @@ def test_offline_move_commands_refuse_while_another_holds_the_state(tmp_path: Pa
             r = run_cli(*argv, state=a)
             assert r.returncode == 1, (argv, r.stdout, r.stderr)
             assert f"already holds {a}: {doing}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            # The refusal names who holds it and what they are doing.
+            assert f"capsulefs (pid {os.getpid()}, 'the test') already holds" in r.stderr, r.stderr
     assert (a / "holders" / f"{agent_id}.json").read_bytes() == before
+    assert not (a / "mount" / "holder.json").exists()  # the note goes with the hold
     # Once the state is free, the offline commands run again (here: refused for their own reasons).
     r = run_cli("move", "walker", "--abandon", "--why", "test", state=a)
     assert r.returncode == 1 and "no move in progress" in r.stderr
