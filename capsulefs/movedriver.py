@@ -436,8 +436,11 @@ class _Driver:
             c = queue.popleft()
             match c:
                 case mv.Freeze():
-                    await self.host.hooks.freeze(c.agent_id)
+                    # FROZEN is durable already: a freeze that fails (committing
+                    # the workspace on a full disk) rolls back like a failed
+                    # read, to HELD and a resumed agent.
                     try:
+                        await self.host.hooks.freeze(c.agent_id)
                         await trio.to_thread.run_sync(self._snapshot)
                     except (CapsuleError, OSError) as exc:  # roll back like any failure before commit
                         queue = deque([c2 for c2 in queue if isinstance(c2, mv.Persist)])

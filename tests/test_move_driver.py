@@ -40,10 +40,14 @@ class Hooks:
     name: str
     running: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
+    fail_freeze: OSError | None = None  # freeze stops the agent, then fails with this (once)
 
     async def freeze(self, agent_id: str) -> None:
         self.running.discard(agent_id)
         self.log.append("freeze")
+        if self.fail_freeze is not None:
+            exc, self.fail_freeze = self.fail_freeze, None
+            raise exc
 
     async def resume(self, agent_id: str) -> None:
         self.running.add(agent_id)
@@ -337,6 +341,21 @@ async def test_lost_abort_leaves_staging_until_the_target_expires_it(world: Worl
     await world.service_b.expire_idle(ttl=0)
     assert world.b.holders.get(world.agent_id).state is HolderState.REFUSED
     assert world.check() == "a"
+
+
+async def test_a_freeze_that_fails_rolls_the_move_back_and_resumes_the_agent(world: World) -> None:
+    # Committing the workspace at freeze fails (a full disk): FROZEN is already
+    # durable, so the move must roll back to HELD and resume the agent, not
+    # leave it refused by everything until an operator abandons it.
+    world.hooks_a.fail_freeze = OSError(errno.ENOSPC, "No space left on device")
+    result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK and "No space left on device" in result.reason
+    assert world.check() == "a"
+    rec = world.a.holders.get(world.agent_id)
+    assert rec.state is HolderState.HELD and rec.runnable
+    assert world.hooks_a.log == ["freeze", "resume"] and world.agent_id in world.hooks_a.running
+    assert (await world.move()).moved  # nothing left in the way
+    assert world.check() == "b"
 
 
 async def test_corrupted_chunk_rolls_back(world: World) -> None:
