@@ -99,7 +99,10 @@ def holding_state(state_dir: str, *, doing: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise CapsuleError(f"{_state_holder(state_dir, note)} already holds {state_dir}: {doing} refused") from None
-        atomic_write(note, json.dumps({"pid": os.getpid(), "doing": doing}).encode(), mode=0o600)
+        try:
+            atomic_write(note, json.dumps({"pid": os.getpid(), "doing": doing}).encode(), mode=0o600)
+        except OSError as exc:  # only a refusal's wording depends on it: a full disk must not stop us
+            log.warning("could not leave a note of who holds %s (%s)", state_dir, exc)
         try:
             yield
         finally:
@@ -121,9 +124,11 @@ def _state_holder(state_dir: str, note: str) -> str:
         with open(note, "rb") as f:
             info = json.loads(f.read(4096))
         pid, what = int(info["pid"]), str(info["doing"])
+        if pid <= 0:
+            raise ValueError(pid)
         os.kill(pid, 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another capsulefs daemon or command"  # (just starting, or it left no note)
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return "another capsulefs daemon or command"  # (just starting, or it left no note we can use)
     return f"capsulefs (pid {pid}, {what[:200]!r})"
 
 

@@ -153,3 +153,29 @@ def test_offline_move_commands_refuse_while_another_holds_the_state(tmp_path: Pa
     # Once the state is free, the offline commands run again (here: refused for their own reasons).
     r = run_cli("move", "walker", "--abandon", "--why", "test", state=a)
     assert r.returncode == 1 and "no move in progress" in r.stderr
+
+
+def test_the_holders_note_is_only_words(tmp_path: Path) -> None:
+    """The note beside the state lock only words a refusal: a hand-edited or
+    foreign note gives the generic words (no traceback), and a note that
+    cannot be written (here: its path is a directory; in life a full disk)
+    does not keep anyone from holding the state."""
+    from capsulefs.core.errors import CapsuleError
+    from capsulefs.daemon import HOLDER_FILE, holding_state, work_dir
+
+    state = str(tmp_path / "state")
+    note = os.path.join(work_dir(state), HOLDER_FILE)
+    with holding_state(state, doing="the test"):
+        for text in ('{"pid": 1e400, "doing": "x"}', '{"pid": 1099511627776, "doing": "x"}',
+                     '{"pid": 0, "doing": "x"}', '{"pid": -1, "doing": "x"}', "not json", '["a"]'):
+            with open(note, "w") as f:
+                f.write(text)
+            try:
+                with holding_state(state, doing="a second holder"):
+                    raise AssertionError("held twice")
+            except CapsuleError as exc:
+                assert str(exc).startswith("another capsulefs daemon or command already holds"), (text, exc)
+    os.makedirs(note)
+    with holding_state(state, doing="holding without a note"):
+        pass
+    assert os.path.isdir(note)
