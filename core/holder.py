@@ -43,7 +43,8 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,6 +52,13 @@ from typing import Any
 from .errors import CapsuleError, FormatError
 from .format import check_agent_id, check_host_id, load_json_object
 from .fsutil import atomic_write, makedirs_durable
+
+#: Seconds between two tries of a files lock held by someone else (see HolderBook.files_lock).
+LOCK_POLL = 0.01
+
+
+class FilesBusy(CapsuleError):
+    """An agent's files lock stayed taken longer than the caller would wait."""
 
 __all__ = [
     "HOLDER_FORMAT",
@@ -266,17 +274,34 @@ class HolderBook:
         return sorted(n[:-5] for n in os.listdir(self.directory) if n.endswith(".json") and not n.startswith("."))
 
     @contextmanager
-    def files_lock(self, agent_id: str, *, shared: bool) -> Iterator[None]:
+    def files_lock(self, agent_id: str, *, shared: bool, wait: float | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
         """Hold the agent's files lock (an flock on ``<agent_id>.lock``
         beside its record), across processes. A writer that changes the
         agent's files from outside the daemon (`capsulefs append`: journal,
         projections, manifest) holds it exclusively and checks the record
         under it; a move's snapshot holds it shared once FROZEN is durable.
         So an append is either whole in the snapshot, or sees FROZEN and is
-        refused: never half in, never left behind on the source."""
+        refused: never half in, never left behind on the source.
+
+        ``wait``: give up after that many seconds (Busy), for a holder that
+        must not hang behind a writer that stopped (a suspended append)."""
         fd = os.open(self._path(agent_id)[: -len(".json")] + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            if wait is None:
+                fcntl.flock(fd, mode)
+            else:
+                deadline = clock() + wait
+                while True:
+                    try:
+                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if clock() >= deadline:
+                            raise FilesBusy(f"agent {agent_id}: a writer outside the daemon (capsulefs append) has held "
+                                       f"its files for over {wait:.0f} s") from None
+                        time.sleep(LOCK_POLL)
             yield
         finally:
             os.close(fd)

@@ -800,3 +800,20 @@ async def test_an_append_from_outside_the_daemon_is_whole_in_the_move_or_refused
     assert world.check() == "b"  # the target's journal holds it, whole
     with pytest.raises(CapsuleError, match="no longer holds"):
         _refuse_unless_held(holders, agent_id, "mover")
+
+
+async def test_an_append_that_never_lets_go_rolls_the_move_back(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `capsulefs append` suspended (^Z) while it holds the agent's files
+    would hang the move in its snapshot: after FILES_WAIT the move rolls
+    back, says why, and the agent runs here again."""
+    import capsulefs.movedriver as movedriver
+
+    monkeypatch.setattr(movedriver, "FILES_WAIT", 0.3)
+    with world.a.holders.files_lock(world.agent_id, shared=False):
+        with trio.fail_after(10):
+            result = await world.move()
+    assert result.state is mv.SourceState.ROLLED_BACK
+    assert "a writer outside the daemon (capsulefs append) has held its files" in result.reason
+    assert world.check() == "a" and world.a.holders.get(world.agent_id).state is HolderState.HELD
+    assert world.hooks_a.log == ["freeze", "resume"] and world.hooks_b.log == []
+    assert (await world.move()).moved  # once it lets go
