@@ -4,9 +4,13 @@ Rules:
   * One mount per process: pyfuse3 keeps one session per process.
   * ``pyfuse3.main()`` runs as a task in the daemon's trio nursery, beside
     the signal watcher; every background task belongs to that nursery.
-  * SIGINT and SIGTERM end the FUSE loop and unmount cleanly. An unmount
-    from outside (``capsulefs umount``, ``fusermount3 -u``, ``umount``) ends
-    the loop too, and the daemon exits.
+  * SIGINT and SIGTERM stop the agents first, while the mount still serves
+    them (each stops at a step boundary and may journal it), then end the
+    FUSE loop and unmount; a second signal unmounts at once. ``capsulefs
+    umount`` asks the daemon so (SIGTERM to the pid the root's
+    ``user.capsulefs.pid`` names). An unmount from outside (``fusermount3
+    -u``, ``umount``) ends the loop too, and the daemon exits, but the
+    agents lose their mount before they stop.
   * After an internal error the daemon never unmounts by itself: the view
     goes read-only (``LiveHost.enter_failsafe``), the error is logged and
     shown in every agent's ``.control/status``. A mount that suddenly looks
@@ -71,6 +75,9 @@ FSNAME = "capsulefs"
 WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
+#: On the mount's root: the daemon's pid, so that `capsulefs umount` can ask
+#: it to stop (agents first, then the unmount) rather than pull the mount away.
+PID_XATTR = "user.capsulefs.pid"
 HOLDER_FILE = "holder.json"  # under WORK_DIR while someone holds LOCK_FILE: {"pid", "doing"}
 
 
@@ -208,7 +215,9 @@ class Daemon:
         self.services: list[Callable[..., Awaitable[None]]] = []
         #: Components that act on an agent's life (the agent supervisor):
         #: objects with async ``on_freeze``, ``on_resume``, ``on_retire``,
-        #: ``on_activate`` and ``on_remove(agent_id)``. ``on_freeze`` runs
+        #: ``on_activate`` and ``on_remove(agent_id)``, and optionally
+        #: ``on_shutdown()`` (run before the unmount, the mount still serving).
+        #: ``on_freeze`` runs
         #: before the mount refuses writes (so the agent's last work can be
         #: committed); the others run after the mount changed state
         #: (``on_remove``: once the agent is hidden, before its files go).
@@ -305,6 +314,7 @@ class Daemon:
         opts = mount_options(allow_other=self.allow_other, extra=self.options)
         log.info("mounting %s on %s", self.state_dir, self.mountpoint)
         pyfuse3.init(self.ops, self.mountpoint, opts)
+        self.ops.root_xattrs[PID_XATTR] = str(os.getpid()).encode()  # whom `capsulefs umount` asks to stop
         try:
             async with trio.open_nursery() as nursery:
                 self.ops.nursery = nursery  # background blob checks
@@ -345,13 +355,35 @@ class Daemon:
         cancel_scope.cancel()  # the mount is gone: stop the other services
 
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """SIGINT or SIGTERM: stop the agents while the mount still serves
+        them (each at a step boundary, within the supervisor's grace
+        period), then unmount. A second signal unmounts at once."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:
-                log.info("got %s: unmounting %s", signal.Signals(signum).name, self.mountpoint)
-                self._stopped_by_us = True
-                pyfuse3.terminate()
-                return
+                log.info("got %s: stopping the agents, then unmounting %s", signal.Signals(signum).name, self.mountpoint)
+                break
+            async with trio.open_nursery() as nursery:
+
+                async def cut_short() -> None:
+                    async for signum in signals:
+                        log.warning("got %s again: unmounting now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(cut_short)
+                await self._shut_down_listeners()
+                nursery.cancel_scope.cancel()
+            self._stopped_by_us = True
+            pyfuse3.terminate()
+
+    async def _shut_down_listeners(self) -> None:
+        for listener in self.listeners:
+            on_shutdown = getattr(listener, "on_shutdown", None)
+            if on_shutdown is not None:
+                try:
+                    await on_shutdown()
+                except Exception:  # unmount all the same: what is left stops with the services
+                    log.exception("stopping %r before unmounting failed", listener)
 
     def stop(self) -> None:
         """End serving and unmount (from the daemon's own trio loop)."""

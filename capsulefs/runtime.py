@@ -149,6 +149,11 @@ class AgentRuntime:
         self._paused.discard(agent_id)
         await self.supervisor.unwant(agent_id, sync=False)
 
+    async def on_shutdown(self) -> None:
+        """The daemon is about to unmount: stop every agent first, at a step
+        boundary, while the mount still serves it."""
+        await self.supervisor.stop_all()
+
     async def on_activate(self, agent_id: str) -> None:
         self._paused.discard(agent_id)
         self.reconcile()

@@ -35,6 +35,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -185,6 +186,7 @@ class Supervisor:
         }
         self._runners: dict[str, _Runner] = {}
         self._nursery: trio.Nursery | None = None
+        self._stopping = False  # stop_all began: no agent starts again
 
     # -- lifecycle -----------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -244,6 +246,8 @@ class Supervisor:
         """Run this agent (no-op if it already runs)."""
         if self._nursery is None:
             raise RuntimeError("supervisor is not serving")
+        if self._stopping:
+            return  # the daemon is shutting down
         r = self._runners.get(agent_id)
         if r is not None and not r.done.is_set():
             return
@@ -261,6 +265,16 @@ class Supervisor:
         await r.done.wait()
         if sync and os.path.isdir(self.sandbox(agent_id)):
             self.sync_workspace(agent_id)
+
+    async def stop_all(self) -> None:
+        """Stop every agent at a step boundary, all at once, and start none
+        again: the first half of the daemon's shutdown, while the mount still
+        serves the agents (an agent stopping may journal its last step).
+        Returns when every process has exited (each within the grace period)."""
+        self._stopping = True
+        async with trio.open_nursery() as nursery:
+            for agent_id in list(self._runners):
+                nursery.start_soon(partial(self.unwant, agent_id, sync=False))
 
     async def freeze(self, agent_id: str) -> None:
         await self.unwant(agent_id, sync=True)

@@ -130,6 +130,9 @@ class Operations(pyfuse3.Operations):
         #: The daemon's nursery, for background blob checks (None: check inline).
         self.nursery: trio.Nursery | None = None
         self._verifying: dict[str, trio.Event] = {}
+        #: Attributes of the mount's root that the daemon serves about itself
+        #: (``user.capsulefs.pid``: who to ask to stop, see ``capsulefs umount``).
+        self.root_xattrs: dict[str, bytes] = {}
         live.on_change = self._changed
 
     # -- helpers -------------------------------------------------------------
@@ -376,11 +379,16 @@ class Operations(pyfuse3.Operations):
     # -- extended attributes -------------------------------------------------------
     @fuse_op
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == pyfuse3.ROOT_INODE and _name(name) in self.root_xattrs:
+            return self.root_xattrs[_name(name)]
         return self.live.getxattr(self.inodes.node(inode), _name(name))
 
     @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return [os.fsencode(n) for n in sorted(self.live.xattrs(self.inodes.node(inode)))]
+        names = set(self.live.xattrs(self.inodes.node(inode)))
+        if inode == pyfuse3.ROOT_INODE:
+            names |= set(self.root_xattrs)
+        return [os.fsencode(n) for n in sorted(names)]
 
     @fuse_op
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:

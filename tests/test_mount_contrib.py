@@ -98,3 +98,21 @@ def test_systemd_mode_notifies_ready(store: HostStore, state_dir: Path, tmp_path
 def test_systemd_unit_is_type_notify() -> None:
     text = UNIT.read_text()
     assert "Type=notify" in text and "--systemd" in text and "ExecStart=" in text
+
+
+def test_umount_signals_only_a_process_of_the_mounts_owner(tmp_path, monkeypatch) -> None:
+    """The pid comes from whoever serves the mount: a process of another
+    uid than the mount's owner is never signalled (umount then unmounts
+    from outside), nor a pid that is not a number or not positive."""
+    from capsulefs.cli import mount_cmds
+
+    answers = {"value": str(os.getpid()).encode()}
+    monkeypatch.setattr(mount_cmds.os, "getxattr", lambda path, name: answers["value"])
+    monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid())
+    assert mount_cmds._daemon_pid(str(tmp_path)) == os.getpid()
+    monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid() + 4242)
+    assert mount_cmds._daemon_pid(str(tmp_path)) is None
+    monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid())
+    for bad in (b"0", b"-1", b"pid", b""):
+        answers["value"] = bad
+        assert mount_cmds._daemon_pid(str(tmp_path)) is None, bad

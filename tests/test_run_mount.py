@@ -83,3 +83,50 @@ def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
         for f in tmp_path.rglob("*"):  # the store, the daemon's log, the sandbox
             if f.is_file() and f.name != "secrets.json":
                 assert b"stub-key" not in f.read_bytes(), f
+
+
+# An agent that, asked to stop, journals that it stopped (through its mount)
+# and exits 0: what a step boundary looks like from the outside.
+_STOPPING_AGENT = """
+import json, os, signal, sys, time
+journal = os.path.join(os.environ["CAPSULE_DIR"], "memory", "timeline_events.jsonl")
+def stop(signum, frame):
+    with open(journal, "a") as f:
+        f.write(json.dumps({"kind": "note", "text": "stopped at a step boundary"}) + "\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+with open(journal, "a") as f:
+    f.write(json.dumps({"kind": "note", "text": "started"}) + "\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("how", ["capsulefs umount", "SIGTERM to the daemon"])
+def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_path: Path, how: str) -> None:
+    """Unmounting stops the agents while the mount still serves them, then
+    unmounts: an agent's last step (here a note) reaches its journal. Before,
+    the mount went first and the agent, cut off, lost its last step."""
+    state = tmp_path / "state"
+    script = tmp_path / "stopping_agent.py"
+    script.write_text(_STOPPING_AGENT)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"version": 1, "entrypoint": [os.sys.executable, str(script)]}))
+    capsulefs("--state", str(state), "new", "quitter", "--spec", str(spec))
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt) as daemon:
+        agent = mnt / "quitter"
+        wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
+        pid = json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+        assert int(os.getxattr(mnt, "user.capsulefs.pid")) == daemon.pid  # whom umount asks
+        if how == "capsulefs umount":
+            capsulefs("umount", str(mnt))
+        else:
+            daemon.terminate()
+        assert daemon.wait(timeout=30) == 0
+        assert not os.path.ismount(mnt)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    journal = next(state.rglob("timeline_events.jsonl")).read_bytes()
+    texts = [getattr(Record.from_line(line).event, "text", "") for line in journal.splitlines()]
+    assert texts[-1] == "stopped at a step boundary", texts

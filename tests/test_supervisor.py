@@ -166,6 +166,27 @@ async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStor
         nursery.cancel_scope.cancel()
 
 
+async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore, tmp_path: Path) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE])
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
+        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
+        pid = sup.status(agent.agent_id).pid
+        with trio.fail_after(4):  # SIGTERM suffices: well within the grace period
+            await sup.stop_all()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert sup.status(agent.agent_id).state is RunState.STOPPED
+        sup.want(agent.agent_id)  # the runtime's reconcile loop, during the shutdown
+        await trio.sleep(0.3)
+        assert sup.status(agent.agent_id).state is RunState.STOPPED and sup.status(agent.agent_id).pid is None
+        nursery.cancel_scope.cancel()
+
+
 @pytest.fixture
 def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)

@@ -13,8 +13,10 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from capsulefs.cli.common import state_dir
@@ -25,6 +27,11 @@ log = logging.getLogger(__name__)
 FUSE_OPTIONS = frozenset({"allow_other"})
 #: How long ``umount`` waits for the daemon to let go of the mount point.
 UMOUNT_WAIT = 10.0
+#: Seconds `capsulefs umount` gives the daemon it asked to stop (its agents'
+#: grace period, and a margin) before it unmounts from outside.
+STOP_WAIT = 30.0
+#: Seconds it waits for the mount to name its daemon.
+ASK_WAIT = 2.0
 
 
 def fuse_mounts() -> dict[str, str]:
@@ -151,6 +158,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if mounts[mnt] != "fuse.capsulefs" and not args.force:
         print(f"capsulefs: error: {args.mountpoint} is a {mounts[mnt]} mount, not capsulefs (use --force)", file=sys.stderr)
         return 1
+    if mounts[mnt] == "fuse.capsulefs":
+        # Ask the daemon to stop: it stops the agents while they still have
+        # their mount, then unmounts. Pulling the mount away first would cut
+        # an agent off in the middle of its step.
+        pid = _daemon_pid(mnt)
+        if pid is not None and _ask_to_stop(pid, mnt):
+            return 0
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if os.geteuid() == 0 or fusermount is None:
         argv = ["umount", mnt]
@@ -164,6 +178,64 @@ def cmd_umount(args: argparse.Namespace) -> int:
     while mnt in fuse_mounts() and time.monotonic() < deadline:
         time.sleep(0.05)
     return 0
+
+
+def _mount_owner(mnt: str) -> int | None:
+    """The uid a FUSE mount belongs to (its ``user_id`` option), or None."""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4 and parts[1].replace("\\040", " ") == mnt:
+                for opt in parts[3].split(","):
+                    if opt.startswith("user_id="):
+                        return int(opt[len("user_id="):])
+    return None
+
+
+def _daemon_pid(mnt: str) -> int | None:
+    """The daemon's pid as the mount's root names it (``user.capsulefs.pid``),
+    or None. The answer comes from whoever serves the mount, so it is
+    trusted only for a process of the mount's owner: nobody can have
+    another user's process signalled. Asked in a thread given
+    ``ASK_WAIT``: a hung daemon must not hang the unmount."""
+    from capsulefs.daemon import PID_XATTR
+
+    answer: list[bytes] = []
+
+    def ask() -> None:
+        try:
+            answer.append(os.getxattr(mnt, PID_XATTR))
+        except OSError:
+            pass
+
+    asker = threading.Thread(target=ask, name="ask-daemon-pid", daemon=True)
+    asker.start()
+    asker.join(ASK_WAIT)
+    try:
+        pid = int(answer[0]) if answer else 0
+        owner = _mount_owner(mnt)
+        if pid <= 0 or owner is None or os.stat(f"/proc/{pid}").st_uid != owner:
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def _ask_to_stop(pid: int, mnt: str) -> bool:
+    """SIGTERM the daemon and wait for its mount to go; False (after saying
+    why) if it could not be asked or did not finish within ``STOP_WAIT``."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return False
+    deadline = time.monotonic() + STOP_WAIT
+    while mnt in fuse_mounts():
+        if time.monotonic() >= deadline:
+            print(f"capsulefs: the daemon (pid {pid}) did not unmount {mnt} within {STOP_WAIT:.0f} s; "
+                  f"unmounting it from outside", file=sys.stderr)
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def register(sub: argparse._SubParsersAction) -> None:
