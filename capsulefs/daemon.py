@@ -75,9 +75,15 @@ FSNAME = "capsulefs"
 WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
-#: On the mount's root: the daemon's pid, so that `capsulefs umount` can ask
-#: it to stop (agents first, then the unmount) rather than pull the mount away.
+#: On the mount's root: "PID PIDNS" (the daemon's pid, and the inode of the
+#: pid namespace it counts in), so that `capsulefs umount` can ask it to stop
+#: (agents first, then the unmount) rather than pull the mount away.
 PID_XATTR = "user.capsulefs.pid"
+
+
+def pid_note() -> str:
+    """This process as ``PID_XATTR`` names it."""
+    return f"{os.getpid()} {os.stat('/proc/self/ns/pid').st_ino}"
 HOLDER_FILE = "holder.json"  # under WORK_DIR while someone holds LOCK_FILE: {"pid", "doing"}
 
 
@@ -314,7 +320,7 @@ class Daemon:
         opts = mount_options(allow_other=self.allow_other, extra=self.options)
         log.info("mounting %s on %s", self.state_dir, self.mountpoint)
         pyfuse3.init(self.ops, self.mountpoint, opts)
-        self.ops.root_xattrs[PID_XATTR] = str(os.getpid()).encode()  # whom `capsulefs umount` asks to stop
+        self.ops.root_xattrs[PID_XATTR] = pid_note().encode()  # whom `capsulefs umount` asks to stop
         try:
             async with trio.open_nursery() as nursery:
                 self.ops.nursery = nursery  # background blob checks
@@ -375,8 +381,12 @@ class Daemon:
                 nursery.cancel_scope.cancel()
             self._stopped_by_us = True
             pyfuse3.terminate()
+            async for signum in signals:  # keep them from killing us mid-unmount
+                log.warning("got %s: already unmounting", signal.Signals(signum).name)
 
     async def _shut_down_listeners(self) -> None:
+        """Each listener's ``on_shutdown`` (cancelled, by a second signal:
+        it must then stop at once, e.g. kill rather than wait)."""
         for listener in self.listeners:
             on_shutdown = getattr(listener, "on_shutdown", None)
             if on_shutdown is not None:

@@ -151,8 +151,15 @@ class AgentRuntime:
 
     async def on_shutdown(self) -> None:
         """The daemon is about to unmount: stop every agent first, at a step
-        boundary, while the mount still serves it."""
-        await self.supervisor.stop_all()
+        boundary, while the mount still serves it. Cut short (a second
+        signal): kill them, so that nothing waits on the mount any more."""
+        stopped = False
+        try:
+            await self.supervisor.stop_all()
+            stopped = True
+        finally:  # (a cancel arrives wrapped in stop_all's nursery's exception group)
+            if not stopped:
+                self.supervisor.kill_all()
 
     async def on_activate(self, agent_id: str) -> None:
         self._paused.discard(agent_id)

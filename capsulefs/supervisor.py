@@ -169,7 +169,9 @@ class RunStatus:
 class _Runner:
     agent_id: str
     status: RunStatus = field(default_factory=RunStatus)
-    cancel: trio.CancelScope | None = None
+    # Made with the runner, entered by its task: a stop that comes before the
+    # task has run at all still takes effect (trio keeps the cancel).
+    cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
     process: Child | None = None
     done: trio.Event = field(default_factory=trio.Event)
 
@@ -260,8 +262,7 @@ class Supervisor:
         r = self._runners.get(agent_id)
         if r is None:
             return
-        if r.cancel is not None:
-            r.cancel.cancel()
+        r.cancel.cancel()
         await r.done.wait()
         if sync and os.path.isdir(self.sandbox(agent_id)):
             self.sync_workspace(agent_id)
@@ -275,6 +276,14 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             for agent_id in list(self._runners):
                 nursery.start_soon(partial(self.unwant, agent_id, sync=False))
+
+    def kill_all(self) -> None:
+        """SIGKILL every agent's process group now: a second stop signal
+        does not wait for step boundaries."""
+        self._stopping = True
+        for r in list(self._runners.values()):
+            if r.process is not None and r.process.returncode is None:
+                _signal_group(r.process.pid, signal.SIGKILL)
 
     async def freeze(self, agent_id: str) -> None:
         await self.unwant(agent_id, sync=True)
@@ -293,9 +302,8 @@ class Supervisor:
     async def _run(self, r: _Runner) -> None:
         backoff = BACKOFF_FIRST
         try:
-            with trio.CancelScope() as scope:
-                r.cancel = scope
-                while True:
+            with r.cancel:
+                while not self._stopping:
                     try:
                         argv, env, cwd = self._prepare(r)
                     except CapsuleError as exc:

@@ -100,19 +100,32 @@ def test_systemd_unit_is_type_notify() -> None:
     assert "Type=notify" in text and "--systemd" in text and "ExecStart=" in text
 
 
-def test_umount_signals_only_a_process_of_the_mounts_owner(tmp_path, monkeypatch) -> None:
+def test_umount_signals_only_a_process_of_the_mounts_owner_in_our_pid_namespace(tmp_path, monkeypatch) -> None:
     """The pid comes from whoever serves the mount: a process of another
     uid than the mount's owner is never signalled (umount then unmounts
-    from outside), nor a pid that is not a number or not positive."""
+    from outside), nor one counted in another pid namespace (a daemon in a
+    container), nor a pid that is not a positive number."""
     from capsulefs.cli import mount_cmds
 
-    answers = {"value": str(os.getpid()).encode()}
-    monkeypatch.setattr(mount_cmds.os, "getxattr", lambda path, name: answers["value"])
+    ns = os.stat("/proc/self/ns/pid").st_ino
+
+    def answer(text: str) -> None:  # what the mount's root says, through the child that asks
+        monkeypatch.setattr(mount_cmds, "_ASK", f"import sys; sys.stdout.write({text!r})")
+
+    answer(f"{os.getpid()} {ns}")
     monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid())
-    assert mount_cmds._daemon_pid(str(tmp_path)) == os.getpid()
+    pidfd = mount_cmds._daemon_pid(str(tmp_path))
+    assert pidfd is not None
+    os.close(pidfd)
     monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid() + 4242)
     assert mount_cmds._daemon_pid(str(tmp_path)) is None
     monkeypatch.setattr(mount_cmds, "_mount_owner", lambda mnt: os.getuid())
-    for bad in (b"0", b"-1", b"pid", b""):
-        answers["value"] = bad
+    for bad in (f"1 {ns + 1}", f"0 {ns}", f"-1 {ns}", f"{os.getpid()}", "pid ns", "", f"999999999 {ns}"):
+        answer(bad)
         assert mount_cmds._daemon_pid(str(tmp_path)) is None, bad
+    # A mount that never answers: the child that asks is killed, nothing hangs.
+    monkeypatch.setattr(mount_cmds, "_ASK", "import time; time.sleep(60)")
+    monkeypatch.setattr(mount_cmds, "ASK_WAIT", 0.5)
+    t0 = time.monotonic()
+    assert mount_cmds._daemon_pid(str(tmp_path)) is None
+    assert time.monotonic() - t0 < 10

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,8 @@ def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_
         agent = mnt / "quitter"
         wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
         pid = json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
-        assert int(os.getxattr(mnt, "user.capsulefs.pid")) == daemon.pid  # whom umount asks
+        pid_note = os.getxattr(mnt, "user.capsulefs.pid").split()  # whom umount asks
+        assert [int(x) for x in pid_note] == [daemon.pid, os.stat("/proc/self/ns/pid").st_ino]
         if how == "capsulefs umount":
             capsulefs("umount", str(mnt))
         else:
@@ -130,3 +132,32 @@ def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_
     journal = next(state.rglob("timeline_events.jsonl")).read_bytes()
     texts = [getattr(Record.from_line(line).event, "text", "") for line in journal.splitlines()]
     assert texts[-1] == "stopped at a step boundary", texts
+
+
+def test_a_second_signal_does_not_wait_for_a_stubborn_agent(tmp_path: Path) -> None:
+    """An agent that ignores SIGTERM holds the first, graceful stop for the
+    whole grace period (5 s); a second signal kills it and unmounts now."""
+    state = tmp_path / "state"
+    script = tmp_path / "stubborn_agent.py"
+    script.write_text(_STOPPING_AGENT.replace("signal.signal(signal.SIGTERM, stop)",
+                                              "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"version": 1, "entrypoint": [os.sys.executable, str(script)]}))
+    capsulefs("--state", str(state), "new", "mule", "--spec", str(spec))
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt) as daemon:
+        agent = mnt / "mule"
+        wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
+        pid = json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+        daemon.terminate()
+        wait_until(lambda: "stopping the agents" in (state.parent / "daemon-mnt.log").read_text(), "the first signal")
+        time.sleep(0.3)
+        assert os.path.ismount(mnt)  # still serving: waiting for the agent
+        t0 = time.monotonic()
+        daemon.terminate()
+        assert daemon.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 3.5  # not the 5 s grace period
+        assert not os.path.ismount(mnt)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "unmounting now" in (state.parent / "daemon-mnt.log").read_text()

@@ -187,6 +187,26 @@ async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore
         nursery.cancel_scope.cancel()
 
 
+async def test_an_agent_wanted_just_before_stop_all_never_starts(store: HostStore, tmp_path: Path) -> None:
+    # The runtime's reconcile may want an agent in the same step as the stop
+    # signal: its runner exists, its task has not run yet. stop_all must not
+    # wait on it, and it must not start the process after all.
+    # (trio shuffles each batch of runnable tasks: which of the runner and
+    # the stop runs first varies, so try it many times.)
+    spec = default_spec([sys.executable, "-c", PROBE])
+    agent = _agent_with_spec(store, spec)
+    for _ in range(24):
+        sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.serve)
+            sup.want(agent.agent_id)
+            with trio.fail_after(4):
+                await sup.stop_all()
+            assert sup.status(agent.agent_id).pid is None
+            nursery.cancel_scope.cancel()
+    assert not (Path(sup.sandbox(agent.agent_id)) / "probe.json").exists()  # no run ever got that far
+
+
 @pytest.fixture
 def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)

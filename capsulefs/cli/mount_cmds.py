@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from capsulefs.cli.common import state_dir
@@ -30,8 +29,8 @@ UMOUNT_WAIT = 10.0
 #: Seconds `capsulefs umount` gives the daemon it asked to stop (its agents'
 #: grace period, and a margin) before it unmounts from outside.
 STOP_WAIT = 30.0
-#: Seconds it waits for the mount to name its daemon.
-ASK_WAIT = 2.0
+#: Seconds it waits for the mount to name its daemon (a child process asks).
+ASK_WAIT = 3.0
 
 
 def fuse_mounts() -> dict[str, str]:
@@ -162,8 +161,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
         # Ask the daemon to stop: it stops the agents while they still have
         # their mount, then unmounts. Pulling the mount away first would cut
         # an agent off in the middle of its step.
-        pid = _daemon_pid(mnt)
-        if pid is not None and _ask_to_stop(pid, mnt):
+        pidfd = _daemon_pid(mnt)
+        if pidfd is not None and _ask_to_stop(pidfd, mnt):
             return 0
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if os.geteuid() == 0 or fusermount is None:
@@ -181,57 +180,64 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _mount_owner(mnt: str) -> int | None:
-    """The uid a FUSE mount belongs to (its ``user_id`` option), or None."""
+    """The uid the FUSE mount on ``mnt`` belongs to (its ``user_id``
+    option), or None. The last line for the path: the mount on top."""
+    owner = None
     with open("/proc/self/mounts") as f:
         for line in f:
             parts = line.split()
             if len(parts) >= 4 and parts[1].replace("\\040", " ") == mnt:
-                for opt in parts[3].split(","):
-                    if opt.startswith("user_id="):
-                        return int(opt[len("user_id="):])
-    return None
+                opts = [o for o in parts[3].split(",") if o.startswith("user_id=")]
+                owner = int(opts[0][len("user_id="):]) if opts else None
+    return owner
+
+
+#: Reads the root's PID_XATTR in a child process: one that hangs on a stuck
+#: daemon is killed, where a thread would keep the mount busy (and the
+#: fallback unmount with it).
+_ASK = "import os, sys; sys.stdout.write(os.getxattr(sys.argv[1], sys.argv[2]).decode())"
 
 
 def _daemon_pid(mnt: str) -> int | None:
-    """The daemon's pid as the mount's root names it (``user.capsulefs.pid``),
+    """A pidfd of the daemon as the mount's root names it (``PID_XATTR``),
     or None. The answer comes from whoever serves the mount, so it is
-    trusted only for a process of the mount's owner: nobody can have
-    another user's process signalled. Asked in a thread given
-    ``ASK_WAIT``: a hung daemon must not hang the unmount."""
+    trusted only for a process of our pid namespace that belongs to the
+    mount's owner: nobody can have another user's process signalled. The
+    pidfd keeps the answer from naming a reused pid by the time we signal."""
     from capsulefs.daemon import PID_XATTR
 
-    answer: list[bytes] = []
-
-    def ask() -> None:
-        try:
-            answer.append(os.getxattr(mnt, PID_XATTR))
-        except OSError:
-            pass
-
-    asker = threading.Thread(target=ask, name="ask-daemon-pid", daemon=True)
-    asker.start()
-    asker.join(ASK_WAIT)
     try:
-        pid = int(answer[0]) if answer else 0
+        asked = subprocess.run([sys.executable, "-I", "-S", "-c", _ASK, mnt, PID_XATTR],
+                               capture_output=True, text=True, timeout=ASK_WAIT)
+        pid, ns = (int(x) for x in asked.stdout.split())
         owner = _mount_owner(mnt)
-        if pid <= 0 or owner is None or os.stat(f"/proc/{pid}").st_uid != owner:
+        if asked.returncode != 0 or pid <= 0 or owner is None or ns != os.stat("/proc/self/ns/pid").st_ino:
             return None
-    except (OSError, ValueError, IndexError):
+        pidfd = os.pidfd_open(pid)
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
-    return pid
+    try:
+        if os.stat(f"/proc/{pid}").st_uid == owner:
+            return pidfd
+    except OSError:
+        pass
+    os.close(pidfd)
+    return None
 
 
-def _ask_to_stop(pid: int, mnt: str) -> bool:
+def _ask_to_stop(pidfd: int, mnt: str) -> bool:
     """SIGTERM the daemon and wait for its mount to go; False (after saying
     why) if it could not be asked or did not finish within ``STOP_WAIT``."""
     try:
-        os.kill(pid, signal.SIGTERM)
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
     except OSError:
         return False
+    finally:
+        os.close(pidfd)
     deadline = time.monotonic() + STOP_WAIT
     while mnt in fuse_mounts():
         if time.monotonic() >= deadline:
-            print(f"capsulefs: the daemon (pid {pid}) did not unmount {mnt} within {STOP_WAIT:.0f} s; "
+            print(f"capsulefs: the daemon did not unmount {mnt} within {STOP_WAIT:.0f} s; "
                   f"unmounting it from outside", file=sys.stderr)
             return False
         time.sleep(0.05)
