@@ -17,6 +17,7 @@ from mount_kit import CAPSULEFS, MOUNT_POLLS, capsulefs, force_unmount, needs_fu
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "contrib" / "mount.fuse.capsulefs"
+UMOUNT_HELPER = REPO / "contrib" / "umount.fuse.capsulefs"
 UNIT = REPO / "contrib" / "systemd" / "capsulefs.service"
 
 
@@ -54,6 +55,39 @@ def test_mount_helper_mounts_in_the_background(store: HostStore, state_dir: Path
             time.sleep(0.025)
         assert not _daemon_pids(mnt)
         assert (state_dir / "mount" / "daemon.log").exists()
+    finally:
+        force_unmount(mnt)
+        for pid in _daemon_pids(mnt):
+            os.kill(pid, 9)
+
+
+@pytest.mark.fuse
+@needs_fuse
+@pytest.mark.parametrize("flags", [[], ["-l"]])
+def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_dir: Path, tmp_path: Path,
+                                                     flags: list[str]) -> None:
+    """umount(8) runs the helper as umount.fuse.capsulefs MNT [-flnrv] [-t TYPE]:
+    without -l/-f it goes through `capsulefs umount` (the daemon stops its
+    agents, then unmounts, and says so in its log); with -l it unmounts
+    from outside at once."""
+    make_agent(store, "alice")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, CAPSULEFS=CAPSULEFS)
+    try:
+        subprocess.run([str(HELPER), str(state_dir), str(mnt)], check=True, env=env, timeout=120)
+        assert os.path.ismount(mnt)
+        proc = subprocess.run([str(UMOUNT_HELPER), str(mnt), *flags, "-n", "-t", "fuse.capsulefs"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert not os.path.ismount(mnt)
+        for _ in range(MOUNT_POLLS):
+            if not _daemon_pids(mnt):
+                break
+            time.sleep(0.025)
+        assert not _daemon_pids(mnt)
+        log = (state_dir / "mount" / "daemon.log").read_text()
+        assert ("got SIGTERM: stopping the agents" in log) == (flags == [])
     finally:
         force_unmount(mnt)
         for pid in _daemon_pids(mnt):

@@ -166,7 +166,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
             return 0
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if os.geteuid() == 0 or fusermount is None:
-        argv = ["umount", mnt]
+        argv = ["umount", "-i", mnt]  # -i: not contrib/umount.fuse.capsulefs, which called us
     else:
         argv = [fusermount, "-u", mnt]
     proc = subprocess.run(argv, capture_output=True, text=True)
