@@ -64,7 +64,7 @@ BATCH_ITEMS = 256  # pieces per blobs call
 BATCH_BYTES = 64 << 20  # about this many bytes per blobs call
 #: Seconds the snapshot waits for a `capsulefs append` to let go of the agent's
 #: files (one suspended with ^Z would otherwise hang the move): then it rolls back.
-FILES_WAIT = 30.0
+FILES_WAIT = archive.FILES_WAIT
 
 
 @dataclass
@@ -377,10 +377,10 @@ class _Driver:
     def _snapshot(self) -> None:
         agent = self.host.store.agent(self.m.agent_id)
         # FROZEN is durable by now: a `capsulefs append` still running
-        # finishes first (journal, projections, manifest), later ones are refused.
-        with self.host.holders.files_lock(self.m.agent_id, shared=True, wait=FILES_WAIT):
-            files = archive.snapshot_files(agent)
-            self.manifest = archive.frozen_manifest(agent, files)
+        # finishes first (journal, projections, manifest; snapshot_files
+        # waits for the agent's files lock), later ones are refused.
+        files = archive.snapshot_files(agent, wait=FILES_WAIT)
+        self.manifest = archive.frozen_manifest(agent, files)
         self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
         self.blob_sizes = self.manifest.blobs()
 

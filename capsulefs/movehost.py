@@ -21,7 +21,7 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
+from capsulefs.core.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
 from capsulefs.core.store import HostStore
 from capsulefs.identity import Identity, load_or_create_identity
 from capsulefs.peers import PeerBook
@@ -31,7 +31,7 @@ __all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir
 
 
 def holders_dir(state_dir: str | os.PathLike[str]) -> str:
-    return os.path.join(os.fspath(state_dir), "holders")
+    return os.path.join(os.fspath(state_dir), HOLDERS_DIR)
 
 
 def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: int = 1) -> HolderRecord:

@@ -24,10 +24,16 @@ from . import format as fmt
 from .capsule import Problem, check, scan_dir
 from .errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from .fsutil import atomic_write, fsync_dir
+from .holder import HOLDERS_DIR, HolderBook
 from .signing import sign_manifest
 from .journal_recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from .store import STORE_FILE, AgentHandle, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
+
+#: Seconds a reader of an agent's files (export, a move) waits for a
+#: `capsulefs append` to let go of them: one suspended with ^Z would
+#: otherwise hang it. Then FilesBusy.
+FILES_WAIT = 30.0
 
 
 def verify_capsule(path: str, *, pubkey: bytes | None = None) -> tuple[fmt.Manifest | None, list[Problem]]:
@@ -84,10 +90,19 @@ class _VerifiedBlob(io.RawIOBase):
         super().close()
 
 
-def snapshot_files(agent: AgentHandle) -> dict[str, bytes]:
+def snapshot_files(agent: AgentHandle, *, wait: float = FILES_WAIT) -> dict[str, bytes]:
     """Read every non-blob file of an agent once, the journal up to its last
     whole line (after replaying its write-ahead ring, if a crash left the
-    journal file behind it)."""
+    journal file behind it), under the agent's files lock (shared): a
+    `capsulefs append` from another process is in it whole, journal and
+    projections, or not at all. Waits at most ``wait`` seconds for one
+    (FilesBusy)."""
+    holders = HolderBook(os.path.join(agent.store.root, HOLDERS_DIR))
+    with holders.files_lock(agent.agent_id, shared=True, wait=wait):
+        return _read_files(agent)
+
+
+def _read_files(agent: AgentHandle) -> dict[str, bytes]:
     agent.recover_journal()
     files: dict[str, bytes] = {}
     for rel in agent.local_files():

@@ -58,3 +58,8 @@ class SignatureError(CapsuleError):
 
 class ImportRefused(CapsuleError):
     """An archive was refused before anything of it landed."""
+
+
+class FilesBusy(CapsuleError):
+    """An agent's files lock stayed taken (by a `capsulefs append` from
+    another process) longer than the caller would wait."""

@@ -49,16 +49,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import CapsuleError, FormatError
+from .errors import CapsuleError, FilesBusy, FormatError
 from .format import check_agent_id, check_host_id, load_json_object
 from .fsutil import atomic_write, makedirs_durable
 
+#: Under a host's state directory: one holder record per agent (and its files lock).
+HOLDERS_DIR = "holders"
 #: Seconds between two tries of a files lock held by someone else (see HolderBook.files_lock).
 LOCK_POLL = 0.01
-
-
-class FilesBusy(CapsuleError):
-    """An agent's files lock stayed taken longer than the caller would wait."""
 
 __all__ = [
     "HOLDER_FORMAT",

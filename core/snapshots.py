@@ -37,6 +37,11 @@ from .store import AgentHandle
 SUBDIR = "snapshots"
 
 
+#: Seconds a snapshot made through the mount (mkdir, on the daemon's loop)
+#: waits for a `capsulefs append` to finish with the agent's files.
+FILES_WAIT = 2.0
+
+
 class Snapshots:
     def __init__(self, root: str) -> None:
         self.root = root
@@ -69,14 +74,16 @@ class Snapshots:
         except FormatError:
             return False
 
-    def create(self, agent: AgentHandle, name: str) -> fmt.Manifest:
+    def create(self, agent: AgentHandle, name: str, *, wait: float = FILES_WAIT) -> fmt.Manifest:
+        """Make snapshot ``name``: the agent's files as one `capsulefs append` from
+        another process leaves them, before or after it (FilesBusy after ``wait``)."""
         dest = self.dir(agent.agent_id, name)
         if os.path.exists(dest):
             raise ExistsError(f"snapshot {name!r} of agent {agent.agent_id} already exists")
         parent = self._agent_dir(agent.agent_id)
         makedirs_durable(parent, 0o755)
         with agent.store.writing():  # gc must not take a blob the snapshot is about to list
-            files = snapshot_files(agent)
+            files = snapshot_files(agent, wait=wait)
             manifest = frozen_manifest(agent, files)
             tmp = os.path.join(parent, TMP_PREFIX + secrets.token_hex(8))
             os.mkdir(tmp, 0o755)

@@ -27,6 +27,7 @@ import pyfuse3
 from capsulefs.core.errors import (
     CapsuleError,
     ExistsError,
+    FilesBusy,
     FormatError,
     IntegrityError,
     NotFoundError,
@@ -68,6 +69,7 @@ ERRNO: dict[type[CapsuleError], int] = {
     NoAttribute: errno.ENODATA,
     IsADirectory: errno.EISDIR,
     NotADirectory: errno.ENOTDIR,
+    FilesBusy: errno.EBUSY,  # a snapshot while a `capsulefs append` holds the agent's files
     # How a move asked for through .control/move ended (docs/move.md):
     MoveBusy: errno.EBUSY,
     PeerUnreachable: errno.EHOSTUNREACH,

@@ -199,3 +199,47 @@ def test_torn_tail_of_a_store_agent_goes_outside_the_capsule(cli, store: HostSto
     assert [json.loads(x)["text"] for x in lines] == ["before", "after"]
     cli("export", "ada", "-o", str(tmp_path / "ada.tar"), check=True)
     assert verify_capsule(str(tmp_path / "ada.tar"))[1] == []
+
+
+def test_a_snapshot_or_export_sees_an_append_whole_or_not_at_all(cli, store: HostStore, state_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """An append from another process writes the journal, then the
+    projections and the manifest. A reader of the agent (a snapshot through
+    the mount, an export, a merge, a move) takes the agent's files lock
+    shared: it waits for the append, and sees its journal line together with
+    the working memory it set. A reader that cannot wait says FilesBusy."""
+    import threading
+
+    from capsulefs.cli import journal_cmds
+    from capsulefs.core.archive import snapshot_files
+    from capsulefs.core.errors import FilesBusy
+    from capsulefs.core.snapshots import Snapshots
+
+    cli("new", "ada", check=True)
+    journal_written, go_on = threading.Event(), threading.Event()
+    project = journal_cmds._project
+
+    def slow_project(*args):  # type: ignore[no-untyped-def]
+        journal_written.set()  # the event is in the journal, the projections not yet
+        assert go_on.wait(10)
+        return project(*args)
+
+    monkeypatch.setattr(journal_cmds, "_project", slow_project)
+    appender = threading.Thread(target=main, args=(["--state", str(state_dir), "append", "ada", "--kind", "memory_edit",
+                                                    "--text", "remember the milk", "-q"],))
+    appender.start()
+    try:
+        assert journal_written.wait(10)
+        agent = store.find("ada")
+        with pytest.raises(FilesBusy, match="has held its files"):
+            Snapshots(str(state_dir / "snaps")).create(agent, "now", wait=0.2)
+        seen: list[dict[str, bytes]] = []
+        reader = threading.Thread(target=lambda: seen.append(snapshot_files(agent, wait=10)))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and seen == []  # waiting for the append
+    finally:
+        go_on.set()
+        appender.join(10)
+    reader.join(10)
+    assert b"remember the milk" in seen[0][fmt.JOURNAL] and seen[0][fmt.WORKING_MEMORY] == b"remember the milk"
