@@ -303,6 +303,9 @@ class Supervisor:
         backoff = BACKOFF_FIRST
         try:
             with r.cancel:
+                # A stop that came before this task ran: nothing below starts
+                # the agent without passing a checkpoint first.
+                await trio.lowlevel.checkpoint()
                 while not self._stopping:
                     try:
                         argv, env, cwd = self._prepare(r)

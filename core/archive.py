@@ -24,7 +24,7 @@ from . import format as fmt
 from .capsule import Problem, check, scan_dir
 from .errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from .fsutil import atomic_write, fsync_dir
-from .holder import HOLDERS_DIR, HolderBook
+from .holder import HOLDERS_DIR, agent_files_lock
 from .signing import sign_manifest
 from .journal_recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from .store import STORE_FILE, AgentHandle, HostStore
@@ -97,8 +97,7 @@ def snapshot_files(agent: AgentHandle, *, wait: float = FILES_WAIT) -> dict[str,
     `capsulefs append` from another process is in it whole, journal and
     projections, or not at all. Waits at most ``wait`` seconds for one
     (FilesBusy)."""
-    holders = HolderBook(os.path.join(agent.store.root, HOLDERS_DIR))
-    with holders.files_lock(agent.agent_id, shared=True, wait=wait):
+    with agent_files_lock(os.path.join(agent.store.root, HOLDERS_DIR), agent.agent_id, shared=True, wait=wait):
         return _read_files(agent)
 
 

@@ -39,19 +39,23 @@ States, by role:
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import CapsuleError, FilesBusy, FormatError
 from .format import check_agent_id, check_host_id, load_json_object
 from .fsutil import atomic_write, makedirs_durable
+
+log = logging.getLogger(__name__)
 
 #: Under a host's state directory: one holder record per agent (and its files lock).
 HOLDERS_DIR = "holders"
@@ -271,38 +275,10 @@ class HolderBook:
     def agent_ids(self) -> list[str]:
         return sorted(n[:-5] for n in os.listdir(self.directory) if n.endswith(".json") and not n.startswith("."))
 
-    @contextmanager
     def files_lock(self, agent_id: str, *, shared: bool, wait: float | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
-        """Hold the agent's files lock (an flock on ``<agent_id>.lock``
-        beside its record), across processes. A writer that changes the
-        agent's files from outside the daemon (`capsulefs append`: journal,
-        projections, manifest) holds it exclusively and checks the record
-        under it; a move's snapshot holds it shared once FROZEN is durable.
-        So an append is either whole in the snapshot, or sees FROZEN and is
-        refused: never half in, never left behind on the source.
-
-        ``wait``: give up after that many seconds (Busy), for a holder that
-        must not hang behind a writer that stopped (a suspended append)."""
-        fd = os.open(self._path(agent_id)[: -len(".json")] + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-            if wait is None:
-                fcntl.flock(fd, mode)
-            else:
-                deadline = clock() + wait
-                while True:
-                    try:
-                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if clock() >= deadline:
-                            raise FilesBusy(f"agent {agent_id}: a writer outside the daemon (capsulefs append) has held "
-                                       f"its files for over {wait:.0f} s") from None
-                        time.sleep(LOCK_POLL)
-            yield
-        finally:
-            os.close(fd)
+                   clock: Callable[[], float] = time.monotonic) -> AbstractContextManager[None]:
+        """Hold the agent's files lock (see :func:`agent_files_lock`)."""
+        return agent_files_lock(self.directory, agent_id, shared=shared, wait=wait, clock=clock)
 
     def reconcile(self, present: Iterable[str]) -> list[HolderRecord]:
         """Mark agents whose files are ``present`` here but who have no
@@ -384,3 +360,61 @@ def force_hold(record: HolderRecord, *, local_epoch: int, why: str) -> HolderRec
         held_epoch=local_epoch, activated=tuple(sorted(set(record.activated) | {local_epoch})),
         note=f"forced by operator: {why}",
     )
+
+
+@contextmanager
+def agent_files_lock(directory: str, agent_id: str, *, shared: bool, wait: float | None = None,
+                     clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    """Hold an agent's files lock (an flock on ``<agent_id>.lock`` beside its
+    holder record in ``directory``), across processes. A writer that changes
+    the agent's files from outside the daemon (`capsulefs append`: journal,
+    projections, manifest) holds it exclusively and checks the record under
+    it; a reader of the agent's files as a whole (archive.snapshot_files:
+    snapshots, export, merge, a move once FROZEN is durable) holds it shared.
+    So an append is whole in what a reader sees, or not in it at all, and a
+    move never leaves one behind on the source.
+
+    ``wait``: give up after that many seconds (FilesBusy), for a holder that
+    must not hang behind a writer that stopped (a suspended append).
+
+    A reader of a store it may not write (mounted read-only, or another
+    user's) reads without the lock, as before there was one: nobody can be
+    appending to a read-only store, and the other user's case is logged."""
+    path = os.path.join(directory, check_agent_id(agent_id) + ".lock")
+    try:
+        if shared:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (flock does not care how a file is open)
+            except FileNotFoundError:
+                makedirs_durable(directory, 0o700)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if not shared or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        if exc.errno != errno.EROFS:
+            log.warning("agent %s: reading its files without their lock (%s): an append by its owner may "
+                        "show half", agent_id, exc)
+        fd = -1
+    if fd < 0:
+        yield
+        return
+    try:
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        if wait is None:
+            fcntl.flock(fd, mode)
+        else:
+            deadline = clock() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if clock() >= deadline:
+                        raise FilesBusy(f"agent {agent_id}: a writer outside the daemon (capsulefs append) has held "
+                                        f"its files for over {wait:.0f} s") from None
+                    time.sleep(LOCK_POLL)
+        yield
+    finally:
+        os.close(fd)

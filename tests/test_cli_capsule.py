@@ -102,3 +102,32 @@ def test_new_and_import_record_who_holds_the_agent(cli, state_dir: Path, tmp_pat
     learned = cli("move", "held", "--learn", check=True).stdout
     assert "held here at epoch 1" in learned
     assert _holder(state_dir, agent_id).runnable
+
+
+def test_export_from_a_read_only_store(tmp_path: Path) -> None:
+    """Reading an agent takes its files lock, which creates a lock file: a
+    store mounted read-only (a backup, a snapshot of a disk) still exports,
+    without the lock (nobody can be appending to it)."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from conftest import run_cli
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to bind-mount a store read-only")
+    state, ro = tmp_path / "state", tmp_path / "ro"
+    run_cli("init", state=state, check=True)
+    run_cli("new", "ada", state=state, check=True)
+    shutil.rmtree(state / "holders")  # a store from before holder records: no lock file, nor its directory
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(state), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        out = run_cli("export", "ada", "-o", str(tmp_path / "ada.tar"), state=ro)
+        assert out.returncode == 0, out.stderr
+        assert run_cli("verify", str(tmp_path / "ada.tar")).returncode == 0
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

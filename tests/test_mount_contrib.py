@@ -63,13 +63,14 @@ def test_mount_helper_mounts_in_the_background(store: HostStore, state_dir: Path
 
 @pytest.mark.fuse
 @needs_fuse
-@pytest.mark.parametrize("flags", [[], ["-l"]])
+@pytest.mark.parametrize("flags", [[], ["-l"], ["-N", "/proc/self/ns/mnt"]])
 def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_dir: Path, tmp_path: Path,
                                                      flags: list[str]) -> None:
     """umount(8) runs the helper as umount.fuse.capsulefs MNT [-flnrv] [-t TYPE]:
     without -l/-f it goes through `capsulefs umount` (the daemon stops its
     agents, then unmounts, and says so in its log); with -l it unmounts
-    from outside at once."""
+    from outside at once, and so with -N (a copy in another mount namespace,
+    which capsulefs umount cannot see; here our own)."""
     make_agent(store, "alice")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -77,6 +78,7 @@ def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_d
     try:
         subprocess.run([str(HELPER), str(state_dir), str(mnt)], check=True, env=env, timeout=120)
         assert os.path.ismount(mnt)
+        flags = [f"/proc/{os.getpid()}/ns/mnt" if f == "/proc/self/ns/mnt" else f for f in flags]
         proc = subprocess.run([str(UMOUNT_HELPER), str(mnt), *flags, "-n", "-t", "fuse.capsulefs"],
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr

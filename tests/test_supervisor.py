@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -205,6 +206,22 @@ async def test_an_agent_wanted_just_before_stop_all_never_starts(store: HostStor
             assert sup.status(agent.agent_id).pid is None
             nursery.cancel_scope.cancel()
     assert not (Path(sup.sandbox(agent.agent_id)) / "probe.json").exists()  # no run ever got that far
+
+
+async def test_an_agent_unwanted_before_its_runner_ran_never_starts(store: HostStore, tmp_path: Path, caplog) -> None:
+    # A freeze (a move) or a removal right after the reconcile loop wanted it.
+    spec = default_spec([sys.executable, "-c", PROBE])
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+    caplog.set_level(logging.INFO, logger="capsulefs.supervisor")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        for _ in range(10):
+            sup.want(agent.agent_id)
+            with trio.fail_after(4):
+                await sup.unwant(agent.agent_id, sync=False)
+        nursery.cancel_scope.cancel()
+    assert "started as pid" not in caplog.text
 
 
 @pytest.fixture

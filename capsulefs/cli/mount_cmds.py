@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,12 @@ STOP_WAIT = 30.0
 ASK_WAIT = 3.0
 
 
+def _unescape(field: str) -> str:
+    """A path as /proc/self/mounts writes it: space, tab, newline and
+    backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
 def fuse_mounts() -> dict[str, str]:
     """mount point -> file system type, for every FUSE mount of this host."""
     out = {}
@@ -40,7 +47,7 @@ def fuse_mounts() -> dict[str, str]:
         for line in f:
             parts = line.split()
             if len(parts) >= 3 and parts[2].startswith("fuse"):
-                out[parts[1].replace("\\040", " ")] = parts[2]
+                out[_unescape(parts[1])] = parts[2]
     return out
 
 
@@ -186,7 +193,7 @@ def _mount_owner(mnt: str) -> int | None:
     with open("/proc/self/mounts") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 4 and parts[1].replace("\\040", " ") == mnt:
+            if len(parts) >= 4 and _unescape(parts[1]) == mnt:
                 opts = [o for o in parts[3].split(",") if o.startswith("user_id=")]
                 owner = int(opts[0][len("user_id="):]) if opts else None
     return owner
