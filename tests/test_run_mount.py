@@ -103,22 +103,33 @@ while True:
 """
 
 
+def _script_agent(tmp_path: Path, name: str, script_text: str) -> Path:
+    """A new agent of a store under ``tmp_path`` whose entrypoint runs
+    ``script_text``; returns the state directory."""
+    state = tmp_path / "state"
+    script = tmp_path / f"{name}.py"
+    script.write_text(script_text)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"version": 1, "entrypoint": [os.sys.executable, str(script)]}))
+    capsulefs("--state", str(state), "new", name, "--spec", str(spec))
+    return state
+
+
+def _started(agent: Path) -> int:
+    """Wait for the script agent to say it started; its pid."""
+    wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
+    return json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+
+
 @pytest.mark.parametrize("how", ["capsulefs umount", "SIGTERM to the daemon"])
 def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_path: Path, how: str) -> None:
     """Unmounting stops the agents while the mount still serves them, then
     unmounts: an agent's last step (here a note) reaches its journal. Before,
     the mount went first and the agent, cut off, lost its last step."""
-    state = tmp_path / "state"
-    script = tmp_path / "stopping_agent.py"
-    script.write_text(_STOPPING_AGENT)
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"version": 1, "entrypoint": [os.sys.executable, str(script)]}))
-    capsulefs("--state", str(state), "new", "quitter", "--spec", str(spec))
+    state = _script_agent(tmp_path, "quitter", _STOPPING_AGENT)
     mnt = tmp_path / "mnt"
     with mounted(state, mnt) as daemon:
-        agent = mnt / "quitter"
-        wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
-        pid = json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+        pid = _started(mnt / "quitter")
         pid_note = os.getxattr(mnt, "user.capsulefs.pid").split()  # whom umount asks
         assert [int(x) for x in pid_note] == [daemon.pid, os.stat("/proc/self/ns/pid").st_ino]
         if how == "capsulefs umount":
@@ -137,18 +148,11 @@ def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_
 def test_a_second_signal_does_not_wait_for_a_stubborn_agent(tmp_path: Path) -> None:
     """An agent that ignores SIGTERM holds the first, graceful stop for the
     whole grace period (5 s); a second signal kills it and unmounts now."""
-    state = tmp_path / "state"
-    script = tmp_path / "stubborn_agent.py"
-    script.write_text(_STOPPING_AGENT.replace("signal.signal(signal.SIGTERM, stop)",
-                                              "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"version": 1, "entrypoint": [os.sys.executable, str(script)]}))
-    capsulefs("--state", str(state), "new", "mule", "--spec", str(spec))
+    state = _script_agent(tmp_path, "mule", _STOPPING_AGENT.replace("signal.signal(signal.SIGTERM, stop)",
+                                                                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
     mnt = tmp_path / "mnt"
     with mounted(state, mnt) as daemon:
-        agent = mnt / "mule"
-        wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
-        pid = json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+        pid = _started(mnt / "mule")
         daemon.terminate()
         wait_until(lambda: "stopping the agents" in (state.parent / "daemon-mnt.log").read_text(), "the first signal")
         time.sleep(0.3)

@@ -84,6 +84,15 @@ async def _wait_for(predicate, what: str, limit: float = 30.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def _serve_and_start(sup: Supervisor, nursery: trio.Nursery, agent_id: str) -> int:
+    """Serve ``sup`` in ``nursery``, run the agent, wait for its probe; its pid."""
+    await nursery.start(sup.serve)
+    sup.want(agent_id)
+    probe = Path(sup.sandbox(agent_id)) / "probe.json"
+    await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
+    return sup.status(agent_id).pid
+
+
 async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, tmp_path: Path, caplog) -> None:
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["env"] = {"GREETING": "hello"}
@@ -156,11 +165,7 @@ async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStor
     agent = _agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=0.5)
     async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
-        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
-        pid = sup.status(agent.agent_id).pid
+        pid = await _serve_and_start(sup, nursery, agent.agent_id)
         await sup.unwant(agent.agent_id)
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -172,11 +177,7 @@ async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore
     agent = _agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
     async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
-        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
-        pid = sup.status(agent.agent_id).pid
+        pid = await _serve_and_start(sup, nursery, agent.agent_id)
         with trio.fail_after(4):  # SIGTERM suffices: well within the grace period
             await sup.stop_all()
         with pytest.raises(ProcessLookupError):
