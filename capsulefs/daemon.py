@@ -79,12 +79,12 @@ LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life 
 #: pid namespace it counts in), so that `capsulefs umount` can ask it to stop
 #: (agents first, then the unmount) rather than pull the mount away.
 PID_XATTR = "user.capsulefs.pid"
+HOLDER_FILE = "holder.json"  # under WORK_DIR while someone holds LOCK_FILE: {"pid", "doing"}
 
 
 def pid_note() -> str:
     """This process as ``PID_XATTR`` names it."""
     return f"{os.getpid()} {os.stat('/proc/self/ns/pid').st_ino}"
-HOLDER_FILE = "holder.json"  # under WORK_DIR while someone holds LOCK_FILE: {"pid", "doing"}
 
 
 def work_dir(state_dir: str) -> str:
@@ -223,9 +223,8 @@ class Daemon:
         #: objects with async ``on_freeze``, ``on_resume``, ``on_retire``,
         #: ``on_activate`` and ``on_remove(agent_id)``, and optionally
         #: ``on_shutdown()`` (run before the unmount, the mount still serving).
-        #: ``on_freeze`` runs
-        #: before the mount refuses writes (so the agent's last work can be
-        #: committed); the others run after the mount changed state
+        #: ``on_freeze`` runs before the mount refuses writes (so the agent's
+        #: last work can be committed); the others run after the mount changed state
         #: (``on_remove``: once the agent is hidden, before its files go).
         self.listeners: list[object] = []
         #: ``move_guard(agent_id)``: an async context in which no move of the

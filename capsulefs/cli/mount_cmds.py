@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from capsulefs.cli.common import state_dir
 
@@ -40,15 +41,19 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-def fuse_mounts() -> dict[str, str]:
-    """mount point -> file system type, for every FUSE mount of this host."""
-    out = {}
+def _mount_table() -> Iterator[tuple[str, str, list[str]]]:
+    """(mount point, file system type, options) of every line of
+    /proc/self/mounts, in order (a mount on top of another comes later)."""
     with open("/proc/self/mounts") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 3 and parts[2].startswith("fuse"):
-                out[_unescape(parts[1])] = parts[2]
-    return out
+            if len(parts) >= 4:
+                yield _unescape(parts[1]), parts[2], parts[3].split(",")
+
+
+def fuse_mounts() -> dict[str, str]:
+    """mount point -> file system type, for every FUSE mount of this host."""
+    return {mnt: fstype for mnt, fstype, _opts in _mount_table() if fstype.startswith("fuse")}
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
@@ -190,12 +195,10 @@ def _mount_owner(mnt: str) -> int | None:
     """The uid the FUSE mount on ``mnt`` belongs to (its ``user_id``
     option), or None. The last line for the path: the mount on top."""
     owner = None
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 4 and _unescape(parts[1]) == mnt:
-                opts = [o for o in parts[3].split(",") if o.startswith("user_id=")]
-                owner = int(opts[0][len("user_id="):]) if opts else None
+    for path, _fstype, opts in _mount_table():
+        if path == mnt:
+            ids = [o for o in opts if o.startswith("user_id=")]
+            owner = int(ids[0][len("user_id="):]) if ids else None
     return owner
 
 
