@@ -203,7 +203,7 @@ class _Framer:
         del self._buf[: _PREFIX.size + head_len]
         try:
             header = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise PeerProtocolError(f"{self.what}: header is not JSON: {exc}") from None
         if not isinstance(header, dict) or not isinstance(header.get("type"), str):
             raise PeerProtocolError(f"{self.what}: header must be an object with a 'type'")

@@ -98,7 +98,7 @@ class PeerBook:
             if doc.get("format") != PEERS_FORMAT:
                 raise PeerBookError(f"{self.path}: format {doc.get('format')!r} is not {PEERS_FORMAT!r}")
             return [Peer(name=n, address=p["address"], host_id=p["host_id"]) for n, p in sorted(doc["peers"].items())]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise PeerBookError(f"{self.path} is unreadable: {exc}") from None
 
     def _save(self, peers: list[Peer]) -> None:

@@ -394,6 +394,12 @@ def parse_draft(obj: object) -> Event:
         raise FormatError(f"field(s) {', '.join(stamped)} are stamped by capsulefs; leave them out")
     if "kind" not in obj:
         raise FormatError("an event needs a 'kind'")
+    try:
+        canonical_json(obj)  # what the journal will write: UTF-8, within the encoder's depth
+    except UnicodeEncodeError:
+        raise FormatError("an event's text must be valid Unicode (it holds a lone UTF-16 surrogate)") from None
+    except RecursionError:
+        raise FormatError("an event is nested too deeply") from None
     payload = {k: v for k, v in obj.items() if k != "kind"}
     return event_from_fields(obj["kind"], payload, strict=True)
 

@@ -234,13 +234,35 @@ class Manifest:
 # -- JSON documents ----------------------------------------------------------
 
 
+#: A ``\\uD800``-``\\uDFFF`` escape, or the UTF-8 form of such a code point
+#: (``json.loads`` decodes bytes with "surrogatepass"): how a document can
+#: carry a lone surrogate, which parses into a str that cannot be encoded again.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def load_json(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> Any:
-    """``json.loads``, with a document that does not parse reported as
-    ``error`` naming ``what``."""
+    """``json.loads`` of a document from outside, reported as ``error`` naming
+    ``what`` if it does not parse, nests deeper than the parser goes, or
+    escapes a lone surrogate (text that cannot be written back as UTF-8)."""
     try:
-        return json.loads(data)
+        doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise error(f"{what} is not valid JSON: nested too deeply") from None
+    if isinstance(data, str):
+        try:
+            data = data.encode()
+        except UnicodeEncodeError:
+            raise error(f"{what} is not valid JSON text: it holds a lone UTF-16 surrogate") from None
+    if _SURROGATE.search(data):
+        try:
+            json.dumps(doc, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise error(f"{what} is not valid JSON text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+        except RecursionError:
+            raise error(f"{what} is not valid JSON: nested too deeply") from None
+    return doc
 
 
 def load_json_object(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> dict[str, Any]:

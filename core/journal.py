@@ -80,13 +80,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import format as fmt
 from .errors import FormatError, NotFoundError
 from .events import Event, Record, parse_draft
 from .fsutil import fdatasync, fsync_dir, identity_probe
@@ -843,10 +843,7 @@ def parse_draft_lines(data: bytes, what: str = "draft") -> list[Event]:
     for no, raw in enumerate(data[:-1].split(b"\n"), 1):
         if not raw.strip():
             raise FormatError(f"{what} line {no} is empty")
-        try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise FormatError(f"{what} line {no} is not valid JSON: {exc}") from None
+        obj = fmt.load_json(raw, f"{what} line {no}")
         try:
             events.append(parse_draft(obj))
         except FormatError as exc:

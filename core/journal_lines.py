@@ -18,7 +18,7 @@ Theory of operation (verify and merge):
   and lists every problem with its line number, machine and seq.
   :func:`merge` is the reference merge, line by line: it pulls out the
   envelope of each line (a strict grammar match for JSON up to two levels
-  deep, ``json.loads`` for anything deeper), checks each input's order and
+  deep, ``load_json`` for anything deeper), checks each input's order and
   seq runs, merges the two sorted inputs, and checks the union's chains by
   hashing each distinct line once. An input whose chain does not verify is
   refused; so are two different lines with the same (machine, seq), which
@@ -29,7 +29,6 @@ Theory of operation (verify and merge):
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import re
@@ -38,6 +37,7 @@ from hashlib import sha256
 from typing import Any
 
 from .errors import FormatError, IntegrityError
+from .format import load_json
 from .events import Record, line_hash
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class ChainError(IntegrityError):
 # A strict grammar for a JSON object whose values nest at most one level. The
 # named envelope keys may appear only once at the top level (the lookahead
 # keeps every other top-level key from being one of them), so a match proves
-# the captured values are the envelope's. Deeper lines go to json.loads.
+# the captured values are the envelope's. Deeper lines go to load_json.
 
 _STR = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
 _NUM = rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -103,10 +103,7 @@ def envelope(line: bytes) -> tuple[Key, str | None]:
     if m is not None and (line.isascii() or _utf8(line)):
         clock, machine, prev, seq, _v = m.groups()
         return (int(clock), machine.decode(), int(seq)), (None if prev == b"null" else prev[1:-1].decode())
-    try:
-        doc = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"not valid JSON: {exc}") from None
+    doc = load_json(line, "the line")
     if not isinstance(doc, dict):
         raise FormatError("not a JSON object")
     missing = [k for k in ("clock", "id", "kind", "machine", "prev", "seq", "time", "v") if k not in doc]

@@ -84,7 +84,7 @@ def verify_manifest_signature(manifest_bytes: bytes, sig_bytes: bytes, public_pe
         if doc.get("format") != SIG_FORMAT or doc.get("alg") != "ed25519":
             raise ValueError("unknown signature format")
         sig = base64.b64decode(doc["sig"], validate=True)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise SignatureError(f"manifest.sig is malformed: {exc}") from None
     if doc.get("key") != key_id(pub):
         raise SignatureError(f"manifest.sig was made by key {doc.get('key')}, not by the given public key {key_id(pub)}")

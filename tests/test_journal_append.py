@@ -107,6 +107,9 @@ def test_drafts_are_all_or_nothing(tmp_path: Path) -> None:
             (b'{"kind":"note","text":"ok"}\n{"kind":"note","text":"x","seq":3}\n', "stamped"),
             (b'{"kind":"note","text":"no newline"}', "whole lines"),
             (b"not json\n", "not valid JSON"),
+            (b'{"kind":"note","text":"\\udc80"}\n', "lone UTF-16 surrogate"),
+            (b'{"kind":"note","text":"' + "\udc80".encode("utf-8", "surrogatepass") + b'"}\n', "lone UTF-16 surrogate"),
+            (b"[" * 50_000 + b"]" * 50_000 + b"\n", "nested too deeply"),
         ]:
             with pytest.raises(FormatError, match=word):
                 j.append_drafts(bad)

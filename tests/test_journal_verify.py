@@ -12,7 +12,7 @@ from journal_helpers import note, replicas, retext
 
 from capsulefs.core import format as fmt
 from capsulefs.core.archive import verify_capsule
-from capsulefs.core.journal import ChainError, check_journal_bytes, check_lines, join_lines, verify_lines
+from capsulefs.core.journal import ChainError, check_journal_bytes, check_lines, join_lines, merge, verify_lines
 from capsulefs.core.store import HostStore
 
 
@@ -106,6 +106,18 @@ def test_unreadable_and_non_canonical_lines_are_named() -> None:
     problems = verify_lines([spaced, b"garbage"] + lines[1:])
     assert problems[0].startswith("line 1:") and "canonical" in problems[0]
     assert problems[1].startswith("line 2:") and "JSON" in problems[1]
+
+
+def test_lines_from_outside_that_json_alone_accepts_are_named_not_raised() -> None:
+    # a copy from elsewhere (an import, a merge) may hold any bytes
+    lines = _journal()
+    surrogate = lines[0].replace(b'"kind"', b'"x":"\\ud800","kind"')
+    deep = b'{"clock":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    problems = verify_lines([surrogate, deep] + lines[1:])
+    assert problems[0].startswith("line 1:") and "surrogate" in problems[0], problems
+    assert problems[1].startswith("line 2:") and "nested too deeply" in problems[1], problems
+    with pytest.raises(ChainError, match="line 1"):
+        merge([surrogate] + lines[1:], lines)
 
 
 def test_every_problem_is_listed_not_just_the_first() -> None:

@@ -173,6 +173,22 @@ async def test_a_payload_read_into_buffers_over_a_plain_stream() -> None:
     assert header == {"type": "y"} and await payload.read() == b"next"
 
 
+async def test_a_header_nested_too_deeply_is_a_protocol_error() -> None:
+    """A peer's header is outside input: one nested past the parser's depth
+    is refused as a protocol error, not raised as a RecursionError."""
+    import struct
+
+    import trio.testing
+
+    from capsulefs.peerlink import PeerProtocolError, _Framer
+
+    a, b = trio.testing.memory_stream_pair()
+    head = b"[" * 100_000
+    await a.send_all(struct.pack("!IQ", len(head), 0) + head)
+    with pytest.raises(PeerProtocolError, match="header is not JSON"):
+        await _Framer(b, "test").receive()
+
+
 async def test_client_refuses_a_server_with_another_id(pair: Pair, tmp_path: Path) -> None:
     other = load_or_create_identity(tmp_path / "other")
     with pytest.raises(PeerRefused, match="not the pinned"):

@@ -136,7 +136,7 @@ def _drafts(args: argparse.Namespace) -> list[Any]:
     if args.json:
         try:
             extra = json.loads(args.json)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise UsageError(f"--json is not valid JSON: {exc}") from None
         if not isinstance(extra, dict):
             raise UsageError("--json must be a JSON object of the event's fields")
