@@ -80,6 +80,7 @@ from .live_handles import (
     RemoveHandle,
     Remover,
     ScratchHandle,
+    check_edit_size,
     resize,
 )
 from .live_journal import JournalTail, open_appender
@@ -381,10 +382,12 @@ class LiveAgent:
         edit.writers += 1
         return edit
 
-    def end_edit(self, rel: str) -> None:
-        edit = self.edits[rel]
+    def end_edit(self, rel: str, edit: Edit) -> None:
+        """A writer's last close: the last writer of ``edit`` commits what is
+        uncommitted; refused, the bytes are dropped (the close that could
+        report it, flush, already did)."""
         edit.writers -= 1
-        if edit.writers:
+        if edit.writers or edit.detached:
             return
         try:
             if edit.dirty:
@@ -395,24 +398,26 @@ class LiveAgent:
             del self.edits[rel]
 
     def commit_edit(self, rel: str) -> None:
+        """Save the edit of ``rel``; refused, it stays as its writers left it."""
         edit = self.edits[rel]
-        try:
-            self.save(rel, bytes(edit.data))
-        except CapsuleError:
-            edit.data[:] = self.handle.read(rel)  # the refused bytes are gone
-            edit.dirty = False
-            raise
-        edit.dirty = False
+        self.save(rel, bytes(edit.data))
+        edit.dirty = edit.written = False
+
+    def detach_edit(self, rel: str) -> None:
+        """``rel`` was replaced: its open writers keep writing to the old file."""
+        edit = self.edits.pop(rel, None)
+        if edit is not None:
+            edit.detached = True
 
     def truncate(self, rel: str, size: int) -> None:
         self.check_writable()
         edit = self.edits.get(rel)
         if edit is not None:
-            resize(edit.data, size)
+            resize(edit.data, size, rel)
             edit.dirty = True
             return
         buf = bytearray(self.handle.read(rel))
-        resize(buf, size)
+        resize(buf, size, rel)
         self.save(rel, bytes(buf))
 
     def save(self, rel: str, data: bytes) -> None:
@@ -761,7 +766,7 @@ class LiveHost:
             # anew: the capsule kept it, so this opens it for writing.
             handle = EditHandle(self.agent(parent.agent), existing.rel, True)
             if flags & os.O_TRUNC:
-                handle.truncate(0)
+                _truncate_new(handle)
             return existing, handle
         if existing is not None or self.scratch.exists(parent.agent, parent.rel, name):
             raise ExistsError(f"{parent.rel}/{name} exists")
@@ -801,14 +806,10 @@ class LiveHost:
                 self.scratch.rename(src.agent, (src_dir, n_old), (p_new.rel, n_new))
                 return src, Node(Kind.SCRATCH, src.agent, f"{p_new.rel}/{n_new}")
             if dst.kind is Kind.FILE and dst.rel in EDITABLE:
-                if dst.rel in agent.edits and agent.edits[dst.rel].writers:
-                    edit = agent.edits[dst.rel]  # open writers: they see the renamed content
-                    data = self.scratch.read(src.agent, src_dir, n_old)
-                    agent.save(dst.rel, data)
-                    edit.data[:] = data
-                    edit.dirty = False
-                else:
-                    agent.save(dst.rel, self.scratch.read(src.agent, src_dir, n_old))
+                size = os.stat(self.scratch.path(src.agent, src_dir, n_old)).st_size
+                check_edit_size(dst.rel, size)
+                agent.save(dst.rel, self.scratch.read(src.agent, src_dir, n_old))
+                agent.detach_edit(dst.rel)  # writers still open write to the file replaced, as on a disk
                 self.scratch.unlink(src.agent, src_dir, n_old)
                 return src, dst
             if dst.rel == fmt.JOURNAL:
@@ -880,10 +881,15 @@ class LiveHost:
                     if write:
                         if not flags & os.O_APPEND:
                             raise NotPermitted("the journal is append-only: open it with O_APPEND (>>)")
+                        if flags & os.O_TRUNC:
+                            raise NotPermitted("the journal is append-only: it cannot be truncated (O_TRUNC)")
                         self.check_writable(node.agent)
                     return JournalHandle(a, write)
                 if node.rel in EDITABLE:
-                    return EditHandle(a, node.rel, write)
+                    handle = EditHandle(a, node.rel, write)
+                    if write and flags & os.O_TRUNC:
+                        _truncate_new(handle)  # libfuse's atomic O_TRUNC: no separate truncate comes
+                    return handle
                 if write:
                     raise NotPermitted(f"{node.rel} is read-only")
                 return FileHandle(a.handle.path(node.rel))
@@ -968,3 +974,12 @@ class LiveHost:
         """Show an agent again (or for the first time, after a move in): active."""
         self.set_state(agent_id, AgentState.ACTIVE)
         return self.agent(agent_id).stored_manifest().name
+
+
+def _truncate_new(handle: Handle) -> None:
+    """O_TRUNC of a file just opened: the handle is closed again if refused."""
+    try:
+        handle.truncate(0)
+    except BaseException:
+        handle.release()
+        raise

@@ -42,6 +42,10 @@ class NotADirectory(CapsuleError):
     """A directory operation on a file [ENOTDIR]."""
 
 
+class TooLarge(CapsuleError):
+    """A file would grow beyond what the capsule holds of it [EFBIG]."""
+
+
 # -- how a move asked for through ``.control/move`` ended (see docs/move.md) ----------
 
 

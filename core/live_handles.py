@@ -12,6 +12,7 @@ See :mod:`capsulefs.core.live` for the view that makes them.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -20,13 +21,18 @@ from . import format as fmt
 from .blobcheck import BlobCheck
 from .errors import FormatError, NotFoundError
 from .journal import parse_draft_lines
-from .live_errors import NotPermitted, NotSupported
+from .live_errors import NotPermitted, NotSupported, TooLarge
 
 if TYPE_CHECKING:
     from .live import LiveAgent
 
 #: Longest incomplete line a journal handle holds while waiting for its newline.
 MAX_PARTIAL_LINE = 16 << 20
+#: Largest working_memory.md or spec.json a write or truncate may make: the
+#: file being edited is held in the daemon's memory until it is committed.
+MAX_EDIT_SIZE = 64 << 20
+log = logging.getLogger(__name__)
+
 MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
 REMOVE_UNAVAILABLE = "removing agents through this mount is not available (.control/remove is reserved)"
 #: Longest line accepted by ``.control/move``, ``.control/abandon`` and ``.control/remove``.
@@ -160,11 +166,16 @@ class JournalHandle(Handle):
     """The journal: reads up to its last whole line; O_APPEND writes of lines.
 
     Each write appends, durably and all or none, the lines it completes; a
-    bad line fails that write with FormatError and appends nothing of it.
-    Bytes after the last newline wait in the handle for the rest of their
-    line (the kernel splits large writes, and buffered writers such as
-    Python's cut at their buffer size, not at newlines); a line still
-    incomplete at close fails the close and is dropped.
+    bad line fails that write with FormatError and appends nothing of it,
+    and the next write starts a new line (the refused write's bytes,
+    complete or not, are forgotten). Bytes after the last newline wait in
+    the handle for the rest of their line (the kernel splits large writes,
+    and buffered writers such as Python's cut at their buffer size, not at
+    newlines). ``close`` of a descriptor while a line is incomplete fails
+    with FormatError but keeps the bytes: the kernel flushes at the close
+    of every copy of the descriptor (a child closing an inherited one at
+    exec), and the copy still open may finish the line. The last close
+    (release) drops a line still incomplete, with a log line.
     """
 
     direct_io = True
@@ -191,7 +202,7 @@ class JournalHandle(Handle):
         if not self.writable:
             raise NotPermitted("the journal is not open for writing")
         self.agent.check_writable()
-        buf = self.partial + bytes(data)
+        buf, self.partial = self.partial + bytes(data), b""  # a refused write leaves no partial line
         end = buf.rfind(b"\n") + 1
         if len(buf) - end > MAX_PARTIAL_LINE:
             raise FormatError(f"a journal line is longer than {MAX_PARTIAL_LINE} bytes")
@@ -205,8 +216,14 @@ class JournalHandle(Handle):
 
     def flush(self) -> None:
         if self.partial:
-            n, self.partial = len(self.partial), b""
-            raise FormatError(f"the journal write ended without a newline; {n} bytes of an incomplete line dropped")
+            raise FormatError(f"the journal write ended without a newline: {len(self.partial)} bytes of an "
+                              "incomplete line are not appended")
+
+    def release(self) -> None:
+        if self.partial:
+            log.warning("agent %s: journal closed with %d bytes of an incomplete line; dropped",
+                        self.agent_id, len(self.partial))
+            self.partial = b""
 
     def truncate(self, size: int) -> None:
         raise NotPermitted("the journal is append-only: it cannot be truncated")
@@ -214,15 +231,32 @@ class JournalHandle(Handle):
 
 @dataclass(slots=True)
 class Edit:
-    """An editable file being written: its bytes as writers see them."""
+    """An editable file being written: its bytes as writers see them.
+
+    ``dirty``: changed since the last commit; ``written``: by a write (not
+    only a truncate). ``detached``: the file was replaced (renamed over)
+    while open; like writers of an unlinked inode, its writers go on
+    writing bytes that nobody will see and nothing commits."""
 
     data: bytearray
     dirty: bool = False
+    written: bool = False
     writers: int = 0
+    detached: bool = False
 
 
 class EditHandle(Handle):
-    """working_memory.md or spec.json, open for reading or writing."""
+    """working_memory.md or spec.json, open for reading or writing.
+
+    Writers share one :class:`Edit` (readers see it too). ``close`` (flush)
+    commits it once something was written, so a refused commit (a spec that
+    does not validate, memory that is not UTF-8, a read-only mount) fails
+    the close that asked, and the writer's bytes stay for another try. A
+    truncate alone waits: the kernel flushes at the close of every copy of
+    a descriptor, and the shell's ``>`` opens with O_TRUNC, then closes its
+    first copy before anything is written. The last close (release)
+    commits what is still uncommitted or, refused, drops it with a log line.
+    """
 
     def __init__(self, agent: "LiveAgent", rel: str, writable: bool) -> None:
         self.agent = agent
@@ -236,6 +270,8 @@ class EditHandle(Handle):
             self.snapshot = agent.handle.read(rel)
 
     def _current(self) -> bytes | bytearray:
+        if self.writable:
+            return self.edit.data
         edit = self.agent.edits.get(self.rel)
         return edit.data if edit is not None else self.snapshot
 
@@ -243,23 +279,26 @@ class EditHandle(Handle):
         return bytes(self._current()[offset: offset + size])
 
     def write(self, offset: int, data: bytes) -> int:
+        if not self.writable:
+            raise NotPermitted(f"{self.rel} is not open for writing")
         self.agent.check_writable()
         buf = self.edit.data
+        check_edit_size(self.rel, offset + len(data), len(buf))
         if offset > len(buf):
             buf.extend(b"\0" * (offset - len(buf)))
         buf[offset: offset + len(data)] = data
-        self.edit.dirty = True
+        self.edit.dirty = self.edit.written = True
         return len(data)
 
     def truncate(self, size: int) -> None:
         if not self.writable:
             raise NotPermitted(f"{self.rel} is not open for writing")
         self.agent.check_writable()
-        resize(self.edit.data, size)
+        resize(self.edit.data, size, self.rel)
         self.edit.dirty = True
 
     def flush(self) -> None:
-        if self.writable and self.edit.dirty:
+        if self.writable and self.edit.written and not self.edit.detached:
             self.agent.commit_edit(self.rel)
 
     def fsync(self) -> None:
@@ -267,7 +306,7 @@ class EditHandle(Handle):
 
     def release(self) -> None:
         if self.writable:
-            self.agent.end_edit(self.rel)
+            self.agent.end_edit(self.rel, self.edit)
 
 
 class ModelHandle(Handle):
@@ -370,8 +409,15 @@ def control_line(data: bytes, what: str) -> str:
     return text
 
 
-def resize(buf: bytearray, size: int) -> None:
-    """Cut or zero-extend ``buf`` to ``size`` bytes, like ftruncate."""
+def check_edit_size(rel: str, size: int, now: int = 0) -> None:
+    """TooLarge if ``rel`` would grow from ``now`` bytes to ``size``, beyond MAX_EDIT_SIZE."""
+    if size > max(now, MAX_EDIT_SIZE):
+        raise TooLarge(f"{rel} may not grow beyond {MAX_EDIT_SIZE >> 20} MiB")
+
+
+def resize(buf: bytearray, size: int, rel: str) -> None:
+    """Cut or zero-extend ``buf`` (the edit of ``rel``) to ``size`` bytes, like ftruncate."""
+    check_edit_size(rel, size, len(buf))
     if size < len(buf):
         del buf[size:]
     else:

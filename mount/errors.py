@@ -50,6 +50,7 @@ from capsulefs.core.live_errors import (
     PeerConnectionRefused,
     PeerUnreachable,
     ReadOnly,
+    TooLarge,
 )
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ ERRNO: dict[type[CapsuleError], int] = {
     NoAttribute: errno.ENODATA,
     IsADirectory: errno.EISDIR,
     NotADirectory: errno.ENOTDIR,
+    TooLarge: errno.EFBIG,
     FilesBusy: errno.EBUSY,  # a snapshot while a `capsulefs append` holds the agent's files
     # How a move asked for through .control/move ended (docs/move.md):
     MoveBusy: errno.EBUSY,

@@ -162,3 +162,125 @@ def test_backup_by_rename_then_write_anew(mnt: Path) -> None:
     backup.unlink()
     assert kinds(mnt) == ["memory_edit"]
     verifies(mnt)
+
+
+def test_a_shorter_write_replaces_the_whole_file(mnt: Path) -> None:
+    # the shell's `>` opens with O_TRUNC; the kernel sends no separate truncate
+    wm = mnt / fmt.WORKING_MEMORY
+    subprocess.run(["bash", "-c", f"printf 'x\\n' > {wm}"], check=True)
+    assert wm.read_text() == "x\n"
+    recs = check_chains((mnt / fmt.JOURNAL).read_bytes())
+    assert [(r.kind, r.event.text) for r in recs] == [("memory_edit", "x\n")]  # type: ignore[attr-defined]
+    spec = mnt / fmt.SPEC
+    short = {"version": 1, "entrypoint": ["sh"]}
+    assert len(json.dumps(short)) < len(spec.read_bytes())
+    with open(spec, "w") as f:
+        json.dump(short, f)
+    assert json.loads(spec.read_bytes()) == short
+    subprocess.run(["bash", "-c", f": > {wm}"], check=True)
+    assert wm.read_bytes() == b""
+    with pytest.raises(OSError) as exc:
+        os.open(mnt / fmt.JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_TRUNC)
+    assert exc.value.errno == errno.EPERM
+    texts = [r.event.text for r in check_chains((mnt / fmt.JOURNAL).read_bytes())]  # type: ignore[attr-defined]
+    assert texts == ["x\n", ""]  # the spec is not journaled; the refused open appended nothing
+    verifies(mnt)
+
+
+def _writable(agent: Path) -> bool:
+    return json.loads((agent / ".control" / "status").read_bytes())["writable"]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:  # a short count (the kernel split a large write) is followed by the rest
+        data = data[os.write(fd, data):]
+
+
+def test_a_refused_journal_line_does_not_stop_the_next(mnt: Path) -> None:
+    journal = mnt / fmt.JOURNAL
+    good = b'{"kind":"note","text":"after"}\n'
+    bad_writes = [
+        [b'{"kind":"note","text":"\\ud800"}\n'],  # a lone surrogate: valid JSON, not encodable text
+        [b"[" * 100_000 + b"\n"],  # deeper than the parser goes
+        [b'{"kind":"note","text":"' + b"a" * (3 << 20) + b'","x":1}\n'],  # split by the kernel, refused at its end
+        [b'{"kind":', b'"note","x":1}\n'],  # the start of the refused line came in an earlier write
+    ]
+    for i, writes in enumerate(bad_writes):
+        fd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+        try:
+            *before, last = writes
+            for w in before:
+                _write_all(fd, w)
+            with pytest.raises(OSError) as exc:
+                _write_all(fd, last)
+            assert exc.value.errno == errno.EINVAL
+            _write_all(fd, good)
+        finally:
+            os.close(fd)
+        assert _writable(mnt), f"bad line {i} sent the mount read-only"
+        texts = [r.event.text for r in check_chains(journal.read_bytes())]  # type: ignore[attr-defined]
+        assert texts == ["after"] * (i + 1), f"bad line {i}"
+    verifies(mnt)
+
+
+def _close_a_copy_in_a_child(fd: int) -> None:
+    """A child process inherits ``fd`` and exits: the kernel flushes the file."""
+    subprocess.run(["true"], pass_fds=(fd,), check=True)
+
+
+def test_a_child_closing_an_inherited_descriptor_cuts_nothing(mnt: Path) -> None:
+    journal = mnt / fmt.JOURNAL
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b'{"kind":"note",')
+        _close_a_copy_in_a_child(fd)
+        os.write(fd, b'"text":"whole"}\n')
+    finally:
+        os.close(fd)
+    assert [r.event.text for r in check_chains(journal.read_bytes())] == ["whole"]  # type: ignore[attr-defined]
+    spec = mnt / fmt.SPEC
+    new = json.dumps({"version": 1, "entrypoint": ["python", "agent.py"]}).encode()
+    fd = os.open(spec, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, new[:10])  # not valid yet: the child's close is refused, the bytes stay
+        _close_a_copy_in_a_child(fd)
+        os.write(fd, new[10:])
+    finally:
+        os.close(fd)
+    assert spec.read_bytes() == new
+    verifies(mnt)
+
+
+def test_working_memory_cannot_grow_without_bound(mnt: Path) -> None:
+    wm = mnt / fmt.WORKING_MEMORY
+    with pytest.raises(OSError) as exc:
+        os.truncate(wm, 1 << 40)
+    assert exc.value.errno == errno.EFBIG
+    sh = subprocess.run(["truncate", "-s", "1T", str(wm)], capture_output=True, text=True)
+    assert sh.returncode != 0 and "File too large" in sh.stderr
+    with open(wm, "r+b", buffering=0) as f:
+        with pytest.raises(OSError) as exc:
+            f.seek(1 << 30)
+            f.write(b"x")
+        assert exc.value.errno == errno.EFBIG
+        with pytest.raises(OSError) as exc:
+            f.truncate(1 << 40)
+        assert exc.value.errno == errno.EFBIG
+    assert wm.read_text() == MEMORY and _writable(mnt)
+    assert kinds(mnt) == []
+    verifies(mnt)
+
+
+def test_a_writer_open_across_a_replace_writes_to_the_file_replaced(mnt: Path) -> None:
+    wm = mnt / fmt.WORKING_MEMORY
+    with open(wm, "r+b", buffering=0) as old:
+        old.write(b"# stale\n")
+        tmp = mnt / "memory" / ".wm.tmp"
+        tmp.write_text("replaced\n")
+        os.replace(tmp, wm)  # what an editor's atomic save does
+        old.seek(0, os.SEEK_END)
+        old.write(b"more of the stale file\n")
+    assert wm.read_text() == "replaced\n"
+    recs = check_chains((mnt / fmt.JOURNAL).read_bytes())
+    assert [(r.kind, r.event.text) for r in recs] == [("memory_edit", "replaced\n")]  # type: ignore[attr-defined]
+    verifies(mnt)
