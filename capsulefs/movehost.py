@@ -14,6 +14,8 @@ Rules:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,12 +28,22 @@ from capsulefs.core.store import HostStore
 from capsulefs.identity import Identity, load_or_create_identity
 from capsulefs.peers import PeerBook
 
-__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "record_new_agent",
-           "result_to_answer"]
+__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "new_agent_files",
+           "record_new_agent", "result_to_answer"]
 
 
 def holders_dir(state_dir: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(state_dir), HOLDERS_DIR)
+
+
+@contextmanager
+def new_agent_files(state_dir: str | os.PathLike[str], agent_id: str) -> Iterator[None]:
+    """Hold a new agent's files lock, exclusively, while its files are
+    installed and :func:`record_new_agent` records it: a daemon starting
+    meanwhile (``HolderBook.reconcile``) waits for both instead of finding
+    files without a record and taking the agent for one whose record was lost."""
+    with HolderBook(holders_dir(state_dir)).files_lock(agent_id, shared=False):
+        yield
 
 
 def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: int = 1) -> HolderRecord:

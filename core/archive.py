@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import BinaryIO
 
 from . import format as fmt
@@ -150,8 +151,15 @@ def import_tar(
     *,
     max_member: int = DEFAULT_MAX_MEMBER,
     max_total: int = DEFAULT_MAX_TOTAL,
+    installing: Callable[[fmt.Manifest], AbstractContextManager[object]] | None = None,
 ) -> AgentHandle:
-    """Import a capsule tar into the store, or refuse it and change nothing."""
+    """Import a capsule tar into the store, or refuse it and change nothing.
+
+    ``installing(manifest)``, once the tar verified, is entered before the
+    agent's files go into the store and left once they are there (or their
+    install failed): the caller records who holds the agent inside it,
+    under the agent's files lock, so that nobody sees its files without that
+    record (see ``capsulefs.movehost.new_agent_files``)."""
     if not os.path.isfile(tar_path):
         raise NotFoundError(f"{tar_path}: no such file")
     with store.staging("import") as area:
@@ -167,7 +175,8 @@ def import_tar(
             raise ImportRefused(f"agent {manifest.agent_id} ({manifest.name}) is already held here; nothing imported")
         if store.name_taken(manifest.name):
             raise ImportRefused(f"an agent named {manifest.name!r} already exists here; nothing imported")
-        with store.writing():
+        # The files lock (``installing``) before the store's: the order of `capsulefs append`.
+        with installing(manifest) if installing is not None else nullcontext(), store.writing():
             for sha in manifest.blobs():
                 src = os.path.join(tree, fmt.blob_path(sha))
                 store.adopt_blob_file(src, sha)

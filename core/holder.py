@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 HOLDERS_DIR = "holders"
 #: Seconds between two tries of a files lock held by someone else (see HolderBook.files_lock).
 LOCK_POLL = 0.01
+#: Longest a reconcile waits for the files lock of an agent found without a record.
+RECONCILE_WAIT = 10.0
 
 __all__ = [
     "HOLDER_FORMAT",
@@ -280,17 +282,29 @@ class HolderBook:
         """Hold the agent's files lock (see :func:`agent_files_lock`)."""
         return agent_files_lock(self.directory, agent_id, shared=shared, wait=wait, clock=clock)
 
-    def reconcile(self, present: Iterable[str]) -> list[HolderRecord]:
+    def reconcile(self, present: Iterable[str], *, wait: float = RECONCILE_WAIT) -> list[HolderRecord]:
         """Mark agents whose files are ``present`` here but who have no
-        readable record as UNKNOWN (durably); return those records."""
+        readable record as UNKNOWN (durably); return those records.
+
+        An agent without a record is looked at again under its files lock:
+        ``capsulefs new`` and ``import`` hold it from installing the files
+        to writing the record. One held longer than ``wait`` seconds (a
+        suspended import) is left alone, with a log line, for next time."""
         out = []
         for agent_id in present:
             rec = self.get(agent_id)
             if rec is None:
-                rec = unknown(agent_id, "holder record lost")
-                self.put(rec)
-                out.append(rec)
-            elif rec.state is HolderState.UNKNOWN:
+                try:
+                    with self.files_lock(agent_id, shared=True, wait=wait):
+                        rec = self.get(agent_id)
+                        if rec is None:
+                            rec = unknown(agent_id, "holder record lost")
+                            self.put(rec)
+                except FilesBusy:
+                    log.warning("agent %s has files here but no holder record, and its files lock is held "
+                                "(an import under way?); left alone for now", agent_id)
+                    continue
+            if rec.state is HolderState.UNKNOWN:
                 out.append(rec)
         return out
 

@@ -131,3 +131,39 @@ def test_export_from_a_read_only_store(tmp_path: Path) -> None:
         assert run_cli("verify", str(tmp_path / "ada.tar")).returncode == 0
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_import_installs_under_the_agents_files_lock(cli, tmp_path: Path) -> None:
+    """From its files to its holder record, an import holds the agent's
+    files lock, which a daemon starting meanwhile waits for (see
+    HolderBook.reconcile): here the lock is held first, so the import waits
+    before a file of the agent is in the store."""
+    import json
+    import subprocess
+    import time
+
+    from conftest import CAPSULEFS, REPO
+
+    from capsulefs.core.holder import HolderBook
+    from capsulefs.movehost import holders_dir
+
+    cli("new", "ada", check=True)
+    agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
+    tar = tmp_path / "ada.tar"
+    cli("export", "ada", "-o", str(tar), check=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    with HolderBook(holders_dir(other)).files_lock(agent_id, shared=True):
+        proc = subprocess.Popen([*CAPSULEFS, "--state", str(other), "import", str(tar)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)
+            assert proc.poll() is None, proc.communicate()
+            assert not (other / "agents" / agent_id).exists()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (other / "agents" / agent_id).is_dir() and "imported agent ada" in out

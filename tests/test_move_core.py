@@ -333,6 +333,37 @@ def test_reconcile_marks_agents_without_a_record_unknown(tmp_path: Path) -> None
     assert book.get(AGENT).state is HolderState.UNKNOWN
 
 
+def test_reconcile_waits_for_a_new_agent_to_be_recorded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`capsulefs new` and `import` hold the agent's files lock from its files
+    to its record: a daemon starting meanwhile waits for the record instead
+    of taking the new agent for one whose record was lost."""
+    import threading
+
+    book = HolderBook(tmp_path)
+    locked, release = threading.Event(), threading.Event()
+
+    def new_agent() -> None:  # files installed, record not yet written
+        with book.files_lock(AGENT, shared=False):
+            locked.set()
+            release.wait(10)
+            book.put(new_held(AGENT, 1))
+
+    t = threading.Thread(target=new_agent)
+    t.start()
+    locked.wait(10)
+    threading.Timer(0.3, release.set).start()
+    try:
+        assert book.reconcile([AGENT]) == []
+    finally:
+        release.set()
+        t.join()
+    assert book.get(AGENT).state is HolderState.HELD
+    # One that holds the lock too long (a suspended import) is left for next time, not marked.
+    with book.files_lock("c" * 32, shared=False), caplog.at_level(logging.WARNING):
+        assert book.reconcile(["c" * 32], wait=0.1) == []
+    assert book.get("c" * 32) is None and "left alone" in caplog.text
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -7,11 +7,15 @@ import errno
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, state_dir
-from capsulefs.movehost import record_new_agent
+from capsulefs.movehost import new_agent_files, record_new_agent
 from capsulefs.core import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
+from capsulefs.core.format import Manifest
+from capsulefs.core.holder import HolderRecord
 from capsulefs.core.spec import default_spec, parse_spec
 
 
@@ -24,8 +28,10 @@ def cmd_new(args: argparse.Namespace) -> int:
                 spec = parse_spec(f.read())
             except SpecError as exc:
                 raise SpecError(f"{args.spec}: {exc}") from None
-    agent = store.create_agent(args.name, host_id=host_id(args), agent_id=new_agent_id(), spec=spec)
-    record_new_agent(state_dir(args), agent.agent_id, agent.manifest().holder.epoch)
+    agent_id = new_agent_id()
+    with new_agent_files(state_dir(args), agent_id):  # no daemon sees its files without its record
+        agent = store.create_agent(args.name, host_id=host_id(args), agent_id=agent_id, spec=spec)
+        record_new_agent(state_dir(args), agent.agent_id, agent.manifest().holder.epoch)
     print(f"created agent {args.name} ({agent.agent_id})")
     return 0
 
@@ -130,11 +136,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     store = open_store(args)
-    agent = archive.import_tar(store, args.tar)
+    state, here = state_dir(args), host_id(args)
+    records: list[HolderRecord] = []
+
+    @contextmanager
+    def installing(manifest: Manifest) -> Iterator[None]:
+        with new_agent_files(state, manifest.agent_id):  # no daemon sees its files without its record
+            yield
+            if manifest.holder.host == here:
+                records.append(record_new_agent(state, manifest.agent_id, manifest.holder.epoch))
+
+    agent = archive.import_tar(store, args.tar, installing=installing)
     holder = agent.manifest().holder
     print(f"imported agent {agent.name} ({agent.agent_id})")
-    if holder.host == host_id(args):
-        rec = record_new_agent(state_dir(args), agent.agent_id, holder.epoch)
+    if records:
+        rec = records[0]
         if not rec.runnable:
             print(f"note: {agent.name} was removed here earlier; another host may have taken it since, so it will "
                   f"not run here until 'capsulefs move {agent.name} --learn' finds that no peer holds it "
