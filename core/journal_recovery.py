@@ -30,6 +30,7 @@ Theory of operation (the ring's chain is described in
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -200,10 +201,57 @@ def recover_journal(path: str, ring_path: str, recovery_dir: str) -> int:
         fd = _open_locked(path)
     except FileNotFoundError:
         return 0
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        check_ring_read_only(path, ring_path, exc)
+        return 0
     try:
         return replay_ring(fd, path, ring_path, recovery_dir)
     finally:
         os.close(fd)
+
+
+def check_ring_read_only(path: str, ring_path: str, why: OSError) -> None:
+    """For a reader that may not write the store (mounted read-only, another
+    user's): nothing can be replayed, so make sure nothing needs to be. The
+    journal must hold every byte its ring vouches for (checked chain), else
+    RingMismatch says so instead of serving a journal short of acknowledged
+    events. A ring this user may not read is logged and the journal read as
+    it is (its owner's next open replays it)."""
+    try:
+        ring_fd = os.open(ring_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except PermissionError as exc:
+        log.warning("journal %s: its write-ahead ring cannot be read here (%s); the journal is read as it is",
+                    path, exc)
+        return
+    ring = Ring(ring_path, ring_fd)
+    try:
+        vouched = ring.vouched()
+        if vouched is None:
+            return
+        try:
+            fd = _open_locked(path, shared=True)
+        except FileNotFoundError:
+            return
+        try:
+            def holds(start: int, data: bytes) -> bool:
+                return os.fstat(fd).st_size >= start + len(data) and os.pread(fd, len(data), start) == data
+
+            if holds(vouched[0], vouched[2]):
+                return
+            entries = ring.scan()
+            if not entries or holds(entries[0].offset, b"".join(e.data for e in entries)):
+                return
+        finally:
+            os.close(fd)
+    finally:
+        ring.close()
+    raise RingMismatch(f"journal {path} lacks acknowledged events that its write-ahead ring {ring_path} holds (a "
+                       f"crash kept them from the journal file), and they cannot be replayed here: "
+                       f"{why.strerror}. Open the store once where it is writable (any capsulefs command) to replay them")
 
 
 @contextmanager

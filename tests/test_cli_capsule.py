@@ -167,3 +167,49 @@ def test_import_installs_under_the_agents_files_lock(cli, tmp_path: Path) -> Non
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert (other / "agents" / agent_id).is_dir() and "imported agent ada" in out
+
+
+def test_a_read_only_store_with_a_write_ahead_ring(tmp_path: Path) -> None:
+    """Appends leave a write-ahead ring beside the journal. A store mounted
+    read-only still reads (export, log) when its journal holds everything
+    the ring vouches for; when a crash kept acknowledged events from the
+    journal, reading it read-only says so instead of serving it short, and
+    the next read-write open replays them."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from conftest import run_cli
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to bind-mount a store read-only")
+    state, ro = tmp_path / "state", tmp_path / "ro"
+    run_cli("init", state=state, check=True)
+    run_cli("new", "ada", state=state, check=True)
+    for text in ("one", "two"):
+        run_cli("append", "ada", "--kind", "note", "--text", text, state=state, check=True)
+    assert [p.name for p in (state / "journal-wal").iterdir()]  # the ring is there
+    journal = next((state / "agents").iterdir()) / "memory" / "timeline_events.jsonl"
+    whole = journal.read_bytes()
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(state), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        out = run_cli("export", "ada", "-o", str(tmp_path / "ada.tar"), state=ro)
+        assert out.returncode == 0, out.stderr
+        log = run_cli("log", "ada", state=ro)
+        assert log.returncode == 0 and "one" in log.stdout and "two" in log.stdout, log.stderr
+        # A crash kept the last event from the journal file; the ring has it.
+        with open(journal, "r+b") as f:
+            f.truncate(whole.rstrip(b"\n").rfind(b"\n") + 1)
+        for argv in (["export", "ada", "-o", str(tmp_path / "short.tar")], ["log", "ada"]):
+            out = run_cli(*argv, state=ro)
+            assert out.returncode != 0 and "cannot be replayed here" in out.stderr, (argv, out.stdout, out.stderr)
+        assert not (tmp_path / "short.tar").exists()
+        run_cli("ls", state=state, check=True)  # opened read-write: replayed
+        assert journal.read_bytes() == whole
+        assert "two" in run_cli("log", "ada", state=ro, check=True).stdout
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

@@ -27,6 +27,7 @@ from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
+from capsulefs.core.journal_recovery import read_journal_locked
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
 from capsulefs.movehost import holders_dir
@@ -94,8 +95,8 @@ def _journal_bytes(args: argparse.Namespace, target: str) -> Iterator[bytes]:
         yield listing.contents[fmt.JOURNAL]
         return
     agent = open_store(args).find(target)
-    with agent_journal(agent, machine=None) as journal:
-        yield journal.read()
+    agent.recover_journal()  # a reader's replay (or, in a store it may not write, a check)
+    yield read_journal_locked(agent.path(fmt.JOURNAL))
 
 
 def cmd_log(args: argparse.Namespace) -> int:
