@@ -255,7 +255,7 @@ def load_json(data: bytes | str, what: str, *, error: type[FormatError] = Format
             data = data.encode()
         except UnicodeEncodeError:
             raise error(f"{what} is not valid JSON text: it holds a lone UTF-16 surrogate") from None
-    if _SURROGATE.search(data):
+    if _SURROGATE.search(data) or json.detect_encoding(data) != "utf-8":  # (UTF-16/32: decoded with surrogatepass)
         try:
             json.dumps(doc, ensure_ascii=False).encode()
         except UnicodeEncodeError:

@@ -396,6 +396,8 @@ class LiveAgent:
             log.warning("%s of agent %s: edit not saved at close: %s", rel, self.agent_id, exc)
         finally:
             del self.edits[rel]
+            if edit.dirty:  # dropped: the kernel's size of the file was the edit's
+                self.host.changed(self.agent_id, rel)
 
     def commit_edit(self, rel: str) -> None:
         """Save the edit of ``rel``; refused, it stays as its writers left it."""
@@ -420,21 +422,28 @@ class LiveAgent:
         resize(buf, size, rel)
         self.save(rel, bytes(buf))
 
-    def save(self, rel: str, data: bytes) -> None:
-        """Commit a new version of an editable file (validated first)."""
+    def check_edit(self, rel: str, data: bytes) -> str | None:
+        """Raise the error that saving ``data`` as ``rel`` would raise, before
+        it changes anything; return the working memory's text."""
         self.check_writable()
         if rel == fmt.SPEC:
             parse_spec(data)
+            return None
+        if rel != fmt.WORKING_MEMORY:
+            raise NotPermitted(f"{rel} is not editable")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"working memory must be UTF-8 text: {exc}") from None
+
+    def save(self, rel: str, data: bytes) -> None:
+        """Commit a new version of an editable file (validated first)."""
+        text = self.check_edit(rel, data)
+        if text is None:  # the spec
             self.handle.write_files({rel: data})
             self.host.changed(self.agent_id, rel)
             log.info("agent %s: spec updated (%d bytes)", self.agent_id, len(data))
             return
-        if rel != fmt.WORKING_MEMORY:
-            raise NotPermitted(f"{rel} is not editable")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"working memory must be UTF-8 text: {exc}") from None
         if data == self.handle.read(rel):
             return  # nothing changed: no event
         store = self.host.store

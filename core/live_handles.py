@@ -252,10 +252,13 @@ class EditHandle(Handle):
     commits it once something was written, so a refused commit (a spec that
     does not validate, memory that is not UTF-8, a read-only mount) fails
     the close that asked, and the writer's bytes stay for another try. A
-    truncate alone waits: the kernel flushes at the close of every copy of
-    a descriptor, and the shell's ``>`` opens with O_TRUNC, then closes its
-    first copy before anything is written. The last close (release)
-    commits what is still uncommitted or, refused, drops it with a log line.
+    truncate alone is only checked there, and committed at the last close:
+    the kernel flushes at the close of every copy of a descriptor, and the
+    shell's ``>`` opens with O_TRUNC, then closes its first copy before
+    anything is written. The last close (release) commits what is still
+    uncommitted or, refused, drops it with a log line. Writers share the
+    bytes, as on a disk: one writer's refused bytes are what another's
+    close commits (and is refused for) until someone writes them right.
     """
 
     def __init__(self, agent: "LiveAgent", rel: str, writable: bool) -> None:
@@ -298,8 +301,12 @@ class EditHandle(Handle):
         self.edit.dirty = True
 
     def flush(self) -> None:
-        if self.writable and self.edit.written and not self.edit.detached:
+        if not self.writable or self.edit.detached:
+            return
+        if self.edit.written:
             self.agent.commit_edit(self.rel)
+        elif self.edit.dirty:  # truncated only: committed at release, refused here if it will be
+            self.agent.check_edit(self.rel, bytes(self.edit.data))
 
     def fsync(self) -> None:
         self.flush()

@@ -113,9 +113,11 @@ def test_lines_from_outside_that_json_alone_accepts_are_named_not_raised() -> No
     lines = _journal()
     surrogate = lines[0].replace(b'"kind"', b'"x":"\\ud800","kind"')
     deep = b'{"clock":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    problems = verify_lines([surrogate, deep] + lines[1:])
+    utf16 = json.dumps(json.loads(surrogate), ensure_ascii=False).encode("utf-16-le", "surrogatepass")
+    problems = verify_lines([surrogate, deep, utf16] + lines[1:])
     assert problems[0].startswith("line 1:") and "surrogate" in problems[0], problems
     assert problems[1].startswith("line 2:") and "nested too deeply" in problems[1], problems
+    assert problems[2].startswith("line 3:") and "surrogate" in problems[2], problems
     with pytest.raises(ChainError, match="line 1"):
         merge([surrogate] + lines[1:], lines)
 

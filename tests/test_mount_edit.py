@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,25 @@ def test_a_child_closing_an_inherited_descriptor_cuts_nothing(mnt: Path) -> None
     finally:
         os.close(fd)
     assert spec.read_bytes() == new
+    verifies(mnt)
+
+
+def test_a_refused_truncate_fails_the_close(mnt: Path, store: HostStore) -> None:
+    # a truncate alone commits at the last close, but a close is still refused if it will be
+    spec = mnt / fmt.SPEC
+    old = spec.read_bytes()
+    fd = os.open(spec, os.O_RDWR)
+    os.ftruncate(fd, 0)  # an empty spec is not a spec
+    with pytest.raises(OSError) as exc:
+        os.close(fd)
+    assert exc.value.errno == errno.EINVAL
+    assert store.find("alice").read(fmt.SPEC) == old  # never saved
+    # The mount drops the edit at the kernel's release, which may come just
+    # after close returned: then the old spec shows again.
+    deadline = time.monotonic() + 5
+    while spec.read_bytes() != old and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spec.read_bytes() == old
     verifies(mnt)
 
 
