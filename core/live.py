@@ -46,6 +46,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -64,6 +65,7 @@ from .live_errors import (
     ReadOnly,
 )
 from .journal import Journal, parse_draft_lines
+from .archive import FILES_WAIT
 from .journal_recovery import RECOVERY_DIR, journal_ring_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
@@ -85,6 +87,7 @@ from .live_handles import (
 )
 from .live_journal import JournalTail, open_appender
 from .scratch import ScratchArea
+from .holder import HOLDERS_DIR, agent_files_lock
 from .snapshots import Snapshots
 from .spec import parse_spec
 from .store import AgentHandle, HostStore
@@ -728,6 +731,16 @@ class LiveHost:
         return value
 
     # -- changing the tree ---------------------------------------------------------
+    def mkdir_lock(self, parent: Node) -> AbstractContextManager[None]:
+        """What ``mkdir`` in ``parent`` must hold, for the caller to take off
+        the event loop first: for a snapshot, the agent's files lock, shared
+        (a `capsulefs append` holding it is let finish, for up to
+        ``archive.FILES_WAIT`` seconds, then FilesBusy)."""
+        if parent.kind is not Kind.SNAPSHOTS:
+            return nullcontext()
+        return agent_files_lock(os.path.join(self.store.root, HOLDERS_DIR), parent.agent, shared=True,
+                                wait=FILES_WAIT)
+
     def mkdir(self, parent: Node, name: str) -> Node:
         if parent.kind is Kind.ROOT:
             if self.failsafe is not None:

@@ -37,8 +37,9 @@ from .store import AgentHandle
 SUBDIR = "snapshots"
 
 
-#: Seconds a snapshot made through the mount (mkdir, on the daemon's loop)
-#: waits for a `capsulefs append` to finish with the agent's files.
+#: Seconds :meth:`Snapshots.create` waits for a `capsulefs append` to finish
+#: with the agent's files. Short: it runs on the daemon's loop; the mount
+#: waits for the lock off its loop first (``LiveHost.mkdir_lock``).
 FILES_WAIT = 2.0
 
 

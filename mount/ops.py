@@ -254,7 +254,13 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = self.live.mkdir(self.inodes.node(parent_inode), _name(name))
+        parent = self.inodes.node(parent_inode)
+        lock = self.live.mkdir_lock(parent)
+        await trio.to_thread.run_sync(lock.__enter__)  # (a snapshot waits for a `capsulefs append` here)
+        try:
+            node = self.live.mkdir(parent, _name(name))
+        finally:
+            lock.__exit__(None, None, None)
         attr = self.live.attr(node)
         return self._entry(self.inodes.ref(node), attr, node)
 

@@ -78,3 +78,49 @@ def test_snapshot_while_appending_verifies(store: HostStore, state_dir: Path, tm
         assert "nightly" in os.listdir(agent / ".snapshots")
         os.rmdir(agent / ".snapshots" / "nightly")
         assert os.listdir(agent / ".snapshots") == []
+
+
+def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore, state_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A snapshot (mkdir in .snapshots/) waits while a `capsulefs append`
+    holds the agent's files, longer than the daemon's loop could, and the
+    mount serves everything else meanwhile."""
+    import threading
+
+    from capsulefs.core.holder import HolderBook
+    from capsulefs.movehost import holders_dir
+
+    make_agent(store, "alice", memory="m\n")
+    agent_id = store.find("alice").agent_id
+    m = tmp_path / "mnt"
+    with mounted(state_dir, m):
+        done: list[BaseException | None] = []
+
+        def snapshot() -> None:
+            try:
+                os.mkdir(m / "alice" / ".snapshots" / "s1")
+                done.append(None)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                done.append(exc)
+
+        with HolderBook(holders_dir(state_dir)).files_lock(agent_id, shared=False):  # what an append holds
+            t = threading.Thread(target=snapshot)
+            t.start()
+            time.sleep(0.3)
+            for _ in range(5):  # other requests are answered while the snapshot waits
+                assert json_status(m / "alice")["state"] == "active"
+                assert (m / "alice" / fmt.WORKING_MEMORY).read_text() == "m\n"
+                time.sleep(0.5)
+            assert t.is_alive() and done == []
+        t.join(30)
+        assert done == [None]
+        snap = m / "alice" / ".snapshots" / "s1"
+        assert (snap / fmt.WORKING_MEMORY).read_text() == "m\n"
+        out = capsulefs("verify", str(snap)).stdout
+        assert out.startswith("OK:"), out
+
+
+def json_status(agent: Path) -> dict:
+    import json
+
+    return json.loads((agent / ".control" / "status").read_bytes())
