@@ -10,7 +10,10 @@ Rules:
     umount`` asks the daemon so (SIGTERM to the pid the root's
     ``user.capsulefs.pid`` names). An unmount from outside (``fusermount3
     -u``, ``umount``) ends the loop too, and the daemon exits, but the
-    agents lose their mount before they stop.
+    agents lose their mount before they stop. While the daemon serves, no
+    SIGINT or SIGTERM has its default effect: one that comes before the
+    watcher runs starts the shutdown as soon as it does; one during the
+    final clean-up is logged, and the clean-up finishes.
   * After an internal error the daemon never unmounts by itself: the view
     goes read-only (``LiveHost.enter_failsafe``), the error is logged and
     shown in every agent's ``.control/status``. A mount that suddenly looks
@@ -234,6 +237,8 @@ class Daemon:
         #: What the runtime file says besides mount point and pid (services add keys).
         self.runtime_info: dict[str, object] = {}
         self._stopped_by_us = False
+        self._watching = False  # the signal watcher runs (before: a signal waits for it; after: logged)
+        self._early_signal: int | None = None
         self._kernel_up = False  # services started: the kernel may cache entries we must invalidate
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
@@ -317,6 +322,22 @@ class Daemon:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Mount, serve until unmounted or signalled, then clean up."""
         opts = mount_options(allow_other=self.allow_other, extra=self.options)
+        previous = {s: signal.signal(s, self._signal_unwatched) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            await self._serve(opts, task_status)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _signal_unwatched(self, signum: int, frame: object) -> None:
+        """SIGINT/SIGTERM while the watcher does not run (it restores this
+        handler when it ends, and redelivers what it had not read)."""
+        if self._watching:
+            log.warning("got %s: already unmounting; the clean-up finishes first", signal.Signals(signum).name)
+        elif self._early_signal is None:
+            self._early_signal = signum  # the watcher acts on it once it runs
+
+    async def _serve(self, opts: set[str], task_status: trio.TaskStatus[None]) -> None:
         log.info("mounting %s on %s", self.state_dir, self.mountpoint)
         pyfuse3.init(self.ops, self.mountpoint, opts)
         self.ops.root_xattrs[PID_XATTR] = pid_note().encode()  # whom `capsulefs umount` asks to stop
@@ -364,10 +385,13 @@ class Daemon:
         them (each at a step boundary, within the supervisor's grace
         period), then unmount. A second signal unmounts at once."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            self._watching = True
             task_status.started()
-            async for signum in signals:
-                log.info("got %s: stopping the agents, then unmounting %s", signal.Signals(signum).name, self.mountpoint)
-                break
+            signum = self._early_signal
+            if signum is None:
+                async for signum in signals:
+                    break
+            log.info("got %s: stopping the agents, then unmounting %s", signal.Signals(signum).name, self.mountpoint)
             async with trio.open_nursery() as nursery:
 
                 async def cut_short() -> None:

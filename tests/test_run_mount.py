@@ -165,3 +165,30 @@ def test_a_second_signal_does_not_wait_for_a_stubborn_agent(tmp_path: Path) -> N
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "unmounting now" in (state.parent / "daemon-mnt.log").read_text()
+
+
+def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it(tmp_path: Path) -> None:
+    """Unmounted from outside, the daemon stops its agents (a stubborn one
+    for the whole grace period) and cleans up; a SIGTERM meanwhile is
+    logged and the clean-up finishes. Before, it killed the daemon midway."""
+    from capsulefs.daemon import runtime_path
+    from mount_kit import force_unmount
+
+    state = _script_agent(tmp_path, "mule", _STOPPING_AGENT.replace("signal.signal(signal.SIGTERM, stop)",
+                                                                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
+    mnt = tmp_path / "mnt"
+    log = state.parent / "daemon-mnt.log"
+    with mounted(state, mnt) as daemon:
+        pid = _started(mnt / "mule")
+        assert os.path.exists(runtime_path(str(state)))
+        force_unmount(mnt)  # fusermount3 -u -z, from outside
+        wait_until(lambda: "ignored SIGTERM" not in log.read_text() and not os.path.ismount(mnt), "the unmount")
+        time.sleep(0.5)  # the daemon is stopping the agent: up to its 5 s grace period
+        assert daemon.poll() is None
+        os.kill(pid, 0)  # the agent is still there
+        daemon.terminate()
+        assert daemon.wait(timeout=30) == 0
+    assert "already unmounting; the clean-up finishes first" in log.read_text()
+    assert not os.path.exists(runtime_path(str(state)))  # its last step ran
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
