@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -108,27 +110,43 @@ def test_export_from_a_read_only_store(tmp_path: Path) -> None:
     """Reading an agent takes its files lock, which creates a lock file: a
     store mounted read-only (a backup, a snapshot of a disk) still exports,
     without the lock (nobody can be appending to it)."""
+    import shutil
+
+    from conftest import run_cli
+
+    state = _store_with_ada(tmp_path)
+    shutil.rmtree(state / "holders")  # a store from before holder records: no lock file, nor its directory
+    with _read_only(state, tmp_path / "ro") as ro:
+        out = run_cli("export", "ada", "-o", str(tmp_path / "ada.tar"), state=ro)
+        assert out.returncode == 0, out.stderr
+        assert run_cli("verify", str(tmp_path / "ada.tar")).returncode == 0
+
+
+def _store_with_ada(tmp_path: Path) -> Path:
+    from conftest import run_cli
+
+    state = tmp_path / "state"
+    run_cli("init", state=state, check=True)
+    run_cli("new", "ada", state=state, check=True)
+    return state
+
+
+@contextmanager
+def _read_only(state: Path, ro: Path) -> Iterator[Path]:
+    """``state`` bind-mounted read-only on ``ro`` (root only, else skip)."""
     import os
     import shutil
     import subprocess
 
     import pytest
 
-    from conftest import run_cli
-
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("needs root to bind-mount a store read-only")
-    state, ro = tmp_path / "state", tmp_path / "ro"
-    run_cli("init", state=state, check=True)
-    run_cli("new", "ada", state=state, check=True)
-    shutil.rmtree(state / "holders")  # a store from before holder records: no lock file, nor its directory
     ro.mkdir()
     subprocess.run(["mount", "--bind", str(state), str(ro)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
-        out = run_cli("export", "ada", "-o", str(tmp_path / "ada.tar"), state=ro)
-        assert out.returncode == 0, out.stderr
-        assert run_cli("verify", str(tmp_path / "ada.tar")).returncode == 0
+        yield ro
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 
@@ -175,28 +193,15 @@ def test_a_read_only_store_with_a_write_ahead_ring(tmp_path: Path) -> None:
     the ring vouches for; when a crash kept acknowledged events from the
     journal, reading it read-only says so instead of serving it short, and
     the next read-write open replays them."""
-    import os
-    import shutil
-    import subprocess
-
-    import pytest
-
     from conftest import run_cli
 
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("needs root to bind-mount a store read-only")
-    state, ro = tmp_path / "state", tmp_path / "ro"
-    run_cli("init", state=state, check=True)
-    run_cli("new", "ada", state=state, check=True)
+    state = _store_with_ada(tmp_path)
     for text in ("one", "two"):
         run_cli("append", "ada", "--kind", "note", "--text", text, state=state, check=True)
     assert [p.name for p in (state / "journal-wal").iterdir()]  # the ring is there
     journal = next((state / "agents").iterdir()) / "memory" / "timeline_events.jsonl"
     whole = journal.read_bytes()
-    ro.mkdir()
-    subprocess.run(["mount", "--bind", str(state), str(ro)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+    with _read_only(state, tmp_path / "ro") as ro:
         out = run_cli("export", "ada", "-o", str(tmp_path / "ada.tar"), state=ro)
         assert out.returncode == 0, out.stderr
         log = run_cli("log", "ada", state=ro)
@@ -211,5 +216,3 @@ def test_a_read_only_store_with_a_write_ahead_ring(tmp_path: Path) -> None:
         run_cli("ls", state=state, check=True)  # opened read-write: replayed
         assert journal.read_bytes() == whole
         assert "two" in run_cli("log", "ada", state=ro, check=True).stdout
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
