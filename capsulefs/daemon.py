@@ -319,8 +319,10 @@ class Daemon:
         return self.live.state(agent_id)
 
     # -- serving ---------------------------------------------------------------------
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Mount, serve until unmounted or signalled, then clean up."""
+    async def serve(self, *, task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED) -> None:
+        """Mount, serve until unmounted or signalled, then clean up. Started
+        with True once the mount serves, or with False at the end if it
+        ended (unmounted from outside, signalled) before that."""
         opts = mount_options(allow_other=self.allow_other, extra=self.options)
         previous = {s: signal.signal(s, self._signal_unwatched) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -337,7 +339,7 @@ class Daemon:
         elif self._early_signal is None:
             self._early_signal = signum  # the watcher acts on it once it runs
 
-    async def _serve(self, opts: set[str], task_status: trio.TaskStatus[None]) -> None:
+    async def _serve(self, opts: set[str], task_status: trio.TaskStatus[bool]) -> None:
         log.info("mounting %s on %s", self.state_dir, self.mountpoint)
         pyfuse3.init(self.ops, self.mountpoint, opts)
         self.ops.root_xattrs[PID_XATTR] = pid_note().encode()  # whom `capsulefs umount` asks to stop
@@ -353,7 +355,7 @@ class Daemon:
                 log.info("capsulefs mounted on %s", self.mountpoint)
                 self._write_runtime()
                 self.notify("READY=1")
-                task_status.started()
+                task_status.started(True)
         finally:
             self._remove_runtime()
             self.notify("STOPPING=1")
@@ -361,6 +363,9 @@ class Daemon:
             pyfuse3.close(unmount=self._stopped_by_us)
             self.live.close()
             log.info("capsulefs unmounted from %s", self.mountpoint)
+        if not self._kernel_up:
+            log.warning("the mount ended while the daemon was starting its services")
+            task_status.started(False)
 
     def _write_runtime(self) -> None:
         info = {"mountpoint": self.mountpoint, "pid": os.getpid()} | self.runtime_info

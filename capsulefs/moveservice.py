@@ -416,7 +416,8 @@ class MoveService:
         """After a restart: mark agents without a record UNKNOWN, refuse every
         pending move, drop leftovers, re-activate held agents."""
         present = set(self.host.store.agent_ids())
-        self.host.holders.reconcile(present)
+        # (off the loop: it may wait for a `capsulefs import` to record its agent)
+        await trio.to_thread.run_sync(self.host.holders.reconcile, present)
         for agent_id in self.host.holders.agent_ids():
             async with self.host.lock(agent_id):
                 rec = self.record(agent_id)

@@ -13,7 +13,7 @@ import pytest
 
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
-from helpers import make_agent
+from helpers import make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -118,6 +118,67 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
         assert (snap / fmt.WORKING_MEMORY).read_text() == "m\n"
         out = capsulefs("verify", str(snap)).stdout
         assert out.startswith("OK:"), out
+
+
+def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record(store: HostStore, state_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """An import holds the agent's files lock from its files to its holder
+    record. A daemon starting meanwhile waits for the record (not marking
+    the agent as one whose record was lost) off its loop: the mount serves."""
+    import threading
+
+    from capsulefs.core.holder import HolderBook, HolderState, new_held
+    from capsulefs.movehost import holders_dir
+
+    make_agent(store, "alice")  # its files are in the store, its record not yet
+    agent_id = store.find("alice").agent_id
+    book = HolderBook(holders_dir(state_dir))
+    m = tmp_path / "mnt"
+    importing = book.files_lock(agent_id, shared=False)  # what `capsulefs import` holds
+    importing.__enter__()
+    try:
+        with mounted(state_dir, m):
+            listed: list[list[str]] = []
+            t = threading.Thread(target=lambda: listed.append(sorted(os.listdir(m))))
+            t.start()
+            t.join(3)
+            assert listed == [["alice"]], "the mount did not answer while its recovery waited"
+            book.put(new_held(agent_id, 1))  # the import records the agent, then lets go
+            importing.__exit__(None, None, None)
+            importing = None
+            wait_until(lambda: (m / "alice" / ".control" / "status").exists(), "the agent")
+    finally:
+        if importing is not None:
+            importing.__exit__(None, None, None)
+    assert book.get(agent_id).state is HolderState.HELD
+
+
+def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """The mount is up before the daemon's services are (here its recovery
+    waits for an import's record): an unmount from outside then ends the
+    daemon with status 0, not with a traceback."""
+    from capsulefs.core.holder import HolderBook
+    from capsulefs.movehost import holders_dir
+    from mount_kit import force_unmount
+
+    make_agent(store, "alice")
+    book = HolderBook(holders_dir(state_dir))
+    m = tmp_path / "mnt"
+    importing = book.files_lock(store.find("alice").agent_id, shared=False)  # the daemon's recovery waits
+    importing.__enter__()
+    try:
+        with mounted(state_dir, m) as daemon:
+            force_unmount(m)
+            time.sleep(0.3)
+            assert daemon.poll() is None  # its recovery still waits
+            importing.__exit__(None, None, None)
+            importing = None
+    finally:
+        if importing is not None:
+            importing.__exit__(None, None, None)
+    # mounted() waited for the daemon to exit and found no traceback in its log
+    assert daemon.returncode == 0
+    assert "the mount ended while the daemon was starting" in (state_dir.parent / "daemon-mnt.log").read_text()
 
 
 def json_status(agent: Path) -> dict:

@@ -107,10 +107,11 @@ def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
+            up = await nursery.start(daemon.serve)
             if ready_fd is not None:
-                os.write(ready_fd, b"1")
-                os.close(ready_fd)
+                if up:
+                    os.write(ready_fd, b"1")
+                os.close(ready_fd)  # (without "1": the mount ended while starting)
 
     trio.run(main)
     return 0
