@@ -51,10 +51,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from . import format as fmt
+from .archive import FILES_WAIT
 from .blobcheck import BlobChecks
 from .errors import CapsuleError, ExistsError, FormatError, NotFoundError, StoreError
 from .events import Event, MemoryEdit, ModelSwitch, Record
 from .hashing import hash_file
+from .holder import HOLDERS_DIR, agent_files_lock
 from .live_errors import (
     AccessDenied,
     IsADirectory,
@@ -65,7 +67,6 @@ from .live_errors import (
     ReadOnly,
 )
 from .journal import Journal, parse_draft_lines
-from .archive import FILES_WAIT
 from .journal_recovery import RECOVERY_DIR, journal_ring_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
@@ -87,7 +88,6 @@ from .live_handles import (
 )
 from .live_journal import JournalTail, open_appender
 from .scratch import ScratchArea
-from .holder import HOLDERS_DIR, agent_files_lock
 from .snapshots import Snapshots
 from .spec import parse_spec
 from .store import AgentHandle, HostStore

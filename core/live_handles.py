@@ -26,13 +26,13 @@ from .live_errors import NotPermitted, NotSupported, TooLarge
 if TYPE_CHECKING:
     from .live import LiveAgent
 
+log = logging.getLogger(__name__)
+
 #: Longest incomplete line a journal handle holds while waiting for its newline.
 MAX_PARTIAL_LINE = 16 << 20
 #: Largest working_memory.md or spec.json a write or truncate may make: the
 #: file being edited is held in the daemon's memory until it is committed.
 MAX_EDIT_SIZE = 64 << 20
-log = logging.getLogger(__name__)
-
 MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
 REMOVE_UNAVAILABLE = "removing agents through this mount is not available (.control/remove is reserved)"
 #: Longest line accepted by ``.control/move``, ``.control/abandon`` and ``.control/remove``.
