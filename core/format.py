@@ -31,6 +31,7 @@ See docs/format.md for the prose version of this module; they must agree.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -240,13 +241,28 @@ class Manifest:
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
+class _NotJSON(ValueError):
+    """What Python's parser accepts beyond JSON: NaN, Infinity, 1e999."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJSON(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _NotJSON(f"{text} is out of range")
+    return value
+
+
 def load_json(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> Any:
     """``json.loads`` of a document from outside, reported as ``error`` naming
     ``what`` if it does not parse, nests deeper than the parser goes, or
     escapes a lone surrogate (text that cannot be written back as UTF-8)."""
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+    except (UnicodeDecodeError, json.JSONDecodeError, _NotJSON) as exc:
         raise error(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
         raise error(f"{what} is not valid JSON: nested too deeply") from None
