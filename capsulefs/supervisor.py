@@ -201,6 +201,7 @@ class Supervisor:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+                self._stopping = True  # (a move's recovery, shielded, may still ask for an agent: no-op)
                 with trio.CancelScope(shield=True):
                     for runner in list(self._runners.values()):
                         await self._stop_process(runner)
@@ -246,10 +247,10 @@ class Supervisor:
 
     def want(self, agent_id: str) -> None:
         """Run this agent (no-op if it already runs)."""
-        if self._nursery is None:
-            raise RuntimeError("supervisor is not serving")
         if self._stopping:
             return  # the daemon is shutting down
+        if self._nursery is None:
+            raise RuntimeError("supervisor is not serving")
         r = self._runners.get(agent_id)
         if r is not None and not r.done.is_set():
             return

@@ -157,7 +157,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     """The mount is up before the daemon's services are (here its recovery
     waits for an import's record): an unmount from outside then ends the
     daemon with status 0, not with a traceback."""
-    from capsulefs.core.holder import HolderBook
+    from capsulefs.core.holder import HolderBook, new_held
     from capsulefs.movehost import holders_dir
     from mount_kit import force_unmount
 
@@ -171,6 +171,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
             force_unmount(m)
             time.sleep(0.3)
             assert daemon.poll() is None  # its recovery still waits
+            book.put(new_held(store.find("alice").agent_id, 1))  # recorded: the recovery activates it
             importing.__exit__(None, None, None)
             importing = None
     finally:
