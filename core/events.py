@@ -400,6 +400,8 @@ def parse_draft(obj: object) -> Event:
         raise FormatError("an event's text must be valid Unicode (it holds a lone UTF-16 surrogate)") from None
     except RecursionError:
         raise FormatError("an event is nested too deeply") from None
+    except ValueError:  # NaN or an infinity, from a caller that did not parse JSON with load_json
+        raise FormatError("an event's numbers must be finite (JSON has no NaN or Infinity)") from None
     payload = {k: v for k, v in obj.items() if k != "kind"}
     return event_from_fields(obj["kind"], payload, strict=True)
 

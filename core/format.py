@@ -256,7 +256,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def load_json(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> Any:
+def load_json(data: bytes | str, what: str, *, error: type[Exception] = FormatError) -> Any:
     """``json.loads`` of a document from outside, reported as ``error`` naming
     ``what`` if it does not parse, nests deeper than the parser goes, or
     escapes a lone surrogate (text that cannot be written back as UTF-8)."""
@@ -281,7 +281,7 @@ def load_json(data: bytes | str, what: str, *, error: type[FormatError] = Format
     return doc
 
 
-def load_json_object(data: bytes | str, what: str, *, error: type[FormatError] = FormatError) -> dict[str, Any]:
+def load_json_object(data: bytes | str, what: str, *, error: type[Exception] = FormatError) -> dict[str, Any]:
     """:func:`load_json` of a document that must be a JSON object."""
     doc = load_json(data, what, error=error)
     if not isinstance(doc, dict):

@@ -116,6 +116,14 @@ def test_drafts_are_all_or_nothing(tmp_path: Path) -> None:
         assert path.read_bytes() == before
 
 
+def test_a_draft_built_in_python_with_a_non_finite_number_is_refused() -> None:
+    from capsulefs.core.events import parse_draft
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(FormatError, match="numbers must be finite"):
+            parse_draft({"kind": "note", "text": "x", "n": value})
+
+
 def test_unknown_kinds_are_kept_byte_for_byte(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:

@@ -79,6 +79,8 @@ def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def
         (["--kind", "note"], "missing field"),
         (["--kind", "note", "--json", "[1]"], "JSON object"),
         (["--kind", "note", "--text", "x", "--json", '{"seq":4}'], "stamped"),
+        (["--kind", "note", "--text", "x", "--json", '{"n":NaN}'], "NaN is not a JSON number"),
+        (["--kind", "note", "--json", '{"text":1e999}'], "1e999 is out of range"),
         ([], "--kind"),
     ]:
         p = cli("append", "ada", *args)

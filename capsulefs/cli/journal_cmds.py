@@ -135,10 +135,7 @@ def _drafts(args: argparse.Namespace) -> list[Any]:
         raise UsageError("append needs --kind KIND (or --stdin with one JSON event per line)")
     fields: dict[str, Any] = {}
     if args.json:
-        try:
-            extra = json.loads(args.json)
-        except (ValueError, RecursionError) as exc:
-            raise UsageError(f"--json is not valid JSON: {exc}") from None
+        extra = fmt.load_json(args.json, "--json", error=UsageError)
         if not isinstance(extra, dict):
             raise UsageError("--json must be a JSON object of the event's fields")
         fields.update(extra)
