@@ -82,6 +82,11 @@ def save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
     return dest
 
 
+def _holds(fd: int, size: int, start: int, data: bytes) -> bool:
+    """Whether the journal open on ``fd`` (``size`` bytes) holds ``data`` at ``start``."""
+    return size >= start + len(data) and os.pread(fd, len(data), start) == data
+
+
 def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
     """Bring the journal open on ``fd`` up to date with its ring after a
     crash; return how many bytes were restored. Caller holds the flock.
@@ -110,7 +115,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
             return 0
         start, ino, data = vouched
         st = os.fstat(fd)
-        if st.st_ino == ino and st.st_size >= start + len(data) and os.pread(fd, len(data), start) == data:
+        if st.st_ino == ino and _holds(fd, st.st_size, start, data):
             return 0
         entries = ring.scan()
         if not entries:
@@ -237,13 +242,11 @@ def check_ring_read_only(path: str, ring_path: str, why: OSError) -> None:
         except FileNotFoundError:
             return
         try:
-            def holds(start: int, data: bytes) -> bool:
-                return os.fstat(fd).st_size >= start + len(data) and os.pread(fd, len(data), start) == data
-
-            if holds(vouched[0], vouched[2]):
+            size = os.fstat(fd).st_size
+            if _holds(fd, size, vouched[0], vouched[2]):
                 return
             entries = ring.scan()
-            if not entries or holds(entries[0].offset, b"".join(e.data for e in entries)):
+            if not entries or _holds(fd, size, entries[0].offset, b"".join(e.data for e in entries)):
                 return
         finally:
             os.close(fd)
