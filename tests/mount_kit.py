@@ -7,6 +7,7 @@ the daemon and kills it if it does not exit.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -97,3 +98,8 @@ def check_chains(data: bytes) -> list[Record]:
     clocks = [r.clock for r in recs]
     assert clocks == sorted(clocks)
     return recs
+
+
+def status(agent: Path) -> dict:
+    """An agent's ``.control/status`` on a mount."""
+    return json.loads((agent / ".control" / "status").read_bytes())

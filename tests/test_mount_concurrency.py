@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import make_agent, wait_until
-from mount_kit import capsulefs, check_chains, mounted, needs_fuse
+from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -108,7 +109,7 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
             t.start()
             time.sleep(0.3)
             for _ in range(5):  # other requests are answered while the snapshot waits
-                assert json_status(m / "alice")["state"] == "active"
+                assert status(m / "alice")["state"] == "active"
                 assert (m / "alice" / fmt.WORKING_MEMORY).read_text() == "m\n"
                 time.sleep(0.5)
             assert t.is_alive() and done == []
@@ -134,9 +135,8 @@ def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record
     agent_id = store.find("alice").agent_id
     book = HolderBook(holders_dir(state_dir))
     m = tmp_path / "mnt"
-    importing = book.files_lock(agent_id, shared=False)  # what `capsulefs import` holds
-    importing.__enter__()
-    try:
+    with ExitStack() as importing:
+        importing.enter_context(book.files_lock(agent_id, shared=False))  # what `capsulefs import` holds
         with mounted(state_dir, m):
             listed: list[list[str]] = []
             t = threading.Thread(target=lambda: listed.append(sorted(os.listdir(m))))
@@ -144,12 +144,8 @@ def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record
             t.join(3)
             assert listed == [["alice"]], "the mount did not answer while its recovery waited"
             book.put(new_held(agent_id, 1))  # the import records the agent, then lets go
-            importing.__exit__(None, None, None)
-            importing = None
+            importing.close()
             wait_until(lambda: (m / "alice" / ".control" / "status").exists(), "the agent")
-    finally:
-        if importing is not None:
-            importing.__exit__(None, None, None)
     assert book.get(agent_id).state is HolderState.HELD
 
 
@@ -164,25 +160,15 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     make_agent(store, "alice")
     book = HolderBook(holders_dir(state_dir))
     m = tmp_path / "mnt"
-    importing = book.files_lock(store.find("alice").agent_id, shared=False)  # the daemon's recovery waits
-    importing.__enter__()
-    try:
+    with ExitStack() as importing:
+        importing.enter_context(book.files_lock(store.find("alice").agent_id, shared=False))  # recovery waits
         with mounted(state_dir, m) as daemon:
             force_unmount(m)
             time.sleep(0.3)
             assert daemon.poll() is None  # its recovery still waits
             book.put(new_held(store.find("alice").agent_id, 1))  # recorded: the recovery activates it
-            importing.__exit__(None, None, None)
-            importing = None
-    finally:
-        if importing is not None:
-            importing.__exit__(None, None, None)
+            importing.close()
     # mounted() waited for the daemon to exit and found no traceback in its log
     assert daemon.returncode == 0
     assert "the mount ended while the daemon was starting" in (state_dir.parent / "daemon-mnt.log").read_text()
 
-
-def json_status(agent: Path) -> dict:
-    import json
-
-    return json.loads((agent / ".control" / "status").read_bytes())

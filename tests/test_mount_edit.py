@@ -15,7 +15,7 @@ import pytest
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import make_agent
-from mount_kit import capsulefs, check_chains, mounted, needs_fuse
+from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -188,10 +188,6 @@ def test_a_shorter_write_replaces_the_whole_file(mnt: Path) -> None:
     verifies(mnt)
 
 
-def _writable(agent: Path) -> bool:
-    return json.loads((agent / ".control" / "status").read_bytes())["writable"]
-
-
 def _write_all(fd: int, data: bytes) -> None:
     while data:  # a short count (the kernel split a large write) is followed by the rest
         data = data[os.write(fd, data):]
@@ -218,7 +214,7 @@ def test_a_refused_journal_line_does_not_stop_the_next(mnt: Path) -> None:
             _write_all(fd, good)
         finally:
             os.close(fd)
-        assert _writable(mnt), f"bad line {i} sent the mount read-only"
+        assert status(mnt)["writable"], f"bad line {i} sent the mount read-only"
         texts = [r.event.text for r in check_chains(journal.read_bytes())]  # type: ignore[attr-defined]
         assert texts == ["after"] * (i + 1), f"bad line {i}"
     verifies(mnt)
@@ -286,7 +282,7 @@ def test_working_memory_cannot_grow_without_bound(mnt: Path) -> None:
         with pytest.raises(OSError) as exc:
             f.truncate(1 << 40)
         assert exc.value.errno == errno.EFBIG
-    assert wm.read_text() == MEMORY and _writable(mnt)
+    assert wm.read_text() == MEMORY and status(mnt)["writable"]
     assert kinds(mnt) == []
     verifies(mnt)
 
