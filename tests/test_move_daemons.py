@@ -94,7 +94,14 @@ class Host:
         proc = self.proc
         wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, f"{self.name} to mount")
         assert proc.poll() is None, self.log.read_text()
-        wait_for(lambda: (self.state / "mount" / "daemon.json").exists(), f"{self.name}'s runtime file")
+        # This daemon's runtime file (written once its recovery is done), not one a killed daemon left.
+        wait_for(lambda: self._runtime_pid() == proc.pid, f"{self.name}'s runtime file")
+
+    def _runtime_pid(self) -> int | None:
+        try:
+            return json.loads((self.state / "mount" / "daemon.json").read_bytes())["pid"]
+        except (FileNotFoundError, ValueError):
+            return None
 
     def stop(self) -> None:
         if self.proc is None:
