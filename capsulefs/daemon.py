@@ -62,7 +62,7 @@ import trio
 
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
-from capsulefs.core.holder import HolderBook
+from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.live import AgentState, LiveHost
 from capsulefs.core.live_errors import ReadOnly
 from capsulefs.core.store import HostStore
@@ -183,6 +183,20 @@ def mount_options(*, allow_other: bool = False, extra: tuple[str, ...] = ()) -> 
     return opts
 
 
+#: How an agent of the store is shown at start, by its holder record, until
+#: the move recovery settles it (absent: active, as a held agent, one whose
+#: record is missing or unknown, which an operator must see to settle).
+_START_STATE = {
+    HolderState.FROZEN: AgentState.FROZEN,  # its move resumes; writes wait for the outcome
+    HolderState.COMMITTING: AgentState.FROZEN,  # in doubt: the target may hold it already
+    HolderState.RETIRED: AgentState.RETIRED,  # held elsewhere; recovery drops the files
+    HolderState.REFUSED: AgentState.RETIRED,  # a move in that failed, or removed here
+    HolderState.OFFERED: AgentState.RETIRED,  # a move in not activated: recovery refuses it
+    HolderState.VERIFIED: AgentState.RETIRED,
+    HolderState.PREPARED: AgentState.RETIRED,
+}
+
+
 @asynccontextmanager
 async def _no_moves(agent_id: str) -> AsyncIterator[None]:
     """The move guard of a daemon without move wiring: nothing moves."""
@@ -217,6 +231,7 @@ class Daemon:
         )
         self.ops = Operations(self.live)
         self.live.remover = self
+        self._start_from_records()
         #: Other services of this daemon (the move service, the agent
         #: supervisor...): ``serve_*(task_status=...)`` callables started in
         #: the daemon's nursery once the mount is up, before READY=1, and
@@ -240,6 +255,20 @@ class Daemon:
         self._watching = False  # the signal watcher runs (before: a signal waits for it; after: logged)
         self._early_signal: int | None = None
         self._kernel_up = False  # services started: the kernel may cache entries we must invalidate
+
+    def _start_from_records(self) -> None:
+        """Before the mount serves: show each agent of the store as its holder
+        record says, not as active by default. The move recovery (a service,
+        started after the mount is up) settles each record in time, but until
+        it has, an agent a crash left retired here would be shown, and one
+        left in the middle of a move (perhaps active on the target already)
+        would take writes."""
+        book = HolderBook(holders_dir(self.state_dir))
+        for agent_id in self.live.store.agent_ids():
+            record = book.get(agent_id)
+            state = _START_STATE.get(record.state) if record is not None else None
+            if state is not None:
+                self.live.set_state(agent_id, state)
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:

@@ -550,7 +550,12 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
             if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
                 return
             assert record.peer is not None
-            peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
+            try:
+                peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
+            except CapsuleError as exc:  # the record names no host a peer could be: nobody to ask
+                log.error("cannot resume the move of %s (%s): %s; it stays %s until an operator abandons it",
+                          agent_id, record.describe_move(), exc, record.state.value)
+                return
             ctl = control_for(agent_id) if control_for is not None else control or MoveControl()
             driver = _Driver(host, mv.SourceMachine(record, me=host.me), peer, connect=connect,
                              call_timeout=call_timeout, retry_pause=retry_pause, max_retry_pause=max_retry_pause,

@@ -172,3 +172,46 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     assert daemon.returncode == 0
     assert "the mount ended while the daemon was starting" in (state_dir.parent / "daemon-mnt.log").read_text()
 
+
+
+def test_a_restarted_daemon_shows_agents_as_their_records_say_before_its_recovery(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """A crash can leave the files of an agent that moved away (retired
+    here), and an agent in the middle of a move (its commit in doubt: the
+    target may run it already). A daemon starting on that store serves the
+    mount before its move recovery has settled them (here the recovery
+    waits for an import's record): meanwhile the retired agent is not
+    shown and the one in doubt takes no write. Abandoning the move makes
+    it writable again."""
+    import errno
+
+    from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, new_held
+    from capsulefs.movehost import holders_dir
+
+    book = HolderBook(holders_dir(state_dir))
+    ids = {name: make_agent(store, name, memory="m\n").agent_id for name in ("alice", "bob", "carol", "dave")}
+    peer = "B" * 52  # a peer this host has no address for: the move stays in doubt
+    book.put(new_held(ids["alice"], 1))
+    book.put(HolderRecord(agent_id=ids["bob"], state=HolderState.RETIRED, epoch=2, peer=peer, activated=(1,)))
+    book.put(HolderRecord(agent_id=ids["carol"], state=HolderState.COMMITTING, epoch=2, held_epoch=1, peer=peer,
+                          activated=(1,)))
+    m = tmp_path / "mnt"
+    with ExitStack() as importing:
+        importing.enter_context(book.files_lock(ids["dave"], shared=False))  # dave's import: recovery waits
+        with mounted(state_dir, m, "--no-run"):
+            assert sorted(os.listdir(m)) == ["alice", "carol", "dave"]
+            with pytest.raises(OSError) as exc:
+                (m / "carol" / fmt.WORKING_MEMORY).write_text("written while its move is in doubt\n")
+            assert exc.value.errno == errno.EROFS
+            assert status(m / "carol")["state"] == "frozen"
+            assert (m / "carol" / fmt.WORKING_MEMORY).read_text() == "m\n"
+            book.put(new_held(ids["dave"], 1))
+            importing.close()
+            wait_until(lambda: not (Path(store.agents_dir) / ids["bob"]).exists(), "recovery to drop bob's files")
+            assert sorted(os.listdir(m)) == ["alice", "carol", "dave"]
+            assert status(m / "carol")["state"] == "frozen"  # still in doubt: its target cannot be asked
+            (m / "carol" / ".control" / "abandon").write_text("the target is gone for good\n")
+            wait_until(lambda: status(m / "carol")["state"] == "active", "carol to be resumed")
+            (m / "carol" / fmt.WORKING_MEMORY).write_text("mine again\n")
+    assert book.get(ids["carol"]).state is HolderState.HELD
+    assert (Path(store.agents_dir) / ids["carol"] / fmt.WORKING_MEMORY).read_text() == "mine again\n"

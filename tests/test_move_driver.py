@@ -817,3 +817,24 @@ async def test_an_append_that_never_lets_go_rolls_the_move_back(world: World, mo
     assert world.check() == "a" and world.a.holders.get(world.agent_id).state is HolderState.HELD
     assert world.hooks_a.log == ["freeze", "resume"] and world.hooks_b.log == []
     assert (await world.move()).moved  # once it lets go
+
+
+@pytest.mark.expect_error_log
+async def test_resume_skips_a_record_naming_no_possible_peer(world: World,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A record in doubt whose peer is no host id a peer can have (a damaged
+    record) is left in doubt, logged, for an operator: the resume of the
+    other agents, and the daemon running it, go on."""
+    world.target.faults = [Fault("activate", "after")]
+    world.target.faults.append(Fault("status", "before", times=1000))
+    async with trio.open_nursery() as n:
+        n.start_soon(world.move)
+        while world.target.fired.count("status:before") < 2:
+            await trio.sleep(0.001)
+        n.cancel_scope.cancel()
+    rec = world.a.holders.get(world.agent_id)
+    assert rec.state is HolderState.COMMITTING
+    world.a.holders.put(rec.with_(peer="not-a-peer-id"))
+    assert await resume_moves(world.a, retry_pause=0) == []
+    assert world.a.holders.get(world.agent_id).state is HolderState.COMMITTING
+    assert "cannot resume the move of" in caplog.text and "until an operator abandons it" in caplog.text
