@@ -99,3 +99,48 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
         assert not os.path.ismount(mnt)
     finally:
         force_unmount(mnt)
+
+
+async def test_a_signal_while_mounting_stops_the_daemon_once_it_can(store: HostStore, state_dir: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM arriving while the kernel mount is being made (before the
+    signal watcher runs) is not lost, and does not kill the daemon midway:
+    once the watcher runs it stops the agents, then unmounts, as for a
+    signal at any later time."""
+    import signal
+
+    import pyfuse3
+
+    from capsulefs import daemon as daemon_mod
+
+    make_agent(store, "alice")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    init = pyfuse3.init
+
+    def init_then_signal(*args: object) -> None:
+        init(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered now, before serve starts its watcher
+
+    monkeypatch.setattr(daemon_mod.pyfuse3, "init", init_then_signal)
+    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
+    stopped: list[str] = []
+
+    class Listener:
+        async def on_shutdown(self) -> None:
+            stopped.append("agents stopped")
+            # the mount still serves while the agents stop (asked from a worker thread: see above)
+            assert await trio.to_thread.run_sync(os.listdir, mnt) == ["alice"]
+
+    daemon.listeners.append(Listener())
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(daemon.serve)
+        assert stopped == ["agents stopped"]
+        assert not os.path.ismount(mnt)
+        assert signal.getsignal(signal.SIGTERM) == previous  # serve gave the handler back
+    finally:
+        force_unmount(mnt)
