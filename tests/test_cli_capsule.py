@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +52,29 @@ def test_spec_with_secret_value_is_refused_by_new(cli, tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "GITHUB_TOKEN looks like a secret" in proc.stderr and '"secrets"' in proc.stderr
     assert "leaky" not in cli("ls", check=True).stdout
+
+
+def test_spec_file_that_is_not_a_small_regular_file_is_refused(cli, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nobody writes to it: must not wait forever
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: fast to make, far larger than any spec
+    cases = [
+        (fifo, "fifo: empty"),
+        ("/dev/zero", "/dev/zero: not a regular file"),
+        (tmp_path, ": is a directory"),
+        (big, "big.json: larger than"),
+    ]
+    for spec, words in cases:
+        proc = cli("new", "odd", "--spec", str(spec))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (spec, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], (spec, proc.stderr)
+    assert "odd" not in cli("ls", check=True).stdout
+    # a pipe with a writer (`--spec <(...)`, /dev/stdin) still works
+    good = '{"version": 1, "entrypoint": ["true"]}'
+    assert "created agent piped" in cli("new", "piped", "--spec", "/dev/stdin", input=good, check=True).stdout
 
 
 def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> None:

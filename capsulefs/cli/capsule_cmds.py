@@ -10,24 +10,27 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, state_dir
+from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
 from capsulefs.movehost import new_agent_files, record_new_agent
 from capsulefs.core import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.format import Manifest
 from capsulefs.core.holder import HolderRecord
+from capsulefs.core.live_handles import MAX_EDIT_SIZE
 from capsulefs.core.spec import default_spec, parse_spec
+
+#: Largest ``--spec`` file ``new`` reads: what the mount lets a spec.json edit grow to.
+MAX_SPEC_FILE = MAX_EDIT_SIZE
 
 
 def cmd_new(args: argparse.Namespace) -> int:
     store = open_store(args)
     spec = default_spec()
     if args.spec:
-        with open(args.spec, "rb") as f:
-            try:
-                spec = parse_spec(f.read())
-            except SpecError as exc:
-                raise SpecError(f"{args.spec}: {exc}") from None
+        try:
+            spec = parse_spec(read_input_file(args.spec, "--spec", MAX_SPEC_FILE))
+        except SpecError as exc:
+            raise SpecError(f"{args.spec}: {exc}") from None
     agent_id = new_agent_id()
     with new_agent_files(state_dir(args), agent_id):  # no daemon sees its files without its record
         agent = store.create_agent(args.name, host_id=host_id(args), agent_id=agent_id, spec=spec)

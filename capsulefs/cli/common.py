@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import stat
 import time
 
+from capsulefs.cli import UsageError
 from capsulefs.core.store import AgentHandle, HostStore, default_state_dir
 
 
@@ -34,3 +36,32 @@ def new_agent_id() -> str:
 
 def now_seconds() -> int:
     return int(time.time())
+
+
+def read_input_file(path: str, what: str, limit: int) -> bytes:
+    """The bytes of a file named on the command line: a regular file, or a
+    pipe (``/dev/stdin``, ``<(...)``) read to its end, at most ``limit``
+    bytes. A device (``/dev/zero``), a larger file, or a FIFO nobody writes
+    to is a UsageError naming it; nothing here waits for a writer that may
+    never come."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO without a writer opens at once
+    try:
+        st = os.fstat(fd)
+        fifo = stat.S_ISFIFO(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{what} {path}: is a directory")
+        if not fifo and not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{what} {path}: not a regular file")
+        if st.st_size > limit:
+            raise UsageError(f"{what} {path}: larger than {limit} bytes")
+        os.set_blocking(fd, True)  # a pipe with a writer: wait for its bytes; without one: EOF at once
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UsageError(f"{what} {path}: larger than {limit} bytes")
+    if not data:
+        raise UsageError(f"{what} {path}: empty" + (" (a FIFO nobody writes to?)" if fifo else ""))
+    return data
