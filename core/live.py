@@ -367,14 +367,11 @@ class LiveAgent:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
         return self.append(parse_draft_lines(data, "journal"))
 
-    def switch_model(self, data: bytes) -> Record:
-        try:
-            text = data.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise FormatError("model must be UTF-8 text: provider:model") from None
-        provider, sep, model = text.partition(":")
-        if not sep or not provider.strip() or not model.strip() or "\n" in text:
-            raise FormatError(f"model {text!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
+    def switch_model(self, line: str) -> Record:
+        """Switch to ``provider:model``, one line as ``.control/model`` takes it (``control_line``)."""
+        provider, sep, model = line.partition(":")
+        if not sep or not provider.strip() or not model.strip():
+            raise FormatError(f"model {line!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
         return self.append([ModelSwitch(provider=provider.strip(), model=model.strip())])[0]
 
     def begin_edit(self, rel: str) -> Edit:

@@ -35,7 +35,7 @@ MAX_PARTIAL_LINE = 16 << 20
 MAX_EDIT_SIZE = 64 << 20
 MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
 REMOVE_UNAVAILABLE = "removing agents through this mount is not available (.control/remove is reserved)"
-#: Longest line accepted by ``.control/move``, ``.control/abandon`` and ``.control/remove``.
+#: Longest line accepted by ``.control/model``, ``.control/move``, ``.control/abandon`` and ``.control/remove``.
 MAX_CONTROL_LINE = 1024
 
 
@@ -330,7 +330,8 @@ class ModelHandle(Handle):
         return self.data[offset: offset + size]
 
     def write(self, offset: int, data: bytes) -> int:
-        self.agent.switch_model(bytes(data))
+        # One short line, whole: a long write comes in pieces, none of which may switch the model.
+        self.agent.switch_model(control_line(bytes(data), ".control/model", example="openai:gpt-5"))
         return len(data)
 
     def truncate(self, size: int) -> None:
@@ -401,7 +402,7 @@ class RemoveHandle(Handle):
         pass  # `echo ID > remove` truncates first; the write that follows is what counts
 
 
-def control_line(data: bytes, what: str) -> str:
+def control_line(data: bytes, what: str, *, example: str = "laptop") -> str:
     """The one line of text a control file write may carry, or FormatError."""
     if len(data) > MAX_CONTROL_LINE:
         raise FormatError(f"{what}: write one line of at most {MAX_CONTROL_LINE} bytes")
@@ -412,7 +413,7 @@ def control_line(data: bytes, what: str) -> str:
     text = text[:-1] if text.endswith("\n") else text
     text = text.strip()
     if not text or "\n" in text or any(ord(c) < 32 for c in text):
-        raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo laptop > {what}`)")
+        raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
     return text
 
 

@@ -150,6 +150,24 @@ def test_control_model_and_move(mnt: Path) -> None:
     assert (status["provider"], status["model"]) == ("openai", "gpt-5")
 
 
+def test_control_model_takes_one_short_line_or_nothing(mnt: Path) -> None:
+    model = mnt / ".control" / "model"
+    for data in [b"openai:" + b"m" * (3 << 20) + b"\n",  # the kernel splits it: no part may switch the model
+                 b"openai:gpt\x00x\n", b"openai:\x1b[31mred\n", b"openai:gp\tt\n"]:
+        fd = os.open(model, os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as exc:
+                os.write(fd, data)
+            assert exc.value.errno == errno.EINVAL, data[:20]
+        finally:
+            os.close(fd)
+    assert model.read_bytes() == b""
+    assert kinds(mnt) == []
+    model.write_bytes(b" openai:gpt-5 \r\n")
+    assert model.read_text() == "openai:gpt-5\n"
+    assert kinds(mnt) == ["model_switch"]
+
+
 def test_backup_by_rename_then_write_anew(mnt: Path) -> None:
     # emacs' default save: rename the file to its backup, write a new file, keep or drop the backup
     wm = mnt / fmt.WORKING_MEMORY
