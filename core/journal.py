@@ -833,14 +833,15 @@ def open_agent_journal(
     )
 
 
-def parse_draft_lines(data: bytes, what: str = "draft") -> list[Event]:
+def parse_draft_lines(data: bytes, what: str = "draft", *, first: int = 1) -> list[Event]:
     """Parse newline-separated draft events (one JSON object a line, as
     scripts and ``echo >>`` write them); all valid or FormatError naming the
-    line (``what`` names them: "draft", or "journal" for writes through the mount)."""
+    line (``what`` names them: "draft", or "journal" for writes through the mount;
+    ``first`` is the number of the first line, for a caller reading line by line)."""
     if not data.endswith(b"\n"):
         raise FormatError(f"{what} events must be whole lines, each ending with a newline")
     events = []
-    for no, raw in enumerate(data[:-1].split(b"\n"), 1):
+    for no, raw in enumerate(data[:-1].split(b"\n"), first):
         if not raw.strip():
             raise FormatError(f"{what} line {no} is empty")
         obj = fmt.load_json(raw, f"{what} line {no}")

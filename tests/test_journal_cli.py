@@ -91,6 +91,21 @@ def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def
     assert p.returncode == 1 and "nobody" in p.stderr
 
 
+def test_append_stdin_without_end_is_one_line_error(state_dir: Path) -> None:
+    from conftest import run_cli
+    import resource
+
+    def cap_memory() -> None:  # without a bound the read of /dev/zero ends in MemoryError (or the OOM killer)
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    run_cli("new", "ada", state=state_dir, check=True)
+    with open("/dev/zero", "rb") as zero:
+        p = run_cli("append", "ada", "--stdin", state=state_dir, stdin=zero, preexec_fn=cap_memory)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [f"capsulefs: error: draft line 1 is longer than {16 << 20} bytes"]
+    assert run_cli("log", "ada", state=state_dir, check=True).stdout == ""
+
+
 def test_append_keeps_projections_current(cli, store: HostStore) -> None:  # type: ignore[no-untyped-def]
     cli("new", "ada", check=True)
     body = b"print('hi')\n"

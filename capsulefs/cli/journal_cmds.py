@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, BinaryIO
 
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import host_id, now_seconds, open_store, state_dir
@@ -28,6 +28,7 @@ from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_dra
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
 from capsulefs.core.journal_recovery import read_journal_locked
+from capsulefs.core.live_handles import MAX_PARTIAL_LINE
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
 from capsulefs.movehost import holders_dir
@@ -126,11 +127,27 @@ def cmd_log(args: argparse.Namespace) -> int:
 # -- append ------------------------------------------------------------------------
 
 
+def _stdin_drafts(f: BinaryIO) -> list[Any]:
+    """Draft events from ``f``, parsed line by line as they come, so that
+    input that never ends a line (``/dev/zero``) or is not JSON stops at its
+    first line instead of being read whole into memory."""
+    events: list[Any] = []
+    no = 0
+    while line := f.readline(MAX_PARTIAL_LINE + 1):
+        no += 1
+        if len(line) > MAX_PARTIAL_LINE:
+            raise FormatError(f"draft line {no} is longer than {MAX_PARTIAL_LINE} bytes")
+        events += parse_draft_lines(line, first=no)
+    if not events:
+        parse_draft_lines(b"")  # the error for no whole line
+    return events
+
+
 def _drafts(args: argparse.Namespace) -> list[Any]:
     if args.stdin:
         if args.kind or args.text is not None or args.json:
             raise UsageError("--stdin reads whole draft events; do not combine it with --kind, --text or --json")
-        return parse_draft_lines(sys.stdin.buffer.read())
+        return _stdin_drafts(sys.stdin.buffer)
     if not args.kind:
         raise UsageError("append needs --kind KIND (or --stdin with one JSON event per line)")
     fields: dict[str, Any] = {}
