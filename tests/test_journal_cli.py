@@ -82,6 +82,9 @@ def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def
         (["--kind", "note", "--text", "x", "--json", '{"n":NaN}'], "NaN is not a JSON number"),
         (["--kind", "note", "--json", '{"text":1e999}'], "1e999 is out of range"),
         ([], "--kind"),
+        (["--kind", "note\udcff", "--text", "x"], "--kind is not valid UTF-8"),  # argv byte 0xff, as Python decodes it
+        (["--kind", "note", "--text", "\udcff"], "--text is not valid UTF-8"),
+        (["--kind", "note", "--json", '{"text": "\udcff"}'], "--json is not valid UTF-8"),
     ]:
         p = cli("append", "ada", *args)
         assert p.returncode == 1 and word in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

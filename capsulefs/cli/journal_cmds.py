@@ -150,6 +150,11 @@ def _drafts(args: argparse.Namespace) -> list[Any]:
         return _stdin_drafts(sys.stdin.buffer)
     if not args.kind:
         raise UsageError("append needs --kind KIND (or --stdin with one JSON event per line)")
+    for opt, value in (("--kind", args.kind), ("--text", args.text), ("--json", args.json)):
+        try:
+            (value or "").encode()
+        except UnicodeEncodeError:  # a byte that is not UTF-8, surrogate-escaped by Python's argv decoding
+            raise UsageError(f"{opt} is not valid UTF-8 text") from None
     fields: dict[str, Any] = {}
     if args.json:
         extra = fmt.load_json(args.json, "--json", error=UsageError)
