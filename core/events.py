@@ -403,7 +403,21 @@ def parse_draft(obj: object) -> Event:
     except ValueError:  # NaN or an infinity, from a caller that did not parse JSON with load_json
         raise FormatError("an event's numbers must be finite (JSON has no NaN or Infinity)") from None
     payload = {k: v for k, v in obj.items() if k != "kind"}
-    return event_from_fields(obj["kind"], payload, strict=True)
+    event = event_from_fields(obj["kind"], payload, strict=True)
+    if isinstance(event, ModelSwitch):
+        _check_model_names(event)
+    return event
+
+
+def _check_model_names(ev: ModelSwitch) -> None:
+    """A model switch someone submits must read back from ``.control/model``
+    as it was written: one line ``provider:model``, split at its first ':'.
+    (Only drafts are checked: a journal line that breaks this is still read.)"""
+    if ":" in ev.provider:
+        raise FormatError(f"model_switch.provider {ev.provider!r} must not contain ':'")
+    for what, value in (("provider", ev.provider), ("model", ev.model)):
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise FormatError(f"model_switch.{what} {value[:64]!r} must not contain control characters or newlines")
 
 
 # -- the envelope --------------------------------------------------------------

@@ -124,6 +124,17 @@ def test_a_draft_built_in_python_with_a_non_finite_number_is_refused() -> None:
             parse_draft({"kind": "note", "text": "x", "n": value})
 
 
+def test_a_drafted_model_switch_reads_back_from_control_model() -> None:
+    from capsulefs.core.events import parse_draft
+
+    # .control/model shows "provider:model" on one line and splits a write at its first ':'
+    for provider, model in [("openai:x", "gpt"), ("openai", "gpt\n5"), ("open\x00ai", "gpt"), ("openai", "\x1b[31mred")]:
+        with pytest.raises(FormatError, match="model_switch"):
+            parse_draft({"kind": "model_switch", "provider": provider, "model": model})
+    ev = parse_draft({"kind": "model_switch", "provider": "openrouter", "model": "meta/llama-3:70b"})
+    assert (ev.provider, ev.model) == ("openrouter", "meta/llama-3:70b")  # type: ignore[attr-defined]
+
+
 def test_unknown_kinds_are_kept_byte_for_byte(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:
