@@ -65,6 +65,7 @@ def test_spec_file_that_is_not_a_small_regular_file_is_refused(cli, tmp_path: Pa
         ("/dev/zero", "/dev/zero: not a regular file"),
         (tmp_path, ": is a directory"),
         (big, "big.json: larger than"),
+        ("/proc/self/mem", "Input/output error: /proc/self/mem"),  # a read that fails names the file
     ]
     for spec, words in cases:
         proc = cli("new", "odd", "--spec", str(spec))

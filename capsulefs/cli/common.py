@@ -59,7 +59,10 @@ def read_input_file(path: str, what: str, limit: int) -> bytes:
         os.close(fd)
         raise
     with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:  # (EIO...) named by the file, not the descriptor
+            raise OSError(exc.errno, exc.strerror, path) from None
     if len(data) > limit:
         raise UsageError(f"{what} {path}: larger than {limit} bytes")
     if not data:
