@@ -93,7 +93,11 @@ def check_agent_name(value: object) -> str:
         raise FormatError(f"agent name {value!r} must not contain '/' or NUL, nor be '.' or '..'")
     if value.startswith("."):
         raise FormatError(f"agent name {value!r} must not start with '.'")
-    if len(value.encode("utf-8")) > MAX_NAME_BYTES:
+    try:
+        encoded = value.encode("utf-8")
+    except UnicodeEncodeError:  # a byte that is not UTF-8 (surrogate-escaped by os.fsdecode or argv), or a lone surrogate
+        raise FormatError(f"agent name {value!r} is not valid UTF-8") from None
+    if len(encoded) > MAX_NAME_BYTES:
         raise FormatError(f"agent name {value[:20]!r}... is longer than {MAX_NAME_BYTES} bytes")
     if any(ord(c) < 32 for c in value):
         raise FormatError(f"agent name {value!r} contains a control character")

@@ -36,6 +36,7 @@ def test_errors_are_one_clear_line_without_traceback(cli, tmp_path: Path) -> Non
         (("import", str(tmp_path / "nope.tar")), "no such file"),
         (("new", "bad/name"), "must not contain '/'"),
         (("new", ".hidden"), "must not start with '.'"),
+        (("new", "a\udcffb"), "is not valid UTF-8"),  # argv bytes b"a\xffb"
     ]
     for argv, words in cases:
         proc = cli(*argv)

@@ -80,6 +80,20 @@ def test_mkdir_makes_an_agent_rmdir_refuses(store: HostStore, state_dir: Path, m
     assert store.find("carol").manifest().name == "carol"
 
 
+def test_a_name_that_is_not_utf8_is_einval_and_the_mount_stays_writable(store: HostStore, state_dir: Path,
+                                                                        mnt: Path) -> None:
+    make_agent(store, "alice")
+    with mounted(state_dir, mnt):
+        root = os.fsencode(mnt)
+        for path in (root + b"/\xff", root + b"/alice/.snapshots/\xff", root + b"/alice/.snapshots/a\xffb"):
+            with pytest.raises(OSError) as exc:
+                os.mkdir(path)
+            assert exc.value.errno == errno.EINVAL, path
+        assert json.loads((mnt / "alice" / ".control" / "status").read_text())["mount"] == "read-write"
+        os.mkdir(mnt / "alice" / ".snapshots" / "after")  # not failsafe: writes still work
+        assert os.listdir(mnt) == ["alice"]
+
+
 @pytest.mark.expect_error_log
 def test_corrupt_blob_gives_eio_and_the_mount_stays(store: HostStore, state_dir: Path, mnt: Path) -> None:
     agent = make_agent(store, "alice", workspace={"a": b"A" * 300_000, "b": b"B" * 10})
