@@ -603,9 +603,9 @@ async def test_source_crash_in_doubt_resumes_from_its_record(world: World) -> No
     assert result.moved and world.check() == "b"
 
 
-async def test_resume_limited_to_named_agents_leaves_others_alone(world: World) -> None:
-    """The daemon resumes only the moves it found in doubt at start (a move
-    begun since then has its own driver and control)."""
+async def _leave_in_doubt(world: World) -> None:
+    """A move the target activated, but whose source never learned it (the
+    target's status answers fail): the source's record is COMMITTING."""
     world.target.faults = [Fault("activate", "after")]
     world.target.faults.append(Fault("status", "before", times=1000))
     async with trio.open_nursery() as n:
@@ -613,6 +613,12 @@ async def test_resume_limited_to_named_agents_leaves_others_alone(world: World) 
         while world.target.fired.count("status:before") < 2:
             await trio.sleep(0.001)
         n.cancel_scope.cancel()
+
+
+async def test_resume_limited_to_named_agents_leaves_others_alone(world: World) -> None:
+    """The daemon resumes only the moves it found in doubt at start (a move
+    begun since then has its own driver and control)."""
+    await _leave_in_doubt(world)
     assert world.a.holders.get(world.agent_id).state is HolderState.COMMITTING
     world.target.faults = []
     assert await resume_moves(world.a, retry_pause=0, agent_ids=[]) == []
@@ -825,13 +831,7 @@ async def test_resume_skips_a_record_naming_no_possible_peer(world: World,
     """A record in doubt whose peer is no host id a peer can have (a damaged
     record) is left in doubt, logged, for an operator: the resume of the
     other agents, and the daemon running it, go on."""
-    world.target.faults = [Fault("activate", "after")]
-    world.target.faults.append(Fault("status", "before", times=1000))
-    async with trio.open_nursery() as n:
-        n.start_soon(world.move)
-        while world.target.fired.count("status:before") < 2:
-            await trio.sleep(0.001)
-        n.cancel_scope.cancel()
+    await _leave_in_doubt(world)
     rec = world.a.holders.get(world.agent_id)
     assert rec.state is HolderState.COMMITTING
     world.a.holders.put(rec.with_(peer="not-a-peer-id"))
