@@ -17,7 +17,7 @@ import xattr
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import make_agent
-from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import capsulefs, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -51,8 +51,8 @@ def test_hidden_dirs_absent_from_readdir(store: HostStore, state_dir: Path, mnt:
         assert ".control" not in ls and ".snapshots" not in ls
         assert ".control" not in os.listdir(agent)
         assert (agent / ".control").is_dir() and (agent / ".snapshots").is_dir()
-        status = json.loads((agent / ".control" / "status").read_text())
-        assert status["state"] == "active" and status["name"] == "alice"
+        shown = status(agent)
+        assert shown["state"] == "active" and shown["name"] == "alice"
 
 
 def test_xattrs_with_getfattr_and_the_xattr_package(store: HostStore, state_dir: Path, mnt: Path) -> None:
@@ -89,7 +89,7 @@ def test_a_name_that_is_not_utf8_is_einval_and_the_mount_stays_writable(store: H
             with pytest.raises(OSError) as exc:
                 os.mkdir(path)
             assert exc.value.errno == errno.EINVAL, path
-        assert json.loads((mnt / "alice" / ".control" / "status").read_text())["mount"] == "read-write"
+        assert status(mnt / "alice")["mount"] == "read-write"
         os.mkdir(mnt / "alice" / ".snapshots" / "after")  # not failsafe: writes still work
         assert os.listdir(mnt) == ["alice"]
 

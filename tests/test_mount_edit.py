@@ -146,8 +146,8 @@ def test_control_model_and_move(mnt: Path) -> None:
     assert bad.returncode != 0 and "Invalid argument" in bad.stderr
     move = subprocess.run(["bash", "-c", f"echo hostb > {ctl / 'move'}"], capture_output=True, text=True)
     assert move.returncode != 0 and "Invalid argument" in move.stderr  # no peer of that name
-    status = json.loads((ctl / "status").read_text())
-    assert (status["provider"], status["model"]) == ("openai", "gpt-5")
+    shown = status(mnt)
+    assert (shown["provider"], shown["model"]) == ("openai", "gpt-5")
 
 
 def test_control_model_takes_one_short_line_or_nothing(mnt: Path) -> None:
