@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from .errors import FormatError
-from .format import check_host_id, check_relpath, check_sha256, load_json_object
+from .format import check_host_id, check_relpath, check_sha256, has_control, load_json_object
 
 EVENT_VERSION = 1
 ENVELOPE = ("v", "id", "machine", "seq", "clock", "prev", "time", "kind")
@@ -416,7 +416,7 @@ def _check_model_names(ev: ModelSwitch) -> None:
     if ":" in ev.provider:
         raise FormatError(f"model_switch.provider {ev.provider!r} must not contain ':'")
     for what, value in (("provider", ev.provider), ("model", ev.model)):
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        if has_control(value) or "\x7f" in value:
             raise FormatError(f"model_switch.{what} {value[:64]!r} must not contain control characters or newlines")
 
 

@@ -85,6 +85,11 @@ def check_host_id(value: object) -> str:
     return value
 
 
+def has_control(text: str) -> bool:
+    """Whether ``text`` holds a C0 control character (newline, tab, NUL, ESC...)."""
+    return any(ord(c) < 32 for c in text)
+
+
 def check_agent_name(value: object) -> str:
     """An agent's display name: one safe directory name, not hidden."""
     if not isinstance(value, str) or not value:
@@ -99,7 +104,7 @@ def check_agent_name(value: object) -> str:
         raise FormatError(f"agent name {value!r} is not valid UTF-8") from None
     if len(encoded) > MAX_NAME_BYTES:
         raise FormatError(f"agent name {value[:20]!r}... is longer than {MAX_NAME_BYTES} bytes")
-    if any(ord(c) < 32 for c in value):
+    if has_control(value):
         raise FormatError(f"agent name {value!r} contains a control character")
     return value
 

@@ -412,7 +412,7 @@ def control_line(data: bytes, what: str, *, example: str = "laptop") -> str:
         raise FormatError(f"{what}: not UTF-8 text") from None
     text = text[:-1] if text.endswith("\n") else text
     text = text.strip()
-    if not text or "\n" in text or any(ord(c) < 32 for c in text):
+    if not text or fmt.has_control(text):  # (a newline is one)
         raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
     return text
 
