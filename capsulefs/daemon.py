@@ -194,6 +194,10 @@ _START_STATE = {
     HolderState.OFFERED: AgentState.RETIRED,  # a move in not activated: recovery refuses it
     HolderState.VERIFIED: AgentState.RETIRED,
     HolderState.PREPARED: AgentState.RETIRED,
+    # Its record was lost or damaged: it may be held elsewhere now, and
+    # 'capsulefs move --learn' (run with no daemon) may remove its files
+    # here, so writes taken meanwhile could be lost. Readable, not writable.
+    HolderState.UNKNOWN: AgentState.FROZEN,
 }
 
 
@@ -231,7 +235,10 @@ class Daemon:
         )
         self.ops = Operations(self.live)
         self.live.remover = self
+        #: This host's holder records (the move service keeps them; read here).
+        self.holders = HolderBook(holders_dir(self.state_dir))
         self._start_from_records()
+        self.live.status_sections["record"] = self._record_status
         #: Other services of this daemon (the move service, the agent
         #: supervisor...): ``serve_*(task_status=...)`` callables started in
         #: the daemon's nursery once the mount is up, before READY=1, and
@@ -263,12 +270,25 @@ class Daemon:
         it has, an agent a crash left retired here would be shown, and one
         left in the middle of a move (perhaps active on the target already)
         would take writes."""
-        book = HolderBook(holders_dir(self.state_dir))
         for agent_id in self.live.store.agent_ids():
-            record = book.get(agent_id)
+            record = self.holders.get(agent_id)
             state = _START_STATE.get(record.state) if record is not None else None
             if state is not None:
                 self.live.set_state(agent_id, state)
+
+    def _record_status(self, agent_id: str) -> dict[str, object]:
+        """The ``record`` section of ``.control/status``: what this host's
+        holder record says, and for one in doubt, why writes are refused."""
+        record = self.holders.get(agent_id)
+        if record is None:
+            return {"state": None, "epoch": None}
+        out: dict[str, object] = {"state": record.state.value, "epoch": record.epoch}
+        if record.state is HolderState.UNKNOWN:
+            name = self.live.agent(agent_id).stored_manifest().name
+            out["detail"] = (f"this host may not hold the agent ({record.note or 'record in doubt'}): "
+                             f"it is read-only until 'capsulefs move {name} --learn' (run with the "
+                             f"daemon stopped) finds who holds it")
+        return out
 
     # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:
@@ -324,7 +344,7 @@ class Daemon:
             raise ReadOnly(f"the mount went read-only after an internal error: {self.live.failsafe}")
         name = self.live.agent(agent_id).stored_manifest().name  # NotFoundError if gone meanwhile
         async with self.move_guard(agent_id):
-            refuse_if_moving(HolderBook(holders_dir(self.state_dir)), agent_id, name)
+            refuse_if_moving(self.holders, agent_id, name)
             self._hide(agent_id)
             try:
                 with giving_up(self.state_dir, agent_id):

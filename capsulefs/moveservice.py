@@ -413,11 +413,15 @@ class MoveService:
 
     # -- recovery and expiry -----------------------------------------------------------------------
     async def recover(self) -> None:
-        """After a restart: mark agents without a record UNKNOWN, refuse every
-        pending move, drop leftovers, re-activate held agents."""
+        """After a restart: mark agents without a record UNKNOWN and freeze
+        every UNKNOWN one (read-only until ``capsulefs move --learn``), refuse
+        every pending move, drop leftovers, re-activate held agents."""
         present = set(self.host.store.agent_ids())
         # (off the loop: it may wait for a `capsulefs import` to record its agent)
-        await trio.to_thread.run_sync(self.host.holders.reconcile, present)
+        in_doubt = await trio.to_thread.run_sync(self.host.holders.reconcile, present)
+        for rec in in_doubt:  # (the daemon showed those without a record as active until now)
+            async with self.host.lock(rec.agent_id):
+                await self.host.hooks.freeze(rec.agent_id)
         for agent_id in self.host.holders.agent_ids():
             async with self.host.lock(agent_id):
                 rec = self.record(agent_id)

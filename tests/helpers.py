@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from capsulefs.core import archive
+from capsulefs.core.holder import HOLDERS_DIR, HolderBook, new_held
 from capsulefs.core import format as fmt
 from capsulefs.core.store import AgentHandle, HostStore
 
@@ -22,9 +23,13 @@ def agent_id_for(name: str) -> str:
 
 
 def make_agent(store: HostStore, name: str = "alice", workspace: dict[str, bytes] | None = None,
-               memory: str = "# notes\nremember the milk\n") -> AgentHandle:
-    """An agent with working memory and a workspace whose files are blobs."""
+               memory: str = "# notes\nremember the milk\n", *, held: bool = True) -> AgentHandle:
+    """An agent with working memory and a workspace whose files are blobs,
+    held by this host (as ``capsulefs new`` records it; ``held=False``: no
+    holder record, as after one was lost)."""
     agent = store.create_agent(name, host_id=HOST, agent_id=agent_id_for(name), working_memory=memory)
+    if held:
+        HolderBook(os.path.join(store.root, HOLDERS_DIR)).put(new_held(agent.agent_id, agent.manifest().holder.epoch))
     workspace = {"src/main.py": b"print('hi')\n", "README": b"hello\n"} if workspace is None else workspace
     snap = {}
     with store.writing():

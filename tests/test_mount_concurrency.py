@@ -157,7 +157,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     from capsulefs.movehost import holders_dir
     from mount_kit import force_unmount
 
-    make_agent(store, "alice")
+    make_agent(store, "alice", held=False)  # its import has not recorded it yet
     book = HolderBook(holders_dir(state_dir))
     m = tmp_path / "mnt"
     with ExitStack() as importing:
@@ -189,7 +189,8 @@ def test_a_restarted_daemon_shows_agents_as_their_records_say_before_its_recover
     from capsulefs.movehost import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
-    ids = {name: make_agent(store, name, memory="m\n").agent_id for name in ("alice", "bob", "carol", "dave")}
+    ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id
+           for name in ("alice", "bob", "carol", "dave")}
     peer = "B" * 52  # a peer this host has no address for: the move stays in doubt
     book.put(new_held(ids["alice"], 1))
     book.put(HolderRecord(agent_id=ids["bob"], state=HolderState.RETIRED, epoch=2, peer=peer, activated=(1,)))
@@ -215,3 +216,41 @@ def test_a_restarted_daemon_shows_agents_as_their_records_say_before_its_recover
             (m / "carol" / fmt.WORKING_MEMORY).write_text("mine again\n")
     assert book.get(ids["carol"]).state is HolderState.HELD
     assert (Path(store.agents_dir) / ids["carol"] / fmt.WORKING_MEMORY).read_text() == "mine again\n"
+
+
+def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """An agent whose holder record is lost or damaged may be held by
+    another host by now, and 'capsulefs move --learn' may then remove its
+    files here: the mount shows it but takes no write, from its first
+    request (a record already in doubt) or from its recovery (no record at
+    all), and its status says why and what to run."""
+    import errno
+
+    from capsulefs.core.holder import HolderBook, HolderState, unknown
+    from capsulefs.movehost import holders_dir
+
+    book = HolderBook(holders_dir(state_dir))
+    ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id
+           for name in ("alice", "erin", "frank")}
+    book.put(unknown(ids["erin"], "holder record corrupt"))
+    m = tmp_path / "mnt"
+    with mounted(state_dir, m, "--no-run"):
+        assert sorted(os.listdir(m)) == ["alice", "erin", "frank"]
+        wait_until(lambda: status(m / "frank")["state"] == "frozen", "recovery to freeze frank (no record)")
+        for name in ("erin", "frank"):
+            with pytest.raises(OSError) as exc:
+                (m / name / fmt.WORKING_MEMORY).write_text("written while in doubt\n")
+            assert exc.value.errno == errno.EROFS, name
+            assert (m / name / fmt.WORKING_MEMORY).read_text() == "m\n"
+            st = status(m / name)
+            assert st["state"] == "frozen" and st["writable"] is False
+            assert st["record"]["state"] == "unknown"
+            assert f"capsulefs move {name} --learn" in st["record"]["detail"]
+        with pytest.raises(OSError) as exc:  # nothing to abandon: it is not in a move
+            (m / "erin" / ".control" / "abandon").write_text("let me write\n")
+        assert status(m / "erin")["state"] == "frozen"
+        (m / "alice" / fmt.WORKING_MEMORY).write_text("mine\n")
+        assert status(m / "alice")["record"] == {"state": "held", "epoch": 1}
+    assert book.get(ids["frank"]).state is HolderState.UNKNOWN
+    assert (Path(store.agents_dir) / ids["erin"] / fmt.WORKING_MEMORY).read_text() == "m\n"

@@ -683,7 +683,7 @@ async def test_another_agent_with_the_same_name_on_the_target_refuses_at_prepare
 
 
 async def test_the_same_agent_id_with_files_but_no_record_on_the_target_is_refused(world: World) -> None:
-    make_agent(world.b.store, "mover")  # the same agent_id: a copy nobody recorded as held
+    make_agent(world.b.store, "mover", held=False)  # the same agent_id: a copy nobody recorded as held
     result = await world.move()
     assert result.state is mv.SourceState.ROLLED_BACK and "lost its record" in result.reason
     assert world.b.holders.get(world.agent_id).state is HolderState.UNKNOWN
