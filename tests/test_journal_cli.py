@@ -109,6 +109,25 @@ def test_append_stdin_without_end_is_one_line_error(state_dir: Path) -> None:
     assert run_cli("log", "ada", state=state_dir, check=True).stdout == ""
 
 
+def test_append_stdin_is_capped_in_all_not_only_per_line(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The drafts are appended all or none, so they are held in memory until
+    the input ends: an endless stream of valid lines stops at the cap, with
+    nothing appended."""
+    from capsulefs.cli import journal_cmds
+
+    cli("new", "ada", check=True)
+    line = '{"kind":"note","text":"n"}\n'
+    monkeypatch.setattr(journal_cmds, "MAX_STDIN_DRAFTS", 3 * len(line))
+    p = cli("append", "ada", "--stdin", "-q", input=line * 4)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"capsulefs: error: --stdin drafts are more than {3 * len(line)} bytes in all; "
+        "split them into several appends (each is all or none on its own)"]
+    assert cli("log", "ada", check=True).stdout == ""
+    cli("append", "ada", "--stdin", "-q", input=line * 3, check=True)  # up to the cap: appended
+    assert len(cli("log", "ada", check=True).stdout.splitlines()) == 3
+
+
 def test_append_keeps_projections_current(cli, store: HostStore) -> None:  # type: ignore[no-untyped-def]
     cli("new", "ada", check=True)
     body = b"print('hi')\n"

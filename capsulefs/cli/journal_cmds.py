@@ -28,12 +28,16 @@ from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_dra
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
 from capsulefs.core.journal_recovery import read_journal_locked
-from capsulefs.core.live_handles import MAX_PARTIAL_LINE
+from capsulefs.core.live_handles import MAX_EDIT_SIZE, MAX_PARTIAL_LINE
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
 from capsulefs.movehost import holders_dir
 
 SUMMARY_CHARS = 100
+#: Most bytes ``append --stdin`` reads in all: its drafts are appended all or
+#: none, so they are held in memory until the input ends (as big as a
+#: ``new --spec`` file or a working_memory.md edit may be).
+MAX_STDIN_DRAFTS = MAX_EDIT_SIZE
 
 
 def new_event_id() -> str:
@@ -130,13 +134,18 @@ def cmd_log(args: argparse.Namespace) -> int:
 def _stdin_drafts(f: BinaryIO) -> list[Any]:
     """Draft events from ``f``, parsed line by line as they come, so that
     input that never ends a line (``/dev/zero``) or is not JSON stops at its
-    first line instead of being read whole into memory."""
+    first line instead of being read whole into memory; input that goes on
+    (valid lines without end) stops at MAX_STDIN_DRAFTS bytes in all."""
     events: list[Any] = []
-    no = 0
-    while line := f.readline(MAX_PARTIAL_LINE + 1):
+    no = total = 0
+    while line := f.readline(min(MAX_PARTIAL_LINE, MAX_STDIN_DRAFTS - total) + 1):
         no += 1
+        total += len(line)
         if len(line) > MAX_PARTIAL_LINE:
             raise FormatError(f"draft line {no} is longer than {MAX_PARTIAL_LINE} bytes")
+        if total > MAX_STDIN_DRAFTS:
+            raise UsageError(f"--stdin drafts are more than {MAX_STDIN_DRAFTS} bytes in all; "
+                             f"split them into several appends (each is all or none on its own)")
         events += parse_draft_lines(line, first=no)
     if not events:
         parse_draft_lines(b"")  # the error for no whole line
