@@ -72,6 +72,27 @@ def test_append_and_log(cli, store: HostStore) -> None:  # type: ignore[no-untyp
     assert verify_lines(split_lines(journal)) == []
 
 
+def test_log_shows_control_characters_escaped_one_line_per_event(cli, store: HostStore) -> None:  # type: ignore[no-untyped-def]
+    """Text in a journal is whatever was appended (or imported): log prints
+    its C0 and C1 controls and DEL as escapes, so no event clears the screen,
+    rewrites an earlier line or spans two; --json stays the journal's bytes."""
+    cli("new", "ada", check=True)
+    drafts = [
+        {"kind": "note", "text": "a\x1b[2Jb\rc\x9bd\x08e\x7ff\nnext"},
+        {"kind": "assistant_message", "text": "hi", "model": "m\x1b]0;title\x07\r"},
+        {"kind": "tool_call", "call_id": "c\x1b[1A", "name": "n\x9b", "arguments": {"k": "v\r"}},
+    ]
+    cli("append", "ada", "--stdin", "-q", input="".join(json.dumps(d) + "\n" for d in drafts), check=True)
+    log = cli("log", "ada", check=True).stdout
+    assert log.endswith("\n") and len(log.splitlines()) == 3, log
+    assert not [c for c in log[:-1] if ord(c) < 32 and c != "\n" or 0x7F <= ord(c) <= 0x9F], log
+    assert "a\\x1b[2Jb c\\u009bd\\x08e\\x7ff next" in log  # (whitespace in a text is one space)
+    assert "[m\\x1b]0;title\\x07\\x0d] hi" in log
+    assert "n\\u009b(" in log and "call c\\x1b[1A" in log
+    journal = store.find("ada").read(fmt.JOURNAL)
+    assert cli("log", "ada", "--json", check=True).stdout.encode() == journal
+
+
 def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def]
     cli("new", "ada", check=True)
     for args, word in [
