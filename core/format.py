@@ -272,7 +272,7 @@ def load_json(data: bytes | str, what: str, *, error: type[Exception] = FormatEr
     try:
         doc = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, json.JSONDecodeError, _NotJSON) as exc:
-        raise error(f"{what} is not valid JSON: {exc}") from None
+        raise error(_not_json(data, what, exc)) from None
     except RecursionError:
         raise error(f"{what} is not valid JSON: nested too deeply") from None
     if isinstance(data, str):
@@ -288,6 +288,21 @@ def load_json(data: bytes | str, what: str, *, error: type[Exception] = FormatEr
         except RecursionError:
             raise error(f"{what} is not valid JSON: nested too deeply") from None
     return doc
+
+
+def _not_json(data: bytes | str, what: str, exc: ValueError) -> str:
+    """Why ``data`` did not parse. Bytes that are not UTF-8 are named as such
+    by their first bad byte: json.loads, guessing UTF-16 or UTF-32 from their
+    first bytes (0xff 0xfe...), would say a codec's error or a JSON one about
+    the garbage that decoding made."""
+    if isinstance(data, bytes):
+        try:
+            data.decode()
+        except UnicodeDecodeError as bad:
+            return f"{what} is not UTF-8 text: byte 0x{data[bad.start]:02x} at offset {bad.start} is not valid UTF-8"
+        if isinstance(exc, UnicodeDecodeError):  # UTF-8, but NUL bytes made json.loads read it as UTF-16/32
+            return f"{what} is not valid JSON: its NUL bytes make it read as {exc.encoding}, which fails at byte {exc.start}"
+    return f"{what} is not valid JSON: {exc}"
 
 
 def load_json_object(data: bytes | str, what: str, *, error: type[Exception] = FormatError) -> dict[str, Any]:

@@ -79,6 +79,24 @@ def test_spec_file_that_is_not_a_small_regular_file_is_refused(cli, tmp_path: Pa
     assert "created agent piped" in cli("new", "piped", "--spec", "/dev/stdin", input=good, check=True).stdout
 
 
+def test_spec_file_that_is_not_utf8_is_named_as_such(cli, tmp_path: Path) -> None:
+    """Not a codec's message: the file, that it is not UTF-8 text, and its
+    first byte that is not (bytes that json would read as UTF-16 too)."""
+    cases = [
+        (b"\xff\xfe\xfd", "byte 0xff at offset 0"),  # a UTF-16 byte order mark, then an odd byte
+        (b"\xff\xfe\x00\x01", "byte 0xff at offset 0"),  # read as UTF-16: one character, not JSON
+        (b'{"version": 1, "entrypoint": ["caf\xe9"]}', "byte 0xe9 at offset 34"),  # Latin-1
+    ]
+    for no, (data, words) in enumerate(cases):
+        spec = tmp_path / f"spec{no}.json"
+        spec.write_bytes(data)
+        proc = cli("new", "odd", "--spec", str(spec))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (data, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [
+            f"capsulefs: error: {spec}: spec is not UTF-8 text: {words} is not valid UTF-8"], (data, proc.stderr)
+    assert "odd" not in cli("ls", check=True).stdout
+
+
 def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> None:
     import tarfile
 
