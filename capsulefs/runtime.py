@@ -33,7 +33,7 @@ import trio
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.events import WorkspaceUpdate
-from capsulefs.core.holder import HolderBook
+from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.live import AgentState
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.movehost import holders_dir
@@ -91,11 +91,14 @@ class AgentRuntime:
 
     # -- who may run ---------------------------------------------------------------------
     def runnable(self, agent_id: str) -> tuple[bool, str]:
+        rec = self.holders.get(agent_id)
+        if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
+            return False, (f"this host may not hold it ({rec.note or 'record in doubt'}): it runs once "
+                           f"'capsulefs move --learn' (the daemon stopped) finds no other host holds it")
         if agent_id in self._paused:
             return False, "frozen for a move"
         if self.live.state(agent_id) is not AgentState.ACTIVE:
             return False, f"the mount shows it {self.live.state(agent_id).value}"
-        rec = self.holders.get(agent_id)
         if rec is None:
             return False, "this host has no holder record for it: it runs only after a move or 'capsulefs move --force-hold' (the daemon stopped)"
         if not rec.runnable:
