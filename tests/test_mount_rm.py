@@ -17,7 +17,7 @@ from capsulefs.core.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store import HostStore
 from capsulefs.movehost import record_new_agent
 from helpers import HOST, make_agent, wait_until
-from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import capsulefs, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -50,7 +50,7 @@ def _settled(state: Path, agent_dir: Path) -> None:
     requests served), so a record written now is read only by what we ask."""
     wait_until(lambda: (state / "mount" / "daemon.json").exists(), "the daemon's runtime file")
     for _ in range(5):
-        json.loads((agent_dir / ".control" / "status").read_text())
+        status(agent_dir)
 
 
 def _agent_processes(agent_id: str) -> list[int]:
@@ -117,7 +117,7 @@ def test_rm_through_the_daemon(store: HostStore, state_dir: Path, mnt: Path, kee
         with open(mnt / "keeper" / fmt.JOURNAL, "a") as f:
             f.write('{"kind": "note", "text": "still here"}\n')
         assert b"still here" in (mnt / "keeper" / fmt.JOURNAL).read_bytes()
-        assert json.loads((mnt / "keeper" / ".control" / "status").read_text())["mount"] == "read-write"
+        assert status(mnt / "keeper")["mount"] == "read-write"
 
         # Imported again (same id) while the daemon runs: shown as a new agent.
         capsulefs("--state", str(state_dir), "import", str(tar))
@@ -133,7 +133,7 @@ def test_rm_stops_the_running_entrypoint(state_dir: Path, mnt: Path, tmp_path: P
     ids = {r["name"]: r["agent_id"] for r in json.loads(capsulefs("--state", str(state_dir), "ls", "--json").stdout)}
     with mounted(state_dir, mnt):
         def run(name: str) -> dict:
-            return json.loads((mnt / name / ".control" / "status").read_text())["run"]
+            return status(mnt / name)["run"]
 
         wait_until(lambda: run("runner")["state"] == "running" and run("bystander")["state"] == "running",
                    "both agents' processes to run")

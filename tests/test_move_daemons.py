@@ -27,6 +27,7 @@ import pytest
 
 from capsulefs.core.holder import HolderBook, HolderState
 from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
+from mount_kit import status as agent_status
 
 pytestmark = needs_fuse
 
@@ -132,7 +133,7 @@ class Host:
         return sorted(os.listdir(d)) if d.exists() else []
 
     def status(self, agent: str) -> dict:
-        return json.loads((self.mnt / agent / ".control" / "status").read_text())
+        return agent_status(self.mnt / agent)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import status as agent_status
 
 from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
@@ -45,7 +46,7 @@ def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
         mnt = tmp_path / "mnt"
         with mounted(state, mnt):
             agent = mnt / "pilot"
-            status = lambda: json.loads((agent / ".control" / "status").read_text())  # noqa: E731
+            status = lambda: agent_status(agent)  # noqa: E731
             wait_until(lambda: status()["run"]["state"] == "running", "the agent process to run")
             pid = status()["run"]["pid"]
 
@@ -118,7 +119,7 @@ def _script_agent(tmp_path: Path, name: str, script_text: str) -> Path:
 def _started(agent: Path) -> int:
     """Wait for the script agent to say it started; its pid."""
     wait_until(lambda: "started" in [getattr(r.event, "text", "") for r in _records(agent)], "the agent to start")
-    return json.loads((agent / ".control" / "status").read_text())["run"]["pid"]
+    return agent_status(agent)["run"]["pid"]
 
 
 @pytest.mark.parametrize("how", ["capsulefs umount", "SIGTERM to the daemon"])
