@@ -82,3 +82,19 @@ def test_search_a_capsule_tar(store: HostStore, cli, tmp_path: Path) -> None:
     proc = cli("search", str(tar), "who is on call this week", "-k", "1", "--embedder", "hashed", check=True)
     assert event_id("m02") in proc.stdout and "Priya" in proc.stdout
     assert tar.read_bytes() == before
+
+
+def test_search_prints_control_characters_of_a_hit_as_escapes(store: HostStore, cli) -> None:
+    """A hit's snippet is journal text, whatever was appended: search shows
+    its control characters (and the bidi overrides that reorder text on
+    screen) as escapes, two lines per hit; --json keeps the characters."""
+    cli("new", "ada", check=True)
+    text = "the backup \x1b[2Jfinished\r at \u202enoon\x9b ok"
+    cli("append", "ada", "--kind", "user_message", "--text", text, "-q", check=True)
+    out = cli("search", "ada", "backup finished", "--embedder", "hashed", check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 2 and out.endswith("\n"), out
+    assert not [c for c in out[:-1] if c != "\n" and (ord(c) < 32 or 0x7F <= ord(c) <= 0x9F or c == "\u202e")], out
+    assert "\\x1b[2Jfinished at \\u202enoon\\u009b ok" in lines[1]  # (a snippet makes whitespace one space)
+    hits = json.loads(cli("search", "ada", "backup finished", "--json", "--embedder", "hashed", check=True).stdout)
+    assert "\x1b[2Jfinished at \u202enoon\x9b ok" in hits[0]["snippet"]

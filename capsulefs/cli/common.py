@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import stat
 import time
@@ -68,3 +69,16 @@ def read_input_file(path: str, what: str, limit: int) -> bytes:
     if not data:
         raise UsageError(f"{what} {path}: empty" + (" (a FIFO nobody writes to?)" if fifo else ""))
     return data
+
+
+#: What a terminal acts on rather than shows: C0 controls (ESC, CR, BS,
+#: newline...), DEL, the C1 controls (CSI U+009B...), and the line separators
+#: and bidirectional overrides that move text around on screen.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(line: str) -> str:
+    """``line`` for a terminal: each control character written as an escape
+    (``\\x1b``, ``\\u009b``), so text from a journal stays on its one line
+    and drives nothing in the terminal it is printed to."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if m[0] < "\x80" else f"\\u{ord(m[0]):04x}", line)

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from capsulefs.cli.common import find_agent
+from capsulefs.cli.common import find_agent, shown
 from capsulefs.core import format as fmt
 from capsulefs.core.embedders import select_embedder
 from capsulefs.core.index import refresh_index, search_capsule, update_index
@@ -63,8 +63,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         return 0
     for n, h in enumerate(hits, 1):
         where = f" [{h.start}:{h.end}]" if h.kind == "memory_edit" else ""
-        print(f"{n:>2}. {h.score:.3f}  {h.event}  {h.kind}{where}  {h.time}")
-        print(f"    {h.snippet}")
+        print(shown(f"{n:>2}. {h.score:.3f}  {h.event}  {h.kind}{where}  {h.time}"))
+        print(shown(f"    {h.snippet}"))
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import sys
 import time
@@ -21,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, BinaryIO
 
 from capsulefs.cli import UsageError
-from capsulefs.cli.common import host_id, now_seconds, open_store, state_dir
+from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_dir
 from capsulefs.core import format as fmt
 from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
@@ -55,18 +54,6 @@ def agent_journal(agent: AgentHandle, *, machine: str | None) -> Journal:
 def _one_line(text: str, limit: int = SUMMARY_CHARS) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-#: What a terminal acts on rather than shows: C0 controls (ESC, CR, BS,
-#: newline...), DEL and the C1 controls (CSI U+009B...).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def _shown(line: str) -> str:
-    """``line`` with each control character written as an escape (``\\x1b``,
-    ``\\u009b``): text from a journal stays on its one line and drives
-    nothing in the terminal it is printed to."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if m[0] < "\x80" else f"\\u{ord(m[0]):04x}", line)
 
 
 def summary(rec: Record) -> str:
@@ -129,7 +116,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         except FormatError as exc:
             if args.json:
                 continue
-            out.write(_shown(f"line {no}: unreadable: {exc}") + "\n")
+            out.write(shown(f"line {no}: unreadable: {exc}") + "\n")
             continue
         if args.kind and rec.kind not in args.kind:
             continue
@@ -137,7 +124,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             out.write(line.decode() + "\n")
         else:
             when = rec.time.replace("T", " ").rstrip("Z")[:19]
-            out.write(_shown(f"{when}  {rec.machine[:8]:<8} #{rec.seq:<5} {rec.kind:<17} {summary(rec)}") + "\n")
+            out.write(shown(f"{when}  {rec.machine[:8]:<8} #{rec.seq:<5} {rec.kind:<17} {summary(rec)}") + "\n")
     return 0
 
 
