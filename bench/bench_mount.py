@@ -33,6 +33,7 @@ from common import capsulefs_cmd, pairs, timed
 from capsulefs.core import format as fmt
 from capsulefs.core.events import Note
 from capsulefs.core.store import HostStore
+from capsulefs.movehost import record_new_agent
 
 HOST = "BENCHHOST"
 READ_CHUNK = 1 << 20
@@ -187,6 +188,7 @@ def bench_stat(tmp: Path, agents: int, files: int, rounds: int) -> None:
 def bench_append(tmp: Path, n: int, rounds: int) -> None:
     store = HostStore.open(tmp / "state-append")
     store.create_agent("a", host_id=HOST, agent_id=f"{1:032x}")
+    record_new_agent(store.root, f"{1:032x}")  # held here, as `capsulefs new` records it: writable
     direct_agent = store.create_agent("b", host_id=HOST, agent_id=f"{2:032x}")
     mnt = tmp / "mnt-append"
     line = b'{"kind":"note","text":"a note of moderate length, like most events"}\n'

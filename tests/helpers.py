@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from capsulefs.core import archive
-from capsulefs.core.holder import HOLDERS_DIR, HolderBook, new_held
 from capsulefs.core import format as fmt
 from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.movehost import record_new_agent
 
 HOST = "TESTHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 
@@ -29,7 +29,7 @@ def make_agent(store: HostStore, name: str = "alice", workspace: dict[str, bytes
     holder record, as after one was lost)."""
     agent = store.create_agent(name, host_id=HOST, agent_id=agent_id_for(name), working_memory=memory)
     if held:
-        HolderBook(os.path.join(store.root, HOLDERS_DIR)).put(new_held(agent.agent_id, agent.manifest().holder.epoch))
+        record_new_agent(store.root, agent.agent_id, agent.manifest().holder.epoch)
     workspace = {"src/main.py": b"print('hi')\n", "README": b"hello\n"} if workspace is None else workspace
     snap = {}
     with store.writing():
