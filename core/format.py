@@ -209,7 +209,7 @@ class Manifest:
             if key not in doc:
                 raise FormatError(f"{MANIFEST}: missing field {key!r}")
         holder = doc["holder"]
-        if not isinstance(holder, dict) or set(holder) < {"host", "epoch"}:
+        if not isinstance(holder, dict) or not {"host", "epoch"} <= set(holder):
             raise FormatError(f"{MANIFEST}: holder must be {{'host': ..., 'epoch': ...}}")
         files = doc["files"]
         if not isinstance(files, dict):

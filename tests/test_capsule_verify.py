@@ -133,3 +133,15 @@ def test_tar_and_directory_are_judged_alike(store: HostStore, tmp_path: Path) ->
     cut = tmp_path / "cut.tar"
     cut.write_bytes(data[: len(data) // 2])
     assert problems(cut) != []
+
+
+@pytest.mark.parametrize("holder", [{"host": "H"}, {"epoch": 1}, {"host": "H", "x": 1}, {"x": 1}])
+def test_manifest_holder_without_host_or_epoch_is_a_problem(capsule: Path, holder: dict) -> None:
+    import json
+
+    m = capsule / fmt.MANIFEST
+    doc = json.loads(m.read_bytes())
+    doc["holder"] = holder
+    m.write_text(json.dumps(doc))
+    msgs = problems(capsule)
+    assert any(x.startswith("manifest.json: manifest.json: holder must be") for x in msgs), msgs
