@@ -75,14 +75,17 @@ class AgentRuntime:
         return os.path.join(self.daemon.mountpoint, self.store.agent(agent_id).name)
 
     def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
-        """New blobs, one workspace_update event, the new snapshot: in that order,
-        so a crash between steps leaves at worst unreferenced blobs (gc's)."""
+        """New blobs, listed in the manifest, one workspace_update event, the
+        new snapshot: in that order, so a crash between steps leaves at worst
+        unreferenced blobs (gc's) or listed ones no event names, never an
+        event naming blobs gc may take."""
         agent = self.store.agent(agent_id)
         snap = dict(self.snapshot(agent_id))
         with self.store.writing():
             for sha, path in scan.new_files.items():
                 with open(path, "rb") as f:
                     self.store.put_blob_stream(f, expect=sha)
+            agent.list_blobs(scan.new_files)  # before the journal names them (gc)
             self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])
             apply_workspace_changes(snap, scan.changes)
             agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))

@@ -453,6 +453,7 @@ class LiveAgent:
                 self.handle.write_files({rel: data})
             else:
                 sha = store.put_blob(data)
+                self.handle.list_blobs([sha])  # before the journal names it (gc)
                 self.append([MemoryEdit(blob=sha)])
                 self.handle.write_files({rel: data}, add_blobs=[sha])
         self.host.changed(self.agent_id, rel)

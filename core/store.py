@@ -567,13 +567,33 @@ class AgentHandle:
             atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
             return m
 
+    def list_blobs(self, shas: Iterable[str]) -> fmt.Manifest:
+        """List blobs (already in the store) in the manifest, if it does not
+        list them yet. A writer calls this before any file of the agent (the
+        journal, a projection) names them: a crash after that file is
+        written but before the manifest lists them would otherwise leave
+        them to gc, and the file naming bytes that are gone."""
+        with self.store.writing():
+            old = self.manifest()
+            new = [sha for sha in dict.fromkeys(shas) if fmt.blob_path(sha) not in old.files]
+            if not new:
+                return old
+            entries = dict(old.files)
+            for sha in new:
+                entries[fmt.blob_path(sha)] = fmt.FileEntry(sha256=sha, size=self.store.blob_size(sha))
+            m = fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
+            return m
+
     def write_files(self, files: Mapping[str, bytes], add_blobs: Iterable[str] = ()) -> fmt.Manifest:
         """Atomically replace some capsule files and list extra blobs (which
-        must already be in the store), then rewrite the manifest."""
+        must already be in the store), then rewrite the manifest. The blobs
+        are listed before any file is replaced (``list_blobs``)."""
+        add_blobs = list(add_blobs)
         with self.store.writing(), ExitStack() as stack:
             if fmt.JOURNAL in files:  # appenders follow the new file; the ring never replays into it
                 stack.enter_context(replacing_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir))
-            old = self.manifest()
+            old = self.list_blobs(add_blobs) if files else self.manifest()
             entries = dict(old.files)
             for rel, data in files.items():
                 fmt.check_relpath(rel)

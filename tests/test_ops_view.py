@@ -395,3 +395,27 @@ async def test_a_handle_opened_before_removal_never_writes_into_the_agent_import
     assert b"stale edit" not in store.find("alice").read(fmt.WORKING_MEMORY)
     await c.write(f"alice/{fmt.JOURNAL}", b'{"kind":"note","text":"new handle"}\n', append=True)
     assert b"new handle" in store.find("alice").read(fmt.JOURNAL)
+
+
+def test_a_crash_after_a_large_memory_edit_is_journaled_loses_no_blob(store: HostStore, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal names the edit's blob once it is appended: the manifest
+    must list the blob by then, or a gc after a crash takes it."""
+    from capsulefs.core.live import LiveAgent
+
+    agent = make_agent(store, "alice")
+    live = make_live(store, tmp_path / "work")
+    real = LiveAgent.append
+
+    def append_then_die(self, events):  # type: ignore[no-untyped-def]
+        real(self, events)
+        raise KeyboardInterrupt  # the process dies once the event is durable
+
+    monkeypatch.setattr(LiveAgent, "append", append_then_die)
+    big = ("y" * 99 + "\n").encode() * 1000
+    with pytest.raises(KeyboardInterrupt):
+        live.agent(agent.agent_id).save(fmt.WORKING_MEMORY, big)
+    monkeypatch.undo()
+    sha = journal_records(store)[-1].event.blob  # type: ignore[attr-defined]
+    store.gc()
+    assert store.read_blob(sha) == big

@@ -151,3 +151,36 @@ def test_adopted_files_become_blobs_and_their_directories_are_synced_once(store:
     again.write_bytes(b"already here")
     store.adopt_blob_files([(str(again), present)], sync_dirs=lambda dirs: synced.append(list(dirs)))
     assert len(synced) == 1 and not again.exists()
+
+
+class _Crash(Exception):
+    """Stands for the process dying at this point."""
+
+
+def test_a_crash_before_the_manifest_is_written_loses_no_blob(store: HostStore, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """write_files replaces snapshot.json, then the manifest: a crash between
+    the two must not leave blobs the snapshot names unlisted, for gc to take."""
+    import capsulefs.core.store as store_mod
+
+    agent = make_agent(store, "w", workspace={"old": b"old"})
+    real = store_mod.atomic_write
+    written: list[str] = []
+
+    def dies_at_the_manifest(path, data, mode=0o644):  # type: ignore[no-untyped-def]
+        if os.path.basename(path) == fmt.MANIFEST and agent.path(fmt.SNAPSHOT) in written:
+            raise _Crash()
+        real(path, data, mode)
+        written.append(path)
+
+    with store.writing():
+        sha = store.put_blob(b"new work")
+        monkeypatch.setattr(store_mod, "atomic_write", dies_at_the_manifest)
+        with pytest.raises(_Crash):
+            agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"new": sha})}, add_blobs=[sha])
+    monkeypatch.undo()
+    assert fmt.parse_snapshot(agent.read(fmt.SNAPSHOT)) == {"new": sha}  # the snapshot landed
+    store.gc()
+    assert store.read_blob(sha) == b"new work"
+    archive.export_agent(agent, str(tmp_path / "w.tar"), mtime=1)
+    assert archive.verify_capsule(str(tmp_path / "w.tar"))[1] == []

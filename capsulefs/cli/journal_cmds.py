@@ -239,6 +239,7 @@ def cmd_append(args: argparse.Namespace) -> int:
         # (store.writing: blobs the events name stay put until the manifest lists them)
         _refuse_unless_held(holders, agent.agent_id, agent.name)
         blobs = _check_blobs(agent, events)
+        agent.list_blobs(blobs)  # before the journal names them: a crash then leaves none to gc
         with agent_journal(agent, machine=host_id(args)) as journal:
             records = journal.append_many(events)
         _project(agent, events, blobs)
