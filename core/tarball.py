@@ -28,7 +28,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .capsule import KEEP_BYTES, KEEP_LIMIT, Entry, Listing, Problem
-from .errors import FormatError, UnsafePathError
+from .errors import FormatError, ImportRefused, UnsafePathError
 from .fsutil import atomic_writer, makedirs_durable
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -36,6 +36,8 @@ GZIP_MAGIC = b"\x1f\x8b"
 DEFAULT_MAX_MEMBER = 64 << 30
 DEFAULT_MAX_TOTAL = 256 << 30
 COPY_CHUNK = 1 << 20
+#: Bytes an extraction leaves free on the file system it writes to.
+FREE_MARGIN = 64 << 20
 
 
 @contextmanager
@@ -219,10 +221,25 @@ class _Exact(io.RawIOBase):
         return data
 
 
-def extract_into(root: str) -> Sink:
-    """A sink that writes each file under ``root`` (a fresh, private directory)."""
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def extract_into(root: str, *, free: Callable[[str], int] = free_bytes) -> Sink:
+    """A sink that writes each file under ``root`` (a fresh, private directory).
+
+    A file that would leave less than ``FREE_MARGIN`` bytes free on the file
+    system is refused (ImportRefused) from its size, before any byte of it is
+    written: a compressed tar expands without bound (a tar bomb), and the
+    state directory's disk is the one every agent's journal appends to."""
 
     def sink(rel: str, size: int, f: BinaryIO) -> str:
+        left = free(root)
+        if size > left - FREE_MARGIN:
+            raise ImportRefused(f"{rel} is {size} bytes, but only {max(left, 0)} bytes are free in {root} "
+                                f"(and {FREE_MARGIN} are kept free); nothing was kept")
         dest = os.path.join(root, rel)
         makedirs_durable(os.path.dirname(dest))
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

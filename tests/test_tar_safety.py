@@ -125,3 +125,27 @@ def test_tar_made_by_gnu_tar_with_dot_prefix_imports(store: HostStore, tmp_path:
     target = HostStore.open(tmp_path / "t")
     imported = archive.import_tar(target, str(gnu))
     assert imported.agent_id == agent.agent_id
+
+
+def test_member_larger_than_the_free_space_is_refused_before_its_bytes(store: HostStore, tmp_path: Path) -> None:
+    """A compressed tar can expand far beyond its own size (a tar bomb): a
+    member that cannot fit in the store's file system is refused from its
+    header, before the disk that every agent's journal needs is filled."""
+    good = _good_members(store, tmp_path)
+    st = os.statvfs(tmp_path)
+    huge = 2 * st.f_bavail * st.f_frsize + (1 << 30)
+    tar = _write(tmp_path / "bomb.tar", good)
+    info = tarfile.TarInfo("artifacts/blobs/" + "0" * 64)
+    info.size = huge
+    with open(tar, "r+b") as f:  # the bomb's header, then a little of its (never ending) data
+        data = f.read()
+        end = data.rstrip(b"\0")
+        end += b"\0" * (-len(end) % 512)
+        f.seek(len(end))
+        f.write(info.tobuf(tarfile.GNU_FORMAT) + b"\0" * 4096)
+        f.truncate()
+    target = HostStore.open(tmp_path / "t")
+    with pytest.raises(ImportRefused, match="free"):
+        archive.import_tar(target, str(tar), max_member=huge, max_total=2 * huge)
+    assert target.agent_ids() == [] and list(target.all_blobs()) == []
+    assert os.listdir(target.staging_dir) == []
