@@ -19,7 +19,9 @@ Rules:
     reports every piece missing or corrupt. The capsule
     directory is assembled at prepare and renamed into ``agents/`` at
     activate. A discarded move leaves no staging behind; blobs already
-    adopted stay (content addressed; gc frees them if no agent lists them).
+    adopted stay (content addressed; gc frees them if no agent lists them
+    once the move has ended: until then the staging area's manifest.json,
+    written before any blob is adopted, keeps them).
   * Blobs the target already had are checked for presence and size at
     verify; the store only ever names a blob after hashing it.
 
@@ -262,6 +264,10 @@ class MoveService:
         stack = ExitStack()
         try:
             area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
+            # Before any blob is adopted: gc keeps the blobs a staged manifest
+            # names (the move needs them until install, and no agent here
+            # lists them yet).
+            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
             os.mkdir(os.path.join(area, "content"))
             # Opened before any piece is written (see FileSystemSync), closed
             # with the staging area: by _close, once the intake has stopped

@@ -338,6 +338,7 @@ class HostStore:
             for agent in self.agents():
                 referenced.update(agent.manifest().blobs())
             referenced.update(self._snapshot_blobs())
+            referenced.update(self._staged_blobs())
             removed = freed = kept = 0
             for sha in list(self.all_blobs()):
                 if sha in referenced:
@@ -359,6 +360,28 @@ class HostStore:
             if fmt.MANIFEST in filenames and os.path.relpath(dirpath, root).count(os.sep) == 1:
                 with open(os.path.join(dirpath, fmt.MANIFEST), "rb") as f:
                     out.update(fmt.Manifest.from_bytes(f.read()).blobs())
+        return out
+
+    def _staged_blobs(self) -> set[str]:
+        """Blobs named by the manifest of a staging area (staging/*/manifest.json):
+        an incoming move adopts its blobs into objects/ before any agent here
+        lists them, and needs them until it installs the agent or ends.
+
+        A manifest that does not parse stops gc (StoreError naming it): its
+        move may still need blobs nobody else lists."""
+        out: set[str] = set()
+        for name in os.listdir(self.staging_dir):
+            path = os.path.join(self.staging_dir, name, fmt.MANIFEST)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # an area without one, a lock file, or an area removed meanwhile
+            try:
+                out.update(fmt.Manifest.from_bytes(data).blobs())
+            except FormatError as exc:
+                raise StoreError(f"gc: {path} is damaged ({exc}); nothing was collected. If no move or import "
+                                 f"is under way, remove {os.path.dirname(path)} and run gc again") from None
         return out
 
     # -- agents ----------------------------------------------------------------

@@ -252,6 +252,30 @@ async def test_a_clean_move(world: World, tmp_path: Path) -> None:
     assert world.b.store.agent(world.agent_id).manifest().holder == fmt.Holder(host=world.b.me, epoch=2)
 
 
+async def test_gc_on_the_target_during_a_move_keeps_the_moves_blobs(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target adopts a move's blobs into its store before any agent
+    there lists them, and some it had already belong to no agent of its
+    own: a `capsulefs gc` on the target between verify and activate must
+    keep them all (the staged manifest is a root), or the install after the
+    source's commit finds them gone."""
+    collected = []
+    prepare = world.hooks_b.prepare
+
+    async def prepare_then_gc(agent_id: str, staged_dir: str) -> None:
+        await prepare(agent_id, staged_dir)
+        collected.append(world.b.store.gc())
+
+    monkeypatch.setattr(world.hooks_b, "prepare", prepare_then_gc)
+    result = await world.move()
+    assert result.moved, result
+    assert collected and collected[0].removed == 0
+    assert world.check() == "b"
+    verify_on(world.b, world.agent_id, tmp_path)
+    world.b.store.put_blob(b"nobody lists this")
+    assert world.b.store.gc().removed == 1  # once the move has ended, gc is as before
+
+
 async def test_the_target_syncs_each_calls_pieces_and_their_adoption_through_one_file_system_sync(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """The move service opens a FileSystemSync on the staging area before

@@ -15,7 +15,7 @@ from capsulefs.core import format as fmt
 from capsulefs.core.errors import CorruptBlobError, ExistsError, StoreError
 from capsulefs.core.store import HostStore
 
-from helpers import make_agent
+from helpers import HOST, make_agent
 
 
 def test_blob_shared_by_agents_is_stored_once(store: HostStore) -> None:
@@ -184,3 +184,21 @@ def test_a_crash_before_the_manifest_is_written_loses_no_blob(store: HostStore, 
     assert store.read_blob(sha) == b"new work"
     archive.export_agent(agent, str(tmp_path / "w.tar"), mtime=1)
     assert archive.verify_capsule(str(tmp_path / "w.tar"))[1] == []
+
+
+def test_gc_keeps_the_blobs_a_staging_area_manifest_names_and_refuses_a_damaged_one(store: HostStore) -> None:
+    """An incoming move's blobs are in objects/ before any agent lists
+    them: gc keeps those its staging area's manifest names, and collects
+    nothing (naming the file) when that manifest does not parse."""
+    kept, loose = store.put_blob(b"a blob a move received"), store.put_blob(b"a blob nobody needs")
+    manifest = fmt.Manifest(agent_id="c" * 32, name="incoming", holder=fmt.Holder(host=HOST, epoch=2),
+                            files={fmt.blob_path(kept): fmt.FileEntry(sha256=kept, size=22)})
+    with store.staging("move-x-2") as area:
+        (Path(area) / fmt.MANIFEST).write_bytes(manifest.to_bytes())
+        assert store.gc().removed == 1
+        assert store.has_blob(kept) and not store.has_blob(loose)
+        (Path(area) / fmt.MANIFEST).write_bytes(b'{"truncated')
+        with pytest.raises(StoreError, match=r"move-x-2.*manifest.json is damaged"):
+            store.gc()
+        assert store.has_blob(kept)
+    assert store.gc().removed == 1 and not store.has_blob(kept)
