@@ -11,7 +11,9 @@ Rules:
     inside a capsule for a minute; the root's entries for a second, since
     agents appear and vanish outside the kernel's sight (CLI, moves);
     mutable files for a second, and a change made through the mount drops
-    the kernel's attributes of the file, the manifest and the status at once.
+    the kernel's attributes of the file, the manifest and the status at once;
+    so does each open of a file read through the page cache (the read would
+    be cut at a size the kernel took before a change beside the mount).
 
 Concurrency: the handlers never await between reading and updating shared
 state, so each runs atomically with respect to the others on the trio loop.
@@ -305,6 +307,11 @@ class Operations(pyfuse3.Operations):
         handle = self.live.open(self.inodes.node(inode), flags, ctx.uid)
         if handle.check is not None:
             self._verify_in_background(handle.check)
+        if not handle.keep_cache and not handle.direct_io:
+            # Read through the page cache, which the kernel cuts at its idea of
+            # the size: a file changed beside the mount would read cut at the
+            # size it had when last asked (up to MUTABLE_ATTR_TIMEOUT ago).
+            self.kernel.invalidate_attr(inode)
         return self._open_info(handle)
 
     def _verify_in_background(self, check: BlobCheck) -> None:

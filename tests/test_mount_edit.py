@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from capsulefs.cli import main as cli_main
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import make_agent
@@ -318,3 +320,25 @@ def test_a_writer_open_across_a_replace_writes_to_the_file_replaced(mnt: Path) -
     recs = check_chains((mnt / fmt.JOURNAL).read_bytes())
     assert [(r.kind, r.event.text) for r in recs] == [("memory_edit", "replaced\n")]  # type: ignore[attr-defined]
     verifies(mnt)
+
+
+
+def _edit_beside_the_mount(state_dir: Path, text: str) -> None:
+    """`capsulefs append --kind memory_edit` (in this process: fast), which
+    rewrites working_memory.md in the store, beside the mount."""
+    assert cli_main(["--state", str(state_dir), "append", "alice", "-q", "--kind", "memory_edit", "--text", text]) == 0
+
+
+def test_files_changed_beside_the_mount_read_whole(mnt: Path, state_dir: Path) -> None:
+    # The kernel keeps a file's size for a second: a read right after a
+    # change made beside the mount was cut at the size it had before.
+    wm, manifest = mnt / fmt.WORKING_MEMORY, mnt / fmt.MANIFEST
+    longer = MEMORY + "and the eggs, and the flour, and the sugar\n"
+    assert os.stat(wm).st_size == len(MEMORY) and os.stat(manifest).st_size
+    _edit_beside_the_mount(state_dir, longer)  # the journal grows from 0 bytes: so does the manifest
+    assert wm.read_text() == longer
+    data = manifest.read_bytes()
+    assert json.loads(data)["files"][fmt.JOURNAL]["size"] == len((mnt / fmt.JOURNAL).read_bytes())
+    assert hashlib.sha256(data).hexdigest().encode() == os.getxattr(manifest, "user.capsule.sha256")
+    verifies(mnt)
+
