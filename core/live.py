@@ -784,7 +784,7 @@ class LiveHost:
                 and not flags & os.O_EXCL:
             # An editor that renamed the file away (as a backup) creates it
             # anew: the capsule kept it, so this opens it for writing.
-            handle = EditHandle(self.agent(parent.agent), existing.rel, True)
+            handle = EditHandle(self.agent(parent.agent), existing.rel, True, append=bool(flags & os.O_APPEND))
             if flags & os.O_TRUNC:
                 _truncate_new(handle)
             return existing, handle
@@ -906,7 +906,7 @@ class LiveHost:
                         self.check_writable(node.agent)
                     return JournalHandle(a, write)
                 if node.rel in EDITABLE:
-                    handle = EditHandle(a, node.rel, write)
+                    handle = EditHandle(a, node.rel, write, append=write and bool(flags & os.O_APPEND))
                     if write and flags & os.O_TRUNC:
                         _truncate_new(handle)  # libfuse's atomic O_TRUNC: no separate truncate comes
                     return handle

@@ -261,10 +261,14 @@ class EditHandle(Handle):
     close commits (and is refused for) until someone writes them right.
     """
 
-    def __init__(self, agent: "LiveAgent", rel: str, writable: bool) -> None:
+    def __init__(self, agent: "LiveAgent", rel: str, writable: bool, *, append: bool = False) -> None:
         self.agent = agent
         self.rel = rel
         self.writable = writable
+        #: Opened with O_APPEND: every write goes at the end of the file as
+        #: it is now, whatever offset the kernel sends (its idea of the size,
+        #: stale after a change made beside the mount or an edit dropped).
+        self.append = append
         if writable:
             self.direct_io = True  # a refused commit must not linger in the page cache
             self.edit = agent.begin_edit(rel)
@@ -286,6 +290,8 @@ class EditHandle(Handle):
             raise NotPermitted(f"{self.rel} is not open for writing")
         self.agent.check_writable()
         buf = self.edit.data
+        if self.append:
+            offset = len(buf)
         check_edit_size(self.rel, offset + len(data), len(buf))
         if offset > len(buf):
             buf.extend(b"\0" * (offset - len(buf)))

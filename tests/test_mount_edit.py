@@ -342,3 +342,16 @@ def test_files_changed_beside_the_mount_read_whole(mnt: Path, state_dir: Path) -
     assert hashlib.sha256(data).hexdigest().encode() == os.getxattr(manifest, "user.capsule.sha256")
     verifies(mnt)
 
+
+def test_an_append_goes_at_the_end_of_memory_changed_beside_the_mount(mnt: Path, state_dir: Path) -> None:
+    # O_APPEND writes came at the offset of the kernel's idea of the size: a
+    # `>>` right after the memory changed beside the mount overwrote its middle.
+    wm = mnt / fmt.WORKING_MEMORY
+    longer = MEMORY + "and the eggs, and the flour, and the sugar\n"
+    assert os.stat(wm).st_size == len(MEMORY)
+    _edit_beside_the_mount(state_dir, longer)
+    with open(wm, "ab", buffering=0) as f:
+        f.write(b"- appended\n")
+    assert wm.read_text() == longer + "- appended\n"
+    assert kinds(mnt) == ["memory_edit", "memory_edit"]
+    verifies(mnt)
