@@ -26,6 +26,10 @@ class SpecError(FormatError):
     """environment/spec.json breaks one of the spec's rules."""
 
 
+class NameTooLong(FormatError):
+    """A file or agent name longer than a file name may be (``format.MAX_NAME_BYTES``)."""
+
+
 class IntegrityError(CapsuleError):
     """Bytes do not match the digest that names or lists them."""
 

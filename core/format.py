@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FormatError, UnsafePathError
+from .errors import FormatError, NameTooLong, UnsafePathError
 
 FORMAT = "capsule/1"
 
@@ -103,7 +103,7 @@ def check_agent_name(value: object) -> str:
     except UnicodeEncodeError:  # a byte that is not UTF-8 (surrogate-escaped by os.fsdecode or argv), or a lone surrogate
         raise FormatError(f"agent name {value!r} is not valid UTF-8") from None
     if len(encoded) > MAX_NAME_BYTES:
-        raise FormatError(f"agent name {value[:20]!r}... is longer than {MAX_NAME_BYTES} bytes")
+        raise NameTooLong(f"agent name {value[:20]!r}... is longer than {MAX_NAME_BYTES} bytes")
     if has_control(value):
         raise FormatError(f"agent name {value!r} contains a control character")
     return value

@@ -19,7 +19,7 @@ import os
 import shutil
 
 from . import format as fmt
-from .errors import NotFoundError
+from .errors import NameTooLong, NotFoundError
 from .fsutil import atomic_write, makedirs_durable
 from .live_errors import NotPermitted
 
@@ -31,7 +31,7 @@ def check_name(name: str) -> str:
     if not name or "/" in name or "\0" in name or name in (".", ".."):
         raise NotPermitted(f"{name!r} is not a valid file name")
     if len(name.encode("utf-8", "surrogateescape")) > fmt.MAX_NAME_BYTES:
-        raise NotPermitted(f"{name[:20]!r}... is longer than {fmt.MAX_NAME_BYTES} bytes")
+        raise NameTooLong(f"{name[:20]!r}... is longer than {fmt.MAX_NAME_BYTES} bytes")
     return name
 
 
@@ -58,7 +58,7 @@ class ScratchArea:
             return False
         try:
             return os.path.isfile(self.path(agent_id, reldir, name))
-        except NotPermitted:
+        except (NotPermitted, NameTooLong):
             return False
 
     def create(self, agent_id: str, reldir: str, name: str, mode: int, flags: int) -> int:

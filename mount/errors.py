@@ -30,6 +30,7 @@ from capsulefs.core.errors import (
     FilesBusy,
     FormatError,
     IntegrityError,
+    NameTooLong,
     NotFoundError,
     StoreError,
 )
@@ -61,6 +62,7 @@ ERRNO: dict[type[CapsuleError], int] = {
     NotFoundError: errno.ENOENT,
     ExistsError: errno.EEXIST,
     FormatError: errno.EINVAL,  # includes SpecError, UnsafePathError
+    NameTooLong: errno.ENAMETOOLONG,  # a FormatError too (the CLI says it as one)
     IntegrityError: errno.EIO,  # includes CorruptBlobError: that file only
     NotPermitted: errno.EPERM,
     AccessDenied: errno.EACCES,

@@ -94,6 +94,22 @@ def test_a_name_that_is_not_utf8_is_einval_and_the_mount_stays_writable(store: H
         assert os.listdir(mnt) == ["alice"]
 
 
+def test_a_name_longer_than_255_bytes_is_enametoolong(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    # `touch memory/<256 bytes>` said "Operation not permitted", `mkdir <256 bytes>` "Invalid argument"
+    make_agent(store, "alice")
+    long = "n" * 256
+    with mounted(state_dir, mnt):
+        agent = mnt / "alice"
+        for make in (lambda: (agent / "memory" / long).touch(), lambda: os.mkdir(mnt / long),
+                     lambda: os.mkdir(agent / ".snapshots" / long)):
+            with pytest.raises(OSError) as exc:
+                make()
+            assert exc.value.errno == errno.ENAMETOOLONG
+        (agent / "memory" / ("n" * 255)).touch()  # 255 is fine
+        os.mkdir(agent / ".snapshots" / ("n" * 255))
+        assert status(agent)["mount"] == "read-write"
+
+
 @pytest.mark.expect_error_log
 def test_corrupt_blob_gives_eio_and_the_mount_stays(store: HostStore, state_dir: Path, mnt: Path) -> None:
     agent = make_agent(store, "alice", workspace={"a": b"A" * 300_000, "b": b"B" * 10})
