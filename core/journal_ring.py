@@ -413,13 +413,17 @@ def _create(path: str, size: int) -> None:
     tmp = os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        zeros = bytes(min(size, _ZERO_CHUNK))
-        left = size
-        while left > 0:  # real zeros, not fallocate: unwritten extents would make overwrites change metadata
-            left -= os.write(fd, zeros[: min(left, len(zeros))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            zeros = bytes(min(size, _ZERO_CHUNK))
+            left = size
+            while left > 0:  # real zeros, not fallocate: unwritten extents would make overwrites change metadata
+                left -= os.write(fd, zeros[: min(left, len(zeros))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:  # e.g. ENOSPC: a half-made ring must not keep the space it took
+        os.unlink(tmp)
+        raise
     try:
         os.link(tmp, path)  # never over an existing ring: another creator may already use it
     except FileExistsError:

@@ -652,3 +652,28 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     j2.close()
     assert texts == ["kept", "after reopening"]
     assert "no more appends until it is reopened" in caplog.text
+
+
+def test_a_ring_that_cannot_be_created_leaves_no_temp_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A disk too full for the ring: each append fell back to syncing the
+    journal, but left the half-written ring behind as a .tmp- file, which ate
+    the space freed meanwhile until the journal itself hit ENOSPC. The file
+    size limit stands in for a full disk (EFBIG instead of ENOSPC)."""
+    import resource
+
+    path, ring = str(tmp_path / "j.jsonl"), str(tmp_path / "wal" / "ring")
+    j = open_journal(path, machine=HOST, now=lambda: T0, new_id=_ids(), recovery_dir=str(tmp_path / "rec"),
+                     ring_path=ring)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    try:
+        for i in range(3):
+            j.append(Note(text=f"n{i}"))  # the ring cannot be made: the journal syncs itself
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "cannot open its write-ahead ring" in caplog.text
+    assert os.listdir(tmp_path / "wal") == []
+    j.append(Note(text="with the ring"))
+    j.close()
+    assert os.listdir(tmp_path / "wal") == ["ring"]
+    assert len(split_lines((tmp_path / "j.jsonl").read_bytes())) == 4
