@@ -352,6 +352,12 @@ class Journal:
             # Only a torn tail (never part of _size) is ever cut; a shorter
             # file was rewritten behind our back: start over.
             log.warning("journal %s shrank from %d to %d bytes; re-reading it", self.path, self._size, size)
+            if self.ring_path is not None:
+                # As opening does: acknowledged bytes the cut took are put
+                # back from the ring, or appending is refused (RingMismatch),
+                # before a restarted ring could overwrite their only copy.
+                replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir)
+                size = os.lseek(self._fd, 0, os.SEEK_END)
             self._state = ChainState()
             self._size = 0
         data = os.pread(self._fd, size - self._size, self._size)

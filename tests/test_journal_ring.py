@@ -677,3 +677,26 @@ def test_a_ring_that_cannot_be_created_leaves_no_temp_file(tmp_path: Path, caplo
     j.close()
     assert os.listdir(tmp_path / "wal") == ["ring"]
     assert len(split_lines((tmp_path / "j.jsonl").read_bytes())) == 4
+
+
+def test_a_journal_cut_short_under_an_open_journal_gets_its_acked_lines_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tool cuts the last lines off a journal that a Journal holds open.
+    Its next append re-read the file, stamped seq 8 again (a fork of the
+    acknowledged seq 8) and restarted the ring over the only copy of seqs
+    8..10, which a reopen would have restored. Now it replays the ring
+    first, as opening does."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    path = agent.path(fmt.JOURNAL)
+    with _open(agent) as j:
+        _append_notes(j, 10)
+        before = agent.read(fmt.JOURNAL)
+        lines = split_lines(before)
+        os.truncate(path, sum(len(line) + 1 for line in lines[:-3]))
+        rec = j.append(Note(text="after the cut"))
+    assert rec.seq == len(lines) + 1
+    after = _lines(agent)
+    assert after[:-1] == lines
+    assert "shrank" in caplog.text and "restored" in caplog.text
