@@ -160,6 +160,8 @@ log = logging.getLogger(__name__)
 
 #: Catching up with at least this many bytes is done in bulk (vectorised).
 BULK_CATCH_UP = 1 << 20
+#: Catching up reads the file in pieces of this size (more for a longer line).
+CATCH_UP_PIECE = 256 << 20
 
 
 class Journal:
@@ -360,10 +362,31 @@ class Journal:
                 size = os.lseek(self._fd, 0, os.SEEK_END)
             self._state = ChainState()
             self._size = 0
-        data = os.pread(self._fd, size - self._size, self._size)
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            self._move_torn_tail(self._size + end, data[end:])
+        # In pieces: one read() returns at most 2 GiB - 4 KiB, and a short
+        # read taken for the whole file made a torn tail of the line it
+        # stopped in. A piece's partial last line is read again with the
+        # next one; only what is left at the file's end is a torn tail.
+        want = CATCH_UP_PIECE
+        while self._size < size:
+            data = os.pread(self._fd, min(size - self._size, want), self._size)
+            end = data.rfind(b"\n") + 1
+            if self._size + len(data) >= size:
+                if end < len(data):
+                    self._move_torn_tail(self._size + end, data[end:])
+                self._absorb(data, end)
+                return
+            if not data:  # pragma: no cover - the file shrank under the flock (a writer outside the rules)
+                return
+            if not end:  # a line longer than the piece: read it whole
+                if len(data) < want:
+                    raise FormatError(f"{self.path}: line {self._state.count + 1} is longer than {len(data)} bytes")
+                want *= 2
+                continue
+            self._absorb(data, end)
+
+    def _absorb(self, data: bytes, end: int) -> None:
+        """Absorb the whole lines ``data[:end]``, which start at ``_size``.
+        Caller holds both locks."""
         start = 0
         base_no = self._state.count
         state = self._state
@@ -716,7 +739,13 @@ class Journal:
         end = self._size if size is None else min(self._size, offset + max(size, 0))
         if offset >= end:
             return b""
-        return os.pread(self._fd, end - offset, offset)
+        data = os.pread(self._fd, end - offset, offset)
+        if len(data) < end - offset:  # one read() returns at most 2 GiB - 4 KiB
+            pieces = [data]
+            while (offset := offset + len(pieces[-1])) < end and pieces[-1]:
+                pieces.append(os.pread(self._fd, end - offset, offset))
+            data = b"".join(pieces)
+        return data
 
     def lines(self) -> list[bytes]:
         return split_lines(self.read())

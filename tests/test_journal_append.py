@@ -414,3 +414,49 @@ def test_a_bad_machine_id_is_refused_before_stamping(tmp_path: Path) -> None:
         with pytest.raises(FormatError, match="host id"):
             j.append(note("x"))
         assert j.count == 0 and (tmp_path / "j.jsonl").read_bytes() == b""
+
+
+@pytest.mark.slow
+def test_a_journal_over_2_gib_is_read_whole_at_open(tmp_path: Path) -> None:
+    """Linux reads at most 2 GiB - 4 KiB per read(): opening a journal past
+    that took the short read for the whole file, called the partial line at
+    2 GiB a torn tail, saved that fragment and cut the file there, losing
+    every acknowledged line beyond it."""
+    from capsulefs.core.journal import ChainState
+
+    state, ids, size = ChainState(), iter(f"{k:024x}" for k in range(1, 10**6)), 0
+    path = tmp_path / "j.jsonl"
+    text = "x" * (8 << 20)
+    with open(path, "wb") as f:
+        while size <= (2 << 30) + (16 << 20):
+            (rec,) = state.stamp([note(text)], machine="host-a", now=lambda: 1.0, new_id=ids.__next__)
+            f.write(rec.line + b"\n")
+            size += len(rec.line) + 1
+    with open_test_journal(path, prefix=9) as j:
+        assert (j.count, j.size) == (state.count, size)
+        assert j.tail("host-a") == state.tails["host-a"]
+        assert len(j.read()) == size
+    assert path.stat().st_size == size
+    assert not (tmp_path / "recovery").exists()
+
+
+def test_catching_up_in_pieces_moves_exactly_the_torn_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The catch-up reads in pieces (see the 2 GiB test): lines across a
+    piece's end, and lines longer than a piece, are read whole; only the
+    bytes after the file's last newline are a torn tail."""
+    import capsulefs.core.journal as J
+
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        for i in range(30):
+            j.append(note(f"{i} " + "y" * (i * 97 % 700 + (3000 if i == 17 else 0))))
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"clock":31,"id":')
+    monkeypatch.setattr(J, "CATCH_UP_PIECE", 500)
+    with open_test_journal(path) as j:
+        assert (j.count, j.size) == (30, len(whole))
+        assert j.read() == whole
+    assert path.read_bytes() == whole
+    assert (tmp_path / "recovery" / f"j.jsonl{TORN_SUFFIX}1").read_bytes() == b'{"clock":31,"id":'
+    assert "torn tail of 17 bytes" in caplog.text
