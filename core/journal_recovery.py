@@ -34,13 +34,14 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
 from .errors import FormatError
-from .fsutil import atomic_write, fdatasync, makedirs_durable
+from .fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
 from .journal_ring import Ring
 from .journal_ring import remove as remove_ring
 
@@ -76,9 +77,27 @@ def save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
     """Save bytes cut from a journal as ``<name>.torn-<n>`` (durably); return the path."""
     makedirs_durable(recovery_dir)
     name = os.path.basename(journal_path) + TORN_SUFFIX
-    taken = [int(n[len(name):]) for n in os.listdir(recovery_dir) if n.startswith(name) and n[len(name):].isdigit()]
-    dest = os.path.join(recovery_dir, f"{name}{max(taken, default=0) + 1}")
-    atomic_write(dest, tail)
+    tmp = os.path.join(recovery_dir, TMP_PREFIX + secrets.token_hex(8))
+    try:
+        with open(tmp, "xb") as f:
+            f.write(tail)
+            f.flush()
+            os.fsync(f.fileno())
+        while True:  # journals side by side may share the directory: never over a tail saved meanwhile
+            taken = [int(n[len(name):]) for n in os.listdir(recovery_dir)
+                     if n.startswith(name) and n[len(name):].isdigit()]
+            dest = os.path.join(recovery_dir, f"{name}{max(taken, default=0) + 1}")
+            try:
+                os.link(tmp, dest)
+                break
+            except FileExistsError:
+                continue
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    fsync_dir(recovery_dir)
     return dest
 
 

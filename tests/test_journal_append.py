@@ -460,3 +460,26 @@ def test_catching_up_in_pieces_moves_exactly_the_torn_tail(tmp_path: Path, monke
     assert path.read_bytes() == whole
     assert (tmp_path / "recovery" / f"j.jsonl{TORN_SUFFIX}1").read_bytes() == b'{"clock":31,"id":'
     assert "torn tail of 17 bytes" in caplog.text
+
+
+def test_torn_tails_saved_at_once_into_one_recovery_directory_are_all_kept(tmp_path: Path) -> None:
+    """Capsules side by side share one recovery directory (the agent
+    runtime's <parent>/.recovery): two torn tails saved at the same time
+    took the same number, and the second rename replaced the first."""
+    import threading
+
+    from capsulefs.core.journal import save_torn
+
+    def save(k: int) -> None:
+        for i in range(100):
+            save_torn(str(tmp_path / "rec"), f"/capsule-{k}/timeline_events.jsonl", f"{k}-{i}".encode())
+
+    threads = [threading.Thread(target=save, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kept = {p.read_bytes() for p in (tmp_path / "rec").iterdir()}
+    assert kept == {f"{k}-{i}".encode() for k in range(2) for i in range(100)}
+    assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == sorted(
+        f"timeline_events.jsonl{TORN_SUFFIX}{n}" for n in range(1, 201))
