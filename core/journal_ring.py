@@ -151,12 +151,15 @@ class Ring:
         """Whether a record for journal ``offset`` may follow our chain (else:
         checkpoint the journal and restart). ``unchanged``: the caller held
         the journal's flock since our last record (a lease), so no other
-        process can have restarted the ring: its first header is not read."""
+        process can have restarted the ring: its first header is not read.
+        A ring file removed or replaced under us (no name left) never
+        continues: records written there are durable where no replay looks."""
         return (
             self._first is not None
             and offset == self._next
             and ino == self._ino
             and (unchanged or os.pread(self._fd, HEADER.size, 0) == self._first)
+            and os.fstat(self._fd).st_nlink > 0
         )
 
     def fits(self, length: int) -> bool:

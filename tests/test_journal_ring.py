@@ -700,3 +700,22 @@ def test_a_journal_cut_short_under_an_open_journal_gets_its_acked_lines_back(
     after = _lines(agent)
     assert after[:-1] == lines
     assert "shrank" in caplog.text and "restored" in caplog.text
+
+
+def test_appends_after_the_ring_is_deleted_under_an_open_journal_survive_a_power_loss(tmp_path: Path) -> None:
+    """Someone deletes the ring file while a Journal has it open. Appends
+    went on into the unlinked file (durable, but where no replay finds it)
+    until the ring filled, so a power loss then lost them. Now the next
+    append sees the ring is gone, syncs the journal and starts a new ring."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 5)
+        checkpoints = j.checkpoints
+        os.unlink(agent.ring_path)
+        _append_notes(j, 5, tag="after")
+        assert os.path.exists(agent.ring_path) and j.checkpoints == checkpoints + 1
+        before = agent.read(fmt.JOURNAL)
+    _power_loss(agent)
+    HostStore.open(tmp_path / "state")  # replays the ring
+    assert agent.read(fmt.JOURNAL) == before
