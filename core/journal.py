@@ -206,7 +206,7 @@ class Journal:
         # once per file, so a retried fdatasync can return 0 over pages that
         # never reached the disk, and a ring restarted after it would overwrite
         # the only durable copy. No more appends through this object: reopen
-        # (which replays the ring) to go on.
+        # (which writes what the ring vouches for again and syncs it) to go on.
         self._broken: str | None = None
         # The lease (see journal_lease): the flock kept since our last commit,
         # until _lease_end (at most _lease_start + MAX_HOLD). Guarded by _lock.
@@ -219,6 +219,12 @@ class Journal:
         self.lease_max = MAX_HOLD  # ... and at most after it was taken
         self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
         self.leased_commits = 0  # commits that found the lease held (no flock or checks)
+
+    @property
+    def broken(self) -> str | None:
+        """Why appends through this object stopped (a failed write or
+        fdatasync), or None: reopen the journal to append again."""
+        return self._broken
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -676,7 +682,9 @@ class Journal:
 
     def _recover(self) -> None:
         """Replay the ring into the journal after a crash (see
-        :func:`replay_ring`); refuse (RingMismatch) if they disagree."""
+        :func:`replay_ring`); refuse (RingMismatch) if they disagree. A
+        writer also makes what the ring vouches for durable in the journal
+        itself (``persist``): so reopening after a failed fdatasync is safe."""
         if self.ring_path is None:
             return
         self._lock.acquire()
@@ -684,7 +692,7 @@ class Journal:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 self._follow_replacement()
-                replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir)
+                replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir, persist=self.machine is not None)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:

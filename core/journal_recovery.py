@@ -106,13 +106,40 @@ def _holds(fd: int, size: int, start: int, data: bytes) -> bool:
     return size >= start + len(data) and os.pread(fd, len(data), start) == data
 
 
-def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
+def _persist(fd: int, path: str, start: int, data: bytes, ring: Ring) -> None:
+    """Write ``data`` (which the journal holds at ``start`` already) over
+    itself, fdatasync the journal and reset the ring: the bytes the ring
+    vouches for are then durable in the journal itself, even if an earlier
+    write-back of them failed. (Linux reports a failed write-back once and
+    may keep the pages cached but clean: the journal reads right, and a
+    later fdatasync returns 0 without writing them. Writing them again
+    dirties them.) Through a second descriptor: ``fd`` appends whatever
+    offset pwrite is given."""
+    wfd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if (os.fstat(wfd).st_ino, os.fstat(wfd).st_dev) != (os.fstat(fd).st_ino, os.fstat(fd).st_dev):
+            return  # replaced meanwhile (by a writer outside the rules): leave the ring to the next reader
+        view = memoryview(data)
+        at = start
+        while view:
+            n = os.pwrite(wfd, view, at)
+            view, at = view[n:], at + n
+        fdatasync(wfd)
+    finally:
+        os.close(wfd)
+    ring.reset()
+    log.debug("journal %s: the %d bytes its ring vouched for were written again and synced", path, len(data))
+
+
+def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persist: bool = False) -> int:
     """Bring the journal open on ``fd`` up to date with its ring after a
     crash; return how many bytes were restored. Caller holds the flock.
 
     The ring's chain vouches for journal bytes [start, end) of one inode.
     If the journal holds them all, nothing is done (they may still be only
-    in the page cache: the ring is kept). If the journal holds a prefix of
+    in the page cache: the ring is kept), unless ``persist`` (a writer
+    opening the journal): they are then written again and synced, and the
+    ring reset (see :func:`_persist`). If the journal holds a prefix of
     them (a crash lost the rest, or cut a line), the rest is appended, the
     journal fdatasynced and the ring reset. Zero bytes where the ring has
     data (a crash can leave a grown file unwritten) are cut, saved to
@@ -135,6 +162,8 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
         start, ino, data = vouched
         st = os.fstat(fd)
         if st.st_ino == ino and _holds(fd, st.st_size, start, data):
+            if persist:
+                _persist(fd, path, start, data, ring)
             return 0
         entries = ring.scan()
         if not entries:
@@ -163,8 +192,10 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str) -> int:
         if size < start:
             raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
         if want.startswith(have):
-            if size >= end:
-                return 0  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
+            if size >= end:  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
+                if persist:
+                    _persist(fd, path, start, want, ring)
+                return 0
             cut = -1
             missing = want[len(have):]
         else:

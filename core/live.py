@@ -348,6 +348,14 @@ class LiveAgent:
 
     # -- writing -------------------------------------------------------------
     def journal(self) -> Journal:
+        if self._appender is not None and self._appender.broken is not None:
+            # A write or fdatasync failed (that append got EIO): reopen, which
+            # makes the ring's bytes durable in the journal again first; if
+            # the disk still fails, this append fails the same way.
+            log.warning("agent %s: reopening its journal after an earlier failure (%s)",
+                        self.agent_id, self._appender.broken)
+            self._appender.close()
+            self._appender = None
         if self._appender is None:
             h = self.host
             self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,

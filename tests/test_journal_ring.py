@@ -59,7 +59,11 @@ def _small_ring(agent: AgentHandle, size: int) -> None:
 
 
 def _chain(agent: AgentHandle):
-    ring = Ring.open(agent.ring_path, create=False)
+    return _ring_chain(agent.ring_path)
+
+
+def _ring_chain(path: str):
+    ring = Ring.open(path, create=False)
     assert ring is not None
     try:
         return ring.scan()
@@ -622,10 +626,14 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     """Linux reports a failed write-back once: a retried fdatasync can return 0
     over pages that never reached the disk, and restarting the ring after it
     would overwrite the only durable copy. So after one failure the Journal
-    refuses appends until it is reopened (which replays the ring)."""
+    refuses appends until it is reopened; reopening writes what the ring
+    vouches for into the journal again and syncs it before the ring is
+    reset (a replay alone found the journal's cached pages right, and
+    left them undurable)."""
     import errno as _errno
 
     import capsulefs.core.journal as J
+    import capsulefs.core.journal_recovery as JR
     from capsulefs.core.events import Note
 
     path, ring = str(tmp_path / "j.jsonl"), str(tmp_path / "ring")
@@ -646,7 +654,11 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     with pytest.raises(OSError, match="reopen the journal"):
         j.append(Note(text="refused"))
     j.close()
+    synced = []
+    monkeypatch.setattr(JR, "fdatasync", lambda fd: (synced.append(fd), os.fdatasync(fd)))
     j2 = opener()
+    monkeypatch.undo()
+    assert len(synced) == 1 and _ring_chain(ring) == []  # written again and synced, then the ring reset
     j2.append(Note(text="after reopening"))
     texts = [json.loads(line).get("text") for line in j2.lines()]
     j2.close()

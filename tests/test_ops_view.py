@@ -419,3 +419,24 @@ def test_a_crash_after_a_large_memory_edit_is_journaled_loses_no_blob(store: Hos
     sha = journal_records(store)[-1].event.blob  # type: ignore[attr-defined]
     store.gc()
     assert store.read_blob(sha) == big
+
+
+@pytest.mark.expect_error_log
+async def test_a_journal_write_after_a_failed_fdatasync_reopens_the_journal(
+        c: Client, store: HostStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed fdatasync fails its append (EIO) and stops the Journal
+    object, so that no later sync can pretend over pages that never reached
+    the disk. The mount reopens it at the next write (which writes the
+    ring's bytes again and syncs them) instead of failing every journal
+    write of the agent until the daemon restarts."""
+    import capsulefs.core.journal as J
+
+    j = "alice/memory/timeline_events.jsonl"
+    await c.write(j, b'{"kind":"note","text":"before"}\n', append=True)
+    agent = c.ops.live.agent(store.find("alice").agent_id)
+    monkeypatch.setattr(J, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    agent.journal()._ring.forget()  # the next append checkpoints the journal itself: that fdatasync fails
+    assert await errno_of(c.write(j, b'{"kind":"note","text":"lost"}\n', append=True)) == errno.EIO
+    monkeypatch.undo()
+    await c.write(j, b'{"kind":"note","text":"after"}\n', append=True)
+    assert [r.event.text for r in journal_records(store)][-2:] == ["before", "after"]
