@@ -57,7 +57,7 @@ import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from .fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, makedirs_durable, path_identity
+from .fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, links_probe, makedirs_durable, path_identity
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class Ring:
         self.size = held.st_size
         self._id = (held.st_ino, held.st_dev)
         self._fd = fd
+        self._links = links_probe(fd)  # 0 once the file was removed or replaced (no timestamps asked)
         self._pos = 0  # where the next record of our chain goes
         self._next = -1  # journal offset our chain ends at
         self._ino = -1  # journal inode of our chain
@@ -159,7 +160,7 @@ class Ring:
             and offset == self._next
             and ino == self._ino
             and (unchanged or os.pread(self._fd, HEADER.size, 0) == self._first)
-            and os.fstat(self._fd).st_nlink > 0
+            and self._links() > 0
         )
 
     def fits(self, length: int) -> bool:
