@@ -131,6 +131,31 @@ def _persist(fd: int, path: str, start: int, data: bytes, ring: Ring) -> None:
     log.debug("journal %s: the %d bytes its ring vouched for were written again and synced", path, len(data))
 
 
+def _cut_unacknowledged_garbage(fd: int, path: str, end: int, recovery_dir: str) -> None:
+    """Cut what follows the ring's chain end (``end``, a line boundary) from
+    its first line holding a NUL byte on, saving it like a torn tail.
+
+    Nothing past the chain's end was acknowledged (every acknowledged append
+    since the last checkpoint has its record in the chain). A crash in the
+    middle of a multi-page append can leave one of its pages unwritten
+    (zeros) and a later one written: a "line" of NULs and the end of a real
+    one, which no canonical line can hold (JSON escapes every control
+    character). Left there, it made the journal unreadable at every open."""
+    size = os.fstat(fd).st_size
+    if size <= end:
+        return
+    tail = os.pread(fd, size - end, end)
+    k = tail.find(b"\0")
+    if k < 0:
+        return
+    cut = end + tail.rfind(b"\n", 0, k) + 1
+    dest = save_torn(recovery_dir, path, tail[cut - end:])
+    os.ftruncate(fd, cut)
+    fdatasync(fd)
+    log.warning("journal %s: %d bytes from offset %d, past its last acknowledged append and holding pages a crash "
+                "left unwritten (NUL bytes), were never acknowledged; moved them to %s", path, size - cut, cut, dest)
+
+
 def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persist: bool = False) -> int:
     """Bring the journal open on ``fd`` up to date with its ring after a
     crash; return how many bytes were restored. Caller holds the flock.
@@ -162,6 +187,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
         start, ino, data = vouched
         st = os.fstat(fd)
         if st.st_ino == ino and _holds(fd, st.st_size, start, data):
+            _cut_unacknowledged_garbage(fd, path, start + len(data), recovery_dir)
             if persist:
                 _persist(fd, path, start, data, ring)
             return 0
@@ -193,6 +219,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
             raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
         if want.startswith(have):
             if size >= end:  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
+                _cut_unacknowledged_garbage(fd, path, end, recovery_dir)
                 if persist:
                     _persist(fd, path, start, want, ring)
                 return 0

@@ -758,3 +758,28 @@ def test_appends_ask_no_file_for_its_timestamps(tmp_path: Path, monkeypatch: pyt
         finally:
             monkeypatch.undo()
         assert j.leased_commits and j.leased_commits < j.commits
+
+
+def test_a_crash_that_left_a_page_of_an_unacknowledged_append_unwritten_does_not_stop_the_journal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Power lost in the middle of a multi-page append, before it was
+    acknowledged: one of its pages reads back as zeros, a later one holds
+    the end of a real line. That "line" (NULs, then a line's end) made
+    every open fail with a FormatError until someone cut it by hand. It lies
+    past the ring's chain, so it was never acknowledged: it is moved to the
+    recovery directory like a torn tail, and the journal opens and appends."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 5)
+        acked = agent.read(fmt.JOURNAL)
+    garbage = bytes(5000) + b'ng text of a note that was being appended"}\n'
+    with open(agent.path(fmt.JOURNAL), "ab") as f:
+        f.write(garbage)
+    with _open(agent) as j:
+        assert j.lines() == split_lines(acked)
+        j.append(Note(text="after"))
+    assert len(_lines(agent)) == len(split_lines(acked)) + 1
+    (saved,) = _recovery(store, agent)
+    assert (Path(agent.recovery_dir) / saved).read_bytes() == garbage
+    assert "NUL bytes" in caplog.text
