@@ -119,7 +119,11 @@ class BlobChecks:
         self._lock = threading.Lock()
 
     def get(self, sha256: str, path: str) -> BlobCheck:
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:  # a blob the capsule lists: quarantined after it was found damaged
+            raise CorruptBlobError(path, why="not in the store (a damaged copy is quarantined in objects/.corrupt, "
+                                              "or it was removed)") from None
         with self._lock:
             chk = self._checks.get(sha256)
             if chk is None or chk.ident != identity(st):

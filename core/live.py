@@ -674,8 +674,11 @@ class LiveHost:
                 size = self.agent(node.agent).blobs().get(sha)
                 if size is None:
                     raise NotFoundError(f"{node.rel}: no such blob in this agent")
-                st = os.stat(self.store.blob_file(sha))
-                return Attr(False, 0o444, size, st.st_mtime_ns, immutable=True)
+                try:
+                    mtime = os.stat(self.store.blob_file(sha)).st_mtime_ns
+                except FileNotFoundError:  # quarantined (found damaged): listed still, and reading it is EIO
+                    mtime = 0
+                return Attr(False, 0o444, size, mtime, immutable=True)
             case Kind.MANIFEST:
                 data, mtime = self.agent(node.agent).manifest_attr()
                 return Attr(False, 0o444, len(data), mtime)

@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 LAYOUT = 1
 STORE_FILE = "store.json"
 SNAPSHOTS_DIR = os.path.join("mount", "snapshots")
+#: Where blobs found damaged are kept, under objects/ (see ``quarantine_blob``).
+QUARANTINE_DIR = ".corrupt"
 
 
 def default_state_dir() -> str:
@@ -259,7 +261,7 @@ class HostStore:
             self.make_blob_dirs(sha for _, sha in items)
             for path, sha in items:
                 dest = self.blob_file(sha)
-                if os.path.exists(dest):
+                if self._holds_copy(dest, path):
                     os.unlink(path)
                     continue
                 os.chmod(path, 0o444)
@@ -290,7 +292,7 @@ class HostStore:
 
     def _place(self, tmp: str, sha: str) -> None:
         dest = self.blob_file(sha)
-        if os.path.exists(dest):
+        if self._holds_copy(dest, tmp):
             os.unlink(tmp)  # deduplicated: the store has these bytes already
             return
         self.make_blob_dirs((sha,))
@@ -298,29 +300,81 @@ class HostStore:
         os.replace(tmp, dest)
         fsync_dir(os.path.dirname(dest))
 
+    def _holds_copy(self, dest: str, new: str) -> bool:
+        """Whether the object ``dest`` is there to deduplicate the new, hashed
+        file ``new`` against. One of another size is damaged (a blob's size
+        follows from its name): it is quarantined, and the new bytes take
+        its place. (One of the right size is trusted, as reading it is the
+        cost dedup saves: a rotten one is found when read, and quarantined.)
+        Caller holds the store's shared lock."""
+        try:
+            size = os.stat(dest).st_size
+        except FileNotFoundError:
+            return False
+        if size == os.stat(new).st_size:
+            return True
+        self._quarantine(dest, f"{size} bytes where the good copy has {os.stat(new).st_size}")
+        return False
+
+    def quarantine_blob(self, sha256: str, why: str) -> None:
+        """Move a blob found damaged out of ``objects/`` (to ``objects/.corrupt/``,
+        kept for a person): the next put of its good bytes (an import of an
+        export that has it, a move, a workspace commit) then places them
+        instead of deduplicating against the damaged copy, which nothing
+        could repair before."""
+        with self.writing():
+            self._quarantine(self.blob_file(sha256), why)
+
+    def _quarantine(self, path: str, why: str) -> None:
+        pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
+        makedirs_durable(pen, 0o700)
+        dest = os.path.join(pen, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return  # quarantined (or collected) meanwhile
+        fsync_dir(os.path.dirname(path))
+        fsync_dir(pen)
+        log.error("blob %s is damaged (%s): moved to %s; putting its bytes again (importing an export that has "
+                  "them, or moving an agent that has them here) repairs the store", path, why, dest)
+
     def iter_blob(self, sha256: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Yield a blob's bytes, re-hashing them; raise CorruptBlobError at the end
-        if they do not match (callers that stream must discard what they got)."""
+        if they do not match (callers that stream must discard what they got),
+        after quarantining the blob (see :meth:`quarantine_blob`)."""
         path = self.blob_file(sha256)
         h = hashlib.sha256()
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            raise NotFoundError(f"blob {sha256} is not in the store ({path})") from None
+            raise self._missing(sha256) from None
         with f:
             while data := f.read(chunk):
                 h.update(data)
                 yield data
         if h.hexdigest() != sha256:
-            log.error("corrupt blob %s", path)
+            self.quarantine_blob(sha256, f"its bytes hash to {h.hexdigest()}")
             raise CorruptBlobError(path, h.hexdigest())
 
     def read_blob(self, sha256: str) -> bytes:
         return b"".join(self.iter_blob(sha256))
 
+    def _missing(self, sha256: str) -> NotFoundError:
+        """The error for a blob not in objects/, saying so if it was quarantined."""
+        why = f"blob {sha256} is not in the store ({self.blob_file(sha256)})"
+        pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
+        if os.path.isdir(pen) and any(n.startswith(sha256 + ".") for n in os.listdir(pen)):
+            why += (f": a damaged copy was quarantined in {pen}; putting its bytes again (importing an export "
+                    f"that has them, or a move) repairs the store")
+        return NotFoundError(why)
+
     def verify_blob(self, sha256: str) -> None:
-        actual, _ = hash_file(self.blob_file(sha256))
+        try:
+            actual, _ = hash_file(self.blob_file(sha256))
+        except FileNotFoundError:
+            raise self._missing(sha256) from None
         if actual != sha256:
+            self.quarantine_blob(sha256, f"its bytes hash to {actual}")
             raise CorruptBlobError(self.blob_file(sha256), actual)
 
     def all_blobs(self) -> Iterator[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
-from capsulefs.core.errors import CorruptBlobError, ExistsError, StoreError
+from capsulefs.core.errors import CorruptBlobError, ExistsError, NotFoundError, StoreError
 from capsulefs.core.store import HostStore
 
 from helpers import HOST, make_agent
@@ -91,7 +91,7 @@ def test_corrupt_blob_is_never_exported_as_good(store: HostStore, tmp_path: Path
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
     with pytest.raises(CorruptBlobError):
         store.read_blob(sha)
-    with pytest.raises(CorruptBlobError):
+    with pytest.raises(NotFoundError, match="quarantined"):  # (see the quarantine test)
         store.verify_blob(sha)
 
 
@@ -202,3 +202,28 @@ def test_gc_keeps_the_blobs_a_staging_area_manifest_names_and_refuses_a_damaged_
             store.gc()
         assert store.has_blob(kept)
     assert store.gc().removed == 1 and not store.has_blob(kept)
+
+
+@pytest.mark.expect_error_log
+def test_a_damaged_blob_is_quarantined_and_putting_its_bytes_again_repairs_the_store(store: HostStore) -> None:
+    """A blob that rotted in objects/ used to stay there for good: putting
+    its good bytes again (importing a good export, a move) deduplicated
+    against the damaged copy. A read that finds it damaged now moves it to
+    objects/.corrupt/, so the next put places the good bytes; a copy of the
+    wrong size is replaced by the next put without a read."""
+    good = b"the bytes a workspace file had\n" * 100
+    sha = store.put_blob(good)
+    path = Path(store.blob_file(sha))
+    path.chmod(0o644)
+    path.write_bytes(good[:-1] + b"?")  # one byte rotted
+    with pytest.raises(CorruptBlobError):
+        store.read_blob(sha)
+    assert not store.has_blob(sha)
+    (kept,) = (Path(store.objects_dir) / ".corrupt").iterdir()
+    assert kept.name.startswith(sha) and kept.read_bytes() == good[:-1] + b"?"
+    assert store.put_blob(good) == sha and store.read_blob(sha) == good
+    path.chmod(0o644)
+    path.write_bytes(good[: len(good) // 2])  # cut short
+    assert store.put_blob(good) == sha and store.read_blob(sha) == good
+    assert len(list((Path(store.objects_dir) / ".corrupt").iterdir())) == 2
+    assert sha in set(store.all_blobs()) and store.gc().removed == 1  # .corrupt is not a blob directory
