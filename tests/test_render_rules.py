@@ -123,6 +123,24 @@ def test_dangling_call_gets_an_explicit_interrupted_error(provider: str) -> None
         assert part == {"functionResponse": {"id": "c2", "name": "run", "response": {"error": INTERRUPTED}}}
 
 
+def test_anthropic_error_result_with_no_output_still_has_content() -> None:
+    # The Messages API refuses "tool_result: content cannot be empty if `is_error` is true":
+    # a failing command with no output made every later request of the agent fail.
+    journal = [UserMessage(text="run it"), ToolCall(call_id="c1", name="run", arguments={}),
+               ToolResult(call_id="c1", content="", is_error=True),
+               ToolCall(call_id="c2", name="run", arguments={}), ToolResult(call_id="c2", content="\n")]
+    body = rendered(journal, "anthropic")
+    first, second = body["messages"][2]["content"][0], body["messages"][4]["content"][0]
+    assert first["is_error"] is True and first["content"].strip()
+    assert second["content"].strip() and "is_error" not in second
+    broken = {"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "run", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "", "is_error": True}]},
+    ]}
+    assert any("content cannot be empty" in p for p in check_request("anthropic", broken))
+
+
 @pytest.mark.parametrize("provider", ALL)
 def test_result_without_call_is_never_a_tool_result(provider: str) -> None:
     journal = [UserMessage(text="hi"), ToolResult(call_id="ghost", content="ORPHAN OUTPUT"), AssistantMessage(text="ok")]

@@ -10,7 +10,9 @@ Rules this module guarantees for every body it renders:
     ``anthropic.thinking`` / ``anthropic.redacted_thinking``) are sent back,
     verbatim and in place, only to the exact model that wrote them: their
     signatures are model-specific.
-  * Text blocks are never empty or blank (the API refuses those).
+  * Text blocks are never empty or blank (the API refuses those), and neither
+    is a ``tool_result``'s content: a blank output is sent as :data:`NO_OUTPUT`
+    (the API refuses an empty one flagged ``is_error``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from ._base import Provider, ToolSpec, verbatim
 from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "anthropic"
+#: What a tool_result says for a tool output that is empty or blank.
+NO_OUTPUT = "(no output)"
 
 
 class Anthropic(Provider):
@@ -44,7 +48,8 @@ class Anthropic(Provider):
                 block = {"type": "tool_use", "id": item[1], "name": item[2], "input": dict(item[3])}
                 side = "assistant"
             elif tag == RESULT:
-                block = {"type": "tool_result", "tool_use_id": item[1], "content": item[3]}
+                output = item[3] if item[3].strip() else NO_OUTPUT
+                block = {"type": "tool_result", "tool_use_id": item[1], "content": output}
                 if item[4]:
                     block["is_error"] = True
                 side = "user"
@@ -139,6 +144,8 @@ class Anthropic(Provider):
             for b in blocks:
                 if b.get("type") == "text" and not str(b.get("text", "")).strip():
                     problems.append(f"{where}: blank text block")
+                if b.get("type") == "tool_result" and b.get("is_error") and not b.get("content"):
+                    problems.append(f"{where}: tool_result content cannot be empty if is_error is true")
         if open_calls:
             problems.append(f"tool_use ids {open_calls} are never answered")
         return problems
