@@ -297,6 +297,18 @@ def test_non_dialogue_events_are_not_rendered() -> None:
         assert "NOTE-TEXT" not in dumped(render(journal, provider=p, model="m").body)
 
 
+@pytest.mark.parametrize("provider,model", [("openai-chat", "gpt-c"), ("anthropic", "claude-a")])
+def test_provider_alone_takes_that_providers_last_model(provider: str, model: str) -> None:
+    # `capsulefs render AGENT --provider P` sent P the model of the last switch, even one of
+    # another provider (an OpenAI body naming a Claude model: refused by the API).
+    journal = [ModelSwitch(provider="openai-chat", model="gpt-c"), ModelSwitch(provider="anthropic", model="claude-a"),
+               ModelSwitch(provider="gemini", model="gem-a"), UserMessage(text="hi")]
+    out = render(journal, provider=provider)
+    assert (out.provider, out.model) == (provider, model)
+    with pytest.raises(RenderError, match="no model given for openai-responses"):
+        render(journal, provider="openai-responses")
+
+
 def test_errors_name_the_problem() -> None:
     with pytest.raises(RenderError, match="no model_switch"):
         render([UserMessage(text="hi")])

@@ -114,7 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("agent", metavar="AGENT", help="agent name or id, capsule directory, or capsule tar")
     p.add_argument("--provider", choices=sorted(PROVIDERS), help="target API (default: the last model_switch)")
-    p.add_argument("--model", help="target model (default: the last model_switch)")
+    p.add_argument("--model", help="target model (default: the last model_switch, or with --provider "
+                   "the last model_switch to that provider)")
     p.add_argument("--budget", type=_positive, metavar="TOKENS",
                    help="fit the conversation into this many input tokens (conservative count)")
     p.add_argument("--max-output", type=_positive, metavar="TOKENS", help="reply token limit to put in the body")

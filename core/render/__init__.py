@@ -110,13 +110,20 @@ def render(
 ) -> Rendered:
     """Render ``journal`` (records in any order, or events in order) for one target.
 
-    ``provider``/``model`` default to the journal's last ``model_switch``.
+    ``provider``/``model`` default to the journal's last ``model_switch``; a
+    ``provider`` given alone takes the model of its own last ``model_switch``.
     ``budget`` is in tokens by ``counter`` (default: the provider's, see
     :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
     reply's token limit (required by Anthropic, default 4096 there).
     """
     p = plan(journal)
-    if provider is None or model is None:
+    if provider is not None and model is None:
+        # that provider's own last model: the last switch may name another provider's
+        get_provider(provider)
+        model = p.models.get(provider)
+        if model is None:
+            raise RenderError(f"no model given for {provider} and the journal never switched to {provider}")
+    elif provider is None or model is None:
         if p.target is None:
             raise RenderError("no provider/model given and the journal has no model_switch event")
         provider = provider or p.target[0]

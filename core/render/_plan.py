@@ -111,6 +111,7 @@ class Plan:
     system: list[str]  # texts of system events, in journal order
     units: list[Unit]
     target: tuple[str, str] | None  # the last model_switch (provider, model), if any
+    models: dict[str, str] = field(default_factory=dict)  # provider -> model of its last model_switch
 
 
 def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]:
@@ -140,6 +141,7 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
     system: list[str] = []
     units: list[Unit] = []
     target: tuple[str, str] | None = None
+    models: dict[str, str] = {}
     seen_ids: dict[str, int] = {}  # raw call id -> times seen
     placed: set[str] = set()  # raw call ids whose result is placed
     step: Unit | None = None  # the open assistant step
@@ -195,8 +197,9 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
             system.append(ev.text)
         elif t is ModelSwitch:
             target = (ev.provider, ev.model)
+            models[ev.provider] = ev.model
     close_step()
-    return Plan(system=system, units=units, target=target)
+    return Plan(system=system, units=units, target=target, models=models)
 
 
 def digest(dropped: Sequence[Unit]) -> str:
