@@ -12,7 +12,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core.events import ModelSwitch, Reasoning, ToolCall
+from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import PROVIDERS, BudgetTooSmall, byte_upper_bound, check_request, render, system_prompt
 from capsulefs.core.render._plan import items_of, plan
 from render_journals import TARGETS, journals
@@ -23,10 +23,22 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 def _markers(journal, keep) -> set[str]:
     out = set()
-    for e in journal:
-        if isinstance(e, Reasoning) and keep(e):
+    for i, e in enumerate(journal):
+        if isinstance(e, Reasoning) and keep(e, i):
             out.update(v for v in e.data.values() if isinstance(v, str) and v.startswith(("mk", "rs_mk")))
     return out
+
+
+def _led_to_output(journal, i: int) -> bool:
+    """Whether the reasoning at ``journal[i]`` is followed, before any other
+    dialogue event, by the reply or call it led to (the Responses API takes
+    reasoning back only then)."""
+    for e in journal[i + 1:]:
+        if isinstance(e, (UserMessage, ToolResult)):
+            return False
+        if isinstance(e, (AssistantMessage, ToolCall)):
+            return True
+    return False
 
 
 @SETTINGS
@@ -50,8 +62,9 @@ def test_every_request_keeps_its_providers_rules(journal, target, budget) -> Non
         assert out.tokens == byte_upper_bound(body) <= budget
     text = json.dumps(body)
     # reasoning: nothing of another model, everything of this one when nothing was dropped
-    own = _markers(journal, lambda e: (e.provider, e.model) == target)
-    foreign = _markers(journal, lambda e: (e.provider, e.model) != target) - own
+    own = _markers(journal, lambda e, i: (e.provider, e.model) == target
+                   and (provider != "openai-responses" or _led_to_output(journal, i)))
+    foreign = _markers(journal, lambda e, i: (e.provider, e.model) != target) - own
     assert not any(m in text for m in foreign)
     if out.dropped_units == 0 and provider != "openai-chat":
         assert all(m in text for m in own)

@@ -374,3 +374,26 @@ def test_anthropic_counter_pays_for_the_hidden_tool_prompt() -> None:
     assert with_tools.tokens == byte_upper_bound(with_tools.body) + 500 <= 3000
     assert plain.tokens == byte_upper_bound(plain.body)
     assert with_tools.kept_units < plain.kept_units
+
+
+def test_responses_reasoning_cut_off_before_its_output_is_not_sent() -> None:
+    """A reply cut off while the model was reasoning leaves a reasoning item
+    with nothing after it in its step. The Responses API refuses a reasoning
+    item not followed by the item it led to, so every later request of that
+    agent failed; it is now left out (the journal keeps it), and the check
+    (so the stub provider too) reports one."""
+    journal = [
+        ModelSwitch(provider="openai-responses", model="gpt-r"),
+        UserMessage(text="hi"),
+        reasoning("openai-responses", "gpt-r", "CUTOFFSIG"),
+        UserMessage(text="again"),
+        reasoning("openai-responses", "gpt-r", "KEPTSIG"),
+        AssistantMessage(text="hello", provider="openai-responses", model="gpt-r"),
+    ]
+    body = render(journal).body
+    text = dumped(body)
+    assert "CUTOFFSIG" not in text and "KEPTSIG" in text
+    assert check_request("openai-responses", body) == []
+    broken = dict(body, input=[body["input"][0], {"type": "reasoning", "id": "r", "summary": [],
+                                                  "encrypted_content": "x"}, body["input"][1]])
+    assert any("required following item" in p for p in check_request("openai-responses", broken))

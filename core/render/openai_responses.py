@@ -13,6 +13,10 @@ Rules this module guarantees for every body it renders:
   * The journal is the only state: bodies say ``store: false`` and ask for
     ``reasoning.encrypted_content`` so the next reply's reasoning can be
     journaled and replayed.
+    A reasoning item goes only where the item it led to (an assistant
+    message or a function_call) follows it: one whose reply was cut off
+    during reasoning is not sent (the API refuses "reasoning without its
+    required following item").
   * No error flag exists on tool output, so an error result's text starts
     with ``[error]``.
 """
@@ -57,7 +61,7 @@ class OpenAIResponses(Provider):
                     sent = {k: data[k] for k in _REASONING_INPUT_KEYS if k in data}
                     sent.setdefault("summary", [])
                     out.append(sent)
-        return out
+        return [item for i, item in enumerate(out) if item.get("type") != "reasoning" or _followed(out, i)]
 
     def body(self, items, *, model, system, tools, max_output):
         body: dict[str, Any] = {
@@ -96,9 +100,12 @@ class OpenAIResponses(Provider):
     def check(self, body: Mapping[str, Any]) -> list[str]:
         problems: list[str] = []
         calls: dict[str, int] = {}  # call_id -> outputs seen
-        for i, item in enumerate(body.get("input") or ()):
+        items = list(body.get("input") or ())
+        for i, item in enumerate(items):
             kind = item.get("type", "message")
             where = f"input[{i}]"
+            if kind == "reasoning" and not _followed(items, i):
+                problems.append(f"{where}: reasoning without its required following item")
             if kind == "function_call":
                 cid = item.get("call_id")
                 if cid in calls:
@@ -122,6 +129,20 @@ class OpenAIResponses(Provider):
             if n == 0:
                 problems.append(f"function_call {cid!r} has no function_call_output")
         return problems
+
+
+def _produced(item: Mapping[str, Any]) -> bool:
+    """Whether ``item`` is one a reasoning item can lead to."""
+    return item.get("type") == "function_call" or (item.get("type") == "message" and item.get("role") == "assistant")
+
+
+def _followed(items: list[dict[str, Any]], i: int) -> bool:
+    """Whether the reasoning item ``items[i]`` is followed, after any more
+    reasoning, by an item it led to."""
+    for item in items[i + 1:]:
+        if item.get("type") != "reasoning":
+            return _produced(item)
+    return False
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:
