@@ -75,6 +75,30 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def _group_members(pgid: int) -> list[int]:
+    """The pids of process group ``pgid``'s processes (from /proc)."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # (the command name may hold spaces)
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(name))
+    return members
+
+
+def _environ_has(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _die_with_parent() -> None:
     """In the child before exec: die with SIGKILL when the daemon dies (Linux).
 
@@ -222,8 +246,9 @@ class Supervisor:
         A daemon killed outright cannot stop its agents (they also die with
         it through PDEATHSIG, but their own children may not). Each run's
         process group id is kept in a pid file; a group is killed only if
-        its leader still carries that agent's CAPSULE_AGENT_ID, so a reused
-        pid is never hit."""
+        one of its processes (the leader, or once PDEATHSIG took it, a tool
+        it started) still carries that agent's CAPSULE_AGENT_ID, so a reused
+        pid is never hit (the kernel reuses no pid while a group bears it)."""
         killed = []
         if not os.path.isdir(self.sandbox_root):
             return killed
@@ -234,11 +259,8 @@ class Supervisor:
                     pgid = int(f.read().strip())
             except (OSError, ValueError):
                 continue
-            try:
-                with open(f"/proc/{pgid}/environ", "rb") as f:
-                    mine = f"CAPSULE_AGENT_ID={agent_id}".encode() in f.read().split(b"\0")
-            except OSError:
-                mine = False
+            mark = f"CAPSULE_AGENT_ID={agent_id}".encode()
+            mine = any(_environ_has(pid, mark) for pid in _group_members(pgid))
             if mine and _signal_group(pgid, signal.SIGKILL):
                 killed.append(pgid)
                 log.warning("killed agent %s's process group %d, left by an earlier daemon", agent_id, pgid)

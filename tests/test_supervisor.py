@@ -288,3 +288,56 @@ def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostSto
         assert mine.wait(timeout=10) == -signal.SIGKILL
         assert stranger.poll() is None
         stranger.kill()
+
+
+FORKING_AGENT = r"""
+import os, subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"])  # a tool: same process group, same env
+with open("child.pid", "w") as f:
+    f.write(str(child.pid))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(store: HostStore, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed: PDEATHSIG takes the agent (the group's leader)
+    but not its tool subprocesses. Before, the next daemon's reap looked only
+    at the leader, found it gone, and left the tools running for ever."""
+    import signal
+    import subprocess
+    import time
+
+    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", FORKING_AGENT]))
+    tests_dir = str(Path(__file__).parent)
+    with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
+                          stdout=subprocess.PIPE, text=True) as daemon:
+        leader = int(daemon.stdout.readline())
+        sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+        child_pid_file = Path(sup.sandbox(agent.agent_id)) / "child.pid"
+        for _ in range(500):
+            if child_pid_file.exists() and child_pid_file.read_text():
+                break
+            time.sleep(0.01)
+        child = int(child_pid_file.read_text())
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+    for _ in range(500):  # the leader goes with its daemon (PDEATHSIG)
+        if not os.path.exists(f"/proc/{leader}"):
+            break
+        time.sleep(0.01)
+    try:
+        assert os.path.exists(f"/proc/{child}")  # the tool outlived it
+        assert sup.reap_orphans() == [leader]
+        for _ in range(500):
+            if not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the agent's tool outlived the reap")
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
