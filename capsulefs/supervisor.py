@@ -15,6 +15,8 @@ Rules:
     period, then SIGKILL. Freezing stops the process and syncs the sandbox's
     changes back into the capsule (:class:`Hooks.commit_workspace`) before
     it returns, so an offer carries them.
+  * A run ends with its process: once it exits (crashed, finished or
+    stopped), what is left of its process group (tools it started) is killed.
   * A crash (non-zero exit) is followed by a restart with exponential
     backoff, visible in the status. An exit with status 0 means the agent
     finished; it is not restarted until wanted again.
@@ -128,10 +130,22 @@ class Child:
 
     @property
     def returncode(self) -> int | None:
+        """The exit status once the process exited. Before reaping it, the
+        rest of its process group (the tools it started) is killed: a run
+        ends with its process, and nothing of it is left unsupervised. (The
+        unreaped leader still holds the group's id: no other group has it.)"""
+        if self._popen.returncode is None and self._pidfd >= 0:
+            try:
+                exited = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = None
+            if exited is None:
+                return None
+            _signal_group(self.pid, signal.SIGKILL)
         return self._popen.poll()
 
     async def wait(self) -> int:
-        while self._popen.poll() is None:
+        while self.returncode is None:
             if self._waiting:  # another task watches the pidfd (one watcher per fd)
                 await trio.sleep(0.02)
                 continue

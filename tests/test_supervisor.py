@@ -341,3 +341,37 @@ def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(s
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+CRASHING_FORKER = r"""
+import subprocess, sys
+child = subprocess.Popen(["sleep", "300"])  # a tool still running when the agent crashes
+with open("child-%d.pid" % child.pid, "w") as f:
+    f.write(str(child.pid))
+sys.exit(3)
+"""
+
+
+async def test_the_tools_of_an_agent_that_exits_go_with_it(store: HostStore, tmp_path: Path) -> None:
+    """An agent that crashes (or finishes) while a tool it started still
+    runs: before, the tool was left running, outside any supervision (the
+    restart's new process group replaced it in the pid file, and the
+    daemon's stop never reached it); now it goes with its agent."""
+    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", CRASHING_FORKER]))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    sandbox = Path(sup.sandbox(agent.agent_id))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.serve)
+            sup.want(agent.agent_id)
+            await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the agent to crash")
+            [tool] = [int(p.read_text()) for p in sandbox.glob("child-*.pid")]
+            await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
+                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go", limit=5)
+            nursery.cancel_scope.cancel()
+    finally:
+        for p in sandbox.glob("child-*.pid"):
+            try:
+                os.kill(int(p.read_text()), 9)
+            except ProcessLookupError:
+                pass
