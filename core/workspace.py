@@ -9,7 +9,8 @@ Theory of operation:
     with new content maps to the sha256 of its bytes, a deleted one to None.
     The caller stores the new blobs and journals one ``workspace_update``.
   * Only regular files are part of a workspace: links, fifos and sockets in
-    the sandbox are skipped (and reported), never followed.
+    the sandbox are skipped (and reported), never followed; so are names
+    that are not UTF-8 (a capsule's JSON cannot hold them).
 
 Rules: paths are checked with the capsule path rules both ways, so a
 snapshot cannot write outside the sandbox and a sandbox cannot smuggle an
@@ -68,13 +69,15 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
                 continue
             try:
                 fmt.check_relpath(rel, "workspace path")
-            except UnsafePathError:
+                rel.encode()  # a name in another encoding than UTF-8 has no place in JSON
+            except (UnsafePathError, UnicodeEncodeError):
                 skipped.append(rel)
                 continue
             sha, _size = hash_file(full)
             seen[rel] = (sha, full)
     if skipped:
-        log.warning("workspace %s: skipped %d entries that are not regular files: %s", dest, len(skipped), ", ".join(skipped[:5]))
+        log.warning("workspace %s: skipped %d entries that are not regular files or whose names a capsule cannot hold: %s",
+                    dest, len(skipped), ", ".join(map(ascii, skipped[:5])))
     changes: dict[str, str | None] = {}
     new_files: dict[str, str] = {}
     for rel, (sha, full) in seen.items():

@@ -1,0 +1,49 @@
+"""Syncing a sandbox into its capsule through the runtime (no kernel mount):
+the blobs, the workspace_update event and the snapshot agree, whatever the
+agent left in its workspace."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from capsulefs.core import format as fmt
+from capsulefs.core import workspace
+from capsulefs.core.events import Record
+from capsulefs.core.store import HostStore
+from capsulefs.daemon import Daemon
+from capsulefs.runtime import AgentRuntime
+
+from helpers import make_agent
+
+
+def _runtime(store: HostStore, state_dir: Path, tmp_path: Path) -> AgentRuntime:
+    return AgentRuntime(Daemon(str(state_dir), str(tmp_path / "mnt")))
+
+
+def _updates(store: HostStore, agent_id: str) -> list[dict]:
+    lines = store.agent(agent_id).read(fmt.JOURNAL).splitlines()
+    return [dict(r.event.changes) for r in map(Record.from_line, lines) if r.kind == "workspace_update"]
+
+
+def test_a_name_that_is_not_utf8_is_skipped_not_a_failed_sync(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """A file the agent named in another encoding (b'caf\\xe9.txt'): before,
+    the sync stored the blobs, then failed journalling the event
+    (UnicodeEncodeError), which no freeze handler expects, and the move
+    service went down with the daemon. Now the name is skipped and reported;
+    the rest syncs."""
+    agent = make_agent(store, "alice")
+    rt = _runtime(store, state_dir, tmp_path)
+    try:
+        sandbox = rt.supervisor.sandbox(agent.agent_id)
+        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        with open(os.path.join(os.fsencode(sandbox), b"caf\xe9.txt"), "wb") as f:
+            f.write(b"latin-1 name\n")
+        Path(sandbox, "plan.md").write_text("next steps\n")
+        scan = rt.supervisor.sync_workspace(agent.agent_id)
+        assert scan.skipped == ["caf\udce9.txt"]
+        snap = rt.snapshot(agent.agent_id)
+        assert set(snap) == {"src/main.py", "README", "plan.md"}
+        assert _updates(store, agent.agent_id) == [{"plan.md": snap["plan.md"]}]
+    finally:
+        rt.daemon.live.close()
