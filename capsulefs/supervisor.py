@@ -10,7 +10,8 @@ Rules:
   * The process gets the spec's plain env, ``CAPSULE_DIR`` (the agent's
     directory in the mount) and the spec's secrets, fetched from the host
     keychain for that one run. A missing secret means no start; the status
-    names it. Secret values are never logged.
+    names it; it is tried again every few seconds, so it starts once the
+    secret is set. Secret values are never logged.
   * Stopping is at a step boundary: SIGTERM to the process group, a grace
     period, then SIGKILL. Freezing stops the process and syncs the sandbox's
     changes back into the capsule (:class:`Hooks.commit_workspace`) before
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 GRACE_SECONDS = 5.0
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
+BLOCKED_RETRY = 2.0  # how often an agent that cannot start (a missing secret) is tried again
 BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 #: The host-local sandboxes, under the state dir: ``sandboxes/<agent_id>/``
 #: holds ``workspace/`` and the running process's ``pid`` file.
@@ -347,9 +349,12 @@ class Supervisor:
                     try:
                         argv, env, cwd = self._prepare(r)
                     except CapsuleError as exc:
+                        if r.status.state is not RunState.BLOCKED or r.status.detail != str(exc):
+                            log.warning("agent %s not started: %s", r.agent_id, exc)
                         r.status.state, r.status.detail = RunState.BLOCKED, str(exc)
-                        log.warning("agent %s not started: %s", r.agent_id, exc)
-                        return
+                        r.status.pid = None
+                        await trio.sleep(BLOCKED_RETRY)  # (a secret set meanwhile: it starts)
+                        continue
                     if argv is None:
                         r.status.state, r.status.detail = RunState.STOPPED, "the spec has no entrypoint"
                         return
@@ -372,7 +377,7 @@ class Supervisor:
         finally:
             with trio.CancelScope(shield=True):
                 await self._stop_process(r)
-            if r.status.state in (RunState.RUNNING, RunState.BUILDING, RunState.BACKOFF):
+            if r.status.state in (RunState.RUNNING, RunState.BUILDING, RunState.BACKOFF, RunState.BLOCKED):
                 r.status.state, r.status.detail = RunState.STOPPED, "stopped"
             r.status.pid = None
             r.done.set()

@@ -375,3 +375,23 @@ async def test_the_tools_of_an_agent_that_exits_go_with_it(store: HostStore, tmp
                 os.kill(int(p.read_text()), 9)
             except ProcessLookupError:
                 pass
+
+
+async def test_a_blocked_agent_starts_once_its_secret_is_set(store: HostStore, tmp_path: Path, autojump_clock, caplog) -> None:
+    """The status says to set the missing secret with 'capsulefs secret
+    set'; before, doing so changed nothing until the daemon restarted (a
+    blocked agent was never tried again). Now it starts within seconds, and
+    the wait is logged once, not at every try."""
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["secrets"] = ["API_TOKEN"]
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
+        await trio.sleep(600)
+        keychain.store_secret(store.root, "API_TOKEN", "now-set")
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start", limit=30)
+        nursery.cancel_scope.cancel()
+    assert caplog.text.count("not started") == 1
