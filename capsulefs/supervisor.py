@@ -363,13 +363,18 @@ class Supervisor:
                         r.status.state = RunState.BACKOFF
                     else:
                         code = await self._run_process(r, argv, env, cwd)
-                        r.status.last_exit = code
-                        if code == 0:
-                            r.status.state, r.status.detail = RunState.FINISHED, "the entrypoint exited with status 0"
-                            return
+                        r.status.pid = None  # (gone: its pid may be another process's soon)
+                        if code is None:  # it could not start: the detail says why
+                            why = r.status.detail
+                        else:
+                            r.status.last_exit = code
+                            if code == 0:
+                                r.status.state, r.status.detail = RunState.FINISHED, "the entrypoint exited with status 0"
+                                return
+                            why = f"the entrypoint exited with status {code}"
                         r.status.state = RunState.BACKOFF
-                        r.status.detail = f"the entrypoint exited with status {code}; restarting in {backoff:.0f} s"
-                        log.warning("agent %s exited with %s; restart in %.0f s", r.agent_id, code, backoff)
+                        r.status.detail = f"{why}; restarting in {backoff:.0f} s"
+                        log.warning("agent %s: %s", r.agent_id, r.status.detail)
                     r.status.restarts += 1
                     r.status.next_start_in = backoff
                     await trio.sleep(backoff)
@@ -418,12 +423,14 @@ class Supervisor:
                 return False
         return True
 
-    async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int:
+    async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int | None:
+        """Run the agent's process; its exit status, or None (the reason in
+        the status' detail) if it could not start."""
         try:
             proc = Child(argv, cwd=cwd, env=env)
         except OSError as exc:
             r.status.detail = f"the entrypoint {argv[0]} could not start: {exc.strerror}"
-            return 127
+            return None
         r.process = proc
         with open(self._pidfile(r.agent_id), "w") as f:
             f.write(f"{proc.pid}\n")

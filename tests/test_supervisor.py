@@ -395,3 +395,33 @@ async def test_a_blocked_agent_starts_once_its_secret_is_set(store: HostStore, t
         await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start", limit=30)
         nursery.cancel_scope.cancel()
     assert caplog.text.count("not started") == 1
+
+
+async def test_the_status_of_a_crashed_agent_names_no_dead_pid(store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    """Waiting to restart, the status showed the pid of the process that had
+    exited (a pid the system may give to another process)."""
+    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", "import sys; sys.exit(3)"]))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the crash", limit=10_000)
+        st = sup.status(agent.agent_id)
+        assert (st.state, st.pid) == (RunState.BACKOFF, None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_entrypoint_that_cannot_start_says_why(store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    """A spec whose entrypoint does not exist: the status said 'the
+    entrypoint exited with status 127', hiding the reason."""
+    agent = _agent_with_spec(store, default_spec(["/nonexistent/agent-binary"]))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "a failed start", limit=10_000)
+        st = sup.status(agent.agent_id)
+        assert st.state is RunState.BACKOFF
+        assert "/nonexistent/agent-binary could not start: No such file or directory" in st.detail, st.detail
+        assert "restarting in" in st.detail
+        nursery.cancel_scope.cancel()
