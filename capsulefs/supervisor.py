@@ -103,6 +103,13 @@ def _environ_has(pid: int, entry: bytes) -> bool:
         return False
 
 
+def _why_not_started(exc: OSError | ValueError) -> str:
+    """Why exec refused a process, without the values it was given (secrets)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return "an argument or environment value holds a NUL byte"  # (what else subprocess raises ValueError for here)
+
+
 def _die_with_parent() -> None:
     """In the child before exec: die with SIGKILL when the daemon dies (Linux).
 
@@ -413,8 +420,8 @@ class Supervisor:
             try:
                 proc = await trio.run_process(list(step), cwd=cwd, env=env, check=False,
                                               capture_stdout=True, capture_stderr=True)
-            except OSError as exc:
-                r.status.detail = f"setup step {i + 1} ({step[0]}) could not start: {exc.strerror}"
+            except (OSError, ValueError) as exc:
+                r.status.detail = f"setup step {i + 1} ({step[0]}) could not start: {_why_not_started(exc)}"
                 return False
             if proc.returncode != 0:
                 tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
@@ -428,8 +435,8 @@ class Supervisor:
         the status' detail) if it could not start."""
         try:
             proc = Child(argv, cwd=cwd, env=env)
-        except OSError as exc:
-            r.status.detail = f"the entrypoint {argv[0]} could not start: {exc.strerror}"
+        except (OSError, ValueError) as exc:
+            r.status.detail = f"the entrypoint {argv[0]} could not start: {_why_not_started(exc)}"
             return None
         r.process = proc
         with open(self._pidfile(r.agent_id), "w") as f:

@@ -53,6 +53,8 @@ def default_spec(entrypoint: list[str] | None = REFERENCE_AGENT) -> dict[str, An
 def _argv(value: object, what: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
         raise SpecError(f"spec: {what} must be a non-empty list of strings (an argv)")
+    if any("\0" in a for a in value):
+        raise SpecError(f"spec: {what} holds a NUL character, which no program can be given")
     return value
 
 
@@ -74,8 +76,8 @@ def validate_spec(doc: object) -> dict[str, Any]:
     for name, value in env.items():
         if not _ENV_NAME_RE.fullmatch(name):
             raise SpecError(f"spec: env name {name!r} is not a valid variable name")
-        if not isinstance(value, str):
-            raise SpecError(f"spec: env {name} must be a string")
+        if not isinstance(value, str) or "\0" in value:
+            raise SpecError(f"spec: env {name} must be a string without NUL characters")
         upper = name.upper()
         hit = next((w for w in SECRET_WORDS if w in upper), None)
         if hit:

@@ -440,3 +440,16 @@ async def test_a_journal_write_after_a_failed_fdatasync_reopens_the_journal(
     monkeypatch.undo()
     await c.write(j, b'{"kind":"note","text":"after"}\n', append=True)
     assert [r.event.text for r in journal_records(store)][-2:] == ["before", "after"]
+
+
+async def test_a_spec_whose_argv_or_env_holds_a_nul_is_refused(c: Client, store: HostStore) -> None:
+    """A NUL in an argv or env string cannot reach exec: before, such a spec
+    was accepted, and the supervisor's start of it raised ValueError, which
+    took the whole daemon down (leaving a dead mount)."""
+    spec = "alice/environment/spec.json"
+    old = store.find("alice").read(fmt.SPEC)
+    for bad in ({"version": 1, "entrypoint": ["/bin/sleep\0", "100"]},
+                {"version": 1, "entrypoint": ["true"], "env": {"MODE": "a\0b"}},
+                {"version": 1, "entrypoint": ["true"], "setup": [["make", "a\0"]]}):
+        assert await errno_of(c.write(spec, json.dumps(bad).encode())) == errno.EINVAL, bad
+    assert store.find("alice").read(fmt.SPEC) == old

@@ -425,3 +425,21 @@ async def test_an_entrypoint_that_cannot_start_says_why(store: HostStore, tmp_pa
         assert "/nonexistent/agent-binary could not start: No such file or directory" in st.detail, st.detail
         assert "restarting in" in st.detail
         nursery.cancel_scope.cancel()
+
+
+async def test_a_secret_exec_cannot_take_blocks_the_agent_not_the_daemon(store: HostStore, tmp_path: Path) -> None:
+    """A secret value holding a NUL byte: before, the start raised
+    ValueError out of the supervisor, and the daemon died with it."""
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["secrets"] = ["API_TOKEN"]
+    agent = _agent_with_spec(store, spec)
+    keychain.store_secret(store.root, "API_TOKEN", "pasted\0badly")
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "a failed start")
+        st = sup.status(agent.agent_id)
+        assert st.state is RunState.BACKOFF and "could not start" in st.detail, st.detail
+        assert "pasted" not in st.detail
+        nursery.cancel_scope.cancel()
