@@ -402,7 +402,13 @@ class Supervisor:
         secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
         cwd = self.sandbox(r.agent_id)
         if not os.path.isdir(cwd):
-            workspace.materialize(self.hooks.snapshot(r.agent_id), self.hooks.read_blob, cwd)
+            try:
+                workspace.materialize(self.hooks.snapshot(r.agent_id), self.hooks.read_blob, cwd)
+            except (CapsuleError, OSError) as exc:
+                # Never leave half a workspace: the next try would run the
+                # agent in it, and the next sync would delete what is missing.
+                shutil.rmtree(cwd, ignore_errors=True)
+                raise CapsuleError(f"its sandbox could not be built from the snapshot: {exc}") from None
         env = dict(self.base_env)
         env.setdefault("PATH", os.defpath)
         env.update(spec.get("env", {}))

@@ -443,3 +443,22 @@ async def test_a_secret_exec_cannot_take_blocks_the_agent_not_the_daemon(store: 
         assert st.state is RunState.BACKOFF and "could not start" in st.detail, st.detail
         assert "pasted" not in st.detail
         nursery.cancel_scope.cancel()
+
+
+async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(store: HostStore, tmp_path: Path) -> None:
+    """A snapshot naming both 'a' and 'a/b' (a file and a directory: a
+    journalled workspace_update can make one) cannot be materialised: before,
+    the OSError left the supervisor and the daemon died with it (and the
+    half-built workspace would have been run, then synced as deletions)."""
+    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
+    sha = store.put_blob(b"x\n")
+    with store.writing():
+        agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"a": sha, "a/b": sha})}, add_blobs={sha})
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
+        assert "sandbox" in sup.status(agent.agent_id).detail
+        assert not os.path.exists(sup.sandbox(agent.agent_id))  # no half-built workspace to run in
+        nursery.cancel_scope.cancel()
