@@ -6,7 +6,8 @@ Rules:
     / :meth:`Supervisor.unwant`); the supervisor never decides it.
   * The sandbox is host-local (``<state>/sandboxes/<agent_id>/workspace``),
     materialised from the snapshot; the spec's setup steps run there, in
-    order, before the entrypoint.
+    order, before the entrypoint, each in its own process group, stopped
+    and reaped as the agent's process is.
   * The process gets the spec's plain env, ``CAPSULE_DIR`` (the agent's
     directory in the mount) and the spec's secrets, fetched from the host
     keychain for that one run. A missing secret means no start; the status
@@ -56,8 +57,9 @@ BACKOFF_MAX = 60.0
 BLOCKED_RETRY = 2.0  # how often an agent that cannot start (a missing secret) is tried again
 BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 #: The host-local sandboxes, under the state dir: ``sandboxes/<agent_id>/``
-#: holds ``workspace/`` and the running process's ``pid`` file.
+#: holds ``workspace/``, the running process's ``pid`` file and ``setup.log``.
 SANDBOXES_DIR = "sandboxes"
+SETUP_LOG = "setup.log"  # beside workspace/: the output of the last build's setup steps
 
 
 def sandbox_root(state_dir: str) -> str:
@@ -110,6 +112,14 @@ def _why_not_started(exc: OSError | ValueError) -> str:
     return "an argument or environment value holds a NUL byte"  # (what else subprocess raises ValueError for here)
 
 
+def _last_line(path: str, start: int) -> str:
+    """The last non-blank line written to ``path`` after offset ``start``."""
+    with open(path, "rb") as f:
+        f.seek(max(start, os.path.getsize(path) - 64 * 1024))
+        lines = f.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _die_with_parent() -> None:
     """In the child before exec: die with SIGKILL when the daemon dies (Linux).
 
@@ -130,9 +140,9 @@ class Child:
     on the event loop; waiting costs nothing (the pidfd becomes readable when
     the process exits). Many tasks may wait; one of them watches the pidfd."""
 
-    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str]) -> None:
-        self._popen = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True,
-                                       stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], output: int | None = None) -> None:
+        self._popen = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=output, stderr=output, preexec_fn=_die_with_parent)
         self.pid = self._popen.pid
         self._pidfd = os.pidfd_open(self.pid)
         self._waiting = False
@@ -422,34 +432,41 @@ class Supervisor:
         return argv, env, cwd
 
     async def _setup(self, r: _Runner, env: dict[str, str], cwd: str) -> bool:
-        for i, step in enumerate(self.hooks.spec(r.agent_id).get("setup", [])):
-            try:
-                proc = await trio.run_process(list(step), cwd=cwd, env=env, check=False,
-                                              capture_stdout=True, capture_stderr=True)
-            except (OSError, ValueError) as exc:
-                r.status.detail = f"setup step {i + 1} ({step[0]}) could not start: {_why_not_started(exc)}"
-                return False
-            if proc.returncode != 0:
-                tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-                r.status.detail = f"setup step {i + 1} ({step[0]}) failed with status {proc.returncode}: {tail[0]}"
-                log.warning("agent %s: %s", r.agent_id, r.status.detail)
-                return False
+        """Run the spec's setup steps in order, each supervised as the agent
+        is (its own process group, stopped and reaped with what it started),
+        their output in ``sandboxes/<agent_id>/setup.log``."""
+        with open(os.path.join(self.sandbox_root, r.agent_id, SETUP_LOG), "wb") as out:
+            for i, step in enumerate(self.hooks.spec(r.agent_id).get("setup", [])):
+                what = f"setup step {i + 1} ({step[0]})"
+                start = out.tell()
+                code = await self._run_child(r, list(step), env, cwd, what=what, output=out.fileno())
+                if code is None:
+                    return False
+                if code != 0:
+                    r.status.detail = f"{what} failed with status {code}: {_last_line(out.name, start)}"
+                    log.warning("agent %s: %s", r.agent_id, r.status.detail)
+                    return False
         return True
 
     async def _run_process(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str) -> int | None:
         """Run the agent's process; its exit status, or None (the reason in
         the status' detail) if it could not start."""
+        return await self._run_child(r, argv, env, cwd, what=f"the entrypoint {argv[0]}", agent=True)
+
+    async def _run_child(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str, *, what: str,
+                         agent: bool = False, output: int | None = None) -> int | None:
         try:
-            proc = Child(argv, cwd=cwd, env=env)
+            proc = Child(argv, cwd=cwd, env=env, output=output)
         except (OSError, ValueError) as exc:
-            r.status.detail = f"the entrypoint {argv[0]} could not start: {_why_not_started(exc)}"
+            r.status.detail = f"{what} could not start: {_why_not_started(exc)}"
             return None
         r.process = proc
-        with open(self._pidfile(r.agent_id), "w") as f:
+        with open(self._pidfile(r.agent_id), "w") as f:  # (for reap_orphans)
             f.write(f"{proc.pid}\n")
-        r.status.state, r.status.pid = RunState.RUNNING, proc.pid
-        r.status.detail = "running"
-        log.info("agent %s started as pid %d", r.agent_id, proc.pid)
+        if agent:
+            r.status.state, r.status.pid = RunState.RUNNING, proc.pid
+            r.status.detail = "running"
+            log.info("agent %s started as pid %d", r.agent_id, proc.pid)
         try:
             return await proc.wait()
         finally:

@@ -462,3 +462,48 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(st
         assert "sandbox" in sup.status(agent.agent_id).detail
         assert not os.path.exists(sup.sandbox(agent.agent_id))  # no half-built workspace to run in
         nursery.cancel_scope.cancel()
+
+
+async def test_stopping_an_agent_during_setup_leaves_nothing_of_it_running(store: HostStore, tmp_path: Path) -> None:
+    """A setup step (pip install, make...) runs its own subprocesses: before,
+    a stop during setup signalled only the step itself, and what it had
+    started ran on, outside any supervision."""
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["setup"] = [["sh", "-c", "sleep 300 & echo $! > setup-tool.pid; echo started; wait"]]
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=1.0)
+    tool_pid = Path(sup.sandbox(agent.agent_id)) / "setup-tool.pid"
+    tool = None
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.serve)
+            sup.want(agent.agent_id)
+            await _wait_for(lambda: tool_pid.exists() and tool_pid.read_text().strip(), "the setup step's tool")
+            tool = int(tool_pid.read_text())
+            assert sup.status(agent.agent_id).state is RunState.BUILDING
+            with trio.fail_after(10):
+                await sup.unwant(agent.agent_id, sync=False)
+            await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
+                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go", limit=5)
+            nursery.cancel_scope.cancel()
+    finally:
+        if tool is not None:
+            try:
+                os.kill(tool, 9)
+            except ProcessLookupError:
+                pass
+
+
+async def test_a_failed_setup_step_is_named_with_its_last_words(store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["setup"] = [["true"], ["sh", "-c", "echo building; echo 'no such package: frobnicate' >&2; exit 2"]]
+    agent = _agent_with_spec(store, spec)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "the failed setup", limit=10_000)
+        st = sup.status(agent.agent_id)
+        assert st.state is RunState.BACKOFF
+        assert "setup step 2 (sh) failed with status 2: no such package: frobnicate" in st.detail, st.detail
+        nursery.cancel_scope.cancel()
