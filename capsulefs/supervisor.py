@@ -314,12 +314,12 @@ class Supervisor:
         self._nursery.start_soon(self._run, r)
 
     async def unwant(self, agent_id: str, *, sync: bool = True) -> None:
-        """Stop the agent at a step boundary; with ``sync``, commit its workspace."""
+        """Stop the agent at a step boundary; with ``sync``, commit its
+        workspace (also one this daemon never ran: an earlier one's work)."""
         r = self._runners.get(agent_id)
-        if r is None:
-            return
-        r.cancel.cancel()
-        await r.done.wait()
+        if r is not None:
+            r.cancel.cancel()
+            await r.done.wait()
         if sync and os.path.isdir(self.sandbox(agent_id)):
             self.sync_workspace(agent_id)
 

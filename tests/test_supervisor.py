@@ -507,3 +507,21 @@ async def test_a_failed_setup_step_is_named_with_its_last_words(store: HostStore
         assert st.state is RunState.BACKOFF
         assert "setup step 2 (sh) failed with status 2: no such package: frobnicate" in st.detail, st.detail
         nursery.cancel_scope.cancel()
+
+
+async def test_freezing_an_agent_not_run_by_this_daemon_still_syncs_its_sandbox(store: HostStore, tmp_path: Path) -> None:
+    """The sandbox holds work from an earlier daemon's run (the agent has
+    not run since: its spec's entrypoint was set to null, say). Before, a
+    freeze found no process and synced nothing, so a move carried the old
+    snapshot and the retire then discarded the sandbox with the work."""
+    agent = _agent_with_spec(store, default_spec(None))
+    hooks = StoreHooks(store, str(tmp_path))
+    sup = Supervisor(store.root, hooks)
+    sandbox = sup.sandbox(agent.agent_id)
+    workspace.materialize(hooks.snapshot(agent.agent_id), hooks.read_blob, sandbox)
+    Path(sandbox, "results.csv").write_text("a,b\n1,2\n")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        await sup.freeze(agent.agent_id)
+        nursery.cancel_scope.cancel()
+    assert store.read_blob(hooks.snapshot(agent.agent_id)["results.csv"]) == b"a,b\n1,2\n"
