@@ -57,7 +57,13 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
     """Changes of the sandbox ``dest`` relative to ``snapshot``."""
     seen: dict[str, tuple[str, str]] = {}
     skipped: list[str] = []
-    for root, dirs, files in os.walk(dest):
+    unreadable: list[str] = []  # directories the walk could not list (EACCES for a daemon not run as root)
+
+    def cannot_list(exc: OSError) -> None:
+        rel = os.path.relpath(exc.filename or dest, dest).replace(os.sep, "/")
+        unreadable.append("" if rel == "." else rel)
+
+    for root, dirs, files in os.walk(dest, onerror=cannot_list):
         for name in sorted(dirs + files):
             full = os.path.join(root, name)
             rel = os.path.relpath(full, dest).replace(os.sep, "/")
@@ -84,7 +90,12 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
         if snapshot.get(rel) != sha:
             changes[rel] = sha
             new_files.setdefault(sha, full)
+    if unreadable:
+        # What it holds is unknown, not gone: its files keep their snapshot entries.
+        log.warning("workspace %s: could not list %d directories (their files are kept as they were): %s",
+                    dest, len(unreadable), ", ".join(map(ascii, unreadable[:5])))
+        skipped += unreadable
     for rel in snapshot:
-        if rel not in seen:
+        if rel not in seen and not any(not u or rel.startswith(u + "/") for u in unreadable):
             changes[rel] = None
     return ScanResult(changes=changes, new_files=new_files, skipped=skipped)

@@ -47,3 +47,35 @@ def test_a_name_that_is_not_utf8_is_skipped_not_a_failed_sync(store: HostStore, 
         assert _updates(store, agent.agent_id) == [{"plan.md": snap["plan.md"]}]
     finally:
         rt.daemon.live.close()
+
+
+def test_a_directory_the_scan_cannot_list_keeps_its_files(
+        store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A daemon not run as root cannot list a directory the agent made
+    unreadable (chmod 000): the walk skipped it silently, so its files were
+    journaled as deleted and left the snapshot. Now they keep their entries,
+    and the directory is reported. (Root lists anything: the refusal is
+    injected at os.scandir, the seam the walk reads directories through.)"""
+    agent = make_agent(store, "alice", workspace={"src/main.py": b"print('hi')\n", "notes/a.md": b"a\n"})
+    rt = _runtime(store, state_dir, tmp_path)
+    try:
+        sandbox = rt.supervisor.sandbox(agent.agent_id)
+        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        Path(sandbox, "plan.md").write_text("next steps\n")
+        locked = os.path.join(sandbox, "src")
+        real = os.scandir
+
+        def scandir(path="."):  # type: ignore[no-untyped-def]
+            if os.fspath(path) == locked:
+                raise PermissionError(13, "Permission denied", path)
+            return real(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+        scan = rt.supervisor.sync_workspace(agent.agent_id)
+        monkeypatch.undo()
+        assert "src" in scan.skipped
+        snap = rt.snapshot(agent.agent_id)
+        assert set(snap) == {"src/main.py", "notes/a.md", "plan.md"}
+        assert _updates(store, agent.agent_id) == [{"plan.md": snap["plan.md"]}]
+    finally:
+        rt.daemon.live.close()
