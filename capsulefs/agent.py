@@ -22,6 +22,10 @@ Rules:
     with an error on resume: never run twice silently, never lost.
   * SIGTERM asks the loop to stop at the next step boundary.
   * Tools cannot reach outside the sandbox: paths are resolved and checked.
+  * The run's secrets (named in ``$CAPSULE_SECRETS``) are for the provider
+    SDKs only: the shell tool runs without them, and any tool result or
+    error holding a secret's value is journaled with ``[secret NAME]`` in
+    its place.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capsulefs.core import events as ev
 from capsulefs.core import format as fmt
 from capsulefs.core import render
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.spec import SECRETS_ENV, redact_secrets, secrets_in
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +188,8 @@ class Toolbox:
     root: str  # the sandbox workspace
     capsule_dir: str
     shell_timeout: float = SHELL_TIMEOUT
+    # name -> value of the run's secrets: kept from the shell, redacted from results
+    secrets: dict[str, str] = field(default_factory=lambda: secrets_in(os.environ))
 
     def _path(self, rel: object) -> str:
         if not isinstance(rel, str) or not rel:
@@ -197,7 +204,10 @@ class Toolbox:
         fn = getattr(self, f"tool_{name}", None)
         if fn is None:
             raise ToolError(f"unknown tool {name!r}")
-        return fn(args)
+        try:
+            return redact_secrets(fn(args), self.secrets)
+        except ToolError as exc:
+            raise ToolError(redact_secrets(str(exc), self.secrets)) from None
 
     def tool_read_file(self, args: Mapping[str, Any]) -> str:
         path = self._path(args.get("path"))
@@ -227,7 +237,9 @@ class Toolbox:
             raise ToolError("command must be a non-empty string")
         timeout = float(args.get("timeout") or self.shell_timeout)
         try:
-            proc = subprocess.run(["/bin/sh", "-c", cmd], cwd=self.root, capture_output=True, timeout=min(timeout, 600))
+            env = {k: v for k, v in os.environ.items() if k not in self.secrets and k != SECRETS_ENV}
+            proc = subprocess.run(["/bin/sh", "-c", cmd], cwd=self.root, env=env, capture_output=True,
+                                  timeout=min(timeout, 600))
         except subprocess.TimeoutExpired:
             raise ToolError(f"the command timed out after {timeout:.0f} s") from None
         out = (proc.stdout + proc.stderr).decode(errors="replace")[-MAX_TOOL_OUTPUT:]

@@ -10,9 +10,11 @@ Rules:
     and reaped as the agent's process is.
   * The process gets the spec's plain env, ``CAPSULE_DIR`` (the agent's
     directory in the mount) and the spec's secrets, fetched from the host
-    keychain for that one run. A missing secret means no start; the status
-    names it; it is tried again every few seconds, so it starts once the
-    secret is set. Secret values are never logged.
+    keychain for that one run, and ``CAPSULE_SECRETS`` naming them (so the
+    agent can keep them from its tools). A missing secret means no start;
+    the status names it; it is tried again every few seconds, so it starts
+    once the secret is set. Secret values are never logged, nor shown in
+    the status (a failed setup step's output is redacted).
   * Stopping is at a step boundary: SIGTERM to the process group, a grace
     period, then SIGKILL. Freezing stops the process and syncs the sandbox's
     changes back into the capsule (:class:`Hooks.commit_workspace`) before
@@ -48,6 +50,7 @@ from capsulefs import keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.spec import SECRETS_ENV, redact_secrets
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +429,7 @@ class Supervisor:
         env["CAPSULE_DIR"] = self.hooks.capsule_dir(r.agent_id)
         env["CAPSULE_AGENT_ID"] = r.agent_id
         env.update(secrets)
+        env[SECRETS_ENV] = ",".join(sorted(secrets))
         argv = list(entry)
         if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
             argv[:1] = [sys.executable, "-m", "capsulefs"]
@@ -443,7 +447,9 @@ class Supervisor:
                 if code is None:
                     return False
                 if code != 0:
-                    r.status.detail = f"{what} failed with status {code}: {_last_line(out.name, start)}"
+                    secrets = {n: env[n] for n in env.get(SECRETS_ENV, "").split(",") if n in env}
+                    last = redact_secrets(_last_line(out.name, start), secrets)
+                    r.status.detail = f"{what} failed with status {code}: {last}"
                     log.warning("agent %s: %s", r.agent_id, r.status.detail)
                     return False
         return True

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import SpecError
 from .format import load_json
 
 SPEC_VERSION = 1
+#: The environment variable in which the supervisor names (never values) the
+#: secrets it gave an agent process, comma-separated: the reference agent
+#: keeps them from its tools (see :func:`redact_secrets`).
+SECRETS_ENV = "CAPSULE_SECRETS"
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FIELDS = {"version", "entrypoint", "env", "secrets", "setup", "packages"}
@@ -102,6 +107,20 @@ def validate_spec(doc: object) -> dict[str, Any]:
     if not isinstance(packages, list) or not all(isinstance(p, str) and p for p in packages):
         raise SpecError("spec: packages must be a list of package names")
     return doc
+
+
+def secrets_in(environ: Mapping[str, str]) -> dict[str, str]:
+    """The secrets (name -> value) that ``SECRETS_ENV`` names in ``environ``."""
+    names = [n for n in environ.get(SECRETS_ENV, "").split(",") if n]
+    return {n: environ[n] for n in names if environ.get(n)}
+
+
+def redact_secrets(text: str, secrets: Mapping[str, str]) -> str:
+    """``text`` with every secret value replaced by ``[secret NAME]`` (longest first)."""
+    for name, value in sorted(secrets.items(), key=lambda kv: -len(kv[1])):
+        if value:
+            text = text.replace(value, f"[secret {name}]")
+    return text
 
 
 def parse_spec(data: bytes) -> dict[str, Any]:

@@ -122,3 +122,30 @@ def test_recall_tool_finds_the_agents_own_history(capsule: Path, tmp_path: Path)
     (capsule / fmt.VECTOR_INDEX).write_bytes(fmt.empty_vector_index())
     out = Toolbox(str(tmp_path), str(capsule)).run("recall", {"query": "which port does the staging database use", "k": 1})
     assert "5433" in out and "user_message" in out
+
+
+def test_tool_results_never_carry_the_runs_secrets(capsule: Path, tmp_path: Path, monkeypatch) -> None:
+    # The supervisor hands secrets to the agent process in its environment and
+    # names them in CAPSULE_SECRETS. A model that runs `env` (or reads a file
+    # the secret was written to) must not get the value into the journal.
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-live-0123456789")
+    monkeypatch.setenv("CAPSULE_SECRETS", "ANTHROPIC_API_KEY")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "leak.txt").write_text("key=sk-live-0123456789\n")
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([ev.ModelSwitch(provider="anthropic", model="claude-x"), ev.UserMessage(text="debug")])
+    replies = iter([
+        anthropic_reply(
+            {"type": "tool_use", "id": "t1", "name": "shell", "input": {"command": "env; echo \"[$ANTHROPIC_API_KEY]\""}},
+            {"type": "tool_use", "id": "t2", "name": "read_file", "input": {"path": "leak.txt"}},
+        ),
+        anthropic_reply({"type": "text", "text": "done"}),
+    ])
+    agent = Agent(port, Toolbox(str(ws), str(capsule)), call=lambda p, m, b: next(replies))
+    assert agent.step()
+    results = [r.event for r in port.records() if r.kind == "tool_result"]
+    assert len(results) == 2
+    assert "[]" in results[0].content  # the shell does not see the secret at all
+    assert "ANTHROPIC_API_KEY" in results[1].content  # a value found elsewhere is replaced by its name
+    assert b"sk-live-0123456789" not in (capsule / fmt.JOURNAL).read_bytes()

@@ -525,3 +525,36 @@ async def test_freezing_an_agent_not_run_by_this_daemon_still_syncs_its_sandbox(
         await sup.freeze(agent.agent_id)
         nursery.cancel_scope.cancel()
     assert store.read_blob(hooks.snapshot(agent.agent_id)["results.csv"]) == b"a,b\n1,2\n"
+
+
+@pytest.mark.expect_error_log
+async def test_a_failed_setup_step_never_shows_a_secret_in_status_or_log(store: HostStore, tmp_path: Path, caplog) -> None:
+    # A setup step that fails and prints a secret (a verbose curl, a traceback
+    # showing its env) must not put the value in .control/status or the log.
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["secrets"] = ["API_TOKEN"]
+    spec["setup"] = [["/bin/sh", "-c", 'echo "401 for token $API_TOKEN" >&2; exit 3']]
+    agent = _agent_with_spec(store, spec)
+    keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: "status 3" in sup.status(agent.agent_id).detail, "the setup step to fail")
+        detail = sup.status(agent.agent_id).detail
+        nursery.cancel_scope.cancel()
+    assert "401 for token [secret API_TOKEN]" in detail
+    assert "s3cr3t-value" not in caplog.text
+
+
+async def test_the_agent_process_is_told_which_env_names_are_secrets(store: HostStore, tmp_path: Path) -> None:
+    spec = default_spec([sys.executable, "-c", PROBE.replace('"HOME")', '"HOME", "CAPSULE_SECRETS")')])
+    spec["secrets"] = ["API_TOKEN"]
+    agent = _agent_with_spec(store, spec)
+    keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await _serve_and_start(sup, nursery, agent.agent_id)
+        seen = json.loads((Path(sup.sandbox(agent.agent_id)) / "probe.json").read_text())
+        nursery.cancel_scope.cancel()
+    assert seen["env"]["CAPSULE_SECRETS"] == "API_TOKEN"
