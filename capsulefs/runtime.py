@@ -83,7 +83,9 @@ class AgentRuntime:
         snap = dict(self.snapshot(agent_id))
         with self.store.writing():
             for sha, path in scan.new_files.items():
-                with open(path, "rb") as f:
+                # (the sandbox may have changed since the scan: never through
+                # a symlink or into a FIFO, and only the bytes the scan hashed)
+                with workspace.open_regular(path) as f:
                     self.store.put_blob_stream(f, expect=sha)
             agent.list_blobs(scan.new_files)  # before the journal names them (gc)
             self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])

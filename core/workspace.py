@@ -11,6 +11,17 @@ Theory of operation:
   * Only regular files are part of a workspace: links, fifos and sockets in
     the sandbox are skipped (and reported), never followed; so are names
     that are not UTF-8 (a capsule's JSON cannot hold them).
+  * The sandbox is hostile: the agent process made it, and a child of it
+    that left the process group may still change it during the scan. So
+    the scan walks directories by file descriptor (``os.fwalk``), opens
+    each file with ``O_NOFOLLOW | O_NONBLOCK`` and hashes it only if the
+    open file is regular; :func:`open_regular` opens it the same way again
+    for the commit, which stores only bytes that hash as the scan found. A
+    file swapped for a symlink (to a host file), a FIFO or a device between
+    two steps is skipped or refused, never read, and never blocks.
+  * A directory the scan cannot list (a daemon not run as root, a directory
+    the agent made unreadable) keeps its files' snapshot entries: what it
+    holds is unknown, not gone.
 
 Rules: paths are checked with the capsule path rules both ways, so a
 snapshot cannot write outside the sandbox and a sandbox cannot smuggle an
@@ -19,17 +30,19 @@ unsafe name into a capsule.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from . import format as fmt
 from .errors import UnsafePathError
 from .fsutil import atomic_write, makedirs_durable
-from .hashing import hash_file
+from .hashing import hash_stream
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +66,56 @@ class ScanResult:
     skipped: list[str]  # entries that are not regular files
 
 
+#: Opening a sandbox file: never through a symlink, never waiting on a FIFO.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: What such an open meets when the entry is not (or no longer) a regular file.
+_NOT_A_FILE = (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.ENOTDIR, errno.ENODEV)
+
+
+def _open_fd(name: str, dir_fd: int | None = None) -> int | None:
+    """A blocking read fd on ``name`` if it is a regular file (the last
+    component not followed), else None."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE:
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a sandbox file the scan found, for reading: refuses (UnsafePathError)
+    anything that is not, or is no longer, a regular file, without following
+    a symlink or blocking on a FIFO."""
+    fd = _open_fd(path)
+    if fd is None:
+        raise UnsafePathError(f"workspace file {path} is no longer a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
 def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
     """Changes of the sandbox ``dest`` relative to ``snapshot``."""
     seen: dict[str, tuple[str, str]] = {}
     skipped: list[str] = []
-    unreadable: list[str] = []  # directories the walk could not list (EACCES for a daemon not run as root)
-
-    def cannot_list(exc: OSError) -> None:
-        rel = os.path.relpath(exc.filename or dest, dest).replace(os.sep, "/")
-        unreadable.append("" if rel == "." else rel)
-
-    for root, dirs, files in os.walk(dest, onerror=cannot_list):
+    found: set[str] = {""}  # directories met (as directories, not links to them), "" the sandbox itself
+    listed: set[str] = set()  # directories the walk listed
+    for root, dirs, files, root_fd in os.fwalk(dest):
+        top = os.path.relpath(root, dest).replace(os.sep, "/")
+        listed.add("" if top == "." else top)
         for name in sorted(dirs + files):
             full = os.path.join(root, name)
             rel = os.path.relpath(full, dest).replace(os.sep, "/")
-            st = os.lstat(full)
+            try:
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # gone since the listing: deleted
             if stat.S_ISDIR(st.st_mode):
+                found.add(rel)
                 continue
             if not stat.S_ISREG(st.st_mode):
                 skipped.append(rel)
@@ -79,22 +126,29 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
             except (UnsafePathError, UnicodeEncodeError):
                 skipped.append(rel)
                 continue
-            sha, _size = hash_file(full)
+            fd = _open_fd(name, root_fd)
+            if fd is None:  # swapped for something else since the stat
+                skipped.append(rel)
+                continue
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                sha, _size = hash_stream(f)  # type: ignore[arg-type]
             seen[rel] = (sha, full)
+    # A directory met but never listed could not be opened or read (EACCES
+    # for a daemon not run as root): what it holds is unknown, not gone.
+    unreadable = sorted(found - listed) if os.path.isdir(dest) else []
     if skipped:
         log.warning("workspace %s: skipped %d entries that are not regular files or whose names a capsule cannot hold: %s",
                     dest, len(skipped), ", ".join(map(ascii, skipped[:5])))
+    if unreadable:
+        log.warning("workspace %s: could not list %d directories (their files are kept as they were): %s",
+                    dest, len(unreadable), ", ".join(map(ascii, unreadable[:5])))
+        skipped += unreadable
     changes: dict[str, str | None] = {}
     new_files: dict[str, str] = {}
     for rel, (sha, full) in seen.items():
         if snapshot.get(rel) != sha:
             changes[rel] = sha
             new_files.setdefault(sha, full)
-    if unreadable:
-        # What it holds is unknown, not gone: its files keep their snapshot entries.
-        log.warning("workspace %s: could not list %d directories (their files are kept as they were): %s",
-                    dest, len(unreadable), ", ".join(map(ascii, unreadable[:5])))
-        skipped += unreadable
     for rel in snapshot:
         if rel not in seen and not any(not u or rel.startswith(u + "/") for u in unreadable):
             changes[rel] = None

@@ -55,22 +55,21 @@ def test_a_directory_the_scan_cannot_list_keeps_its_files(
     unreadable (chmod 000): the walk skipped it silently, so its files were
     journaled as deleted and left the snapshot. Now they keep their entries,
     and the directory is reported. (Root lists anything: the refusal is
-    injected at os.scandir, the seam the walk reads directories through.)"""
+    injected at os.open, through which the walk opens each directory.)"""
     agent = make_agent(store, "alice", workspace={"src/main.py": b"print('hi')\n", "notes/a.md": b"a\n"})
     rt = _runtime(store, state_dir, tmp_path)
     try:
         sandbox = rt.supervisor.sandbox(agent.agent_id)
         workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
         Path(sandbox, "plan.md").write_text("next steps\n")
-        locked = os.path.join(sandbox, "src")
-        real = os.scandir
+        real = os.open
 
-        def scandir(path="."):  # type: ignore[no-untyped-def]
-            if os.fspath(path) == locked:
+        def opening(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+            if path == "src":  # the directory, opened by the walk relative to its parent
                 raise PermissionError(13, "Permission denied", path)
-            return real(path)
+            return real(path, flags, mode, dir_fd=dir_fd)
 
-        monkeypatch.setattr(os, "scandir", scandir)
+        monkeypatch.setattr(os, "open", opening)
         scan = rt.supervisor.sync_workspace(agent.agent_id)
         monkeypatch.undo()
         assert "src" in scan.skipped
