@@ -16,6 +16,10 @@ Rules:
   * Errors are mapped at this boundary (httpcore style): OSError, ssl and
     trio errors become :class:`PeerError` subclasses; a remote handler's
     failure arrives as :class:`RemoteError` with a code.
+  * Anyone who reaches the port can finish a TLS handshake without a
+    certificate, so until the peer is known the server gives a link little:
+    its hello (and an introduction) must arrive within the handshake
+    timeout, in frames of at most ``MAX_ANONYMOUS_HEADER`` bytes.
   * ``serve_peers`` calls ``task_status.started(port)`` only once it listens.
     Each connection is served in a task of the server's nursery.
 
@@ -61,6 +65,7 @@ __all__ = [
 PROTOCOL = "capsulefs-peer/1"
 _PREFIX = struct.Struct("!IQ")  # header length (u32), payload length (u64), big-endian
 MAX_HEADER = 1 << 20
+MAX_ANONYMOUS_HEADER = 64 << 10  # header and payload of a frame before the peer is known (hello, introduce)
 RECEIVE_CHUNK = 1 << 20
 HANDSHAKE_TIMEOUT = 15.0
 
@@ -193,11 +198,14 @@ class _Framer:
             # The frame cannot be completed: the link is now unusable.
             raise PeerBroken(f"{self.what}: payload ended at {sent} of {size} bytes")
 
-    async def receive(self) -> tuple[dict[str, Any], "Payload"]:
+    async def receive(self, *, anonymous: bool = False) -> tuple[dict[str, Any], "Payload"]:
+        """The next frame. ``anonymous``: from a link not authenticated yet,
+        whose header and payload may not exceed ``MAX_ANONYMOUS_HEADER``."""
         await self._fill(_PREFIX.size)
         head_len, size = _PREFIX.unpack(self._buf[: _PREFIX.size])
-        if head_len > MAX_HEADER:
-            raise PeerProtocolError(f"{self.what}: header of {head_len} bytes is over {MAX_HEADER}")
+        limit = MAX_ANONYMOUS_HEADER if anonymous else MAX_HEADER
+        if head_len > limit or (anonymous and size > limit):
+            raise PeerProtocolError(f"{self.what}: frame of {head_len} + {size} bytes is over {limit}")
         await self._fill(_PREFIX.size + head_len)
         raw = bytes(self._buf[_PREFIX.size: _PREFIX.size + head_len])
         del self._buf[: _PREFIX.size + head_len]
@@ -483,24 +491,13 @@ async def _serve_connection(state: _ServerState, tcp: trio.SocketStream) -> None
             return
         der = tls.getpeercert(binary_form=True)
         framer = _Framer(tls, what)
-        hello, body = await framer.receive()
-        await body.drain()
-        if hello["type"] != "hello" or hello.get("protocol") != PROTOCOL:
-            await framer.send({"type": "error", "id": None, "code": "protocol",
-                               "message": f"expected hello for {PROTOCOL}"})
+        with trio.move_on_after(state.handshake_timeout) as scope:
+            peer = await _greet(state, framer, der)
+        if scope.cancelled_caught:
+            log.debug("%s: no hello within %.0fs", what, state.handshake_timeout)
             return
-        if der is None:
-            await _serve_introduction(state, framer)
-            return
-        peer_id = host_id_from_der(der)
-        peer = state.book.by_id(peer_id)
         if peer is None:
-            log.warning("refused a link from unknown host %s", peer_id)
-            await framer.send({"type": "error", "id": None, "code": "unknown-peer",
-                               "message": f"host {peer_id} is not a peer of this host"})
             return
-        framer.what = f"peer {peer.name}"
-        await framer.send({"type": "hello", "protocol": PROTOCOL, "host_id": state.identity.host_id})
         while True:
             header, payload = await framer.receive()
             if header["type"] != "call" or not isinstance(header.get("call"), str):
@@ -510,6 +507,31 @@ async def _serve_connection(state: _ServerState, tcp: trio.SocketStream) -> None
         log.debug("%s ended: %s", what, exc)
     finally:
         await trio.aclose_forcefully(tls)
+
+
+async def _greet(state: _ServerState, framer: _Framer, der: bytes | None) -> Peer | None:
+    """The hello of a new link (and an introduction, for a link without a
+    certificate); the authenticated peer, greeted back, or None if the link
+    is done. The caller bounds it in time."""
+    hello, body = await framer.receive(anonymous=True)
+    await body.drain()
+    if hello["type"] != "hello" or hello.get("protocol") != PROTOCOL:
+        await framer.send({"type": "error", "id": None, "code": "protocol",
+                           "message": f"expected hello for {PROTOCOL}"})
+        return None
+    if der is None:
+        await _serve_introduction(state, framer)
+        return None
+    peer_id = host_id_from_der(der)
+    peer = state.book.by_id(peer_id)
+    if peer is None:
+        log.warning("refused a link from unknown host %s", peer_id)
+        await framer.send({"type": "error", "id": None, "code": "unknown-peer",
+                           "message": f"host {peer_id} is not a peer of this host"})
+        return None
+    framer.what = f"peer {peer.name}"
+    await framer.send({"type": "hello", "protocol": PROTOCOL, "host_id": state.identity.host_id})
+    return peer
 
 
 async def _answer(state: _ServerState, framer: _Framer, peer: Peer, header: dict[str, Any], payload: Payload) -> None:
@@ -538,7 +560,7 @@ async def _answer(state: _ServerState, framer: _Framer, peer: Peer, header: dict
 
 async def _serve_introduction(state: _ServerState, framer: _Framer) -> None:
     await framer.send({"type": "hello", "protocol": PROTOCOL, "host_id": state.identity.host_id})
-    header, payload = await framer.receive()
+    header, payload = await framer.receive(anonymous=True)
     await payload.drain()
     if header.get("call") != "introduce":
         await framer.send({"type": "error", "id": header.get("id"), "code": "unauthenticated",
@@ -546,7 +568,7 @@ async def _serve_introduction(state: _ServerState, framer: _Framer) -> None:
         return
     pem = (header.get("args") or {}).get("cert_pem")
     try:
-        host_id = state.book.learn_cert(pem.encode("ascii") if isinstance(pem, str) else b"")
+        host_id = state.book.learn_cert(pem.encode("ascii") if isinstance(pem, str) and pem.isascii() else b"")
     except CapsuleError as exc:
         log.warning("refused an introduction: %s", exc)
         await framer.send({"type": "error", "id": header.get("id"), "code": "unknown-peer", "message": str(exc)})

@@ -259,3 +259,49 @@ async def test_serve_peers_reports_its_port_only_once_listening(pair: Pair) -> N
     with trio.fail_after(5):
         s = await trio.open_tcp_stream("127.0.0.1", pair.port)
         await s.aclose()
+
+
+async def _anonymous_tls(port: int):
+    """A TLS link to the server without a client certificate: what anyone
+    who can reach the port can open."""
+    from capsulefs.peerlink import client_context
+    from capsulefs.tlsstream import TLSStream
+
+    tls = TLSStream(await trio.open_tcp_stream("127.0.0.1", port), client_context(None))
+    await tls.do_handshake()
+    return tls
+
+
+async def _closed_by_server(tls) -> bool:
+    try:
+        while await tls.receive_some():
+            pass
+    except trio.BrokenResourceError:
+        pass
+    return True
+
+
+async def test_an_anonymous_link_that_says_nothing_is_closed(tmp_path: Path, nursery: trio.Nursery) -> None:
+    # Anyone can finish a TLS handshake without a certificate. Kept open
+    # forever, such links exhaust the daemon's file descriptors (and with
+    # them the mount): they must say hello within the handshake timeout.
+    b = load_or_create_identity(tmp_path / "b")
+    port = await nursery.start(lambda task_status: serve_peers(b, PeerBook(tmp_path / "b"), Recorder(),
+                                                               host="127.0.0.1", handshake_timeout=0.5,
+                                                               task_status=task_status))
+    tls = await _anonymous_tls(port)
+    with trio.fail_after(10):
+        assert await _closed_by_server(tls)
+    await tls.aclose()
+
+
+async def test_an_anonymous_link_cannot_make_the_server_buffer_a_big_header(pair: Pair) -> None:
+    import struct
+
+    from capsulefs.peerlink import MAX_ANONYMOUS_HEADER
+
+    tls = await _anonymous_tls(pair.port)
+    await tls.send_all(struct.pack("!IQ", MAX_ANONYMOUS_HEADER + 1, 0) + b"{")
+    with trio.fail_after(5):  # refused at once, not after the timeout
+        assert await _closed_by_server(tls)
+    await tls.aclose()
