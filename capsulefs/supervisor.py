@@ -50,7 +50,7 @@ from capsulefs import keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.spec import SECRETS_ENV, redact_secrets
+from capsulefs.core.spec import SECRETS_ENV, redact_secrets, validate_spec
 
 log = logging.getLogger(__name__)
 
@@ -367,8 +367,8 @@ class Supervisor:
                 await trio.lowlevel.checkpoint()
                 while not self._stopping:
                     try:
-                        argv, env, cwd = self._prepare(r)
-                    except CapsuleError as exc:
+                        argv, env, cwd, setup = self._prepare(r)
+                    except (CapsuleError, OSError) as exc:  # (OSError: a snapshot whose paths collide, a full disk)
                         if r.status.state is not RunState.BLOCKED or r.status.detail != str(exc):
                             log.warning("agent %s not started: %s", r.agent_id, exc)
                         r.status.state, r.status.detail = RunState.BLOCKED, str(exc)
@@ -379,7 +379,7 @@ class Supervisor:
                         r.status.state, r.status.detail = RunState.STOPPED, "the spec has no entrypoint"
                         return
                     r.status.state, r.status.detail = RunState.BUILDING, "running setup steps"
-                    if not await self._setup(r, env, cwd):
+                    if not await self._setup(r, setup, env, cwd):
                         r.status.state = RunState.BACKOFF
                     else:
                         code = await self._run_process(r, argv, env, cwd)
@@ -407,11 +407,14 @@ class Supervisor:
             r.status.pid = None
             r.done.set()
 
-    def _prepare(self, r: _Runner) -> tuple[list[str] | None, dict[str, str], str]:
-        spec = self.hooks.spec(r.agent_id)
+    def _prepare(self, r: _Runner) -> tuple[list[str] | None, dict[str, str], str, list[list[str]]]:
+        # Checked here, not only where the mount takes a write: a spec can
+        # arrive with a move or an import, and one that breaks the rules
+        # must block its agent, never crash the supervisor (SpecError).
+        spec = validate_spec(self.hooks.spec(r.agent_id))
         entry = spec.get("entrypoint")
         if not entry:
-            return None, {}, ""
+            return None, {}, "", []
         secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
         cwd = self.sandbox(r.agent_id)
         if not os.path.isdir(cwd):
@@ -433,14 +436,14 @@ class Supervisor:
         argv = list(entry)
         if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
             argv[:1] = [sys.executable, "-m", "capsulefs"]
-        return argv, env, cwd
+        return argv, env, cwd, list(spec.get("setup", []))
 
-    async def _setup(self, r: _Runner, env: dict[str, str], cwd: str) -> bool:
+    async def _setup(self, r: _Runner, setup: list[list[str]], env: dict[str, str], cwd: str) -> bool:
         """Run the spec's setup steps in order, each supervised as the agent
         is (its own process group, stopped and reaped with what it started),
         their output in ``sandboxes/<agent_id>/setup.log``."""
         with open(os.path.join(self.sandbox_root, r.agent_id, SETUP_LOG), "wb") as out:
-            for i, step in enumerate(self.hooks.spec(r.agent_id).get("setup", [])):
+            for i, step in enumerate(setup):
                 what = f"setup step {i + 1} ({step[0]})"
                 start = out.tell()
                 code = await self._run_child(r, list(step), env, cwd, what=what, output=out.fileno())

@@ -558,3 +558,28 @@ async def test_the_agent_process_is_told_which_env_names_are_secrets(store: Host
         seen = json.loads((Path(sup.sandbox(agent.agent_id)) / "probe.json").read_text())
         nursery.cancel_scope.cancel()
     assert seen["env"]["CAPSULE_SECRETS"] == "API_TOKEN"
+
+
+@pytest.mark.parametrize("bad", [
+    {"env": ["GREETING"]},  # not an object
+    {"secrets": 5},
+    {"setup": "make"},
+])
+async def test_a_malformed_spec_blocks_its_agent_and_nothing_else(store: HostStore, tmp_path: Path, bad: dict, caplog) -> None:
+    # A spec that arrived with a move (peers' files are outside input; only
+    # writes through the mount are validated) must not bring the supervisor,
+    # and with it the daemon and every other agent, down.
+    spec = {**default_spec([sys.executable, "-c", PROBE]), **bad}
+    agent = make_agent(store, "broken", workspace={})
+    agent.write_files({fmt.SPEC: json.dumps(spec).encode()})
+    good = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.serve)
+        sup.want(agent.agent_id)
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "the broken agent to be blocked")
+        assert "spec" in sup.status(agent.agent_id).detail
+        sup.want(good.agent_id)
+        probe = Path(sup.sandbox(good.agent_id)) / "probe.json"
+        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the other agent to run")
+        nursery.cancel_scope.cancel()
