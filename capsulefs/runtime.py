@@ -22,7 +22,6 @@ an agent moved in).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -31,6 +30,7 @@ from typing import Any
 import trio
 
 from capsulefs.core import format as fmt
+from capsulefs.core.errors import CapsuleError
 from capsulefs.core import workspace
 from capsulefs.core.events import WorkspaceUpdate
 from capsulefs.core.holder import HolderBook, HolderState
@@ -63,7 +63,9 @@ class AgentRuntime:
 
     # -- the supervisor's hooks ---------------------------------------------------
     def spec(self, agent_id: str) -> Mapping[str, Any]:
-        return json.loads(self.store.agent(agent_id).read(fmt.SPEC))
+        """The agent's spec as stored (FormatError if it is not JSON; the
+        supervisor checks its rules before each start)."""
+        return fmt.load_json(self.store.agent(agent_id).read(fmt.SPEC), fmt.SPEC)
 
     def snapshot(self, agent_id: str) -> Mapping[str, str]:
         return fmt.parse_snapshot(self.store.agent(agent_id).read(fmt.SNAPSHOT))
@@ -121,7 +123,14 @@ class AgentRuntime:
         for agent_id in self.store.agent_ids():
             ok, _why = self.runnable(agent_id)
             st = self.supervisor.status(agent_id).state
-            if ok and st in (RunState.STOPPED, RunState.FROZEN) and self.spec(agent_id).get("entrypoint"):
+            if not ok or st not in (RunState.STOPPED, RunState.FROZEN):
+                continue
+            try:
+                spec = self.spec(agent_id)
+                wanted = not isinstance(spec, Mapping) or bool(spec.get("entrypoint"))
+            except CapsuleError:
+                wanted = True  # a spec that is not JSON (one moved in): the supervisor blocks it, saying why
+            if wanted:  # (one that breaks the rules too: blocked with the reason, and the others still start)
                 self.supervisor.want(agent_id)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -13,6 +13,7 @@ import pytest
 from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
 
+from capsulefs.core import format as fmt
 from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
@@ -193,3 +194,28 @@ def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it
     assert not os.path.exists(runtime_path(str(state)))  # its last step ran
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("bad", [b"[]", b"{not json"])
+def test_an_agent_whose_spec_breaks_the_rules_blocks_alone(tmp_path: Path, bad: bytes) -> None:
+    """A spec that came with a move or an import is whatever its sender
+    wrote. One that was not a JSON object stopped the daemon's reconcile at
+    that agent, every second, so the agents after it never started. Now it
+    is blocked with the reason in its status, and the others run."""
+    state = tmp_path / "state"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"version": 1, "entrypoint": ["sleep", "600"]}))
+    for name in ("one", "two"):
+        capsulefs("--state", str(state), "new", name, "--spec", str(spec))
+    from capsulefs.core.store import HostStore
+
+    store = HostStore.open(state)
+    first = store.agent(min(store.agent_ids()))  # reconciled first
+    Path(first.path(fmt.SPEC)).write_bytes(bad)  # (as a move or an import could leave it)
+    first.refresh_manifest()
+    other = "two" if first.manifest().name == "one" else "one"
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt):
+        wait_until(lambda: agent_status(mnt / other)["run"]["state"] == "running", "the other agent to run")
+        wait_until(lambda: agent_status(mnt / first.manifest().name)["run"]["state"] == "blocked", "blocked")
+        assert "spec" in agent_status(mnt / first.manifest().name)["run"]["detail"]
