@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from capsulefs.core import workspace
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
-from capsulefs.supervisor import RunState, Supervisor
+from capsulefs.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import make_agent
 
@@ -130,34 +131,11 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
     assert oct(os.stat(os.path.join(store.root, keychain.SECRETS_FILE)).st_mode & 0o777) == "0o600"
 
 
-async def test_missing_secret_blocks_start_and_names_it(store: HostStore, tmp_path: Path) -> None:
-    spec = default_spec([sys.executable, "-c", PROBE])
-    spec["secrets"] = ["OPENAI_API_KEY"]
-    agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
-        assert "OPENAI_API_KEY" in sup.status(agent.agent_id).detail
-        assert sup.status(agent.agent_id).pid is None
-        assert not os.path.exists(Path(sup.sandbox(agent.agent_id)) / "probe.json")
-        nursery.cancel_scope.cancel()
-
-
 async def test_crash_is_restarted_with_backoff(store: HostStore, tmp_path: Path, autojump_clock) -> None:
-    spec = default_spec([sys.executable, "-c", "import sys; sys.exit(3)"])
-    agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 4, "four restarts", limit=10_000)
-        st = sup.status(agent.agent_id)
-        assert st.last_exit == 3
-        assert "exited with status 3" in st.detail
-        assert st.next_start_in is not None and st.next_start_in >= 8  # 1, 2, 4, 8...
-        nursery.cancel_scope.cancel()
+    st = await _failed(store, tmp_path, default_spec([sys.executable, "-c", "import sys; sys.exit(3)"]), starts=4)
+    assert st.last_exit == 3
+    assert "exited with status 3" in st.detail
+    assert st.next_start_in is not None and st.next_start_in >= 8  # 1, 2, 4, 8...
 
 
 async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStore, tmp_path: Path) -> None:
@@ -377,20 +355,32 @@ async def test_the_tools_of_an_agent_that_exits_go_with_it(store: HostStore, tmp
                 pass
 
 
-async def test_a_blocked_agent_starts_once_its_secret_is_set(store: HostStore, tmp_path: Path, autojump_clock, caplog) -> None:
-    """The status says to set the missing secret with 'capsulefs secret
-    set'; before, doing so changed nothing until the daemon restarted (a
-    blocked agent was never tried again). Now it starts within seconds, and
-    the wait is logged once, not at every try."""
+async def _blocked(store: HostStore, tmp_path: Path, nursery: trio.Nursery, agent_id: str) -> Supervisor:
+    """A supervisor serving in ``nursery`` that was asked to run the agent
+    and found it cannot (its status says BLOCKED)."""
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    await nursery.start(sup.serve)
+    sup.want(agent_id)
+    await _wait_for(lambda: sup.status(agent_id).state is RunState.BLOCKED, "blocked state")
+    return sup
+
+
+async def test_a_missing_secret_blocks_the_start_until_it_is_set(
+        store: HostStore, tmp_path: Path, autojump_clock, caplog) -> None:
+    """A missing secret blocks the start, and the status names it. The status
+    says to set it with 'capsulefs secret set'; before, doing so changed
+    nothing until the daemon restarted (a blocked agent was never tried
+    again). Now it starts within seconds, and the wait is logged once, not
+    at every try."""
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["secrets"] = ["API_TOKEN"]
     agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
+        sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
+        assert "API_TOKEN" in sup.status(agent.agent_id).detail
+        assert sup.status(agent.agent_id).pid is None
         await trio.sleep(600)
+        assert not os.path.exists(Path(sup.sandbox(agent.agent_id)) / "probe.json")
         keychain.store_secret(store.root, "API_TOKEN", "now-set")
         await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start", limit=30)
         nursery.cancel_scope.cancel()
@@ -414,17 +404,24 @@ async def test_the_status_of_a_crashed_agent_names_no_dead_pid(store: HostStore,
 async def test_an_entrypoint_that_cannot_start_says_why(store: HostStore, tmp_path: Path, autojump_clock) -> None:
     """A spec whose entrypoint does not exist: the status said 'the
     entrypoint exited with status 127', hiding the reason."""
-    agent = _agent_with_spec(store, default_spec(["/nonexistent/agent-binary"]))
+    detail = (await _failed(store, tmp_path, default_spec(["/nonexistent/agent-binary"]))).detail
+    assert "/nonexistent/agent-binary could not start: No such file or directory" in detail, detail
+    assert "restarting in" in detail
+
+
+async def _failed(store: HostStore, tmp_path: Path, spec: dict, *, starts: int = 1) -> RunStatus:
+    """A copy of the status of an agent of ``spec`` once ``starts`` of its
+    starts have failed (it waits to try again)."""
+    agent = _agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "a failed start", limit=10_000)
-        st = sup.status(agent.agent_id)
-        assert st.state is RunState.BACKOFF
-        assert "/nonexistent/agent-binary could not start: No such file or directory" in st.detail, st.detail
-        assert "restarting in" in st.detail
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= starts, "failed starts", limit=10_000)
+        st = copy.copy(sup.status(agent.agent_id))
         nursery.cancel_scope.cancel()
+    assert st.state is RunState.BACKOFF
+    return st
 
 
 async def test_a_secret_exec_cannot_take_blocks_the_agent_not_the_daemon(store: HostStore, tmp_path: Path) -> None:
@@ -432,17 +429,10 @@ async def test_a_secret_exec_cannot_take_blocks_the_agent_not_the_daemon(store: 
     ValueError out of the supervisor, and the daemon died with it."""
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["secrets"] = ["API_TOKEN"]
-    agent = _agent_with_spec(store, spec)
     keychain.store_secret(store.root, "API_TOKEN", "pasted\0badly")
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "a failed start")
-        st = sup.status(agent.agent_id)
-        assert st.state is RunState.BACKOFF and "could not start" in st.detail, st.detail
-        assert "pasted" not in st.detail
-        nursery.cancel_scope.cancel()
+    st = await _failed(store, tmp_path, spec)
+    assert "could not start" in st.detail, st.detail
+    assert "pasted" not in st.detail
 
 
 async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(store: HostStore, tmp_path: Path) -> None:
@@ -454,11 +444,8 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(st
     sha = store.put_blob(b"x\n")
     with store.writing():
         agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"a": sha, "a/b": sha})}, add_blobs={sha})
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "blocked state")
+        sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
         assert "sandbox" in sup.status(agent.agent_id).detail
         assert not os.path.exists(sup.sandbox(agent.agent_id))  # no half-built workspace to run in
         nursery.cancel_scope.cancel()
@@ -497,16 +484,8 @@ async def test_stopping_an_agent_during_setup_leaves_nothing_of_it_running(store
 async def test_a_failed_setup_step_is_named_with_its_last_words(store: HostStore, tmp_path: Path, autojump_clock) -> None:
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["setup"] = [["true"], ["sh", "-c", "echo building; echo 'no such package: frobnicate' >&2; exit 2"]]
-    agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= 1, "the failed setup", limit=10_000)
-        st = sup.status(agent.agent_id)
-        assert st.state is RunState.BACKOFF
-        assert "setup step 2 (sh) failed with status 2: no such package: frobnicate" in st.detail, st.detail
-        nursery.cancel_scope.cancel()
+    detail = (await _failed(store, tmp_path, spec)).detail
+    assert "setup step 2 (sh) failed with status 2: no such package: frobnicate" in detail, detail
 
 
 async def test_freezing_an_agent_not_run_by_this_daemon_still_syncs_its_sandbox(store: HostStore, tmp_path: Path) -> None:
@@ -534,15 +513,8 @@ async def test_a_failed_setup_step_never_shows_a_secret_in_status_or_log(store: 
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["secrets"] = ["API_TOKEN"]
     spec["setup"] = [["/bin/sh", "-c", 'echo "401 for token $API_TOKEN" >&2; exit 3']]
-    agent = _agent_with_spec(store, spec)
     keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.serve)
-        sup.want(agent.agent_id)
-        await _wait_for(lambda: "status 3" in sup.status(agent.agent_id).detail, "the setup step to fail")
-        detail = sup.status(agent.agent_id).detail
-        nursery.cancel_scope.cancel()
+    detail = (await _failed(store, tmp_path, spec)).detail
     assert "401 for token [secret API_TOKEN]" in detail
     assert "s3cr3t-value" not in caplog.text
 
