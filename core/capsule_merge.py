@@ -187,6 +187,9 @@ def plan_merge(a: Side, b: Side) -> Plan:
     if unknown:
         log.info("merged journal names %d blob(s) neither capsule holds (old versions)", len(unknown))
 
+    if a.manifest.name != b.manifest.name:
+        warnings.append(f"the agent is named {a.manifest.name!r} in {a.label} and {b.manifest.name!r} in {b.label}; "
+                        f"kept {a.label}'s name")
     holder = max((a.manifest.holder, b.manifest.holder), key=lambda h: h.epoch)  # A on a tie
     extra = dict(b.manifest.extra)
     extra.update(a.manifest.extra)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import tarfile
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +304,19 @@ def test_a_snapshot_or_export_sees_an_append_whole_or_not_at_all(cli, store: Hos
         appender.join(10)
     reader.join(10)
     assert b"remember the milk" in seen[0][fmt.JOURNAL] and seen[0][fmt.WORKING_MEMORY] == b"remember the milk"
+
+
+def test_merge_of_copies_named_differently_says_which_name_it_kept(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two copies of one agent, renamed on one host: merge keeps A's name, and
+    now says so instead of dropping B's silently."""
+    a_tar, b_tar = _diverged(cli, tmp_path, tmp_path / "state-b")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    with tarfile.open(a_tar) as tf:
+        tf.extractall(renamed, filter="data")
+    manifest = json.loads((renamed / fmt.MANIFEST).read_text())
+    manifest["name"] = "ada-renamed"
+    (renamed / fmt.MANIFEST).write_text(json.dumps(manifest))
+    p = cli("merge", str(renamed), str(b_tar), "-o", str(tmp_path / "merged"), check=True)
+    assert "'ada-renamed'" in p.stderr and "'ada'" in p.stderr and "kept" in p.stderr, p.stderr
+    assert json.loads((tmp_path / "merged" / fmt.MANIFEST).read_text())["name"] == "ada-renamed"
