@@ -39,7 +39,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -238,8 +239,15 @@ class _Runner:
 
 class Supervisor:
     def __init__(self, state_dir: str, hooks: Hooks, *, grace: float = GRACE_SECONDS,
-                 base_env: Mapping[str, str] | None = None) -> None:
+                 base_env: Mapping[str, str] | None = None, healthy: float = BACKOFF_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.state_dir = state_dir
+        #: A run that lasted this long (by ``clock``, real time: the wall of
+        #: the agent's own work, not trio's) was healthy: the restart after
+        #: its crash waits BACKOFF_FIRST again, not the delay earlier
+        #: crashes had built up.
+        self.healthy = healthy
+        self._clock = clock
         self.sandbox_root = sandbox_root(state_dir)
         self.hooks = hooks
         self.grace = grace
@@ -382,7 +390,10 @@ class Supervisor:
                     if not await self._setup(r, setup, env, cwd):
                         r.status.state = RunState.BACKOFF
                     else:
+                        began = self._clock()
                         code = await self._run_process(r, argv, env, cwd)
+                        if self._clock() - began >= self.healthy:
+                            backoff = BACKOFF_FIRST
                         r.status.pid = None  # (gone: its pid may be another process's soon)
                         if code is None:  # it could not start: the detail says why
                             why = r.status.detail

@@ -409,11 +409,25 @@ async def test_an_entrypoint_that_cannot_start_says_why(store: HostStore, tmp_pa
     assert "restarting in" in detail
 
 
-async def _failed(store: HostStore, tmp_path: Path, spec: dict, *, starts: int = 1) -> RunStatus:
+async def test_a_crash_after_a_healthy_run_waits_the_first_delay_again(
+        store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    """Crashes build the restart delay up (1, 2, 4, 8 s...). Before, it never
+    came down: an agent that then ran well for days still waited the long
+    delay after its next crash. A run that lasted long enough starts it over."""
+    script = ("import os, sys, time\n"
+              "n = len([f for f in os.listdir('.') if f.startswith('run')])\n"
+              "open(f'run{n}', 'w').close()\n"
+              "if n == 4: time.sleep(1.0)  # the fifth run: a healthy one (here, a second)\n"
+              "sys.exit(3)\n")
+    st = await _failed(store, tmp_path, default_spec([sys.executable, "-c", script]), starts=5, healthy=0.5)
+    assert st.next_start_in == 1  # not 16
+
+
+async def _failed(store: HostStore, tmp_path: Path, spec: dict, *, starts: int = 1, healthy: float = 60.0) -> RunStatus:
     """A copy of the status of an agent of ``spec`` once ``starts`` of its
     starts have failed (it waits to try again)."""
     agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), healthy=healthy)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
