@@ -266,8 +266,11 @@ class MoveService:
             area = stack.enter_context(self.host.store.staging(f"move-{agent_id}-{epoch}"))
             # Before any blob is adopted: gc keeps the blobs a staged manifest
             # names (the move needs them until install, and no agent here
-            # lists them yet).
-            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+            # lists them yet). Under the store's shared lock: a gc that began
+            # before it has ended (and verify sees what it took), one after
+            # it reads the manifest.
+            with self.host.store.writing():
+                atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
             os.mkdir(os.path.join(area, "content"))
             # Opened before any piece is written (see FileSystemSync), closed
             # with the staging area: by _close, once the intake has stopped
@@ -427,7 +430,10 @@ class MoveService:
         in_doubt = await trio.to_thread.run_sync(self.host.holders.reconcile, present)
         for rec in in_doubt:  # (the daemon showed those without a record as active until now)
             async with self.host.lock(rec.agent_id):
-                await self.host.hooks.freeze(rec.agent_id)
+                try:
+                    await self.host.hooks.freeze(rec.agent_id)
+                except (CapsuleError, OSError) as exc:  # one agent's trouble must not end the daemon
+                    log.error("agent %s is in doubt (%s) but could not be frozen: %s", rec.agent_id, rec.note, exc)
         for agent_id in self.host.holders.agent_ids():
             async with self.host.lock(agent_id):
                 rec = self.record(agent_id)

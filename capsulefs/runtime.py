@@ -147,7 +147,11 @@ class AgentRuntime:
     # -- the daemon's listener API ---------------------------------------------------------
     async def on_freeze(self, agent_id: str) -> None:
         self._paused.add(agent_id)
-        await self.supervisor.freeze(agent_id)
+        # An agent in doubt (holder record lost) is frozen because another
+        # host may hold it: its sandbox's changes are not journaled here
+        # (they stay in the sandbox until --learn settles who holds it).
+        rec = self.holders.get(agent_id)
+        await self.supervisor.freeze(agent_id, sync=rec is None or rec.state is not HolderState.UNKNOWN)
 
     async def on_resume(self, agent_id: str) -> None:
         self._paused.discard(agent_id)

@@ -85,6 +85,11 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+class SandboxBuildError(CapsuleError):
+    """The sandbox could not be made from the snapshot (a full disk, a
+    snapshot whose paths collide)."""
+
+
 def _group_members(pgid: int) -> list[int]:
     """The pids of process group ``pgid``'s processes (from /proc)."""
     members = []
@@ -352,8 +357,10 @@ class Supervisor:
             if r.process is not None and r.process.returncode is None:
                 _signal_group(r.process.pid, signal.SIGKILL)
 
-    async def freeze(self, agent_id: str) -> None:
-        await self.unwant(agent_id, sync=True)
+    async def freeze(self, agent_id: str, *, sync: bool = True) -> None:
+        """Stop the agent for a move; with ``sync``, commit its sandbox first
+        (not for an agent this host may not hold: its capsule takes no write)."""
+        await self.unwant(agent_id, sync=sync)
         r = self._runners.get(agent_id)
         if r is not None:
             r.status.state = RunState.FROZEN
@@ -377,11 +384,18 @@ class Supervisor:
                     try:
                         argv, env, cwd, setup = self._prepare(r)
                     except (CapsuleError, OSError) as exc:  # (OSError: a snapshot whose paths collide, a full disk)
-                        if r.status.state is not RunState.BLOCKED or r.status.detail != str(exc):
+                        if r.status.state is not RunState.BLOCKED or not r.status.detail.startswith(str(exc)):
                             log.warning("agent %s not started: %s", r.agent_id, exc)
                         r.status.state, r.status.detail = RunState.BLOCKED, str(exc)
                         r.status.pid = None
-                        await trio.sleep(BLOCKED_RETRY)  # (a secret set meanwhile: it starts)
+                        if isinstance(exc, SandboxBuildError):
+                            # Building costs a whole workspace of writes (on a
+                            # full disk, filling it again): back off as after a crash.
+                            r.status.detail += f"; trying again in {backoff:.0f} s"
+                            await trio.sleep(backoff)
+                            backoff = min(backoff * 2, BACKOFF_MAX)
+                        else:
+                            await trio.sleep(BLOCKED_RETRY)  # (a secret set meanwhile: it starts)
                         continue
                     if argv is None:
                         r.status.state, r.status.detail = RunState.STOPPED, "the spec has no entrypoint"
@@ -435,7 +449,7 @@ class Supervisor:
                 # Never leave half a workspace: the next try would run the
                 # agent in it, and the next sync would delete what is missing.
                 shutil.rmtree(cwd, ignore_errors=True)
-                raise CapsuleError(f"its sandbox could not be built from the snapshot: {exc}") from None
+                raise SandboxBuildError(f"its sandbox could not be built from the snapshot: {exc}") from None
         env = dict(self.base_env)
         env.setdefault("PATH", os.defpath)
         env.update(spec.get("env", {}))
@@ -503,9 +517,11 @@ class Supervisor:
             await proc.wait()
         if proc.returncode is None:
             log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
-        # The leader if it ignored SIGTERM, and the session's other processes
-        # (tool subprocesses) either way.
-        _signal_group(proc.pid, signal.SIGKILL)
+            # The leader and its group. (Once the leader has exited, reading
+            # its returncode killed the rest of the group before reaping it:
+            # a group id is never signalled after its leader was reaped,
+            # when it may name another session.)
+            _signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
         r.process = None
         try:

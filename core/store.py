@@ -58,7 +58,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, sweep_temps
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
 from .journal_recovery import (
     RingMismatch,
@@ -316,14 +316,24 @@ class HostStore:
         self._quarantine(dest, f"{size} bytes where the good copy has {os.stat(new).st_size}")
         return False
 
-    def quarantine_blob(self, sha256: str, why: str) -> None:
+    def quarantine_blob(self, sha256: str, why: str, *, ino: int | None = None) -> None:
         """Move a blob found damaged out of ``objects/`` (to ``objects/.corrupt/``,
         kept for a person): the next put of its good bytes (an import of an
         export that has it, a move, a workspace commit) then places them
         instead of deduplicating against the damaged copy, which nothing
-        could repair before."""
-        with self.writing():
-            self._quarantine(self.blob_file(sha256), why)
+        could repair before. With ``ino`` (the file that was read), only if
+        the name still holds that file: a good copy placed meanwhile stays.
+        A store this user may not change keeps the blob (logged)."""
+        path = self.blob_file(sha256)
+        try:
+            with self.writing():
+                if ino is not None and path_identity(path)[0] != ino:
+                    return  # replaced meanwhile (by a put of the good bytes)
+                self._quarantine(path, why)
+        except FileNotFoundError:
+            return  # quarantined (or collected) meanwhile
+        except OSError as exc:
+            log.error("blob %s is damaged (%s) and could not be quarantined: %s", path, why, exc)
 
     def _quarantine(self, path: str, why: str) -> None:
         pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
@@ -349,11 +359,12 @@ class HostStore:
         except FileNotFoundError:
             raise self._missing(sha256) from None
         with f:
+            ino = os.fstat(f.fileno()).st_ino
             while data := f.read(chunk):
                 h.update(data)
                 yield data
         if h.hexdigest() != sha256:
-            self.quarantine_blob(sha256, f"its bytes hash to {h.hexdigest()}")
+            self.quarantine_blob(sha256, f"its bytes hash to {h.hexdigest()}", ino=ino)
             raise CorruptBlobError(path, h.hexdigest())
 
     def read_blob(self, sha256: str) -> bytes:
@@ -370,11 +381,12 @@ class HostStore:
 
     def verify_blob(self, sha256: str) -> None:
         try:
+            ino = path_identity(self.blob_file(sha256))[0]  # (before: a copy placed later is not the one hashed)
             actual, _ = hash_file(self.blob_file(sha256))
         except FileNotFoundError:
             raise self._missing(sha256) from None
         if actual != sha256:
-            self.quarantine_blob(sha256, f"its bytes hash to {actual}")
+            self.quarantine_blob(sha256, f"its bytes hash to {actual}", ino=ino)
             raise CorruptBlobError(self.blob_file(sha256), actual)
 
     def all_blobs(self) -> Iterator[str]:

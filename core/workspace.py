@@ -106,7 +106,8 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
     listed: set[str] = set()  # directories the walk listed
     for root, dirs, files, root_fd in os.fwalk(dest):
         top = os.path.relpath(root, dest).replace(os.sep, "/")
-        listed.add("" if top == "." else top)
+        top = "" if top == "." else top
+        listed.add(top)
         for name in sorted(dirs + files):
             full = os.path.join(root, name)
             rel = os.path.relpath(full, dest).replace(os.sep, "/")
@@ -114,6 +115,9 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
                 st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # gone since the listing: deleted
+            except PermissionError:  # listed but not searchable (mode 0600): nothing in it can be read
+                listed.discard(top)
+                break
             if stat.S_ISDIR(st.st_mode):
                 found.add(rel)
                 continue

@@ -255,3 +255,33 @@ def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
         assert status(m / "alice")["record"] == {"state": "held", "epoch": 1}
     assert book.get(ids["frank"]).state is HolderState.UNKNOWN
     assert (Path(store.agents_dir) / ids["erin"] / fmt.WORKING_MEMORY).read_text() == "m\n"
+
+
+def test_an_agent_in_doubt_with_unsynced_sandbox_work_is_frozen_without_journaling_it(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """An agent in doubt whose sandbox holds work not yet synced (a daemon's
+    shutdown does not sync): freezing it at start synced the sandbox into a
+    capsule that takes no write, and the ReadOnly took the whole daemon down
+    at every start. Its sandbox now stays as it is, nothing is journaled,
+    and the mount serves."""
+    from capsulefs.core.holder import HolderBook, unknown
+    from capsulefs.movehost import holders_dir
+
+    book = HolderBook(holders_dir(state_dir))
+    ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id
+           for name in ("alice", "erin", "frank")}
+    book.put(unknown(ids["erin"], "holder record corrupt"))
+    for name in ("erin", "frank"):  # frank has no record at all: the recovery finds it in doubt
+        work = state_dir / "sandboxes" / ids[name] / "workspace"
+        work.mkdir(parents=True)
+        (work / "draft.txt").write_text("written by an earlier run\n")
+    journals = {name: (Path(store.agents_dir) / ids[name] / fmt.JOURNAL).read_bytes() for name in ("erin", "frank")}
+    m = tmp_path / "mnt"
+    with mounted(state_dir, m):
+        assert sorted(os.listdir(m)) == ["alice", "erin", "frank"]
+        wait_until(lambda: status(m / "frank")["state"] == "frozen", "recovery to freeze frank")
+        assert status(m / "erin")["state"] == "frozen"
+        (m / "alice" / fmt.WORKING_MEMORY).write_text("still served\n")
+    for name in ("erin", "frank"):
+        assert (Path(store.agents_dir) / ids[name] / fmt.JOURNAL).read_bytes() == journals[name]
+        assert (state_dir / "sandboxes" / ids[name] / "workspace" / "draft.txt").exists()

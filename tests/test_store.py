@@ -227,3 +227,23 @@ def test_a_damaged_blob_is_quarantined_and_putting_its_bytes_again_repairs_the_s
     assert store.put_blob(good) == sha and store.read_blob(sha) == good
     assert len(list((Path(store.objects_dir) / ".corrupt").iterdir())) == 2
     assert sha in set(store.all_blobs()) and store.gc().removed == 1  # .corrupt is not a blob directory
+
+
+@pytest.mark.expect_error_log
+def test_a_good_copy_placed_while_a_damaged_one_was_read_is_not_quarantined(store: HostStore) -> None:
+    """Two readers find the same blob damaged; the first quarantines it and
+    an import places the good bytes before the second is done: the second
+    must not move the good copy away (it quarantines only the file it read)."""
+    good = b"bytes two readers share\n" * 50
+    sha = store.put_blob(good)
+    path = Path(store.blob_file(sha))
+    path.chmod(0o644)
+    path.write_bytes(good[:-1] + b"!")
+    second = store.iter_blob(sha)
+    next(second)  # the second reader has the damaged file open
+    with pytest.raises(CorruptBlobError):
+        store.read_blob(sha)  # the first reader: quarantined
+    assert store.put_blob(good) == sha  # the good bytes come back
+    with pytest.raises(CorruptBlobError):
+        list(second)
+    assert store.read_blob(sha) == good

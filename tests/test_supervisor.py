@@ -449,19 +449,30 @@ async def test_a_secret_exec_cannot_take_blocks_the_agent_not_the_daemon(store: 
     assert "pasted" not in st.detail
 
 
-async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(store: HostStore, tmp_path: Path) -> None:
+async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
+        store: HostStore, tmp_path: Path, autojump_clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot naming both 'a' and 'a/b' (a file and a directory: a
     journalled workspace_update can make one) cannot be materialised: before,
     the OSError left the supervisor and the daemon died with it (and the
-    half-built workspace would have been run, then synced as deletions)."""
+    half-built workspace would have been run, then synced as deletions).
+    Tries back off as after crashes: each writes a workspace (on a full
+    disk, filling it again), and came every 2 s."""
+    from capsulefs import supervisor as S
+
     agent = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
     sha = store.put_blob(b"x\n")
     with store.writing():
         agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"a": sha, "a/b": sha})}, add_blobs={sha})
+    tries = []
+    materialize = S.workspace.materialize
+    monkeypatch.setattr(S.workspace, "materialize", lambda *a: (tries.append(1), materialize(*a)))
     async with trio.open_nursery() as nursery:
         sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
         assert "sandbox" in sup.status(agent.agent_id).detail
         assert not os.path.exists(sup.sandbox(agent.agent_id))  # no half-built workspace to run in
+        await trio.sleep(300)
+        assert 5 <= len(tries) <= 10, len(tries)  # 1, 2, 4 ... 60 s apart; not 150 tries
+        assert "trying again in 60 s" in sup.status(agent.agent_id).detail
         nursery.cancel_scope.cancel()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.events import Record
@@ -49,27 +51,36 @@ def test_a_name_that_is_not_utf8_is_skipped_not_a_failed_sync(store: HostStore, 
         rt.daemon.live.close()
 
 
+@pytest.mark.parametrize("refused", ["listing", "searching"])
 def test_a_directory_the_scan_cannot_list_keeps_its_files(
-        store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch, refused: str) -> None:  # type: ignore[no-untyped-def]
     """A daemon not run as root cannot list a directory the agent made
     unreadable (chmod 000): the walk skipped it silently, so its files were
-    journaled as deleted and left the snapshot. Now they keep their entries,
-    and the directory is reported. (Root lists anything: the refusal is
-    injected at os.open, through which the walk opens each directory.)"""
+    journaled as deleted and left the snapshot. One it can list but not
+    search (chmod 600) failed the whole scan, so the agent could not move.
+    Now their files keep their entries, and the directory is reported.
+    (Root may do anything: the refusal is injected at os.open, through
+    which the walk opens each directory, or at os.stat of what is in it.)"""
     agent = make_agent(store, "alice", workspace={"src/main.py": b"print('hi')\n", "notes/a.md": b"a\n"})
     rt = _runtime(store, state_dir, tmp_path)
     try:
         sandbox = rt.supervisor.sandbox(agent.agent_id)
         workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
         Path(sandbox, "plan.md").write_text("next steps\n")
-        real = os.open
+        real_open, real_stat = os.open, os.stat
 
         def opening(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
-            if path == "src":  # the directory, opened by the walk relative to its parent
+            if path == "src" and refused == "listing":  # the directory, opened relative to its parent
                 raise PermissionError(13, "Permission denied", path)
-            return real(path, flags, mode, dir_fd=dir_fd)
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        def stating(path, *, dir_fd=None, follow_symlinks=True):  # type: ignore[no-untyped-def]
+            if path == "main.py" and dir_fd is not None and refused == "searching":
+                raise PermissionError(13, "Permission denied", path)
+            return real_stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
 
         monkeypatch.setattr(os, "open", opening)
+        monkeypatch.setattr(os, "stat", stating)
         scan = rt.supervisor.sync_workspace(agent.agent_id)
         monkeypatch.undo()
         assert "src" in scan.skipped
