@@ -391,6 +391,14 @@ class _Driver:
 
     # -- the loop -----------------------------------------------------------------------
     def _feed(self, event: object) -> list[Any]:
+        if (self.control.abandon_reason is not None and self.m.state in _PRE_COMMIT
+                and not (isinstance(event, mv.OfferReply) and not event.accepted)):
+            # An abandon written before the point of no return rolls the move
+            # back here, at its next step (activate never goes out). Kept for
+            # later, it would resume the agent at the first lost activate
+            # reply without asking the target once. A refused offer still
+            # decides for itself (stale: the agent must not run here).
+            event = mv.OperatorAbandon(why=self.control.abandon_reason)
         if not isinstance(event, (mv.Restarted, mv.MoveRequested)):
             self.last_event = event
         return self.m.handle(event)
@@ -505,6 +513,10 @@ def _connection_refused(exc: BaseException | None, depth: int = 0) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return any(_connection_refused(e, depth + 1) for e in exc.exceptions)
     return _connection_refused(exc.__cause__ or exc.__context__, depth + 1)
+
+
+_PRE_COMMIT = frozenset({mv.SourceState.OFFERING, mv.SourceState.TRANSFERRING, mv.SourceState.VERIFYING,
+                         mv.SourceState.PREPARING})
 
 
 @dataclass(frozen=True, slots=True)

@@ -668,6 +668,27 @@ async def test_operator_abandon_while_in_doubt(world: World, caplog: pytest.LogC
     assert world.check() == "a"
 
 
+async def test_an_abandon_before_the_point_of_no_return_rolls_back_and_is_not_kept_for_later(world: World) -> None:
+    """An operator abandon written while the move is still transferring
+    (not in doubt) rolls it back there, safely (activate never goes out). It
+    must not lie in wait and, once activate's reply is lost, resume the agent
+    here without asking the target even once: the target did activate, and
+    two hosts would run it."""
+    world.target.faults = [Fault("activate", "after")]  # activated on b, the reply lost
+    control = MoveControl()
+
+    def on_progress(phase: str, *_: int) -> None:
+        if phase == "transferring":
+            control.abandon("looked stuck")
+
+    control.on_progress = on_progress
+    result = await world.move(control=control)
+    assert world.check() is not None  # one holder, never two
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "abandoned"
+    assert "activate" not in world.target.inner.served
+    assert world.check() == "a"
+
+
 def test_offline_abandon(tmp_path: Path) -> None:
     from capsulefs.core.holder import HolderBook, HolderRecord
 
