@@ -349,7 +349,18 @@ def learn_from_peers(
     if not peers <= set(views):
         return record
     highest = max([local_epoch, record.epoch] + [v.epoch for v in views.values()])
-    newer = [v for v in views.values() if any(e > local_epoch for e in v.activated) or v.state in HOLDING]
+
+    def moving_to_us(v: PeerView) -> bool:
+        # A source in doubt about the very move that installed our files
+        # (their epoch is the one it commits to: files are installed only at
+        # activate): we are its target, and may have run the agent since.
+        # Holding here, we answer its status question "active" and it
+        # retires; retiring here, it would hear "never" and resume from its
+        # old snapshot, losing every event acknowledged here.
+        return v.state is HolderState.COMMITTING and v.epoch == local_epoch and v.held_epoch != local_epoch
+
+    newer = [v for v in views.values()
+             if any(e > local_epoch for e in v.activated) or (v.state in HOLDING and not moving_to_us(v))]
     if newer:
         who = max(newer, key=lambda v: max(v.activated, default=0))
         return HolderRecord(

@@ -401,3 +401,17 @@ def test_a_host_that_removed_the_agent_does_not_claim_it() -> None:
     assert learned.state is HolderState.HELD and learned.held_epoch == 3
     still_held = PeerView(host=B, state=HolderState.HELD, epoch=3, held_epoch=3, activated=(3,))
     assert learn_from_peers(rec, local_epoch=3, views={B: still_held}, peers=[B]).state is HolderState.RETIRED
+
+
+def test_a_target_that_lost_its_record_after_activating_keeps_the_agent() -> None:
+    """B activated the move to epoch 5 (its files say 5), the reply was lost
+    (A is COMMITTING to 5), then B lost its record. Learning used to count
+    A as the holder: B retired and dropped its files, A then heard "never"
+    and resumed from its old snapshot, losing what B acknowledged while it
+    ran. B holds it now, and answers A's status question "active"."""
+    rec = HolderRecord(agent_id=AGENT, state=HolderState.UNKNOWN, epoch=0, note="holder record lost")
+    a = PeerView(host=B, state=HolderState.COMMITTING, epoch=5, held_epoch=4, activated=(4,))
+    learned = learn_from_peers(rec, local_epoch=5, views={B: a}, peers=[B])
+    assert learned.state is HolderState.HELD and learned.held_epoch == 5 and 5 in learned.activated
+    # Files of an older epoch (B was not that move's target): A still counts as the holder.
+    assert learn_from_peers(rec, local_epoch=3, views={B: a}, peers=[B]).state is HolderState.RETIRED
