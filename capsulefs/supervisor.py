@@ -51,7 +51,7 @@ from capsulefs import keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.spec import SECRETS_ENV, redact_secrets, validate_spec
+from capsulefs.core.spec import SECRETS_ENV, redact_secrets, secrets_in, validate_spec
 
 log = logging.getLogger(__name__)
 
@@ -475,8 +475,7 @@ class Supervisor:
                 if code is None:
                     return False
                 if code != 0:
-                    secrets = {n: env[n] for n in env.get(SECRETS_ENV, "").split(",") if n in env}
-                    last = redact_secrets(_last_line(out.name, start), secrets)
+                    last = redact_secrets(_last_line(out.name, start), secrets_in(env))
                     r.status.detail = f"{what} failed with status {code}: {last}"
                     log.warning("agent %s: %s", r.agent_id, r.status.detail)
                     return False

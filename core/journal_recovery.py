@@ -117,7 +117,8 @@ def _persist(fd: int, path: str, start: int, data: bytes, ring: Ring) -> None:
     offset pwrite is given."""
     wfd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        if (os.fstat(wfd).st_ino, os.fstat(wfd).st_dev) != (os.fstat(fd).st_ino, os.fstat(fd).st_dev):
+        mine, held = os.fstat(wfd), os.fstat(fd)
+        if (mine.st_ino, mine.st_dev) != (held.st_ino, held.st_dev):
             return  # replaced meanwhile (by a writer outside the rules): leave the ring to the next reader
         view = memoryview(data)
         at = start
@@ -156,6 +157,15 @@ def _cut_unacknowledged_garbage(fd: int, path: str, end: int, recovery_dir: str)
                 "left unwritten (NUL bytes), were never acknowledged; moved them to %s", path, size - cut, cut, dest)
 
 
+def _all_held(fd: int, path: str, start: int, data: bytes, ring: Ring, recovery_dir: str, persist: bool) -> None:
+    """The journal holds every byte the ring vouches for (``data`` at
+    ``start``): cut unacknowledged garbage past them and, for a writer
+    (``persist``), make them durable in the journal itself."""
+    _cut_unacknowledged_garbage(fd, path, start + len(data), recovery_dir)
+    if persist:
+        _persist(fd, path, start, data, ring)
+
+
 def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persist: bool = False) -> int:
     """Bring the journal open on ``fd`` up to date with its ring after a
     crash; return how many bytes were restored. Caller holds the flock.
@@ -187,9 +197,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
         start, ino, data = vouched
         st = os.fstat(fd)
         if st.st_ino == ino and _holds(fd, st.st_size, start, data):
-            _cut_unacknowledged_garbage(fd, path, start + len(data), recovery_dir)
-            if persist:
-                _persist(fd, path, start, data, ring)
+            _all_held(fd, path, start, data, ring, recovery_dir, persist)
             return 0
         entries = ring.scan()
         if not entries:
@@ -219,9 +227,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
             raise refuse(f"the journal has {size} bytes, fewer than the {start} it had made durable")
         if want.startswith(have):
             if size >= end:  # every acknowledged byte is in the journal (maybe only cached: keep the ring)
-                _cut_unacknowledged_garbage(fd, path, end, recovery_dir)
-                if persist:
-                    _persist(fd, path, start, want, ring)
+                _all_held(fd, path, start, want, ring, recovery_dir, persist)
                 return 0
             cut = -1
             missing = want[len(have):]

@@ -311,9 +311,10 @@ class HostStore:
             size = os.stat(dest).st_size
         except FileNotFoundError:
             return False
-        if size == os.stat(new).st_size:
+        good = os.stat(new).st_size
+        if size == good:
             return True
-        self._quarantine(dest, f"{size} bytes where the good copy has {os.stat(new).st_size}")
+        self._quarantine(dest, f"{size} bytes where the good copy has {good}")
         return False
 
     def quarantine_blob(self, sha256: str, why: str, *, ino: int | None = None) -> None:
@@ -678,11 +679,12 @@ class AgentHandle:
         """Atomically replace some capsule files and list extra blobs (which
         must already be in the store), then rewrite the manifest. The blobs
         are listed before any file is replaced (``list_blobs``)."""
-        add_blobs = list(add_blobs)
         with self.store.writing(), ExitStack() as stack:
             if fmt.JOURNAL in files:  # appenders follow the new file; the ring never replays into it
                 stack.enter_context(replacing_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir))
-            old = self.list_blobs(add_blobs) if files else self.manifest()
+            old = self.list_blobs(add_blobs)
+            if not files:
+                return old
             entries = dict(old.files)
             for rel, data in files.items():
                 fmt.check_relpath(rel)
@@ -692,8 +694,6 @@ class AgentHandle:
                 makedirs_durable(os.path.dirname(p))
                 atomic_write(p, data)
                 entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-            for sha in add_blobs:
-                entries[fmt.blob_path(sha)] = fmt.FileEntry(sha256=sha, size=self.store.blob_size(sha))
             m = fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
             atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
             return m
