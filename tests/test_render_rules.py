@@ -162,6 +162,36 @@ def test_late_result_is_moved_next_to_its_call(provider: str) -> None:
 
 
 @pytest.mark.parametrize("provider", ALL)
+def test_call_ids_reused_by_a_server_pair_each_call_with_its_own_result(provider: str) -> None:
+    # Some OpenAI-compatible servers number calls per reply: every step's call is "call_0".
+    journal = [UserMessage(text="go"),
+               ToolCall(call_id="call_0", name="ls", arguments={}), ToolResult(call_id="call_0", content="FIRST"),
+               ToolCall(call_id="call_0", name="cat", arguments={}), ToolResult(call_id="call_0", content="SECOND"),
+               AssistantMessage(text="done")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert INTERRUPTED not in text and "repeating an answered call" not in text
+    assert text.index("FIRST") < text.index('"cat"') < text.index("SECOND")
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_a_call_interrupted_by_a_crash_does_not_take_the_retry_s_result(provider: str) -> None:
+    journal = [UserMessage(text="go"), ToolCall(call_id="call_0", name="ls", arguments={}),
+               UserMessage(text="(restarted)"),
+               ToolCall(call_id="call_0", name="ls", arguments={}), ToolResult(call_id="call_0", content="AFTER")]
+    text = dumped(rendered(journal, provider))
+    assert text.index(INTERRUPTED) < text.index("(restarted)") < text.index("AFTER")
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_a_second_result_for_one_call_stays_a_note(provider: str) -> None:
+    journal = [UserMessage(text="go"), ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="ONE"), ToolResult(call_id="c1", content="AGAIN")]
+    text = dumped(rendered(journal, provider))
+    assert "repeating an answered call" in text and text.index("ONE") < text.index("AGAIN")
+
+
+@pytest.mark.parametrize("provider", ALL)
 def test_unsafe_ids_and_names_are_made_safe_consistently(provider: str) -> None:
     journal = [UserMessage(text="go"), ToolCall(call_id="id with spaces/∂" * 3, name="my.tool", arguments={}),
                ToolResult(call_id="id with spaces/∂" * 3, content="done")]

@@ -6,9 +6,11 @@ Rules:
   * ``model_switch``, ``note``, ``memory_edit``, ``workspace_update`` and
     unknown kinds are never dialogue; ``system`` events feed the system prompt.
   * Every tool call is answered, right after the assistant step that made it:
-    by its first recorded result, or, if none was ever recorded (the machine
-    died mid-call), by an explicit error result saying the call was
-    interrupted.
+    by its result, or, if none was ever recorded (the machine died
+    mid-call), by an explicit error result saying the call was interrupted.
+    A result answers the latest open call with its id before it, so a server
+    that reuses call ids (``call_0`` in every reply) still pairs each call
+    with its own result.
   * A result whose call is not in the journal (or a second result for an
     answered call) is never sent as a tool result; it becomes a user note so
     nothing is silently lost.
@@ -127,48 +129,74 @@ def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]
     return [(e, None) for e in entries]
 
 
+def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult], dict[int, str]]:
+    """Which result answers which call, by position in ``pairs``.
+
+    A result answers the latest call with its id that precedes it and is
+    still open: servers that number their calls per response (``call_0``
+    in every reply) reuse ids, and each reuse is its own call. A result
+    that finds no such call is taken by the earliest open call with its id
+    anywhere (journals merged out of causal order); what is left over is a
+    stray, with the reason it is one.
+    """
+    answers: dict[int, ToolResult] = {}  # index of a call -> its result
+    open_calls: dict[str, list[int]] = {}  # call id -> indices of its calls still unanswered
+    unpaired: list[int] = []
+    for i, (ev, _) in enumerate(pairs):
+        t = type(ev)
+        if t is ToolCall:
+            open_calls.setdefault(ev.call_id, []).append(i)
+        elif t is ToolResult:
+            waiting = open_calls.get(ev.call_id)
+            if waiting:
+                answers[waiting.pop()] = ev  # type: ignore[assignment]
+            else:
+                unpaired.append(i)
+    stray: dict[int, str] = {}
+    for i in unpaired:
+        call_id = pairs[i][0].call_id  # type: ignore[attr-defined]
+        waiting = open_calls.get(call_id)
+        if waiting:
+            answers[waiting.pop(0)] = pairs[i][0]  # type: ignore[assignment]
+        else:
+            stray[i] = "repeating an answered call" if call_id in open_calls else "with no matching call"
+    return answers, stray
+
+
 def plan(journal: Iterable[Record | Event]) -> Plan:
     """Pair calls with results and cut the journal into units (see module rules)."""
     pairs = _events(journal)
-    results: dict[str, ToolResult] = {}
-    call_ids: set[str] = set()
-    for ev, _ in pairs:
-        if type(ev) is ToolResult:
-            results.setdefault(ev.call_id, ev)
-        elif type(ev) is ToolCall:
-            call_ids.add(ev.call_id)
+    answers, stray = _pair(pairs)
 
     system: list[str] = []
     units: list[Unit] = []
     target: tuple[str, str] | None = None
     models: dict[str, str] = {}
     seen_ids: dict[str, int] = {}  # raw call id -> times seen
-    placed: set[str] = set()  # raw call ids whose result is placed
     step: Unit | None = None  # the open assistant step
-    pending: list[tuple[str, str, str]] = []  # (raw id, safe id, safe name) of its calls
+    pending: list[tuple[int, str, str]] = []  # (index, safe id, safe name) of its calls
 
     def close_step() -> None:
         nonlocal step
         if step is None:
             return
-        for raw, cid, name in pending:
-            res = results.get(raw) if raw not in placed else None
+        for index, cid, name in pending:
+            res = answers.get(index)
             if res is None:
                 step.items.append((RESULT, cid, name, INTERRUPTED, True))
             else:
-                placed.add(raw)
                 step.items.append((RESULT, cid, name, res.content, res.is_error))
         pending.clear()
         step = None
 
-    for ev, when in pairs:
+    for index, (ev, when) in enumerate(pairs):
         t = type(ev)
         if t is UserMessage or t is ToolResult:
             close_step()
             if t is UserMessage:
                 units.append(Unit(items=[(USER, ev.text)], user=1, first=when, last=when))
-            elif ev.call_id not in call_ids or results[ev.call_id] is not ev:
-                why = "with no matching call" if ev.call_id not in call_ids else "repeating an answered call"
+            elif index in stray:
+                why = stray[index]
                 flag = " (error)" if ev.is_error else ""
                 text = f"[tool output{flag} {why}, call id {ev.call_id}]\n{ev.content}"
                 units.append(Unit(items=[(USER, text)], first=when, last=when))
@@ -190,8 +218,7 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
                 name = safe_tool_name(ev.name)
                 step.items.append((CALL, cid, name, ev.arguments))
                 step.tools.append(ev.name)
-                # a repeated id cannot take the result: the first call owns it
-                pending.append((ev.call_id if nth == 0 else "\x00dup", cid, name))
+                pending.append((index, cid, name))
             continue
         if t is System:
             system.append(ev.text)
