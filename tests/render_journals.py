@@ -31,6 +31,7 @@ TARGETS = [
     ("openai-responses", "gpt-s"),
     ("gemini", "gem-a"),
     ("gemini", "gem-b"),
+    ("gemini", "gemini-3-pro-preview"),  # insists on signed calls in the current turn
 ]
 
 

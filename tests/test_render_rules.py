@@ -100,6 +100,33 @@ def test_gemini_signature_rides_on_the_following_part() -> None:
     assert "thoughtSignature" not in dumped(other)
 
 
+def _signatures(contents) -> list[list]:
+    """Per model content: the thoughtSignature of each functionCall part (None if it has none)."""
+    return [[p.get("thoughtSignature") for p in c["parts"] if "functionCall" in p]
+            for c in contents if c["role"] == "model"]
+
+
+def test_gemini_3_gets_a_placeholder_for_calls_of_other_models_in_the_current_turn() -> None:
+    # Gemini 3 answers 400 "Function call is missing a thought_signature" for a
+    # step of the current turn without one: e.g. right after a switch from Claude.
+    journal = [UserMessage(text="old question"), ToolCall(call_id="a1", name="ls", arguments={}),
+               ToolResult(call_id="a1", content="x"), AssistantMessage(text="old answer"),
+               UserMessage(text="new question"),
+               reasoning("anthropic", "claude-x", "CLAUDESIG"), ToolCall(call_id="b1", name="ls", arguments={}),
+               ToolCall(call_id="b2", name="cat", arguments={}),
+               ToolResult(call_id="b1", content="y"), ToolResult(call_id="b2", content="z"),
+               reasoning("gemini", "gemini-3-pro-preview", "T1dOU0lH"), ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="w")]
+    contents = rendered(journal, "gemini", "gemini-3-pro-preview")["contents"]
+    skip = "skip_thought_signature_validator"
+    # earlier turn: untouched; parallel calls: only the first; a real signature is kept
+    assert _signatures(contents) == [[None], [], [skip, None], ["T1dOU0lH"]]
+    assert "CLAUDESIG" not in dumped(contents)
+    for older in ("gemini-2.5-pro", "gem-a"):
+        assert skip not in dumped(rendered(journal, "gemini", older))
+    assert _signatures(rendered(journal, "gemini", "models/gemini-3.1-flash")["contents"])[2] == [skip, None]
+
+
 # -- rule 2: interrupted calls, orphan results -------------------------------------
 
 

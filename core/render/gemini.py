@@ -11,12 +11,19 @@ Rules this module guarantees for every body it renders:
     before the part that carried them, and re-attached to that part only for
     the exact model that wrote them. Thought parts (``gemini.thought``, data
     ``{"part": {...}}``) come back verbatim for that model only.
+  * Gemini 3 and later refuse a request whose current turn (everything
+    after the last user text) has a step of function calls without a
+    signature: when another model made that step, or its signature was
+    never journaled, the first call of the step carries Google's documented
+    placeholder, ``skip_thought_signature_validator``. Earlier turns and
+    earlier models are sent without one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +34,9 @@ from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
 ID = "gemini"
 SIGNATURE = "gemini.thought_signature"
 THOUGHT = "gemini.thought"
+#: What Gemini 3 takes in place of a signature it never gave (its docs name it).
+SKIP_SIGNATURE = "skip_thought_signature_validator"
+_VERSION = re.compile(r"(?:models/)?gemini-(\d+)")
 
 
 class Gemini(Provider):
@@ -91,6 +101,8 @@ class Gemini(Provider):
         contents = self.fragment(items, model=model)
         if not contents or contents[0]["role"] != "user":
             contents.insert(0, {"role": "user", "parts": [{"text": CONTINUES}]})
+        if signs_calls(model):
+            _sign_current_turn(contents)
         body: dict[str, Any] = {"contents": contents}
         if system:
             body["systemInstruction"] = {"parts": [{"text": system}]}
@@ -178,6 +190,30 @@ class Gemini(Provider):
         if open_calls:
             problems.append(f"function calls {open_calls} are never answered")
         return problems
+
+
+def signs_calls(model: str) -> bool:
+    """Whether ``model`` (Gemini 3 or later) insists on a signature for
+    every step of calls in the current turn."""
+    m = _VERSION.match(model)
+    return m is not None and int(m.group(1)) >= 3
+
+
+def _sign_current_turn(contents: list[dict[str, Any]]) -> None:
+    """Give each step of calls after the last user text a signature, the
+    placeholder where none was journaled for this model. Only a step's first
+    call takes one (parallel calls share it); a real signature is never
+    replaced. ``contents`` is fresh from :meth:`Gemini.fragment`."""
+    start = 0
+    for i, content in enumerate(contents):
+        if content["role"] == "user" and any("text" in part for part in content["parts"]):
+            start = i + 1
+    for content in contents[start:]:
+        if content["role"] != "model":
+            continue
+        calls = [part for part in content["parts"] if "functionCall" in part]
+        if calls and not any("thoughtSignature" in part for part in calls):
+            calls[0]["thoughtSignature"] = SKIP_SIGNATURE
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:
