@@ -79,6 +79,10 @@ def check_agent_id(value: object) -> str:
     return value
 
 
+def is_agent_id(value: object) -> bool:
+    return isinstance(value, str) and _AGENT_ID_RE.fullmatch(value) is not None
+
+
 def check_host_id(value: object) -> str:
     if not isinstance(value, str) or not _HOST_ID_RE.fullmatch(value):
         raise FormatError(f"host id {value!r} is not 1-128 letters, digits, '.', '_' or '-'")

@@ -92,6 +92,16 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> None:
         fsync_dir(os.path.dirname(d))
 
 
+def subdirs(directory: str | os.PathLike[str], keep: Callable[[str], bool]) -> list[str]:
+    """Sorted names of the directories (not symlinks) in ``directory`` that
+    ``keep`` accepts; none if ``directory`` does not exist."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    return sorted(e.name for e in entries if keep(e.name) and e.is_dir(follow_symlinks=False))
+
+
 def sweep_temps(directory: str | os.PathLike[str]) -> int:
     """Remove leftover temporary files (from a crash) under ``directory``."""
     removed = 0

@@ -513,6 +513,7 @@ class LiveHost:
         self.scratch = ScratchArea.under(work_dir)
         self.snapshots = Snapshots.under(work_dir)
         self.snapshots.sweep()
+        self._drop_leftovers(set(store.agent_ids()))
         self.blobs = BlobChecks()
         self.failsafe: str | None = None  # why the view went read-only, if it did
         self.last_error: str | None = None
@@ -968,6 +969,25 @@ class LiveHost:
         for a in self._agents.values():
             a.close()
 
+    def _drop_leftovers(self, held: set[str]) -> None:
+        """Remove the snapshots and scratch files of agents the store no longer
+        has: a crash between the steps of a removal left them, and the blobs
+        the snapshots list would never be freed."""
+        for area in (self.snapshots, self.scratch):
+            for agent_id in area.agent_ids():
+                if agent_id not in held:
+                    log.info("removing leftover %s of agent %s (no longer in the store)",
+                             os.path.basename(area.root), agent_id)
+                    area.remove_agent(agent_id)
+
+    def _drop_kept(self, agent_id: str) -> None:
+        """Forget and remove what the mount keeps beside an agent's capsule
+        (its snapshots and scratch files), for an agent that left this host."""
+        for key in [k for k in self._snaps if k[0] == agent_id]:
+            del self._snaps[key]
+        self.snapshots.remove_agent(agent_id)
+        self.scratch.remove_agent(agent_id)
+
     # -- the daemon's API ------------------------------------------------------------
     def freeze(self, agent_id: str) -> None:
         self.agent(agent_id).stored_manifest()
@@ -988,6 +1008,7 @@ class LiveHost:
         self.set_state(agent_id, AgentState.RETIRED)
         if agent_id in self._agents:
             self._agents.pop(agent_id).close()
+        self._drop_kept(agent_id)  # it runs elsewhere now: its snapshots here would only pin blobs
         return name
 
     def forget(self, agent_id: str) -> None:

@@ -20,7 +20,7 @@ import shutil
 
 from . import format as fmt
 from .errors import NameTooLong, NotFoundError
-from .fsutil import atomic_write, makedirs_durable
+from .fsutil import atomic_write, makedirs_durable, subdirs
 from .live_errors import NotPermitted
 
 #: Capsule directories where editors may create scratch files.
@@ -110,6 +110,10 @@ class ScratchArea:
             return os.stat(self.path(agent_id, reldir, name))
         except FileNotFoundError:
             raise NotFoundError(f"{reldir}/{name}: no such file") from None
+
+    def agent_ids(self) -> list[str]:
+        """The agents that have scratch files here."""
+        return subdirs(self.root, fmt.is_agent_id)
 
     def remove_agent(self, agent_id: str) -> None:
         """Remove every scratch file of an agent (it is being removed from the host)."""

@@ -18,6 +18,9 @@ Rules:
     directory and renamed into place; removing it renames it away first.
   * Snapshot names follow the agent-name rules (one path component, not
     hidden, no control characters).
+  * Snapshots belong to the agent's stay on this host: they go when it is
+    removed or moves away, and those of an agent the store no longer has
+    (a removal cut short) go when the next mount starts (``core.live``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import shutil
 from . import format as fmt
 from .archive import frozen_manifest, snapshot_files
 from .errors import ExistsError, FormatError, NotFoundError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, subdirs
 from .store import AgentHandle
 
 
@@ -59,6 +62,10 @@ class Snapshots:
     def dir(self, agent_id: str, name: str) -> str:
         fmt.check_agent_name(name)
         return os.path.join(self._agent_dir(agent_id), name)
+
+    def agent_ids(self) -> list[str]:
+        """The agents that have a snapshot directory here."""
+        return subdirs(self.root, fmt.is_agent_id)
 
     def names(self, agent_id: str) -> list[str]:
         try:

@@ -357,6 +357,47 @@ async def test_gc_keeps_the_blobs_of_snapshots(store: HostStore, tmp_path: Path)
     assert store.gc().removed == 2
 
 
+async def _live_with_snapshot(store: HostStore, *names: str) -> Client:
+    """A view where the daemon keeps it, with a snapshot "keep" and a scratch file of each agent."""
+    from ops_kit import _reply
+    c = Client(Operations(make_live(store, Path(store.root) / "mount"), kernel=FakeKernel(),
+                          readdir_reply=_reply, uid=0, gid=0))
+    for name in names:
+        await c.mkdir(f"{name}/{SNAPSHOTS}/keep")
+        await c.create(f"{name}/memory/.notes.swp", b"swap\n")
+    return c
+
+
+def _kept(store: HostStore, area: str) -> list[str]:
+    d = Path(store.root) / "mount" / area
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+async def test_an_agent_that_moved_away_leaves_no_snapshot_pinning_its_blobs(store: HostStore) -> None:
+    make_agent(store, "alice", workspace={"a": b"alice's\n"})
+    c = await _live_with_snapshot(store, "alice")
+    aid = store.find("alice").agent_id
+    assert _kept(store, "snapshots") == [aid] and _kept(store, "scratch") == [aid]
+    c.ops.live.retire(aid)  # what a move's commit does here, then:
+    store.remove_agent(aid)
+    assert _kept(store, "snapshots") == [] and _kept(store, "scratch") == []
+    assert store.gc().removed > 0 and list(store.all_blobs()) == []
+
+
+async def test_leftovers_of_a_removal_cut_short_are_dropped_at_the_next_start(store: HostStore) -> None:
+    make_agent(store, "alice", workspace={"a": b"alice's\n"})
+    make_agent(store, "bob", workspace={"b": b"bob's\n"})
+    await _live_with_snapshot(store, "alice", "bob")
+    alice, bob = store.find("alice").agent_id, store.find("bob").agent_id
+    store.remove_agent(alice)  # a crash here, before removal.discard_leftovers
+    make_live(store, Path(store.root) / "mount")  # the next daemon's view
+    assert _kept(store, "snapshots") == [bob] and _kept(store, "scratch") == [bob]
+    assert store.gc().removed > 0
+    c = await _live_with_snapshot(store)
+    assert await c.listdir(f"bob/{SNAPSHOTS}") == ["keep"]
+    assert await c.read("bob/memory/.notes.swp") == b"swap\n"
+
+
 async def test_agent_removed_beside_the_mount_just_goes_away(c: Client, store: HostStore) -> None:
     ino = await c.lookup("alice/memory/working_memory.md")
     store.remove_agent(store.find("alice").agent_id)
