@@ -403,8 +403,7 @@ class MoveService:
                 with open(dest, "rb+") as f:
                     os.fsync(f.fileno())
             makedirs_durable(root)
-            held = fmt.Manifest(agent_id=m.agent_id, name=m.name, holder=fmt.Holder(host=self.host.me, epoch=epoch),
-                                files=m.files, extra=m.extra)
+            held = m.with_holder(fmt.Holder(host=self.host.me, epoch=epoch))
             atomic_write(os.path.join(root, fmt.MANIFEST), held.to_bytes())
 
         try:

@@ -116,10 +116,10 @@ def _read_files(agent: AgentHandle) -> dict[str, bytes]:
 
 def frozen_manifest(agent: AgentHandle, files: dict[str, bytes]) -> fmt.Manifest:
     old = agent.manifest()
-    entries = {p: e for p, e in old.files.items() if fmt.blob_name(p) is not None}
+    entries = old.blob_entries()
     for rel, data in files.items():
         entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-    return fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+    return old.with_files(entries)
 
 
 def export_members(agent: AgentHandle, *, sign_key: bytes | None = None) -> Iterator[Member]:

@@ -119,11 +119,9 @@ class BlobChecks:
         self._lock = threading.Lock()
 
     def get(self, sha256: str, path: str) -> BlobCheck:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:  # a blob the capsule lists: quarantined after it was found damaged
-            raise CorruptBlobError(path, why="not in the store (a damaged copy is quarantined in objects/.corrupt, "
-                                              "or it was removed)") from None
+        """The check of the blob stored at ``path``; FileNotFoundError if
+        there is none (the caller knows why: see ``HostStore.why_missing``)."""
+        st = os.stat(path)
         with self._lock:
             chk = self._checks.get(sha256)
             if chk is None or chk.ident != identity(st):

@@ -183,6 +183,17 @@ class Manifest:
             if path in UNLISTED:
                 raise FormatError(f"manifest lists {path}, which it must not list")
 
+    def blob_entries(self) -> dict[str, FileEntry]:
+        """The entries of the blobs it lists (``blobs/<sha256>``), in a new dict."""
+        return {p: e for p, e in self.files.items() if blob_name(p) is not None}
+
+    def with_files(self, files: Mapping[str, FileEntry]) -> "Manifest":
+        """The same agent, name, holder and unknown fields, listing ``files``."""
+        return Manifest(agent_id=self.agent_id, name=self.name, holder=self.holder, files=files, extra=self.extra)
+
+    def with_holder(self, holder: Holder) -> "Manifest":
+        return Manifest(agent_id=self.agent_id, name=self.name, holder=holder, files=self.files, extra=self.extra)
+
     # -- serialisation ---------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = dict(self.extra)

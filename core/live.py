@@ -53,7 +53,7 @@ from enum import Enum
 from . import format as fmt
 from .archive import FILES_WAIT
 from .blobcheck import BlobChecks
-from .errors import CapsuleError, ExistsError, FormatError, NotFoundError, StoreError
+from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .events import Event, MemoryEdit, ModelSwitch, Record
 from .hashing import hash_file
 from .holder import HOLDERS_DIR, agent_files_lock
@@ -270,11 +270,10 @@ class LiveAgent:
 
     def manifest(self) -> fmt.Manifest:
         stored = self.stored_manifest()
-        files = {p: e for p, e in stored.files.items() if fmt.blob_name(p) is not None}
+        files = stored.blob_entries()
         for rel in self.handle.local_files():
             files[rel] = self.entry(rel)
-        return fmt.Manifest(agent_id=stored.agent_id, name=stored.name, holder=stored.holder,
-                            files=files, extra=stored.extra)
+        return stored.with_files(files)
 
     def _manifest_key(self) -> tuple[object, int] | None:
         """What the served manifest depends on, and the newest file mtime;
@@ -929,7 +928,7 @@ class LiveHost:
                 if write:
                     raise NotPermitted("blobs are read-only")
                 sha = fmt.blob_name(node.rel) or ""
-                return BlobHandle(self.blobs.get(sha, self.store.blob_file(sha)))
+                return self._blob_handle(sha)
             case Kind.MANIFEST:
                 if write:
                     raise NotPermitted("manifest.json is computed and read-only")
@@ -960,9 +959,16 @@ class LiveHost:
                 self._snap(node.agent, node.snap)
                 sha = fmt.blob_name(node.rel)
                 if sha is not None:
-                    return BlobHandle(self.blobs.get(sha, self.store.blob_file(sha)))
+                    return self._blob_handle(sha)
                 return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
         raise IsADirectory("is a directory")
+
+    def _blob_handle(self, sha: str) -> "BlobHandle":
+        path = self.store.blob_file(sha)
+        try:
+            return BlobHandle(self.blobs.get(sha, path))
+        except FileNotFoundError:  # a blob the capsule lists: quarantined after it was found damaged?
+            raise CorruptBlobError(path, why=self.store.why_missing(sha)) from None
 
     def close(self) -> None:
         """Close every agent's open journal (at unmount)."""

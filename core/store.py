@@ -371,14 +371,17 @@ class HostStore:
     def read_blob(self, sha256: str) -> bytes:
         return b"".join(self.iter_blob(sha256))
 
-    def _missing(self, sha256: str) -> NotFoundError:
-        """The error for a blob not in objects/, saying so if it was quarantined."""
-        why = f"blob {sha256} is not in the store ({self.blob_file(sha256)})"
+    def why_missing(self, sha256: str) -> str:
+        """Why a blob is not in objects/, and how to repair that if it was quarantined."""
+        why = "not in the store"
         pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
         if os.path.isdir(pen) and any(n.startswith(sha256 + ".") for n in os.listdir(pen)):
             why += (f": a damaged copy was quarantined in {pen}; putting its bytes again (importing an export "
                     f"that has them, or a move) repairs the store")
-        return NotFoundError(why)
+        return why
+
+    def _missing(self, sha256: str) -> NotFoundError:
+        return NotFoundError(f"blob {sha256} ({self.blob_file(sha256)}) is {self.why_missing(sha256)}")
 
     def verify_blob(self, sha256: str) -> None:
         try:
@@ -647,9 +650,9 @@ class AgentHandle:
             sha, size = hash_file(os.path.join(self.dir, rel))
             return rel, fmt.FileEntry(sha256=sha, size=size)
 
-        files = {p: e for p, e in old.files.items() if fmt.blob_name(p) is not None}
+        files = old.blob_entries()
         files.update(dict(parallel_map(digest, rels)))
-        return fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=files, extra=old.extra)
+        return old.with_files(files)
 
     def refresh_manifest(self) -> fmt.Manifest:
         with self.store.writing():
@@ -671,7 +674,7 @@ class AgentHandle:
             entries = dict(old.files)
             for sha in new:
                 entries[fmt.blob_path(sha)] = fmt.FileEntry(sha256=sha, size=self.store.blob_size(sha))
-            m = fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+            m = old.with_files(entries)
             atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
             return m
 
@@ -694,17 +697,14 @@ class AgentHandle:
                 makedirs_durable(os.path.dirname(p))
                 atomic_write(p, data)
                 entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-            m = fmt.Manifest(agent_id=old.agent_id, name=old.name, holder=old.holder, files=entries, extra=old.extra)
+            m = old.with_files(entries)
             atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
             return m
 
     def set_holder(self, host: str, epoch: int) -> fmt.Manifest:
         with self.store.writing():
             old = self.manifest()
-            m = fmt.Manifest(
-                agent_id=old.agent_id, name=old.name, holder=fmt.Holder(host=host, epoch=epoch),
-                files=old.files, extra=old.extra,
-            )
+            m = old.with_holder(fmt.Holder(host=host, epoch=epoch))
             atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
             return m
 

@@ -11,6 +11,7 @@ import pytest
 
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
+from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.events import Record
 from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
 from capsulefs.core.store import HostStore
@@ -92,6 +93,13 @@ async def test_corrupt_blob_gives_eio_and_the_mount_stays_up(c: Client, store: H
     assert await errno_of(c.open(path)) == errno.EIO  # stays bad
     assert b"remember the milk" in await c.read("alice/memory/working_memory.md")
     assert c.ops.live.failsafe is None
+    # A reader of the store (export, verify, a move) quarantines it: still EIO,
+    # and the log says where the damaged copy went and how to repair the store.
+    with pytest.raises(CorruptBlobError):
+        store.verify_blob(sha)
+    caplog.clear()
+    assert not os.path.exists(obj) and await errno_of(c.open(path)) == errno.EIO
+    assert any("quarantined in" in r.getMessage() and "repairs the store" in r.getMessage() for r in caplog.records)
 
 
 async def test_mkdir_creates_an_agent_rmdir_refuses(c: Client, store: HostStore) -> None:
