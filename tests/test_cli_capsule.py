@@ -20,7 +20,9 @@ def test_new_export_verify_import(cli, tmp_path: Path) -> None:
     cli("keygen", "-o", str(tmp_path / "k"), check=True)
     cli("export", "demo", "-o", str(tar), "--sign", str(tmp_path / "k"), check=True)
     ok = cli("verify", str(tar), "--pubkey", str(tmp_path / "k.pub"))
-    assert ok.returncode == 0 and ok.stdout.startswith("OK:")
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:") and "signature verified" in ok.stdout
+    plain = cli("verify", str(tar))  # digests only: says that it did not check where the capsule came from
+    assert plain.returncode == 0 and plain.stdout.startswith("OK:") and "not checked without --pubkey" in plain.stdout
     other = tmp_path / "other"
     from conftest import run_cli
 
