@@ -60,6 +60,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 import pyfuse3
 import trio
 
+from capsulefs import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.holder import HolderBook, HolderState
@@ -223,6 +224,7 @@ class Daemon:
         self.options = options
         self.notify = notify
         store = HostStore.open(self.state_dir)
+        grants.ensure(self.state_dir, store)  # (before a move brings an agent in: see grants)
         host_id = load_or_create_identity(self.state_dir).host_id
         self.live = LiveHost(
             store,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from capsulefs import grants
 from capsulefs.core.holder import HolderBook, removed
 from capsulefs.core.live_errors import MoveBusy
 from capsulefs.core.scratch import ScratchArea
@@ -71,11 +72,12 @@ def giving_up(state_dir: str, agent_id: str) -> Iterator[None]:
 
 def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
     """After the store forgot the agent: remove what the host kept beside its
-    capsule: its snapshots and scratch files (under the mount's ``work_dir``)
-    and its sandbox."""
+    capsule: its snapshots and scratch files (under the mount's ``work_dir``),
+    its sandbox and its secret grants."""
     Snapshots.under(work_dir).remove_agent(agent_id)
     ScratchArea.under(work_dir).remove_agent(agent_id)
     discard_sandbox(state_dir, agent_id)
+    grants.revoke(state_dir, agent_id)
 
 
 def remove_offline(state_dir: str, work_dir: str, store: HostStore, holders: HolderBook, agent_id: str) -> None:

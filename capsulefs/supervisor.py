@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import trio
 
-from capsulefs import keychain
+from capsulefs import grants, keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
@@ -440,6 +440,7 @@ class Supervisor:
         entry = spec.get("entrypoint")
         if not entry:
             return None, {}, "", []
+        grants.check(self.state_dir, r.agent_id, spec.get("secrets", []))  # (a spec only asks)
         secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
         cwd = self.sandbox(r.agent_id)
         if not os.path.isdir(cwd):

@@ -35,7 +35,7 @@ SPEC_VERSION = 1
 #: keeps them from its tools (see :func:`redact_secrets`).
 SECRETS_ENV = "CAPSULE_SECRETS"
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names of env variables and secrets
 _FIELDS = {"version", "entrypoint", "env", "secrets", "setup", "packages"}
 
 
@@ -79,7 +79,7 @@ def validate_spec(doc: object) -> dict[str, Any]:
     if not isinstance(env, dict):
         raise SpecError("spec: env must be an object of NAME: value strings")
     for name, value in env.items():
-        if not _ENV_NAME_RE.fullmatch(name):
+        if not ENV_NAME.fullmatch(name):
             raise SpecError(f"spec: env name {name!r} is not a valid variable name")
         if not isinstance(value, str) or "\0" in value:
             raise SpecError(f"spec: env {name} must be a string without NUL characters")
@@ -93,7 +93,7 @@ def validate_spec(doc: object) -> dict[str, Any]:
     secrets = doc.get("secrets", [])
     if isinstance(secrets, dict):
         raise SpecError('spec: "secrets" lists names only; values live in the host keychain')
-    if not isinstance(secrets, list) or not all(isinstance(s, str) and _ENV_NAME_RE.fullmatch(s) for s in secrets):
+    if not isinstance(secrets, list) or not all(isinstance(s, str) and ENV_NAME.fullmatch(s) for s in secrets):
         raise SpecError('spec: "secrets" must be a list of variable names')
     overlap = sorted(set(secrets) & set(env))
     if overlap:

@@ -91,6 +91,10 @@ say_to "$A" 'call write_file {\"path\": \"plan.md\", \"content\": \"1. move to h
 wait_for 30 "the tool round trip" has_replies "$A" 2
 last_reply "$A"
 
+say "B's operator lets the agent have B's keys: a spec only asks, and an agent moved in gets none on its own"
+scout_id=$(a ls --json | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)[0]["agent_id"])')
+run b secret grant "$scout_id" ANTHROPIC_API_KEY OPENAI_API_KEY
+
 say "move the running agent from A to B (a fenced two-phase commit over mutual TLS)"
 run sh -c "echo b > '$A/.control/move'"
 run ls "$work/mnt-a" "$work/mnt-b"
@@ -109,7 +113,7 @@ wait_for 30 "another reply on B" has_replies "$B" 4
 last_reply "$B"
 
 say "the workspace file the agent wrote on A came along"
-run cat "$work/b/sandboxes/$(b ls --json | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)[0]["agent_id"])')/workspace/plan.md"
+run cat "$work/b/sandboxes/$scout_id/workspace/plan.md"
 echo
 
 say "the journal lost nothing; a tar of the live capsule verifies"

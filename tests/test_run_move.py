@@ -72,6 +72,11 @@ def test_running_agent_moves_mid_conversation_and_carries_on(hosts: tuple[Host, 
         assert "pilot" not in os.listdir(a.mnt)
         agent_id = b.status("pilot")["agent_id"]
         assert a.holder(agent_id) is HolderState.RETIRED and b.holder(agent_id) is HolderState.HELD
+        # B's keys are B's to give: the agent's spec asks for them, B has not granted them yet.
+        wait_for(lambda: b.status("pilot")["run"]["state"] == "blocked", "the agent to wait for B's grant")
+        detail = b.status("pilot")["run"]["detail"]
+        assert f"capsulefs secret grant {agent_id} ANTHROPIC_API_KEY OPENAI_API_KEY" in detail, detail
+        b.cli("secret", "grant", "pilot", "ANTHROPIC_API_KEY", "OPENAI_API_KEY")
         wait_for(lambda: b.status("pilot")["run"]["state"] == "running", "the agent to run on B")
         assert b.status("pilot")["run"]["pid"] != pid_a
 

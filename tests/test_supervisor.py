@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs import keychain
+from capsulefs import grants, keychain
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.projections import apply_workspace_changes
@@ -25,7 +25,7 @@ from helpers import make_agent
 
 PROBE = r"""
 import json, os, signal, sys, time
-out = {"cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in ("CAPSULE_DIR", "GREETING", "API_TOKEN", "HOME")},
+out = {"cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in ("CAPSULE_DIR", "GREETING", "API_TOKEN", "DEPLOY_KEY", "HOME")},
        "files": sorted(os.listdir("."))}
 with open("probe.json", "w") as f:
     json.dump(out, f)
@@ -70,9 +70,13 @@ class StoreHooks:
             self.agent(agent_id).write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
 
 
-def _agent_with_spec(store: HostStore, spec: dict) -> AgentHandle:
+def _agent_with_spec(store: HostStore, spec: dict, *, granted: bool = True) -> AgentHandle:
+    """An agent with ``spec``, granted the secrets it asks for (as by
+    'capsulefs new --spec') unless ``granted`` is false."""
     agent = make_agent(store, "runner", workspace={"notes/todo.txt": b"write tests\n"})
     agent.write_files({fmt.SPEC: spec_bytes(spec)})
+    if granted and spec.get("secrets"):
+        grants.grant(store.root, agent.agent_id, spec["secrets"])
     return agent
 
 
@@ -114,7 +118,7 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
         assert seen["cwd"] == sup.sandbox(agent.agent_id)
         assert seen["files"] == ["notes"]  # the workspace came from the snapshot
         assert seen["env"] == {"CAPSULE_DIR": str(tmp_path / "mnt" / "runner"), "GREETING": "hello",
-                               "API_TOKEN": "s3cr3t-value", "HOME": os.path.dirname(seen["cwd"])}
+                               "API_TOKEN": "s3cr3t-value", "DEPLOY_KEY": None, "HOME": os.path.dirname(seen["cwd"])}
         await sup.freeze(agent.agent_id)
         assert sup.status(agent.agent_id).state is RunState.FROZEN
         with pytest.raises(ProcessLookupError):
@@ -385,6 +389,34 @@ async def test_a_missing_secret_blocks_the_start_until_it_is_set(
         await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start", limit=30)
         nursery.cancel_scope.cancel()
     assert caplog.text.count("not started") == 1
+
+
+async def test_a_secret_the_host_did_not_grant_is_never_given(store: HostStore, tmp_path: Path, autojump_clock) -> None:
+    """A spec only asks: an agent that arrived by a move or a tar could name
+    any secret of this host's keychain. Without a grant it does not start,
+    its status says which grant is missing and how to give it; once given,
+    it starts without a restart, and a revoke keeps the next start from it."""
+    spec = default_spec([sys.executable, "-c", PROBE])
+    spec["secrets"] = ["API_TOKEN", "DEPLOY_KEY"]
+    agent = _agent_with_spec(store, spec, granted=False)
+    keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
+    keychain.store_secret(store.root, "DEPLOY_KEY", "d3pl0y-value")
+    grants.grant(store.root, agent.agent_id, ["API_TOKEN"])
+    async with trio.open_nursery() as nursery:
+        sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
+        detail = sup.status(agent.agent_id).detail
+        assert "DEPLOY_KEY" in detail and "API_TOKEN" not in detail
+        assert f"capsulefs secret grant {agent.agent_id} DEPLOY_KEY" in detail
+        await trio.sleep(60)
+        probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
+        assert not probe.exists()
+        grants.grant(store.root, agent.agent_id, ["DEPLOY_KEY"])
+        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent to start", limit=30)
+        assert json.loads(probe.read_text())["env"]["DEPLOY_KEY"] == "d3pl0y-value"
+        nursery.cancel_scope.cancel()
+    assert grants.revoke(store.root, agent.agent_id, ["DEPLOY_KEY"]) == ["API_TOKEN"]
+    with pytest.raises(grants.UngrantedSecret, match="DEPLOY_KEY"):
+        grants.check(store.root, agent.agent_id, spec["secrets"])
 
 
 async def test_the_status_of_a_crashed_agent_names_no_dead_pid(store: HostStore, tmp_path: Path, autojump_clock) -> None:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from capsulefs import grants
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
 from capsulefs.movehost import new_agent_files, record_new_agent
 from capsulefs.core import archive, signing
@@ -34,6 +35,8 @@ def cmd_new(args: argparse.Namespace) -> int:
     agent_id = new_agent_id()
     with new_agent_files(state_dir(args), agent_id):  # no daemon sees its files without its record
         agent = store.create_agent(args.name, host_id=host_id(args), agent_id=agent_id, spec=spec)
+        if spec.get("secrets"):  # the operator wrote this spec: it may have what it asks (see grants)
+            grants.grant(state_dir(args), agent_id, spec["secrets"])
         record_new_agent(state_dir(args), agent.agent_id, agent.manifest().holder.epoch)
     print(f"created agent {args.name} ({agent.agent_id})")
     return 0

@@ -18,7 +18,11 @@ def state_dir(args: argparse.Namespace) -> str:
 
 
 def open_store(args: argparse.Namespace) -> HostStore:
-    return HostStore.open(state_dir(args))
+    from capsulefs import grants
+
+    store = HostStore.open(state_dir(args))
+    grants.ensure(state_dir(args), store)  # (before this command adds an agent: see grants)
+    return store
 
 
 def host_id(args: argparse.Namespace) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from capsulefs import keychain
+from capsulefs import grants, keychain
 from capsulefs.cli import UsageError
-from capsulefs.cli.common import state_dir
+from capsulefs.cli.common import open_store, state_dir
+from capsulefs.core.spec import ENV_NAME
 
 
 def cmd_secret_set(args: argparse.Namespace) -> int:
@@ -40,6 +41,53 @@ def cmd_secret_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_id(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(agent id, name) of ``args.agent``: an agent here by name or id, or
+    the id of one not here yet (a grant may wait for a move)."""
+    from capsulefs.core import format as fmt
+    from capsulefs.core.errors import NotFoundError
+
+    try:
+        agent = open_store(args).find(args.agent)
+    except NotFoundError:
+        if fmt.is_agent_id(args.agent):
+            return args.agent, None
+        raise
+    return agent.agent_id, agent.manifest().name
+
+
+def _check_names(names: list[str]) -> list[str]:
+    bad = [n for n in names if not ENV_NAME.fullmatch(n)]
+    if bad:
+        raise UsageError(f"not a secret name: {', '.join(map(repr, bad))} (letters, digits and _, as in the spec)")
+    return names
+
+
+def _shown(agent_id: str, name: str | None) -> str:
+    return f"agent {name} ({agent_id})" if name else f"agent {agent_id} (not on this host yet)"
+
+
+def cmd_secret_grant(args: argparse.Namespace) -> int:
+    agent_id, name = _agent_id(args)
+    now = grants.grant(state_dir(args), agent_id, _check_names(args.names))
+    print(f"{_shown(agent_id, name)} may now be given: {', '.join(now)}")
+    return 0
+
+
+def cmd_secret_revoke(args: argparse.Namespace) -> int:
+    agent_id, name = _agent_id(args)
+    left = grants.revoke(state_dir(args), agent_id, _check_names(args.names) if args.names else None)
+    print(f"{_shown(agent_id, name)} may now be given: {', '.join(left) or 'no secret'}")
+    return 0
+
+
+def cmd_secret_grants(args: argparse.Namespace) -> int:
+    open_store(args)  # (the first look at an old state directory grants what its agents used)
+    for agent_id, names in grants.all_grants(state_dir(args)).items():
+        print(f"{agent_id}  {' '.join(names)}")
+    return 0
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from capsulefs import agent
 
@@ -60,3 +108,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = ssub.add_parser("rm", help="delete a secret")
     s.add_argument("name")
     s.set_defaults(func=cmd_secret_rm)
+    s = ssub.add_parser("grant", help="let an agent be given these secrets of this host (an agent moved or "
+                                      "imported here gets none on its own; 'new --spec' grants what its spec asks)")
+    s.add_argument("agent", help="agent name or id (an id for an agent not here yet)")
+    s.add_argument("names", nargs="+", metavar="NAME")
+    s.set_defaults(func=cmd_secret_grant)
+    s = ssub.add_parser("revoke", help="take grants back (every grant of the agent if no NAME is given)")
+    s.add_argument("agent", help="agent name or id")
+    s.add_argument("names", nargs="*", metavar="NAME")
+    s.set_defaults(func=cmd_secret_revoke)
+    s = ssub.add_parser("grants", help="list every agent's grants (agent id, then secret names)")
+    s.set_defaults(func=cmd_secret_grants)
