@@ -27,6 +27,10 @@ Rules:
     journal itself is fdatasynced (a checkpoint). Before a journal with a
     ring is read or appended to after a crash, the ring is replayed into it
     (:mod:`capsulefs.core.journal_recovery`).
+  * A Journal belongs to the process that opened it: flock belongs to the
+    open file description, which a forked child shares, so a child's use of
+    an inherited Journal (appends, catching up) raises JournalForked; the
+    child opens its own.
   * A file that does not end with a newline has a torn tail: bytes of an
     append that crashed before it was acknowledged. Opening (or catching up
     with) the journal moves that tail into a recovery file outside the
@@ -83,11 +87,12 @@ import fcntl
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import format as fmt
-from .errors import FormatError, NotFoundError
+from .errors import CapsuleError, FormatError, NotFoundError
 from .events import Event, Record, parse_draft
 from .fsutil import fdatasync, fsync_dir, identity_probe
 from .journal_chain import ChainState, Tail, format_time
@@ -124,6 +129,7 @@ __all__ = [
     # the journal file (this module)
     "BULK_CATCH_UP",
     "Journal",
+    "JournalForked",
     "open_agent_journal",
     "open_journal",
     "parse_draft_lines",
@@ -164,11 +170,16 @@ BULK_CATCH_UP = 1 << 20
 CATCH_UP_PIECE = 256 << 20
 
 
+class JournalForked(CapsuleError):
+    """A Journal was used in a child forked from the process that opened it."""
+
+
 class Journal:
     """An open journal file. Make one with :func:`open_journal`.
 
     Thread-safe, and safe against other processes using their own Journal on
     the same file. ``machine`` may be None for a read-only use (no appends).
+    Not usable in a forked child (:class:`JournalForked`): open it again there.
     """
 
     def __init__(
@@ -219,12 +230,38 @@ class Journal:
         self.lease_max = MAX_HOLD  # ... and at most after it was taken
         self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
         self.leased_commits = 0  # commits that found the lease held (no flock or checks)
+        self._pid = os.getpid()  # the process that opened it; a forked child may not use it
+        self._forked: JournalForked | None = None  # set in a forked child (see _forget_after_fork)
+        _open_journals.add(self)
 
     @property
     def broken(self) -> str | None:
         """Why appends through this object stopped (a failed write or
         fdatasync), or None: reopen the journal to append again."""
         return self._broken
+
+    def _refusal(self) -> Exception:
+        """The error for an append through a Journal that may not append any more."""
+        if self._forked is not None:
+            return self._forked
+        return OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
+                                  f"reopen the journal to append again")
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child. flock belongs to the open file description,
+        which the child shares with its parent: both would hold the lock and
+        could interleave appends (or one cut the other's line in progress as
+        a torn tail). The rest of the object (thread locks, the group-commit
+        queue, the ring's page image, the lease) is the parent's at an
+        arbitrary instant, maybe mid-append. So it is not reopened behind the
+        caller's back: every use but close() raises, and the child opens its
+        own Journal. Set here, checked where an append already checks
+        ``_broken``: nothing is added to the append path."""
+        self._forked = JournalForked(
+            f"journal {self.path} was opened by process {self._pid} and used in process {os.getpid()}, a child "
+            f"forked from it: the two share the open file and so its flock, which then serializes nothing; "
+            f"open the journal again in this process")
+        self._broken = self._broken or "used in a forked child"
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -280,6 +317,8 @@ class Journal:
         try:
             if self._fd < 0:  # closed while we waited for the lock
                 raise ValueError(f"journal {self.path} is closed")
+            if self._forked is not None:  # (a child forgot every lease: appends get here)
+                raise self._forked
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 size = self._follow_replacement()
@@ -486,8 +525,7 @@ class Journal:
         """:meth:`_commit` of a group of one event, raising its error
         directly (no request to settle)."""
         if self._broken is not None:
-            raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
-                                     f"reopen the journal to append again")
+            raise self._refusal()
         self._acquire()
         ok = False
         try:
@@ -553,8 +591,7 @@ class Journal:
         assert self.machine is not None
         try:
             if self._broken is not None:
-                raise OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
-                                         f"reopen the journal to append again")
+                raise self._refusal()
             self._acquire()
             ok = False
             try:
@@ -687,6 +724,8 @@ class Journal:
         itself (``persist``): so reopening after a failed fdatasync is safe."""
         if self.ring_path is None:
             return
+        if self._forked is not None:
+            raise self._forked
         self._lock.acquire()
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
@@ -760,6 +799,18 @@ class Journal:
 
     def records(self) -> list[Record]:
         return [Record.from_line(line) for line in self.lines()]
+
+
+#: Every Journal open in this process, for :func:`_after_fork`.
+_open_journals: "weakref.WeakSet[Journal]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for journal in list(_open_journals):
+        journal._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class _Request:

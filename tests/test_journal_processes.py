@@ -117,3 +117,49 @@ def test_concurrent_appenders_of_two_machines(tmp_path: Path) -> None:
     by = {m: [r.seq for r in records if r.machine == m] for m in ("host-a", "host-b")}
     assert by == {"host-a": list(range(1, 121)), "host-b": list(range(1, 121))}
     assert json.loads(records[-1].line)["clock"] == 240
+
+
+FORKED_CHILD = r"""
+import os, sys
+from capsulefs.core.events import Note
+from capsulefs.core.journal import open_journal
+path = sys.argv[1]
+j = open_journal(path, machine="host-a", now=lambda: 1764684000.0,
+                 new_id=iter(f"{k:024x}" for k in range(1, 10**6)).__next__,
+                 recovery_dir=os.path.join(os.path.dirname(path), "recovery"))
+j.append(Note(text="parent, before the fork"))
+child = os.fork()
+if child == 0:
+    for use in (lambda: j.append(Note(text="child")), lambda: j.append_many([Note(text="child")]), j.refresh):
+        try:
+            use()
+        except Exception as exc:
+            print(type(exc).__name__, exc, flush=True)
+        else:
+            print("used", flush=True)
+    j.close()  # closing is allowed, and frees nothing of the parent's
+    os._exit(0)
+os.waitpid(child, 0)
+j.append(Note(text="parent, after the fork"))
+print("parent appended", flush=True)
+"""
+
+
+def test_a_forked_child_cannot_use_the_parents_journal(tmp_path: Path) -> None:
+    """flock belongs to the open file description, which a forked child
+    shares with its parent: both would "hold" the lock and could interleave
+    appends. The child's use of the inherited Journal is refused, naming
+    the problem; the parent goes on."""
+    path = tmp_path / "j.jsonl"
+    out = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "parent appended"
+    child = lines[:-1]
+    assert len(child) == 3 and all(x.startswith("JournalForked ") and "fork" in x and "open the journal again" in x
+                                   for x in child), child
+    data = path.read_bytes()
+    assert verify_lines(split_lines(data)) == []
+    assert [Record.from_line(x).event.text for x in split_lines(data)] == [  # type: ignore[attr-defined]
+        "parent, before the fork", "parent, after the fork"]
