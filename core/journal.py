@@ -93,7 +93,7 @@ from typing import Any
 
 from . import format as fmt
 from .errors import CapsuleError, FormatError, NotFoundError
-from .events import Event, Record, parse_draft
+from .events import Event, Record, line_hash, parse_draft
 from .fsutil import fdatasync, fsync_dir, identity_probe
 from .journal_chain import ChainState, Tail, format_time
 from .journal_lines import (
@@ -395,10 +395,16 @@ class Journal:
         ``size`` is the file's current size. Caller holds both locks."""
         if size == self._size:
             return
-        if size < self._size:
+        if size < self._size or not self._last_line_unchanged():
             # Only a torn tail (never part of _size) is ever cut; a shorter
-            # file was rewritten behind our back: start over.
-            log.warning("journal %s shrank from %d to %d bytes; re-reading it", self.path, self._size, size)
+            # file, or one whose last line we knew is gone, was rewritten
+            # behind our back (same inode: a rename is followed before this):
+            # start over, or an append would chain onto lines no longer there.
+            if size < self._size:
+                log.warning("journal %s shrank from %d to %d bytes; re-reading it", self.path, self._size, size)
+            else:
+                log.warning("journal %s was rewritten in place: its line ending at byte %d is no longer the one "
+                            "this process read or wrote there; re-reading it", self.path, self._size)
             if self.ring_path is not None:
                 # As opening does: acknowledged bytes the cut took are put
                 # back from the ring, or appending is refused (RingMismatch),
@@ -428,6 +434,27 @@ class Journal:
                 want *= 2
                 continue
             self._absorb(data, end)
+
+    def _last_line_unchanged(self) -> bool:
+        """Whether the file still holds, right before ``_size``, the last line
+        this Journal read or wrote: a cheap check (one short ``pread`` and a
+        hash, only when catching up with a file that grew) that its prefix
+        was not rewritten in place. An edit that leaves the last line as it
+        was is not seen here (``verify`` reports it). Caller holds both locks."""
+        last = self._state.last
+        if last is None or self._size == 0:
+            return True
+        want = self._state.tails[last[1]].digest
+        window = 4096
+        while True:
+            start = max(0, self._size - 1 - window)
+            data = os.pread(self._fd, self._size - start, start)
+            if len(data) != self._size - start or not data.endswith(b"\n"):
+                return False
+            nl = data.rfind(b"\n", 0, len(data) - 1)
+            if nl >= 0 or start == 0:
+                return line_hash(data[nl + 1 : -1]) == want
+            window *= 4
 
     def _absorb(self, data: bytes, end: int) -> None:
         """Absorb the whole lines ``data[:end]``, which start at ``_size``.

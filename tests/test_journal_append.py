@@ -490,3 +490,37 @@ def test_torn_tails_saved_at_once_into_one_recovery_directory_are_all_kept(tmp_p
     assert kept == {f"{k}-{i}".encode() for k in range(2) for i in range(100)}
     assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == sorted(
         f"timeline_events.jsonl{TORN_SUFFIX}{n}" for n in range(1, 201))
+
+
+# -- a file rewritten in place behind an open Journal ---------------------------------
+
+
+def test_a_journal_rewritten_in_place_and_grown_is_read_again(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A tool rewrites the file in place (same inode): its last line edited
+    (same length), a line of another machine added. The file grew, so an
+    open Journal read only the bytes past the end it knew, and its next
+    append chained onto a line that was no longer there. Catching up checks
+    that the last line it knew is still where it was; it is not, so the
+    Journal reads the file again (as it does when a file shrank)."""
+    from journal_helpers import retext
+
+    from capsulefs.core.journal import ChainState
+
+    path = tmp_path / "j.jsonl"
+    with open_test_journal(path) as j:
+        j.append(note("one"))
+        j.append(note("two"))
+        before = path.read_bytes()
+        first, second = split_lines(before)
+        edited = retext(second, text="TWO")
+        assert len(edited) == len(second) and edited != second
+        (other,) = ChainState().stamp([note("b")], machine="host-b", now=lambda: 0.0, new_id=lambda: "f" * 24)
+        with open(path, "r+b") as f:  # same inode
+            f.write(first + b"\n" + edited + b"\n" + other.line.replace(b'"clock":1', b'"clock":3') + b"\n")
+        ino = os.stat(path).st_ino
+        rec = j.append(note("three"))
+    assert os.stat(path).st_ino == ino
+    assert verify_lines(split_lines(path.read_bytes())) == []
+    assert (rec.seq, rec.clock) == (3, 4)
+    assert "rewritten" in caplog.text
