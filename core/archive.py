@@ -107,7 +107,7 @@ def _read_files(agent: AgentHandle) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for rel in agent.local_files():
         # The journal under a shared flock: no append is half way through it.
-        data = read_journal_locked(agent.path(rel)) if rel == fmt.JOURNAL else agent.read(rel)
+        data = read_journal_locked(agent.path(rel), agent.ring_path) if rel == fmt.JOURNAL else agent.read(rel)
         if rel == fmt.JOURNAL and data and not data.endswith(b"\n"):
             data = data[: data.rfind(b"\n") + 1]
         files[rel] = data

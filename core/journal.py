@@ -32,9 +32,11 @@ Rules:
     an inherited Journal (appends, catching up) raises JournalForked; the
     child opens its own.
   * A file that does not end with a newline has a torn tail: bytes of an
-    append that crashed before it was acknowledged. Opening (or catching up
-    with) the journal moves that tail into a recovery file outside the
-    capsule and logs a warning. It is never kept, never dropped silently.
+    append that crashed before it was acknowledged. A writer's open (or
+    catch-up) moves that tail into a recovery file outside the capsule and
+    logs a warning. It is never kept, never dropped silently. A reader (no
+    machine id) writes nothing: it reads the whole lines only, and stops
+    before a line holding NUL bytes, leaving both for a writer's open.
 
 Theory of operation (appends):
   Appenders on one host are serialized by ``flock`` on the journal file
@@ -422,7 +424,7 @@ class Journal:
             data = os.pread(self._fd, min(size - self._size, want), self._size)
             end = data.rfind(b"\n") + 1
             if self._size + len(data) >= size:
-                if end < len(data):
+                if end < len(data) and self.machine is not None:  # a reader leaves it (and does not read it)
                     self._move_torn_tail(self._size + end, data[end:])
                 self._absorb(data, end)
                 return
@@ -433,7 +435,8 @@ class Journal:
                     raise FormatError(f"{self.path}: line {self._state.count + 1} is longer than {len(data)} bytes")
                 want *= 2
                 continue
-            self._absorb(data, end)
+            if not self._absorb(data, end):
+                return
 
     def _last_line_unchanged(self) -> bool:
         """Whether the file still holds, right before ``_size``, the last line
@@ -456,15 +459,16 @@ class Journal:
                 return line_hash(data[nl + 1 : -1]) == want
             window *= 4
 
-    def _absorb(self, data: bytes, end: int) -> None:
+    def _absorb(self, data: bytes, end: int) -> bool:
         """Absorb the whole lines ``data[:end]``, which start at ``_size``.
-        Caller holds both locks."""
+        False if a reader stopped before a line holding NUL bytes (see
+        below): nothing after it is read. Caller holds both locks."""
         start = 0
         base_no = self._state.count
         state = self._state
         if end >= BULK_CATCH_UP and state.absorb_bulk(data[:end]):
             self._size += end
-            return
+            return True
         while start < end:
             nl = data.index(b"\n", start)
             try:
@@ -473,9 +477,19 @@ class Journal:
                 # Stop at the last good line: appending after a line we cannot
                 # read would stamp a wrong chain. verify names the line too.
                 self._size += start
-                raise FormatError(f"{self.path}: line {base_no + 1 + _count_lines(data, start)}: {exc}") from None
+                no = base_no + 1 + _count_lines(data, start)
+                if self.machine is None and b"\0" in data[start:nl]:
+                    # Pages a crash left unwritten in an append never
+                    # acknowledged (or damage): a writer's open decides which
+                    # and moves them aside. A reader writes nothing: it shows
+                    # the lines before, as it leaves a torn tail unread.
+                    log.warning("journal %s: line %d holds NUL bytes (pages a crash left unwritten, or damage); "
+                                "reading stops before it, and the file is left to a writer's open", self.path, no)
+                    return False
+                raise FormatError(f"{self.path}: line {no}: {exc}") from None
             start = nl + 1
         self._size += end
+        return True
 
     def _follow_replacement(self) -> int:
         """If another file was renamed over the journal's path (whoever does
@@ -894,8 +908,8 @@ def open_journal(
     """Open (or create) a journal file and catch up with it.
 
     ``machine`` is this host's id (None: read-only). ``now`` gives Unix
-    seconds, ``new_id`` a fresh event id (24 hex). A torn tail is moved to
-    ``recovery_dir``, which must lie outside the capsule so that the capsule
+    seconds, ``new_id`` a fresh event id (24 hex). A writer moves a torn
+    tail to ``recovery_dir`` (a reader leaves it), which must lie outside the capsule so that the capsule
     still verifies. With ``ring_path`` (a file outside the capsule, see
     :mod:`capsulefs.core.journal_ring`), appends are made durable in that
     write-ahead ring, and opening first replays it into the journal if a

@@ -24,8 +24,12 @@ Theory of operation (the ring's chain is described in
   and replaced. Anything else is a disagreement: both files are left alone,
   an error names them, and appending is refused. Whole lines past the
   chain's end were never acknowledged and stay; a torn tail past it goes to
-  the recovery directory as always. The host store replays every agent's
-  ring when it opens, before anything reads a journal file.
+  the recovery directory as always, and so does a crash's garbage (NUL
+  bytes, see :func:`unacknowledged_from`), when a writer opens the journal:
+  readers (the store's open, log, verify, exports) only put back what the
+  ring vouches for, and :func:`read_journal_locked` shows them the journal
+  without that garbage. The host store replays every agent's ring when it
+  opens, before anything reads a journal file.
 """
 
 from __future__ import annotations
@@ -128,28 +132,60 @@ def _persist(fd: int, path: str, start: int, data: bytes, ring: Ring) -> None:
         fdatasync(wfd)
     finally:
         os.close(wfd)
-    ring.reset()
+    ring.reset(synced=(start + len(data), held.st_ino))
     log.debug("journal %s: the %d bytes its ring vouched for were written again and synced", path, len(data))
 
 
-def _cut_unacknowledged_garbage(fd: int, path: str, end: int, recovery_dir: str) -> None:
-    """Cut what follows the ring's chain end (``end``, a line boundary) from
-    its first line holding a NUL byte on, saving it like a torn tail.
+def unacknowledged_from(data: bytes, bound: int) -> int | None:
+    """Where the unacknowledged garbage a crash can leave starts in a
+    journal's bytes ``data``: the start of the first line holding a NUL
+    byte at or past ``bound``, or None. ``bound`` is a line boundary past
+    which the ring knows nothing was made durable but through the journal's
+    own fdatasync (see :func:`garbage_bound`).
 
-    Nothing past the chain's end was acknowledged (every acknowledged append
-    since the last checkpoint has its record in the chain). A crash in the
-    middle of a multi-page append can leave one of its pages unwritten
-    (zeros) and a later one written: a "line" of NULs and the end of a real
-    one, which no canonical line can hold (JSON escapes every control
-    character). Left there, it made the journal unreadable at every open."""
+    Why such a line, and everything after it, was never acknowledged: no
+    canonical line holds a NUL byte (JSON escapes every control character),
+    so it is pages a crash left unwritten (zeros) in an append that was not
+    yet durable (a multi-page write can have a later page written and an
+    earlier one not). Every acknowledged byte is durable through the ring
+    (before ``bound``: a replay puts it back) or through an fdatasync of
+    the journal, and that fdatasync also wrote every byte before it, so no
+    acknowledged line comes after pages a crash left unwritten. NULs before
+    ``bound`` are in bytes the journal had synced: damage, not a crash's
+    leftovers, and they are never cut (opening refuses, naming the line)."""
+    k = data.find(b"\0", bound)
+    if k < 0:
+        return None
+    return max(bound, data.rfind(b"\n", 0, k) + 1)
+
+
+def garbage_bound(ring: Ring, ino: int) -> int | None:
+    """The journal offset (of inode ``ino``) from which the ring knows of no
+    acknowledged byte it does not vouch for itself: its chain's end, or,
+    with no chain, how far the journal was synced by itself
+    (:meth:`Ring.synced_to`). None if the ring cannot tell."""
+    vouched = ring.vouched()  # headers only: a longer reading than the checked chain only cuts less
+    if vouched is not None and vouched[1] == ino:
+        return vouched[0] + len(vouched[2])
+    return ring.synced_to(ino)
+
+
+def _cut_unacknowledged_garbage(fd: int, path: str, end: int, recovery_dir: str) -> None:
+    """Cut what follows ``end`` (see :func:`unacknowledged_from`) from its
+    first line holding a NUL byte on, saving it like a torn tail. For a
+    writer's open only: a reader leaves it (and does not show it).
+
+    A crash in the middle of a multi-page append can leave one of its pages
+    unwritten (zeros) and a later one written: a "line" of NULs and the end
+    of a real one. Left there, it made the journal unreadable at every open."""
     size = os.fstat(fd).st_size
     if size <= end:
         return
     tail = os.pread(fd, size - end, end)
-    k = tail.find(b"\0")
-    if k < 0:
+    k = unacknowledged_from(tail, 0)
+    if k is None:
         return
-    cut = end + tail.rfind(b"\n", 0, k) + 1
+    cut = end + k
     dest = save_torn(recovery_dir, path, tail[cut - end:])
     os.ftruncate(fd, cut)
     fdatasync(fd)
@@ -159,11 +195,23 @@ def _cut_unacknowledged_garbage(fd: int, path: str, end: int, recovery_dir: str)
 
 def _all_held(fd: int, path: str, start: int, data: bytes, ring: Ring, recovery_dir: str, persist: bool) -> None:
     """The journal holds every byte the ring vouches for (``data`` at
-    ``start``): cut unacknowledged garbage past them and, for a writer
-    (``persist``), make them durable in the journal itself."""
-    _cut_unacknowledged_garbage(fd, path, start + len(data), recovery_dir)
+    ``start``). A writer (``persist``) cuts unacknowledged garbage past
+    them and makes them durable in the journal itself; a reader leaves the
+    file as it is."""
     if persist:
+        _cut_unacknowledged_garbage(fd, path, start + len(data), recovery_dir)
         _persist(fd, path, start, data, ring)
+
+
+def _no_chain(fd: int, path: str, ring: Ring, recovery_dir: str, persist: bool) -> int:
+    """The ring holds no valid chain: nothing to replay. A writer still cuts
+    the garbage a crash left past where the journal was synced, if the ring
+    says where that is (see :meth:`Ring.synced_to`)."""
+    if persist:
+        bound = ring.synced_to(os.fstat(fd).st_ino)
+        if bound is not None:
+            _cut_unacknowledged_garbage(fd, path, bound, recovery_dir)
+    return 0
 
 
 def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persist: bool = False) -> int:
@@ -193,7 +241,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
         # that reading, so the full path below would find nothing to do too.
         vouched = ring.vouched()
         if vouched is None:
-            return 0
+            return _no_chain(fd, path, ring, recovery_dir, persist)
         start, ino, data = vouched
         st = os.fstat(fd)
         if st.st_ino == ino and _holds(fd, st.st_size, start, data):
@@ -201,7 +249,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
             return 0
         entries = ring.scan()
         if not entries:
-            return 0
+            return _no_chain(fd, path, ring, recovery_dir, persist)
         start, ino = entries[0].offset, entries[0].ino
         want = b"".join(e.data for e in entries)
         end = start + len(want)
@@ -254,7 +302,7 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
         while view:
             view = view[os.write(fd, view):]
         fdatasync(fd)
-        ring.reset()
+        ring.reset(synced=(end, ino))
         log.warning("journal %s: restored %d bytes of acknowledged events from its write-ahead ring %s "
                     "(a crash had kept them from reaching the journal file)", path, len(missing), ring_path)
         return len(missing)
@@ -359,17 +407,35 @@ def holding_journal(path: str) -> Iterator[int | None]:
         os.close(fd)
 
 
-def read_journal_locked(path: str) -> bytes:
+def read_journal_locked(path: str, ring_path: str | None = None) -> bytes:
     """The journal's bytes, read under a shared flock: no append (appenders
     hold it exclusively) is half way through, and none that started before
     the read is left out. A rename over the file while waiting is followed.
-    A move's snapshot relies on it (see ``archive.snapshot_files``)."""
+    A move's snapshot relies on it (see ``archive.snapshot_files``).
+
+    With ``ring_path`` (the journal's ring), what a reader sees: without the
+    garbage a crash left past the ring's knowledge (see
+    :func:`unacknowledged_from`), which stays in the file for a writer's
+    open to move aside. (A torn tail is the caller's to leave out.)"""
     fd = _open_locked(path, shared=True)
     try:
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        if ring_path is not None and b"\0" in data:
+            try:
+                ring: Ring | None = Ring(ring_path, os.open(ring_path, os.O_RDONLY | os.O_CLOEXEC))
+            except (FileNotFoundError, PermissionError):
+                ring = None  # nothing known: the whole file, as it is
+            if ring is not None:
+                try:
+                    bound = garbage_bound(ring, os.fstat(fd).st_ino)
+                finally:
+                    ring.close()
+                if bound is not None and (cut := unacknowledged_from(data, bound)) is not None:
+                    data = data[:cut]
+        return data
     finally:
         os.close(fd)
 

@@ -35,6 +35,11 @@ Record layout (little-endian), ``HEADER`` then the data::
     ino      u64       st_ino of the journal file the data belongs to
     digest   16 bytes  blake2b-128 of the 24 bytes above + the data
 
+A header with length 0 (and a valid digest) at ring offset 0 is the marker
+a reset leaves: no chain, and the journal was synced by itself up to
+``offset`` (see :meth:`Ring.synced_to`). Readers of the chain stop at it
+(length 0 ends a chain), so a ring holding one reads as empty everywhere.
+
 Theory of operation: :class:`Ring` remembers where its own chain ends
 (position in the ring, next journal offset, inode), the header of the
 chain's first record and, for direct writes, the chain's tail page. A process may continue its chain only if the journal
@@ -251,12 +256,33 @@ class Ring:
         """Drop our chain: the next record restarts the ring."""
         self._first = None
 
-    def reset(self) -> None:
-        """Invalidate the whole ring durably (zero the first header, fdatasync).
-        Only once the journal itself holds and has synced what it vouched for."""
+    def reset(self, synced: tuple[int, int] | None = None) -> None:
+        """Invalidate the whole ring durably (fdatasync), leaving it an empty
+        chain. Only once the journal itself holds and has synced what it
+        vouched for. With ``synced`` (journal offset, inode): the first
+        header becomes a marker saying the journal was synced by itself up
+        to that offset (see :meth:`synced_to`); else it is zeroed."""
         self.forget()
-        os.pwrite(self._fd, bytes(HEADER.size), 0)
+        os.pwrite(self._fd, bytes(HEADER.size) if synced is None else encode(synced[0], synced[1], b""), 0)
         fdatasync(self._fd)
+
+    def synced_to(self, ino: int) -> int | None:
+        """How far the journal (inode ``ino``) is known to have been synced by
+        itself, from the first header alone: a chain's first record starts
+        where a checkpoint had synced the journal (its header is written
+        after that fdatasync, so even a record torn past its header says
+        so), and a reset leaves a marker at the offset it synced. Offsets
+        of one inode only grow, so a stale first header is a lower bound
+        too. None if the ring tells nothing (zeroed, another inode)."""
+        fields = os.pread(self._fd, HEADER.size, 0)
+        if len(fields) < HEADER.size:
+            return None
+        magic, length, offset, head_ino, digest = HEADER.unpack(fields)
+        if magic != MAGIC or head_ino != ino:
+            return None
+        if length == 0 and _digest(fields[: _FIELDS.size], b"") != digest:
+            return None
+        return offset
 
     # -- reading -------------------------------------------------------------
     def vouched(self) -> tuple[int, int, bytes] | None:

@@ -524,3 +524,45 @@ def test_a_journal_rewritten_in_place_and_grown_is_read_again(tmp_path: Path,
     assert verify_lines(split_lines(path.read_bytes())) == []
     assert (rec.seq, rec.clock) == (3, 4)
     assert "rewritten" in caplog.text
+
+
+# -- readers never write -----------------------------------------------------------
+
+
+def test_a_reader_leaves_a_torn_tail_where_it_is(tmp_path: Path) -> None:
+    """A read-only open (no machine id) sees the whole lines only and writes
+    nothing: the torn tail stays for a writer's open to move aside."""
+    path = tmp_path / "j.jsonl"
+    rec_dir = tmp_path / "recovery"
+    with open_test_journal(path, recovery_dir=rec_dir) as j:
+        r1 = j.append(note("kept"))
+    with open(path, "ab") as f:
+        f.write(b'{"clock":2,"id":"torn')
+    before = path.read_bytes()
+    with open_test_journal(path, machine=None, recovery_dir=rec_dir) as reader:
+        assert reader.lines() == [r1.line]
+        with open(path, "ab") as f:
+            f.write(b'","kind"')
+        reader.refresh()
+        assert reader.lines() == [r1.line]
+        assert path.read_bytes() == before + b'","kind"'
+    assert path.read_bytes() == before + b'","kind"'
+    assert _recovery_files(rec_dir) == []
+    with open_test_journal(path, recovery_dir=rec_dir):  # a writer's open repairs
+        assert path.read_bytes() == r1.line + b"\n"
+    assert _recovery_files(rec_dir) == ["j.jsonl" + TORN_SUFFIX + "1"]
+
+
+def test_a_reader_stops_before_a_line_of_nuls_and_leaves_it(tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "j.jsonl"
+    rec_dir = tmp_path / "recovery"
+    with open_test_journal(path, recovery_dir=rec_dir) as j:
+        r1 = j.append(note("kept"))
+    with open(path, "ab") as f:
+        f.write(bytes(100) + b'end of a line"}\n')
+    before = path.read_bytes()
+    with open_test_journal(path, machine=None, recovery_dir=rec_dir) as reader:
+        assert reader.lines() == [r1.line]
+    assert path.read_bytes() == before and _recovery_files(rec_dir) == []
+    assert "NUL" in caplog.text

@@ -320,3 +320,30 @@ def test_merge_of_copies_named_differently_says_which_name_it_kept(cli, tmp_path
     p = cli("merge", str(renamed), str(b_tar), "-o", str(tmp_path / "merged"), check=True)
     assert "'ada-renamed'" in p.stderr and "'ada'" in p.stderr and "kept" in p.stderr, p.stderr
     assert json.loads((tmp_path / "merged" / fmt.MANIFEST).read_text())["name"] == "ada-renamed"
+
+
+def test_reading_a_store_agent_writes_nothing(cli, store: HostStore, state_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """log, verify, export and the store's own open are readers: they replay
+    acknowledged bytes from the ring if a crash kept them from the journal,
+    but leave what was never acknowledged (a torn tail, a crash's unwritten
+    pages past the ring's chain) to a writer's open. log shows whole lines."""
+    cli("new", "ada", check=True)
+    cli("append", "ada", "--kind", "note", "--text", "before", "-q", check=True)
+    agent = store.find("ada")
+    garbage = bytes(5000) + b'the end of a line"}\n{"clock":3,"id":"ab'
+    with open(agent.path(fmt.JOURNAL), "ab") as f:
+        f.write(garbage)
+    before = agent.read(fmt.JOURNAL)
+    recovery = state_dir / "recovery" / agent.agent_id
+    HostStore.open(state_dir)
+    log = cli("log", "ada", check=True).stdout.splitlines()
+    assert len(log) == 1 and "before" in log[0]
+    cli("verify", agent.dir)
+    cli("export", "ada", "-o", str(tmp_path / "ada.tar"), check=True)
+    assert agent.read(fmt.JOURNAL) == before
+    assert not recovery.exists() or list(recovery.iterdir()) == []
+    assert verify_capsule(str(tmp_path / "ada.tar"))[1] == []  # the export holds the whole lines only
+    cli("append", "ada", "--kind", "note", "--text", "after", "-q", check=True)  # a writer repairs
+    lines = split_lines(agent.read(fmt.JOURNAL))
+    assert [json.loads(x)["text"] for x in lines] == ["before", "after"]
+    assert len(list(recovery.iterdir())) == 1

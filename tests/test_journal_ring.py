@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core import format as fmt
+from capsulefs.core.errors import FormatError
 from capsulefs.core.events import Note
 from capsulefs.core.journal import (
     RingMismatch,
@@ -485,6 +486,7 @@ def test_plain_journals_have_no_ring(tmp_path: Path) -> None:
 
 CHILD = r"""
 import itertools, os, sys
+from capsulefs.core.errors import FormatError
 from capsulefs.core.events import Note
 from capsulefs.core.journal import open_agent_journal
 from capsulefs.core.store import HostStore
@@ -783,3 +785,53 @@ def test_a_crash_that_left_a_page_of_an_unacknowledged_append_unwritten_does_not
     (saved,) = _recovery(store, agent)
     assert (Path(agent.recovery_dir) / saved).read_bytes() == garbage
     assert "NUL bytes" in caplog.text
+
+
+def test_a_crash_that_left_a_page_unwritten_right_after_the_ring_was_reset_does_not_stop_the_journal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same garbage when the ring holds no chain (a writer's open had
+    synced the journal and reset the ring): every acknowledged line was
+    then made durable by the journal's own fdatasync, which a crash cannot
+    undo, so the garbage past where the journal was synced was never
+    acknowledged. It made every open fail with a FormatError."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 5)
+    with _open(agent):  # a writer's open syncs the journal and resets the ring
+        pass
+    assert _chain(agent) == []
+    acked = agent.read(fmt.JOURNAL)
+    garbage = bytes(5000) + b'ng text of a note that was being appended"}\n'
+    with open(agent.path(fmt.JOURNAL), "ab") as f:
+        f.write(garbage)
+    HostStore.open(tmp_path / "state")  # a reader: leaves it
+    assert agent.read(fmt.JOURNAL) == acked + garbage
+    with _open(agent) as j:
+        assert j.lines() == split_lines(acked)
+        j.append(Note(text="after"))
+    assert len(_lines(agent)) == len(split_lines(acked)) + 1
+    (saved,) = _recovery(store, agent)
+    assert (Path(agent.recovery_dir) / saved).read_bytes() == garbage
+    assert "NUL bytes" in caplog.text
+
+
+def test_nuls_in_bytes_the_journal_had_synced_are_refused_not_cut(tmp_path: Path) -> None:
+    """NULs before the point the journal was synced to are damage to
+    acknowledged data, not a crash's leftovers: opening refuses, naming the
+    line, and moves nothing."""
+    store = HostStore.open(tmp_path / "state")
+    agent = _agent(store)
+    with _open(agent) as j:
+        _append_notes(j, 5)
+    with _open(agent):
+        pass
+    path = agent.path(fmt.JOURNAL)
+    first = len(split_lines(agent.read(fmt.JOURNAL))[0]) + 1
+    with open(path, "r+b") as f:
+        f.seek(first + 10)
+        f.write(bytes(8))
+    damaged = agent.read(fmt.JOURNAL)
+    with pytest.raises(FormatError, match="line 2"):
+        _open(agent)
+    assert agent.read(fmt.JOURNAL) == damaged and _recovery(store, agent) == []

@@ -101,7 +101,7 @@ def _journal_bytes(args: argparse.Namespace, target: str) -> Iterator[bytes]:
         return
     agent = open_store(args).find(target)
     agent.recover_journal()  # a reader's replay (or, in a store it may not write, a check)
-    yield read_journal_locked(agent.path(fmt.JOURNAL))
+    yield read_journal_locked(agent.path(fmt.JOURNAL), agent.ring_path)  # without a crash's unacknowledged garbage
 
 
 def cmd_log(args: argparse.Namespace) -> int:
