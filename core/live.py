@@ -7,7 +7,8 @@ Rules:
     the files as they are served right now, so a copy of an idle agent
     verifies. Blobs are served from the host store and never change.
   * Writable: ``memory/working_memory.md`` and ``environment/spec.json``
-    (any editor: in place, or a scratch file renamed over them), and
+    (any editor: in place, a scratch file renamed over them, or unlink and
+    create anew, which hides the name from the unlinking thread only), and
     ``memory/timeline_events.jsonl`` (append only, whole JSON lines). All
     else is read-only; the capsule's shape never changes through the mount.
   * An edit of an editable file is buffered (one :class:`Edit` per file,
@@ -196,6 +197,9 @@ class LiveAgent:
         self.handle = AgentHandle(host.store, agent_id)
         self.tail = JournalTail(self.handle.path(fmt.JOURNAL))
         self.edits: dict[str, Edit] = {}
+        #: Editable files unlinked, by the thread (pid) that unlinked each: the
+        #: name is gone for that thread only, until it creates the file anew.
+        self.unlinked: dict[str, int] = {}
         self._digests: dict[str, tuple[tuple[int, int, int, int], fmt.FileEntry]] = {}
         self._stored: tuple[tuple[int, int, int, int], fmt.Manifest] | None = None
         self._tree: tuple[object, dict[str, dict[str, Node]]] | None = None
@@ -410,7 +414,7 @@ class LiveAgent:
         """Save the edit of ``rel``; refused, it stays as its writers left it."""
         edit = self.edits[rel]
         self.save(rel, bytes(edit.data))
-        edit.dirty = edit.written = False
+        edit.dirty = edit.written = edit.fresh = False
 
     def detach_edit(self, rel: str) -> None:
         """``rel`` was replaced: its open writers keep writing to the old file."""
@@ -446,6 +450,7 @@ class LiveAgent:
     def save(self, rel: str, data: bytes) -> None:
         """Commit a new version of an editable file (validated first)."""
         text = self.check_edit(rel, data)
+        self.unlinked.pop(rel, None)  # a new version: there for everyone again
         if text is None:  # the spec
             self.handle.write_files({rel: data})
             self.host.changed(self.agent_id, rel)
@@ -646,12 +651,16 @@ class LiveHost:
         """Entries of a directory, hidden directories and scratch files left out."""
         return sorted(self._children(node).items())
 
-    def lookup(self, parent: Node, name: str) -> Node:
+    def lookup(self, parent: Node, name: str, pid: int | None = None) -> Node:
+        """The node ``name`` in ``parent`` names, as thread ``pid`` sees it
+        (an editable file it unlinked is gone for it; None: for no one)."""
         if parent.kind is Kind.AGENT and name in (CONTROL, SNAPSHOTS):
             self.agent(parent.agent).stored_manifest()  # the agent still exists
             return Node(Kind.CONTROL if name == CONTROL else Kind.SNAPSHOTS, parent.agent)
         child = self._children(parent, strict=False).get(name)
         if child is not None:
+            if pid is not None and child.kind is Kind.FILE and self.agent(child.agent).unlinked.get(child.rel) == pid:
+                raise NotFoundError(f"{child.rel}: unlinked by this process, not created again yet")
             return child
         if parent.kind is Kind.DIR and self.scratch.exists(parent.agent, parent.rel, name):
             return Node(Kind.SCRATCH, parent.agent, f"{parent.rel}/{name}")
@@ -785,12 +794,15 @@ class LiveHost:
             raise NotEmpty(f"{name} is an agent; remove agents with `capsulefs rm`")
         raise NotEmpty(f"{name} is part of a capsule and cannot be removed")
 
-    def create(self, parent: Node, name: str, mode: int, flags: int) -> tuple[Node, Handle]:
+    def create(self, parent: Node, name: str, mode: int, flags: int, pid: int = 0) -> tuple[Node, Handle]:
         if parent.kind is not Kind.DIR:
             if parent.kind in (Kind.SNAPSHOT, Kind.SNAP_DIR):
                 raise ReadOnly("snapshots are read-only")
             raise NotPermitted("files can only be created in memory/ and environment/ of an agent (editor scratch files)")
         existing = self._children(parent).get(name)
+        if existing is not None and existing.kind is Kind.FILE and \
+                self.agent(parent.agent).unlinked.get(existing.rel) == pid:
+            return existing, self._recreate(existing, flags)
         if existing is not None and existing.kind is Kind.FILE and existing.rel in EDITABLE \
                 and not flags & os.O_EXCL:
             # An editor that renamed the file away (as a backup) creates it
@@ -805,10 +817,33 @@ class LiveHost:
         fd = self.scratch.create(parent.agent, parent.rel, name, mode, flags)
         return Node(Kind.SCRATCH, parent.agent, f"{parent.rel}/{name}"), ScratchHandle(fd)
 
-    def unlink(self, parent: Node, name: str) -> None:
-        node = self.lookup(parent, name)
+    def _recreate(self, node: Node, flags: int) -> Handle:
+        """Thread that unlinked ``node`` (an editable file) creates it anew:
+        a new, empty file, whose first commit replaces the capsule's. Writers
+        still open on the old one write to it, which nothing commits."""
+        agent = self.agent(node.agent)
+        agent.check_writable()
+        agent.detach_edit(node.rel)
+        handle = EditHandle(agent, node.rel, True, append=bool(flags & os.O_APPEND))
+        _truncate_new(handle)
+        handle.edit.fresh = True
+        del agent.unlinked[node.rel]
+        return handle
+
+    def unlink(self, parent: Node, name: str, pid: int = 0) -> None:
+        """Remove a scratch file. An editable file's unlink only makes room:
+        the name is gone for thread ``pid`` until it creates the file anew
+        (``mv`` from another file system, ``install``, ``cp
+        --remove-destination`` unlink, then create with O_EXCL); everyone
+        else still sees the capsule's file, which stays until then."""
+        node = self.lookup(parent, name, pid)
         if node.is_dir:
             raise IsADirectory(f"{name} is a directory")
+        if node.kind is Kind.FILE and node.rel in EDITABLE:
+            self.check_writable(node.agent)
+            self.agent(node.agent).unlinked[node.rel] = pid
+            log.info("agent %s: %s unlinked by pid %d (kept until it is created anew)", node.agent, node.rel, pid)
+            return
         if node.kind is not Kind.SCRATCH:
             if node.kind is Kind.SNAP_FILE:
                 raise ReadOnly("snapshots are read-only")
@@ -887,7 +922,8 @@ class LiveHost:
                 os.chown(p, -1 if uid is None else uid, -1 if gid is None else gid)
             return
         a = self.attr(node)
-        if mode is not None and (mode & 0o7777) != a.perm:
+        edit = self.agent(node.agent).edits.get(node.rel) if node.kind is Kind.FILE else None
+        if mode is not None and (mode & 0o7777) != a.perm and not (edit is not None and edit.fresh):
             raise NotPermitted("the modes of capsule files are fixed")
         if (uid is not None and uid != (self.owner_uid if a.uid is None else a.uid)) or \
                 (gid is not None and a.gid is not None and gid != a.gid):

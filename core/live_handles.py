@@ -236,13 +236,17 @@ class Edit:
     ``dirty``: changed since the last commit; ``written``: by a write (not
     only a truncate). ``detached``: the file was replaced (renamed over)
     while open; like writers of an unlinked inode, its writers go on
-    writing bytes that nobody will see and nothing commits."""
+    writing bytes that nobody will see and nothing commits. ``fresh``: a
+    file created anew after an unlink, not committed yet; it takes the
+    capsule's mode at its commit, so mode changes until then are accepted
+    (``install`` copies under mode 0600, ``mv`` sets the source's mode)."""
 
     data: bytearray
     dirty: bool = False
     written: bool = False
     writers: int = 0
     detached: bool = False
+    fresh: bool = False
 
 
 class EditHandle(Handle):

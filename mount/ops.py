@@ -193,7 +193,7 @@ class Operations(pyfuse3.Operations):
     # -- names -----------------------------------------------------------------
     @fuse_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = self.live.lookup(self.inodes.node(parent_inode), _name(name))
+        node = self.live.lookup(self.inodes.node(parent_inode), _name(name), ctx.pid)
         attr = self.live.attr(node)
         return self._entry(self.inodes.ref(node), attr, node)
 
@@ -272,7 +272,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.live.unlink(self.inodes.node(parent_inode), _name(name))
+        self.live.unlink(self.inodes.node(parent_inode), _name(name), ctx.pid)
 
     @fuse_op
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
@@ -338,7 +338,8 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        node, handle = self.live.create(self.inodes.node(parent_inode), _name(name), mode & ~ctx.umask, flags)
+        node, handle = self.live.create(self.inodes.node(parent_inode), _name(name), mode & ~ctx.umask, flags,
+                                        ctx.pid)
         try:
             attr = self.live.attr(node)
         except BaseException:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -354,4 +355,65 @@ def test_an_append_goes_at_the_end_of_memory_changed_beside_the_mount(mnt: Path,
         f.write(b"- appended\n")
     assert wm.read_text() == longer + "- appended\n"
     assert kinds(mnt) == ["memory_edit", "memory_edit"]
+    verifies(mnt)
+
+
+def test_mv_install_cp_from_another_file_system_save_working_memory(mnt: Path, tmp_path: Path) -> None:
+    # Across file systems `mv` (and `install`, `cp --remove-destination`)
+    # unlink the target, then create it anew with O_EXCL: the unlink was EPERM.
+    wm = mnt / fmt.WORKING_MEMORY
+    saves = [(["mv"], "moved in\n"), (["install", "-m", "644"], "installed\n"),
+             (["cp", "--remove-destination"], "copied in\n")]
+    for argv, text in saves:
+        src = tmp_path / "new.md"
+        src.write_text(text)
+        done = subprocess.run([*argv, str(src), str(wm)], capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (0, ""), (argv, done.stderr)
+        assert wm.read_text() == text, argv
+    recs = check_chains((mnt / fmt.JOURNAL).read_bytes())
+    assert [(r.kind, r.event.text) for r in recs] == [("memory_edit", t) for _, t in saves]  # type: ignore[attr-defined]
+    spec = mnt / fmt.SPEC
+    new = {"version": 1, "entrypoint": ["python", "main.py"]}
+    (tmp_path / "spec.json").write_text(json.dumps(new))
+    subprocess.run(["mv", str(tmp_path / "spec.json"), str(spec)], check=True)
+    assert json.loads(spec.read_bytes()) == new
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    done = subprocess.run(["mv", str(bad), str(spec)], capture_output=True, text=True)
+    assert done.returncode != 0 and "Invalid argument" in done.stderr
+    assert json.loads(spec.read_bytes()) == new  # a refused spec leaves the old one, shown
+    verifies(mnt)
+
+
+def test_rm_of_working_memory_keeps_the_capsule_whole(mnt: Path) -> None:
+    # An unlink only makes room for the process that asked; the capsule
+    # keeps its file for everyone else, and nothing is journaled.
+    wm = mnt / fmt.WORKING_MEMORY
+    subprocess.run(["rm", str(wm)], check=True)
+    assert subprocess.run(["cat", str(wm)], capture_output=True, text=True, check=True).stdout == MEMORY
+    assert "working_memory.md" in os.listdir(mnt / "memory")
+    os.unlink(wm)
+    assert not wm.exists()  # for this thread, until it creates the file anew
+    with open(wm, "x") as f:
+        f.write("recreated\n")
+    assert wm.read_text() == "recreated\n"
+    assert kinds(mnt) == ["memory_edit"]
+    verifies(mnt)
+
+
+def test_mv_of_a_private_temp_file_saves_without_complaint(mnt: Path, tmp_path: Path) -> None:
+    # `tmp=$(mktemp); ...; mv "$tmp" working_memory.md`: the temp file is
+    # 0600, and mv sets that mode on the file it creates: refused, mv said
+    # "preserving permissions ... Operation not permitted".
+    wm = mnt / fmt.WORKING_MEMORY
+    src = tmp_path / "tmp.XXXXXX"
+    src.write_text("from mktemp\n")
+    src.chmod(0o600)
+    done = subprocess.run(["mv", str(src), str(wm)], capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert wm.read_text() == "from mktemp\n" and stat.S_IMODE(os.stat(wm).st_mode) == 0o644
+    with pytest.raises(OSError) as exc:
+        os.chmod(wm, 0o600)  # the capsule's modes stay fixed once it is saved
+    assert exc.value.errno == errno.EPERM
+    assert kinds(mnt) == ["memory_edit"]
     verifies(mnt)
