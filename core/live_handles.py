@@ -3,9 +3,18 @@
 Rules:
   * A handle raises only domain errors; the adapter maps them to errno.
   * Blobs and snapshot files are served as they are stored (the page cache
-    may keep them); computed or validated content (manifest, status, the
-    journal, a file being edited) bypasses it (``direct_io``) so that what
-    a reader gets is what the view says, never what a refused write left.
+    may keep them across opens); so are, for one open, the manifest and
+    editable files read (the kernel drops their pages when the size or
+    mtime changes). A file being edited, control files and the journal
+    bypass the page cache (``direct_io``) so that what a reader gets is
+    what the view says, never what a refused write left. The journal's
+    readers too: after a direct write the kernel takes the file's size to
+    be the offset plus the bytes written, but the stored line is longer
+    (stamped), so a read through the page cache would end mid-line until
+    the size is fetched again (pyfuse3 cannot ask for
+    FUSE_DIRECT_IO_ALLOW_MMAP, which would also drop cached pages at each
+    direct write). The kernel refuses a shared map of a direct I/O file
+    (ENODEV); a private one works.
 
 See :mod:`capsulefs.core.live` for the view that makes them.
 """
