@@ -830,7 +830,7 @@ class LiveHost:
         del agent.unlinked[node.rel]
         return handle
 
-    def unlink(self, parent: Node, name: str, pid: int = 0) -> None:
+    def unlink(self, parent: Node, name: str, pid: int) -> None:
         """Remove a scratch file. An editable file's unlink only makes room:
         the name is gone for thread ``pid`` until it creates the file anew
         (``mv`` from another file system, ``install``, ``cp
@@ -840,6 +840,8 @@ class LiveHost:
         if node.is_dir:
             raise IsADirectory(f"{name} is a directory")
         if node.kind is Kind.FILE and node.rel in EDITABLE:
+            if pid <= 0:  # a caller outside the mount's pid namespace: no thread to make room for
+                raise NotPermitted(f"{node.rel} is part of the capsule and cannot be removed")
             self.check_writable(node.agent)
             self.agent(node.agent).unlinked[node.rel] = pid
             log.info("agent %s: %s unlinked by pid %d (kept until it is created anew)", node.agent, node.rel, pid)

@@ -502,3 +502,24 @@ async def test_a_spec_whose_argv_or_env_holds_a_nul_is_refused(c: Client, store:
                 {"version": 1, "entrypoint": ["true"], "setup": [["make", "a\0"]]}):
         assert await errno_of(c.write(spec, json.dumps(bad).encode())) == errno.EINVAL, bad
     assert store.find("alice").read(fmt.SPEC) == old
+
+
+async def test_an_unlinked_editable_file_is_gone_only_for_the_thread_that_unlinked_it(c: Client, store: HostStore) -> None:
+    wm = f"alice/{fmt.WORKING_MEMORY}"
+    old = await c.read(wm)
+    mv, other = Ctx(pid=100), Ctx(pid=200)
+    c.ctx = mv
+    await c.unlink(wm)
+    assert await errno_of(c.lookup(wm)) == errno.ENOENT
+    assert await errno_of(c.unlink(wm)) == errno.ENOENT
+    c.ctx = other
+    assert await c.read(wm) == old and "working_memory.md" in await c.listdir("alice/memory")
+    assert await errno_of(c.create(wm, b"x")) == errno.EEXIST  # O_EXCL: it is there for this thread
+    c.ctx = Ctx(pid=0)  # outside the mount's pid namespace: the unlink is refused as before
+    assert await errno_of(c.unlink(wm)) == errno.EPERM
+    c.ctx = mv
+    await c.create(wm, b"made anew\n")
+    assert await c.read(wm) == b"made anew\n"
+    assert [r.kind for r in journal_records(store)] == ["memory_edit"]
+    c.ctx = other
+    assert await c.read(wm) == b"made anew\n"
