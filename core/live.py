@@ -706,7 +706,10 @@ class LiveHost:
             case Kind.SNAPSHOT | Kind.SNAP_DIR:
                 self._snap(node.agent, node.snap)
                 st = os.stat(self.snapshots.dir(node.agent, node.snap))
-                return Attr(True, 0o555, 0, st.st_mtime_ns, immutable=True)
+                # 0755 like the agent's own directories (writes are EROFS all
+                # the same): `cp -a` keeps the mode, and a copy of 0555
+                # directories cannot be copied into again or removed by its owner.
+                return Attr(True, 0o755, 0, st.st_mtime_ns, immutable=True)
             case Kind.SNAP_FILE:
                 c = self._snap(node.agent, node.snap)
                 mtime = os.stat(self.snapshots.file_path(node.agent, node.snap, fmt.MANIFEST)).st_mtime_ns
