@@ -20,7 +20,22 @@ if [ "${#missing[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# As root the daemon runs each agent as a uid of its own (capsulefs/sandbox.py),
+# and an agent running capsulefs runs this venv's interpreter: it must be
+# reachable by other users. One under /root (pyenv) is not: use Debian's then.
+others_reach() {
+    local p
+    p=$(readlink -f "$(command -v "$1")") || return 1
+    while [ "$p" != / ]; do
+        p=$(dirname "$p")
+        [ $(( 8#$(stat -c %a "$p") & 1 )) -eq 1 ] || return 1
+    done
+}
 PY=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ "$(id -u)" -eq 0 ] && ! others_reach "$PY" && [ -x /usr/bin/python3 ]; then
+    echo "setup: $(command -v "$PY") is not reachable by the agents' uids; using /usr/bin/python3"
+    PY=/usr/bin/python3
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

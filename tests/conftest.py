@@ -8,8 +8,10 @@ expects an error log uses the ``caplog`` fixture and asserts on it.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,32 @@ from capsulefs.core.store import HostStore
 
 REPO = Path(__file__).resolve().parent.parent
 CAPSULEFS = [sys.executable, "-m", "capsulefs"]
+
+
+@pytest.fixture(scope="session")
+def _reachable_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="capsulefs-pytest-", dir="/tmp"))
+    root.chmod(0o711)
+    yield root
+    with open("/proc/self/mountinfo") as f:
+        mounted = any(f" {root}/" in line for line in f)
+    if not mounted:  # (never delete through a mount a failed test left)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """As root, the supervisor runs every agent as a uid of its own
+    (capsulefs/sandbox.py), which must reach the state directory, the mount
+    and the test's scripts; pytest's own directories are under
+    /tmp/pytest-of-root, mode 0700. So as root a test's directory is one
+    every user may pass through (0711, not list), removed after the session."""
+    if os.geteuid() != 0:
+        return tmp_path
+    d = Path(tempfile.mkdtemp(prefix=request.node.name[:40].replace("/", "_") + "-",
+                              dir=request.getfixturevalue("_reachable_root")))
+    d.chmod(0o711)
+    return d
 
 
 @pytest.fixture
