@@ -48,7 +48,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from . import format as fmt
@@ -513,6 +513,12 @@ class LiveHost:
         self.new_event_id = new_event_id
         self.now_ns = now_ns
         self.owner_uid = owner_uid  # the mounting user; with root, may write .control
+        #: With sandbox isolation (agents run as uids of their own): the uid
+        #: an agent's processes run as, or None before it has one. Set, the
+        #: root is mode 0711, each agent's directory 0700, and the agent's
+        #: directory, files and folders (not .control) are its uid's, so
+        #: that its process, and no other agent's, can use them.
+        self.agent_owner: Callable[[str], int | None] | None = None
         self.work_dir = work_dir
         self.scratch = ScratchArea.under(work_dir)
         self.snapshots = Snapshots.under(work_dir)
@@ -667,6 +673,19 @@ class LiveHost:
         raise NotFoundError(f"{name}: no such file or directory")
 
     def attr(self, node: Node) -> Attr:
+        a = self._attr(node)
+        if self.agent_owner is None:
+            return a
+        if node.kind is Kind.ROOT:
+            return replace(a, perm=0o711)  # (agents pass through to their own; none lists the others)
+        owner = self.agent_owner(node.agent)
+        if node.kind is Kind.AGENT:
+            a = replace(a, perm=0o700)
+        if owner is None or node.kind in (Kind.CONTROL, Kind.CONTROL_FILE) or a.uid not in (None, self.owner_uid):
+            return a
+        return replace(a, uid=owner, gid=owner)
+
+    def _attr(self, node: Node) -> Attr:
         match node.kind:
             case Kind.ROOT:
                 return Attr(True, 0o755, 0, os.stat(self.store.agents_dir).st_mtime_ns)

@@ -190,6 +190,12 @@ class Operations(pyfuse3.Operations):
             for ino in self.inodes.all_of(node):
                 self.kernel.invalidate_attr(ino)
 
+    def owner_changed(self, agent_id: str) -> None:
+        """The agent was given a uid of its own (sandbox isolation): drop the
+        kernel's attributes of every inode of it, which name the old owner."""
+        for ino in self.inodes.find(lambda node: node.agent == agent_id):
+            self.kernel.invalidate_attr(ino)
+
     # -- names -----------------------------------------------------------------
     @fuse_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
