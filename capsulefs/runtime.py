@@ -11,7 +11,12 @@ Rules:
     carries them. Retiring discards the host-local sandbox; so does removing
     the agent (``capsulefs rm``), which stops its process the same way first.
   * ``.control/status`` gains a "run" section: the process state, pid,
-    restarts, last exit and, in words, why it does not run.
+    restarts, last exit, in words why it does not run, and whether it runs
+    isolated ("isolation").
+  * With isolation on (the daemon runs as root), the agent processes run as
+    uids of their own and must reach their capsules through the mount: it
+    is mounted ``allow_other``, its root is mode 0711 and each agent's
+    directory 0700, owned by that agent's uid (see core/live.py).
 
 Theory of operation: :class:`AgentRuntime` is both a daemon listener (its
 ``on_*`` methods run inside the daemon's freeze/resume/retire/activate) and
@@ -56,6 +61,10 @@ class AgentRuntime:
     @classmethod
     def attach(cls, daemon: Any, **kw: Any) -> "AgentRuntime":
         rt = cls(daemon, **kw)
+        if rt.supervisor.isolation.enabled:
+            daemon.allow_other = True  # (the mount is made later, in daemon.serve)
+            daemon.live.agent_owner = rt.supervisor.isolation.owner_of
+            rt.supervisor.isolation.on_new_owner = daemon.ops.owner_changed
         daemon.listeners.append(rt)
         daemon.services.append(rt.serve)
         daemon.live.status_sections["run"] = rt.run_status
@@ -114,6 +123,7 @@ class AgentRuntime:
 
     def run_status(self, agent_id: str) -> dict[str, Any]:
         st = self.supervisor.status(agent_id).as_json()
+        st["isolation"] = self.supervisor.isolation.describe(agent_id)
         ok, why = self.runnable(agent_id)
         if not ok and st["state"] in ("stopped", "frozen"):
             st["detail"] = why

@@ -21,6 +21,10 @@ Rules:
     it returns, so an offer carries them.
   * A run ends with its process: once it exits (crashed, finished or
     stopped), what is left of its process group (tools it started) is killed.
+  * As root, the agent's processes run as a uid of its own, in a cgroup of
+    their own, and cannot read the state directory (capsulefs/sandbox.py);
+    a run ends with that cgroup, so a process that left the process group
+    goes too. Not root: isolation is off, and the status says so.
   * A crash (non-zero exit) is followed by a restart with exponential
     backoff, visible in the status. An exit with status 0 means the agent
     finished; it is not restarted until wanted again.
@@ -48,6 +52,7 @@ from typing import Any, Protocol
 import trio
 
 from capsulefs import grants, keychain
+from capsulefs.sandbox import Isolation
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
@@ -149,9 +154,14 @@ class Child:
     on the event loop; waiting costs nothing (the pidfd becomes readable when
     the process exits). Many tasks may wait; one of them watches the pidfd."""
 
-    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], output: int | None = None) -> None:
+    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], output: int | None = None,
+                 preexec: Callable[[], None] = _die_with_parent, kill_rest: Callable[[], None] | None = None) -> None:
+        """``preexec`` runs in the child before exec (it must set PDEATHSIG,
+        as :func:`_die_with_parent` does); ``kill_rest`` kills what is left of
+        the run besides its process group (its cgroup) once the process exited."""
         self._popen = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                       stdout=output, stderr=output, preexec_fn=_die_with_parent)
+                                       stdout=output, stderr=output, preexec_fn=preexec)
+        self._kill_rest = kill_rest
         self.pid = self._popen.pid
         self._pidfd = os.pidfd_open(self.pid)
         self._waiting = False
@@ -170,6 +180,8 @@ class Child:
             if exited is None:
                 return None
             _signal_group(self.pid, signal.SIGKILL)
+            if self._kill_rest is not None:
+                self._kill_rest()
         return self._popen.poll()
 
     async def wait(self) -> int:
@@ -245,8 +257,11 @@ class _Runner:
 class Supervisor:
     def __init__(self, state_dir: str, hooks: Hooks, *, grace: float = GRACE_SECONDS,
                  base_env: Mapping[str, str] | None = None, healthy: float = BACKOFF_MAX,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, isolation: Isolation | None = None) -> None:
         self.state_dir = state_dir
+        #: How agents are kept from the daemon's files and each other
+        #: (detected: on as root; see capsulefs/sandbox.py).
+        self.isolation = isolation if isolation is not None else Isolation.detect(state_dir)
         #: A run that lasted this long (by ``clock``, real time: the wall of
         #: the agent's own work, not trio's) was healthy: the restart after
         #: its crash waits BACKOFF_FIRST again, not the delay earlier
@@ -266,6 +281,9 @@ class Supervisor:
     # -- lifecycle -----------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the agents' tasks; never returns until cancelled."""
+        self.isolation.announce()
+        if self.isolation.enabled:
+            self.isolation.harden_state_dir()
         self.reap_orphans()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -278,6 +296,8 @@ class Supervisor:
                 with trio.CancelScope(shield=True):
                     for runner in list(self._runners.values()):
                         await self._stop_process(runner)
+                    if self.isolation.cgroups is not None:
+                        self.isolation.cgroups.close()
 
     def status(self, agent_id: str) -> RunStatus:
         r = self._runners.get(agent_id)
@@ -314,6 +334,14 @@ class Supervisor:
                 killed.append(pgid)
                 log.warning("killed agent %s's process group %d, left by an earlier daemon", agent_id, pgid)
             os.unlink(path)
+        cgroups = self.isolation.cgroups
+        for agent_id in cgroups.leftovers() if cgroups is not None else ():
+            if cgroups.populated(agent_id):
+                log.warning("killing what is left in agent %s's cgroup, left by an earlier daemon", agent_id)
+                cgroups.kill(agent_id)
+            cgroups.remove(agent_id)  # (still dying: removed after its next run)
+        if cgroups is not None:
+            cgroups.close()  # (made again by the next run)
         return killed
 
     def want(self, agent_id: str) -> None:
@@ -356,6 +384,8 @@ class Supervisor:
         for r in list(self._runners.values()):
             if r.process is not None and r.process.returncode is None:
                 _signal_group(r.process.pid, signal.SIGKILL)
+                if self.isolation.cgroups is not None:
+                    self.isolation.cgroups.kill(r.agent_id)
 
     async def freeze(self, agent_id: str, *, sync: bool = True) -> None:
         """Stop the agent for a move; with ``sync``, commit its sandbox first
@@ -451,17 +481,27 @@ class Supervisor:
                 # agent in it, and the next sync would delete what is missing.
                 shutil.rmtree(cwd, ignore_errors=True)
                 raise SandboxBuildError(f"its sandbox could not be built from the snapshot: {exc}") from None
+        capsule_dir = self.hooks.capsule_dir(r.agent_id)
+        home = os.path.dirname(cwd)
+        if self.isolation.enabled:
+            # (the mount point, not the capsule dir: a stat there would wait on this very daemon)
+            self.isolation.prepare(r.agent_id, cwd, reach=[cwd, os.path.dirname(capsule_dir)])
+            home = self.isolation.home(r.agent_id)
         env = dict(self.base_env)
         env.setdefault("PATH", os.defpath)
         env.update(spec.get("env", {}))
-        env["HOME"] = os.path.dirname(cwd)
-        env["CAPSULE_DIR"] = self.hooks.capsule_dir(r.agent_id)
+        env["HOME"] = home
+        env["CAPSULE_DIR"] = capsule_dir
         env["CAPSULE_AGENT_ID"] = r.agent_id
         env.update(secrets)
         env[SECRETS_ENV] = ",".join(sorted(secrets))
         argv = list(entry)
         if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
             argv[:1] = [sys.executable, "-m", "capsulefs"]
+        if self.isolation.enabled:  # (an interpreter under /root, say: say so, not just EACCES)
+            program = shutil.which(argv[0], path=env["PATH"]) if os.sep not in argv[0] else os.path.join(cwd, argv[0])
+            if program is not None:
+                self.isolation.check_reachable(r.agent_id, os.path.realpath(program))
         return argv, env, cwd, list(spec.get("setup", []))
 
     async def _setup(self, r: _Runner, setup: list[list[str]], env: dict[str, str], cwd: str) -> bool:
@@ -489,10 +529,20 @@ class Supervisor:
 
     async def _run_child(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str, *, what: str,
                          agent: bool = False, output: int | None = None) -> int | None:
+        iso, kill_rest = self.isolation, None
         try:
-            proc = Child(argv, cwd=cwd, env=env, output=output)
+            if iso.cgroups is not None:
+                kill_rest = partial(iso.cgroups.kill, r.agent_id)
+            preexec = iso.preexec(r.agent_id) if iso.enabled else _die_with_parent
+            proc = Child(argv, cwd=cwd, env=env, output=output, preexec=preexec, kill_rest=kill_rest)
         except (OSError, ValueError) as exc:
             r.status.detail = f"{what} could not start: {_why_not_started(exc)}"
+            await self._end_cgroup(r.agent_id)  # (made for it; the failed child is reaped)
+            return None
+        except subprocess.SubprocessError:  # (raised in preexec: joining the cgroup, dropping the uid)
+            r.status.detail = f"{what} could not start: it could not enter its sandbox"
+            log.warning("agent %s: %s", r.agent_id, r.status.detail)
+            await self._end_cgroup(r.agent_id)
             return None
         r.process = proc
         with open(self._pidfile(r.agent_id), "w") as f:  # (for reap_orphans)
@@ -504,9 +554,10 @@ class Supervisor:
         try:
             return await proc.wait()
         finally:
-            if proc.returncode is None:
-                with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True):
+                if proc.returncode is None:
                     await self._stop_process(r)
+                await self._end_cgroup(r.agent_id)
 
     async def _stop_process(self, r: _Runner) -> None:
         proc = r.process
@@ -523,11 +574,27 @@ class Supervisor:
             # when it may name another session.)
             _signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
+        await self._end_cgroup(r.agent_id)
         r.process = None
         try:
             os.unlink(self._pidfile(r.agent_id))
         except FileNotFoundError:
             pass
 
+    async def _end_cgroup(self, agent_id: str) -> None:
+        """Once the run's process was reaped: kill everything left in its
+        cgroup (what left the process group: ``setsid``), wait until the
+        cgroup is empty and remove it."""
+        cgroups = self.isolation.cgroups
+        if cgroups is None:
+            return
+        cgroups.kill(agent_id)
+        began = self._clock()
+        while cgroups.populated(agent_id) and self._clock() - began < self.grace + 5.0:
+            await trio.sleep(0.01)
+        if not cgroups.remove(agent_id):
+            log.warning("agent %s: its cgroup still holds processes after cgroup.kill", agent_id)
+
     def discard_sandbox(self, agent_id: str) -> None:
         discard_sandbox(self.state_dir, agent_id)
+        self.isolation.forget(agent_id)

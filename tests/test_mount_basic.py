@@ -162,7 +162,9 @@ def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, s
     mnt.chmod(0o755)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c"]
     try:
-        with mounted(state_dir, mnt, "--allow-other"):
+        # (--no-run: with agents run isolated, as root, the mount keeps every
+        # agent's directory to its own uid; tests/test_sandbox.py checks that)
+        with mounted(state_dir, mnt, "--allow-other", "--no-run"):
             ctl = mnt / "alice" / ".control"
             read = subprocess.run([*nobody, f"cat {ctl / 'status'}"], capture_output=True, text=True)
             assert read.returncode == 0 and json.loads(read.stdout)["name"] == "alice"

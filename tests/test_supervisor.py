@@ -80,6 +80,14 @@ def _agent_with_spec(store: HostStore, spec: dict, *, granted: bool = True) -> A
     return agent
 
 
+def _home(sup: Supervisor, agent_id: str) -> str:
+    """The agent's HOME: a directory of its own beside its workspace when it
+    runs isolated (as root), else the sandbox's directory (as before)."""
+    if sup.isolation.enabled:
+        return sup.isolation.home(agent_id)
+    return os.path.dirname(sup.sandbox(agent_id))
+
+
 async def _wait_for(predicate, what: str, limit: float = 30.0) -> None:
     """Poll ``predicate`` until ``limit`` seconds of trio's clock pass (virtual under MockClock)."""
     with trio.move_on_after(limit):
@@ -118,7 +126,7 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
         assert seen["cwd"] == sup.sandbox(agent.agent_id)
         assert seen["files"] == ["notes"]  # the workspace came from the snapshot
         assert seen["env"] == {"CAPSULE_DIR": str(tmp_path / "mnt" / "runner"), "GREETING": "hello",
-                               "API_TOKEN": "s3cr3t-value", "DEPLOY_KEY": None, "HOME": os.path.dirname(seen["cwd"])}
+                               "API_TOKEN": "s3cr3t-value", "DEPLOY_KEY": None, "HOME": _home(sup, agent.agent_id)}
         await sup.freeze(agent.agent_id)
         assert sup.status(agent.agent_id).state is RunState.FROZEN
         with pytest.raises(ProcessLookupError):
