@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 work=$(mktemp -d -t capsulefs-demo.XXXXXX)
+# As root each agent runs as a uid of its own, which must pass through here
+# to reach its sandbox and its capsule in the mount (0711: pass, not list).
+chmod 711 "$work"
 CFS=.venv/bin/capsulefs
 pids=()
 cleanup() {
