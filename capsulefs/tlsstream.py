@@ -72,6 +72,9 @@ class _OneTask:
         self._busy = False
 
 
+_IGNORE_UNEXPECTED_EOF = getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
+
+
 class TLSStream(trio.abc.Stream):
     """A TLS client or server over ``transport``, from ``context``."""
 
@@ -86,6 +89,10 @@ class TLSStream(trio.abc.Stream):
         self.transport_stream = transport
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
+        # Some Pythons (Debian 12's 3.11.2) set OP_IGNORE_UNEXPECTED_EOF on
+        # every context: a transport that ends without close_notify (a
+        # truncation) would then read as a clean end of file.
+        context.options &= ~_IGNORE_UNEXPECTED_EOF
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
                                      server_hostname=server_hostname)
         self._state = _State.OPEN
