@@ -947,11 +947,16 @@ class LiveHost:
             return
         a = self.attr(node)
         edit = self.agent(node.agent).edits.get(node.rel) if node.kind is Kind.FILE else None
-        if mode is not None and (mode & 0o7777) != a.perm and not (edit is not None and edit.fresh):
+        if edit is not None and edit.fresh:
+            # Created anew after an unlink, not committed yet: `mv` and
+            # `install` set the source's mode and owner; the commit gives it
+            # the capsule's, as any save does.
+            return
+        if mode is not None and (mode & 0o7777) != a.perm:
             raise NotPermitted("the modes of capsule files are fixed")
         if (uid is not None and uid != (self.owner_uid if a.uid is None else a.uid)) or \
                 (gid is not None and a.gid is not None and gid != a.gid):
-            raise NotPermitted("the owner of capsule files is the mounting user")
+            raise NotPermitted("the owner of capsule files is the mounting user, or the agent's own uid")
 
     def utimens(self, node: Node, atime_ns: int | None, mtime_ns: int | None) -> None:
         """Times are real on scratch files and ignored elsewhere (``touch`` works)."""

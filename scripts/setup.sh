@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(libfuse3-dev fuse3 pkg-config attr vim zstd iproute2 python3-venv rsync)
+debs=(libfuse3-dev fuse3 pkg-config attr vim zstd iproute2 python3-venv python3-dev rsync)
 missing=()
 for p in "${debs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from helpers import extract_all
 
 
 def test_help_lists_the_commands(cli) -> None:
@@ -107,7 +108,7 @@ def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> N
     cli("export", "v", "-o", str(tar), check=True)
     d = tmp_path / "v"
     with tarfile.open(tar) as tf:
-        tf.extractall(d, filter="data")
+        extract_all(tf, d)
     (d / "memory" / "working_memory.md").write_text("changed")
     (d / "environment" / "spec.json").unlink()
     (d / "unlisted").write_text("x")

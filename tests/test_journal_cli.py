@@ -20,6 +20,7 @@ from capsulefs.core import format as fmt
 from capsulefs.core.archive import verify_capsule
 from capsulefs.core.journal import split_lines, verify_lines
 from capsulefs.core.store import HostStore
+from helpers import extract_all
 
 
 @pytest.fixture
@@ -313,7 +314,7 @@ def test_merge_of_copies_named_differently_says_which_name_it_kept(cli, tmp_path
     renamed = tmp_path / "renamed"
     renamed.mkdir()
     with tarfile.open(a_tar) as tf:
-        tf.extractall(renamed, filter="data")
+        extract_all(tf, renamed)
     manifest = json.loads((renamed / fmt.MANIFEST).read_text())
     manifest["name"] = "ada-renamed"
     (renamed / fmt.MANIFEST).write_text(json.dumps(manifest))

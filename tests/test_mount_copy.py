@@ -49,7 +49,8 @@ def test_a_user_copies_a_snapshot_syncs_it_again_and_deletes_the_copy(store: Hos
     mnt, backup = public / "mnt", public / "backup"
     backup.mkdir()
     os.chown(backup, NOBODY, NOBODY)
-    with mounted(state_dir, mnt, "-o", "allow_other"):
+    # (--no-run: as root a running agent's directory is its own uid's, 0700, closed to other users)
+    with mounted(state_dir, mnt, "-o", "allow_other", "--no-run"):
         snap = mnt / "alice" / ".snapshots" / "nightly"
         snap.mkdir()
         runs = [["cp", "-a", str(snap), str(backup / "copied")]]

@@ -397,6 +397,8 @@ class Watcher:
 def start_ticker(a: Host, tmp_path: Path) -> tuple[Path, Path]:
     script, shared = tmp_path / "ticker.py", tmp_path / "ticks.log"
     script.write_text(TICKER)
+    shared.touch()
+    shared.chmod(0o666)  # (as root each host runs the agent as a uid of its own)
     spec_path = a.mnt / "walker" / "environment" / "spec.json"
     spec = json.loads(spec_path.read_text())
     spec["entrypoint"] = [sys.executable, str(script), str(shared)]
