@@ -298,7 +298,9 @@ class Daemon:
         one at a time on this loop, so none is half-done when this returns:
         a move may copy the files. (An in-place edit still open is refused
         at its close.) Listeners first stop the agent's process and commit
-        its workspace."""
+        its workspace; that scan runs in a worker thread, and the mount
+        serves every agent meanwhile, this one's writes included (they are
+        in what a move then copies)."""
         for listener in self.listeners:
             await listener.on_freeze(agent_id)  # type: ignore[attr-defined]
         self.live.freeze(agent_id)

@@ -10,6 +10,11 @@ Rules:
     and a new snapshot, before the mount starts refusing writes, so the offer
     carries them. Retiring discards the host-local sandbox; so does removing
     the agent (``capsulefs rm``), which stops its process the same way first.
+  * The commit runs in the supervisor's worker thread (a workspace may hold
+    gigabytes): the new blobs are read, checked against the scan's digests
+    and stored there, with gc held off; then one step on the event loop,
+    which no other request interleaves with, lists them, journals the event
+    and writes the snapshot. A cancel stops it before that step, or not at all.
   * ``.control/status`` gains a "run" section: the process state, pid,
     restarts, last exit, in words why it does not run, and whether it runs
     isolated ("isolation").
@@ -89,21 +94,31 @@ class AgentRuntime:
         """New blobs, listed in the manifest, one workspace_update event, the
         new snapshot: in that order, so a crash between steps leaves at worst
         unreferenced blobs (gc's) or listed ones no event names, never an
-        event naming blobs gc may take."""
-        agent = self.store.agent(agent_id)
-        snap = dict(self.snapshot(agent_id))
-        with self.store.writing():
+        event naming blobs gc may take.
+
+        Called in a worker thread (the supervisor's sync, under the agent's
+        sandbox lock): the blobs are stored here, the rest on the event loop."""
+        check = trio.from_thread.check_cancelled
+        with self.store.writing():  # (gc takes none of the new blobs until the manifest lists them)
             for sha, path in scan.new_files.items():
                 # (the sandbox may have changed since the scan: never through
                 # a symlink or into a FIFO, and only the bytes the scan hashed)
-                with workspace.open_regular(path) as f:
-                    self.store.put_blob_stream(f, expect=sha)
-            agent.list_blobs(scan.new_files)  # before the journal names them (gc)
-            self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])
-            apply_workspace_changes(snap, scan.changes)
-            agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
-        self.live.changed(agent_id, fmt.SNAPSHOT)
+                with workspace.open_regular(path, check=check) as f:
+                    self.store.put_blob_stream(f, expect=sha)  # type: ignore[arg-type]
+            check()  # the last point a cancel stops the commit at
+            trio.from_thread.run_sync(self._record_workspace, agent_id, scan)
         log.info("agent %s: workspace synced (%d change(s))", agent_id, len(scan.changes))
+
+    def _record_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
+        """The commit's step on the event loop (no checkpoint: no FUSE request
+        sees it half-done), its blobs stored: list them, journal, snapshot."""
+        agent = self.store.agent(agent_id)
+        snap = dict(self.snapshot(agent_id))
+        agent.list_blobs(scan.new_files)  # before the journal names them (gc)
+        self.live.agent(agent_id).append([WorkspaceUpdate(changes=scan.changes)])
+        apply_workspace_changes(snap, scan.changes)
+        agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
+        self.live.changed(agent_id, fmt.SNAPSHOT)
 
     # -- who may run ---------------------------------------------------------------------
     def runnable(self, agent_id: str) -> tuple[bool, str]:

@@ -19,6 +19,12 @@ Rules:
     period, then SIGKILL. Freezing stops the process and syncs the sandbox's
     changes back into the capsule (:class:`Hooks.commit_workspace`) before
     it returns, so an offer carries them.
+  * A sandbox may hold gigabytes, and the event loop serves the whole mount:
+    syncing it (the scan, hashing, storing its blobs) runs in a worker
+    thread, never on the loop. One sync at a time per agent (its sandbox
+    lock): a second freeze waits for the first's sync and then finds nothing
+    new. A cancelled sync stops within a chunk
+    (``trio.from_thread.check_cancelled``).
   * A run ends with its process: once it exits (crashed, finished or
     stopped), what is left of its process group (tools it started) is killed.
   * As root, the agent's processes run as a uid of its own, in a cgroup of
@@ -221,7 +227,11 @@ class Hooks(Protocol):
 
     def capsule_dir(self, agent_id: str) -> str: ...
 
-    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None: ...
+    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
+        """Store the scan's changes in the capsule. Called in a worker thread
+        (under the agent's sandbox lock); what must happen on the event loop
+        goes there through ``trio.from_thread``."""
+        ...
 
 
 @dataclass
@@ -275,6 +285,9 @@ class Supervisor:
             k: v for k, v in os.environ.items() if k in BASE_ENV_KEYS
         }
         self._runners: dict[str, _Runner] = {}
+        #: Per agent: held while a worker thread syncs its sandbox (see the
+        #: module's rules).
+        self._sandbox_locks: dict[str, trio.Lock] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False  # stop_all began: no agent starts again
 
@@ -305,6 +318,9 @@ class Supervisor:
 
     def sandbox(self, agent_id: str) -> str:
         return os.path.join(self.sandbox_root, agent_id, "workspace")
+
+    def _sandbox_lock(self, agent_id: str) -> trio.Lock:
+        return self._sandbox_locks.setdefault(agent_id, trio.Lock())
 
     def _pidfile(self, agent_id: str) -> str:
         return os.path.join(self.sandbox_root, agent_id, "pid")
@@ -364,8 +380,8 @@ class Supervisor:
         if r is not None:
             r.cancel.cancel()
             await r.done.wait()
-        if sync and os.path.isdir(self.sandbox(agent_id)):
-            self.sync_workspace(agent_id)
+        if sync:
+            await self.sync_workspace(agent_id)
 
     async def stop_all(self) -> None:
         """Stop every agent at a step boundary, all at once, and start none
@@ -396,8 +412,20 @@ class Supervisor:
             r.status.state = RunState.FROZEN
             r.status.detail = "frozen for a move"
 
-    def sync_workspace(self, agent_id: str) -> workspace.ScanResult:
-        scan = workspace.scan(self.sandbox(agent_id), self.hooks.snapshot(agent_id))
+    async def sync_workspace(self, agent_id: str) -> workspace.ScanResult | None:
+        """Commit the sandbox's changes (None if it has no sandbox here), in a
+        worker thread: the event loop serves every other agent meanwhile.
+        Cancelled, it stops within a chunk and commits nothing (blobs it
+        stored are gc's), unless the commit's step on the loop began: that
+        one completes."""
+        async with self._sandbox_lock(agent_id):
+            return await trio.to_thread.run_sync(self._sync_in_thread, agent_id)
+
+    def _sync_in_thread(self, agent_id: str) -> workspace.ScanResult | None:
+        sandbox = self.sandbox(agent_id)
+        if not os.path.isdir(sandbox):  # (a scan of nothing would journal every file as deleted)
+            return None
+        scan = workspace.scan(sandbox, self.hooks.snapshot(agent_id), check=trio.from_thread.check_cancelled)
         if scan.changes:
             self.hooks.commit_workspace(agent_id, scan)
         return scan

@@ -22,6 +22,13 @@ Theory of operation:
   * A directory the scan cannot list (a daemon not run as root, a directory
     the agent made unreadable) keeps its files' snapshot entries: what it
     holds is unknown, not gone.
+  * A workspace may hold gigabytes: the daemon runs :func:`scan`, the
+    commit's reads and :func:`materialize` in a worker thread, never on its
+    event loop (which serves the whole mount). Each takes a ``check``
+    callable, called before every file and every chunk read, that may raise
+    to stop the work within a chunk (the daemon passes trio's
+    ``from_thread.check_cancelled``); only :func:`materialize` then leaves
+    something half-done: the sandbox it was writing, for its caller to remove.
 
 Rules: paths are checked with the capsule path rules both ways, so a
 snapshot cannot write outside the sandbox and a sandbox cannot smuggle an
@@ -47,16 +54,30 @@ from .hashing import hash_stream
 log = logging.getLogger(__name__)
 
 
-def materialize(snapshot: Mapping[str, str], read_blob: Callable[[str], Iterator[bytes]], dest: str) -> None:
-    """Make ``dest`` hold exactly the snapshot's files (removing anything else)."""
+def _no_check() -> None:
+    pass
+
+
+def _checked(chunks: Iterator[bytes], check: Callable[[], None]) -> Iterator[bytes]:
+    for chunk in chunks:
+        check()
+        yield chunk
+
+
+def materialize(snapshot: Mapping[str, str], read_blob: Callable[[str], Iterator[bytes]], dest: str, *,
+                check: Callable[[], None] = _no_check) -> None:
+    """Make ``dest`` hold exactly the snapshot's files (removing anything
+    else). ``check`` is called before each file and chunk (it may raise:
+    ``dest`` is then left half-written, for the caller to remove)."""
     if os.path.isdir(dest):
         shutil.rmtree(dest)
     makedirs_durable(dest, 0o755)
     for path, sha in sorted(snapshot.items()):
+        check()
         fmt.check_relpath(path, "workspace path")
         target = os.path.join(dest, path)
         makedirs_durable(os.path.dirname(target))
-        atomic_write(target, read_blob(sha))
+        atomic_write(target, _checked(read_blob(sha), check))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +109,44 @@ def _open_fd(name: str, dir_fd: int | None = None) -> int | None:
     return fd
 
 
-def open_regular(path: str) -> BinaryIO:
+class CheckedReader:
+    """An unbuffered file whose every read first calls ``check`` (which may
+    raise: a long hash or copy stops within one chunk)."""
+
+    def __init__(self, f: BinaryIO, check: Callable[[], None]) -> None:
+        self._f, self._check = f, check
+
+    def read(self, n: int = -1) -> bytes:
+        self._check()
+        return self._f.read(n)
+
+    def readinto(self, buf: bytearray | memoryview) -> int:
+        self._check()
+        return self._f.readinto(buf)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "CheckedReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_regular(path: str, *, check: Callable[[], None] = _no_check) -> CheckedReader:
     """Open a sandbox file the scan found, for reading: refuses (UnsafePathError)
     anything that is not, or is no longer, a regular file, without following
-    a symlink or blocking on a FIFO."""
+    a symlink or blocking on a FIFO. Each read first calls ``check``."""
     fd = _open_fd(path)
     if fd is None:
         raise UnsafePathError(f"workspace file {path} is no longer a regular file")
-    return os.fdopen(fd, "rb", buffering=0)
+    return CheckedReader(os.fdopen(fd, "rb", buffering=0), check)
 
 
-def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
-    """Changes of the sandbox ``dest`` relative to ``snapshot``."""
+def scan(dest: str, snapshot: Mapping[str, str], *, check: Callable[[], None] = _no_check) -> ScanResult:
+    """Changes of the sandbox ``dest`` relative to ``snapshot``. ``check`` is
+    called before each entry and each chunk hashed (it may raise to stop)."""
     seen: dict[str, tuple[str, str]] = {}
     skipped: list[str] = []
     found: set[str] = {""}  # directories met (as directories, not links to them), "" the sandbox itself
@@ -109,6 +156,7 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
         top = "" if top == "." else top
         listed.add(top)
         for name in sorted(dirs + files):
+            check()
             full = os.path.join(root, name)
             rel = os.path.relpath(full, dest).replace(os.sep, "/")
             try:
@@ -134,7 +182,7 @@ def scan(dest: str, snapshot: Mapping[str, str]) -> ScanResult:
             if fd is None:  # swapped for something else since the stat
                 skipped.append(rel)
                 continue
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            with CheckedReader(os.fdopen(fd, "rb", buffering=0), check) as f:
                 sha, _size = hash_stream(f)  # type: ignore[arg-type]
             seen[rel] = (sha, full)
     # A directory met but never listed could not be opened or read (EACCES
