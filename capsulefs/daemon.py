@@ -361,7 +361,8 @@ class Daemon:
                     await self.activate(agent_id)
                 raise
             self.live.forget(agent_id)
-            discard_leftovers(self.state_dir, work_dir(self.state_dir), agent_id)
+            # (a sandbox may hold gigabytes: off the loop that serves the mount)
+            await trio.to_thread.run_sync(discard_leftovers, self.state_dir, work_dir(self.state_dir), agent_id)
         log.info("removed agent %s (%s)", name, agent_id)
 
     def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None:

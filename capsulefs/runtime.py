@@ -185,7 +185,7 @@ class AgentRuntime:
     async def on_retire(self, agent_id: str) -> None:
         self._paused.discard(agent_id)
         await self.supervisor.unwant(agent_id, sync=False)
-        self.supervisor.discard_sandbox(agent_id)
+        await self.supervisor.discard_sandbox(agent_id)
 
     async def on_remove(self, agent_id: str) -> None:
         """The agent is being removed (already hidden): stop its process,

@@ -20,11 +20,13 @@ Rules:
     changes back into the capsule (:class:`Hooks.commit_workspace`) before
     it returns, so an offer carries them.
   * A sandbox may hold gigabytes, and the event loop serves the whole mount:
-    syncing it (the scan, hashing, storing its blobs) runs in a worker
-    thread, never on the loop. One sync at a time per agent (its sandbox
-    lock): a second freeze waits for the first's sync and then finds nothing
-    new. A cancelled sync stops within a chunk
-    (``trio.from_thread.check_cancelled``).
+    building a sandbox, syncing it (the scan, hashing, storing its blobs)
+    and discarding it run in a worker thread, never on the loop. One such
+    job at a time per agent (its sandbox lock): a second freeze waits for
+    the first's sync and then finds nothing new, and no process starts in a
+    sandbox being scanned, built or removed. A cancelled job stops within a
+    chunk (``trio.from_thread.check_cancelled``); a cancelled build removes
+    what it wrote.
   * A run ends with its process: once it exits (crashed, finished or
     stopped), what is left of its process group (tools it started) is killed.
   * As root, the agent's processes run as a uid of its own, in a cgroup of
@@ -285,8 +287,8 @@ class Supervisor:
             k: v for k, v in os.environ.items() if k in BASE_ENV_KEYS
         }
         self._runners: dict[str, _Runner] = {}
-        #: Per agent: held while a worker thread syncs its sandbox (see the
-        #: module's rules).
+        #: Per agent: held while a worker thread builds, syncs or discards its
+        #: sandbox (see the module's rules), never across a checkpoint elsewhere.
         self._sandbox_locks: dict[str, trio.Lock] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False  # stop_all began: no agent starts again
@@ -440,7 +442,7 @@ class Supervisor:
                 await trio.lowlevel.checkpoint()
                 while not self._stopping:
                     try:
-                        argv, env, cwd, setup = self._prepare(r)
+                        argv, env, cwd, setup = await self._prepare(r)
                     except (CapsuleError, OSError) as exc:  # (OSError: a snapshot whose paths collide, a full disk)
                         if r.status.state is not RunState.BLOCKED or not r.status.detail.startswith(str(exc)):
                             log.warning("agent %s not started: %s", r.agent_id, exc)
@@ -490,7 +492,7 @@ class Supervisor:
             r.status.pid = None
             r.done.set()
 
-    def _prepare(self, r: _Runner) -> tuple[list[str] | None, dict[str, str], str, list[list[str]]]:
+    async def _prepare(self, r: _Runner) -> tuple[list[str] | None, dict[str, str], str, list[list[str]]]:
         # Checked here, not only where the mount takes a write: a spec can
         # arrive with a move or an import, and one that breaks the rules
         # must block its agent, never crash the supervisor (SpecError).
@@ -501,14 +503,10 @@ class Supervisor:
         grants.check(self.state_dir, r.agent_id, spec.get("secrets", []))  # (a spec only asks)
         secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
         cwd = self.sandbox(r.agent_id)
-        if not os.path.isdir(cwd):
-            try:
-                workspace.materialize(self.hooks.snapshot(r.agent_id), self.hooks.read_blob, cwd)
-            except (CapsuleError, OSError) as exc:
-                # Never leave half a workspace: the next try would run the
-                # agent in it, and the next sync would delete what is missing.
-                shutil.rmtree(cwd, ignore_errors=True)
-                raise SandboxBuildError(f"its sandbox could not be built from the snapshot: {exc}") from None
+        # (under the sandbox lock: never into a sandbox a sync is still
+        # scanning or a discard is still removing)
+        async with self._sandbox_lock(r.agent_id):
+            await trio.to_thread.run_sync(self._build_sandbox, r.agent_id, cwd)
         capsule_dir = self.hooks.capsule_dir(r.agent_id)
         home = os.path.dirname(cwd)
         if self.isolation.enabled:
@@ -531,6 +529,23 @@ class Supervisor:
             if program is not None:
                 self.isolation.check_reachable(r.agent_id, os.path.realpath(program))
         return argv, env, cwd, list(spec.get("setup", []))
+
+    def _build_sandbox(self, agent_id: str, cwd: str) -> None:
+        """Materialise the sandbox from the snapshot unless it exists (in a
+        worker thread)."""
+        if os.path.isdir(cwd):
+            return
+        try:
+            workspace.materialize(self.hooks.snapshot(agent_id), self.hooks.read_blob, cwd,
+                                  check=trio.from_thread.check_cancelled)
+        except BaseException as exc:
+            # Never leave half a workspace (also not when cancelled): the next
+            # try would run the agent in it, and the next sync would delete
+            # what is missing.
+            shutil.rmtree(cwd, ignore_errors=True)
+            if isinstance(exc, (CapsuleError, OSError)):
+                raise SandboxBuildError(f"its sandbox could not be built from the snapshot: {exc}") from None
+            raise
 
     async def _setup(self, r: _Runner, setup: list[list[str]], env: dict[str, str], cwd: str) -> bool:
         """Run the spec's setup steps in order, each supervised as the agent
@@ -623,6 +638,8 @@ class Supervisor:
         if not cgroups.remove(agent_id):
             log.warning("agent %s: its cgroup still holds processes after cgroup.kill", agent_id)
 
-    def discard_sandbox(self, agent_id: str) -> None:
-        discard_sandbox(self.state_dir, agent_id)
+    async def discard_sandbox(self, agent_id: str) -> None:
+        """Remove the agent's sandbox (its process stopped), in a worker thread."""
+        async with self._sandbox_lock(agent_id):
+            await trio.to_thread.run_sync(discard_sandbox, self.state_dir, agent_id)
         self.isolation.forget(agent_id)

@@ -1,11 +1,12 @@
 """A sandbox's bulk I/O never stalls the mount (a real mount served in this process).
 
 Freezing an agent scans and hashes its whole workspace and stores what
-changed. A workspace may hold gigabytes, and the daemon's event loop serves
-every agent's files: that work runs in a worker thread. Here the scan is
-held at its first file until another agent's file has been answered through
-the mount; before, the held scan blocked the loop, so the answer came only
-once the hold gave up (GATE_LIMIT), and the test fails.
+changed; starting one builds its workspace from the snapshot. A workspace
+may hold gigabytes, and the daemon's event loop serves every agent's files:
+that work runs in a worker thread. Here the scan (or the build) is held at
+its first file until another agent's file has been answered through the
+mount; before, the held work blocked the loop, so the answer came only once
+the hold gave up (GATE_LIMIT), and the test fails.
 
 The FUSE loop runs in this test's trio loop, so every access to the mount
 goes through a worker thread.
@@ -14,6 +15,8 @@ goes through a worker thread.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -140,3 +143,32 @@ async def test_a_freeze_scanning_a_workspace_leaves_every_other_agent_served(
         {"plan.md": rt.snapshot(busy.agent_id)["plan.md"]}]
     assert store.read_blob(rt.snapshot(busy.agent_id)["plan.md"]) == b"next steps\n"
 
+
+async def test_building_a_sandbox_leaves_every_other_agent_served(
+        store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent starting (after a move in, or a restart of the daemon) has
+    its workspace written from the snapshot's blobs first."""
+    busy = _agent(store, "busy", [sys.executable, "-c", "import time; time.sleep(600)"])
+    _agent(store, "other")
+    _warm_journal(tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
+    rt = AgentRuntime.attach(daemon)
+    gate = Gate()
+    monkeypatch.setattr(workspace, "atomic_write", gate.wrap(workspace.atomic_write))
+    seen: list[dict[str, Any]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            seen.append(await trio.to_thread.run_sync(_probe, gate, mnt, "other", "busy"))
+            with trio.fail_after(GATE_LIMIT * 2):
+                while rt.supervisor.status(busy.agent_id).pid is None:
+                    await trio.sleep(0.01)
+            daemon.stop()
+    finally:
+        force_unmount(mnt)
+    assert gate.released_in_time == [True], "the mount did not answer while the sandbox was built"
+    assert seen[0]["status"]["state"] == "active" and "milk" in seen[0]["memory"]
+    assert seen[0]["appended"] == 0
+    assert sorted(os.listdir(rt.supervisor.sandbox(busy.agent_id))) == ["README", "src"]

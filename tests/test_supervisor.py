@@ -89,12 +89,19 @@ def _home(sup: Supervisor, agent_id: str) -> str:
 
 
 async def _wait_for(predicate, what: str, limit: float = 30.0) -> None:
-    """Poll ``predicate`` until ``limit`` seconds of trio's clock pass (virtual under MockClock)."""
-    with trio.move_on_after(limit):
-        while not predicate():
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
+    """Poll ``predicate`` until ``limit`` seconds of trio's clock pass (virtual under MockClock).
+
+    The supervisor builds and syncs sandboxes in worker threads; while one
+    works, no deadline of this wait is pending, so the autojump clock does
+    not run ahead of it (a thread's real milliseconds are not virtual minutes)."""
+    deadline = trio.current_time() + limit
+    while not predicate():
+        if trio.testing.active_thread_count():
+            await trio.testing.wait_all_threads_completed()
+            continue
+        if trio.current_time() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await trio.sleep(0.01)
 
 
 async def _serve_and_start(sup: Supervisor, nursery: trio.Nursery, agent_id: str) -> int:
@@ -505,14 +512,18 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
         agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"a": sha, "a/b": sha})}, add_blobs={sha})
     tries = []
     materialize = S.workspace.materialize
-    monkeypatch.setattr(S.workspace, "materialize", lambda *a: (tries.append(1), materialize(*a)))
+    monkeypatch.setattr(S.workspace, "materialize", lambda *a, **kw: (tries.append(1), materialize(*a, **kw)))
     async with trio.open_nursery() as nursery:
         sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
         assert "sandbox" in sup.status(agent.agent_id).detail
         assert not os.path.exists(sup.sandbox(agent.agent_id))  # no half-built workspace to run in
-        await trio.sleep(300)
-        assert 5 <= len(tries) <= 10, len(tries)  # 1, 2, 4 ... 60 s apart; not 150 tries
-        assert "trying again in 60 s" in sup.status(agent.agent_id).detail
+        # 1, 2, 4 ... 60 s apart, not every 2 s. (The build runs in a worker
+        # thread, and the autojump clock may jump ahead while one works: so
+        # the time of the eighth try is a lower bound.)
+        t0 = trio.current_time()
+        await _wait_for(lambda: len(tries) >= 8, "eight tries", limit=10_000)
+        assert trio.current_time() - t0 >= 1 + 2 + 4 + 8 + 16 + 32 + 60 - 1
+        await _wait_for(lambda: sup.status(agent.agent_id).detail.endswith("trying again in 60 s"), "the last backoff")
         nursery.cancel_scope.cancel()
 
 
