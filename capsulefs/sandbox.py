@@ -8,11 +8,13 @@ Rules:
     /etc/passwd entry is needed.
   * The uid is taken from a range (``CAPSULEFS_AGENT_UIDS``, default
     200000-265535, uids of real accounts skipped) and recorded per agent in
-    ``sandboxes/<agent_id>/uid`` (root's, mode 0600): the lowest one no
-    other agent's record holds. A record, not a hash of the agent id, so
-    two agents never share a uid; host-local, never part of a capsule (a
-    moved agent gets a uid on its new host). It goes with the sandbox
-    (retire, remove), and its uid may then be given to a new agent.
+    ``sandboxes/<agent_id>/uid`` (root's, mode 0600): the next one above
+    every uid ever given here (``sandboxes/.uid-high``). A record, not a
+    hash of the agent id, so two agents never share a uid; host-local,
+    never part of a capsule (a moved agent gets a uid on its new host). It
+    goes with the sandbox (retire, remove), and its uid is never given
+    again: a new agent gets nothing an earlier one left in /tmp, shared
+    memory or IPC.
   * What the agent's uid may reach: the state directory is mode 0711 (it
     can pass through, not list) and every entry in it but ``sandboxes/``
     is stripped of group and other bits (0700 directories, 0600 files), so
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 UIDS_ENV = "CAPSULEFS_AGENT_UIDS"
 DEFAULT_UIDS = range(200_000, 265_536)
 UID_FILE = "uid"  # in sandboxes/<agent_id>/
+HIGH_FILE = ".uid-high"  # in sandboxes/: the highest agent uid ever given here
 HOME_DIR = "home"  # in sandboxes/<agent_id>/: the agent's HOME when isolated
 SANDBOXES_DIR = "sandboxes"
 PR_SET_PDEATHSIG = 1
@@ -206,17 +209,49 @@ def _has_account(uid: int) -> bool:
     return True
 
 
-def _chown_tree(top: str, ids: Ids) -> None:
+def _chown_tree(top: str, ids: Ids) -> int:
     """Give ``top`` and everything in it to ``ids``, walking by file
     descriptor and never following a symlink (the tree may be a hostile
-    earlier run's)."""
+    earlier run's). A file with more links than the tree holds is left as
+    it is: its other name is outside (an earlier agent hard-linked a file of
+    its uid, or a world-readable one of root's, into its workspace), and
+    giving the inode away would give the outside file with it. Returns how
+    many such files were left."""
+    found: dict[tuple[int, int], int] = {}  # (dev, ino) of a file with links -> its names in the tree
+
+    def walk(give: Callable[[os.stat_result], bool]) -> None:
+        for _root, dirs, files, dir_fd in os.fwalk(top, follow_symlinks=False):
+            for name in dirs + files:
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if give(st):
+                        os.chown(name, ids.uid, ids.gid, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+
+    def first(st: os.stat_result) -> bool:
+        if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
+            return True
+        found[(st.st_dev, st.st_ino)] = found.get((st.st_dev, st.st_ino), 0) + 1
+        return False
+
     os.chown(top, ids.uid, ids.gid, follow_symlinks=False)
-    for _root, dirs, files, dir_fd in os.fwalk(top, follow_symlinks=False):
-        for name in dirs + files:
-            try:
-                os.chown(name, ids.uid, ids.gid, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                pass
+    walk(first)
+    nlinks: dict[tuple[int, int], int] = {}
+
+    def second(st: os.stat_result) -> bool:
+        key = (st.st_dev, st.st_ino)
+        if stat.S_ISDIR(st.st_mode) or key not in found:
+            return False
+        nlinks[key] = st.st_nlink
+        return st.st_nlink <= found[key]  # every name of it is in the tree
+
+    if found:
+        walk(second)
+    left = sum(1 for key, n in nlinks.items() if n > found[key])
+    if left:
+        log.warning("sandbox %s: %d file(s) with hard links outside it keep their owner", top, left)
+    return left
 
 
 def _unreachable(path: str, ids: Ids) -> str | None:
@@ -241,6 +276,11 @@ def _unreachable(path: str, ids: Ids) -> str | None:
     return None
 
 
+#: Looked up here, in the parent: a forked child must not enter the dynamic
+#: loader (a worker thread may have held its lock at the fork).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _enter(procs: str | None, ids: Ids) -> None:
     """In the forked child, as root, before exec: join the agent's cgroup,
     drop every group and become the agent's uid, for good."""
@@ -250,11 +290,10 @@ def _enter(procs: str | None, ids: Ids) -> None:
     os.setgroups([])
     os.setresgid(ids.gid, ids.gid, ids.gid)
     os.setresuid(ids.uid, ids.uid, ids.uid)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     # After the uid change, which clears it: die with the daemon (see supervisor.Child).
-    libc.prctl(PR_SET_PDEATHSIG, 9)
+    _prctl(PR_SET_PDEATHSIG, 9)
 
 
 class Isolation:
@@ -341,6 +380,20 @@ class Isolation:
             path = os.path.join(self.state_dir, name)
             if name == SANDBOXES_DIR:
                 ensure(path, 0o711)
+                # Each agent's own: closed to the others now, not at its next
+                # start (a stopped or blocked agent's may never start here).
+                for agent_id in os.listdir(path):
+                    agent_root = os.path.join(path, agent_id)
+                    st = os.stat(agent_root, follow_symlinks=False)
+                    if not stat.S_ISDIR(st.st_mode):
+                        continue
+                    ids = self._ids.get(agent_id)
+                    if ids is not None:
+                        os.chown(agent_root, 0, ids.gid, follow_symlinks=False)
+                        ensure(agent_root, 0o710)
+                    else:
+                        os.chown(agent_root, 0, 0, follow_symlinks=False)
+                        ensure(agent_root, 0o700)
                 continue
             try:
                 mode = stat.S_IMODE(os.stat(path, follow_symlinks=False).st_mode)
@@ -358,12 +411,19 @@ class Isolation:
         if ids is not None:
             return ids
         assert self.uids is not None
+        # Never a uid given before, to an agent gone since: what it left in
+        # /tmp, /dev/shm or IPC, or a process of it that survived, would be
+        # the new agent's. The highest uid ever given is kept (HIGH_FILE).
+        high = _read_uid(os.path.join(self.sandbox_root, HIGH_FILE))
         taken = {i.uid for i in self._ids.values()}
-        uid = next((u for u in self.uids if u not in taken and not _has_account(u)), None)
+        floor = max([high if high is not None else -1, *taken]) + 1
+        uid = next((u for u in self.uids if u >= floor and not _has_account(u)), None)
         if uid is None:
-            raise SandboxError(f"no free agent uid is left in {self.uids.start}-{self.uids.stop - 1} ({UIDS_ENV})")
+            raise SandboxError(f"no agent uid never given before is left in {self.uids.start}-{self.uids.stop - 1} "
+                               f"({UIDS_ENV}; {os.path.join(self.sandbox_root, HIGH_FILE)} holds the highest given)")
         agent_root = os.path.join(self.sandbox_root, agent_id)
         os.makedirs(agent_root, exist_ok=True)
+        atomic_write(os.path.join(self.sandbox_root, HIGH_FILE), f"{uid}\n".encode(), mode=0o600)
         atomic_write(os.path.join(agent_root, UID_FILE), f"{uid}\n".encode(), mode=0o600)
         self._ids[agent_id] = ids = Ids(uid, uid)
         log.info("agent %s: runs as uid %d", agent_id, uid)

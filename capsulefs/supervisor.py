@@ -505,14 +505,19 @@ class Supervisor:
         cwd = self.sandbox(r.agent_id)
         # (under the sandbox lock: never into a sandbox a sync is still
         # scanning or a discard is still removing)
-        async with self._sandbox_lock(r.agent_id):
-            await trio.to_thread.run_sync(self._build_sandbox, r.agent_id, cwd)
         capsule_dir = self.hooks.capsule_dir(r.agent_id)
         home = os.path.dirname(cwd)
         if self.isolation.enabled:
-            # (the mount point, not the capsule dir: a stat there would wait on this very daemon)
-            self.isolation.prepare(r.agent_id, cwd, reach=[cwd, os.path.dirname(capsule_dir)])
+            self.isolation.ids_for(r.agent_id)  # (on the loop: a new owner is told to the mount from here)
             home = self.isolation.home(r.agent_id)
+        async with self._sandbox_lock(r.agent_id):
+            await trio.to_thread.run_sync(self._build_sandbox, r.agent_id, cwd)
+            if self.isolation.enabled:
+                # Giving a whole workspace to the agent's uid walks it: off the
+                # loop too. (The mount point, not the capsule dir: a stat
+                # there would wait on this very daemon.)
+                await trio.to_thread.run_sync(partial(self.isolation.prepare, r.agent_id, cwd,
+                                                      reach=[cwd, os.path.dirname(capsule_dir)]))
         env = dict(self.base_env)
         env.setdefault("PATH", os.defpath)
         env.update(spec.get("env", {}))

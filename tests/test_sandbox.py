@@ -172,3 +172,59 @@ def test_the_reference_agents_shell_cannot_cat_the_keychain_or_the_host_key(tmp_
             key = (state / "tls" / "host.pem").read_bytes().split(b"-----")[2][:64]
     assert b"secrets.json: Permission denied" in data and b"host.pem: Permission denied" in data, data
     assert b"stub-key" not in data and key not in data
+
+
+# -- the sandbox's files and uids (Isolation itself, no process) -------------------------------
+
+
+def _isolation(state: Path) -> Isolation:
+    return Isolation(str(state), uids=range(300_000, 300_010))
+
+
+@needs_root
+def test_a_hard_link_to_a_file_outside_the_sandbox_keeps_its_owner(tmp_path: Path) -> None:
+    """An earlier run (another uid, e.g. a daemon not run as root) hard-linked
+    a file of that uid from outside into its workspace. Giving the
+    workspace to the agent's new uid must not give the outside file too."""
+    state = tmp_path / "state"
+    iso = _isolation(state)
+    workspace = state / "sandboxes" / ("a" * 32) / "workspace"
+    (workspace / "sub").mkdir(parents=True)
+    outside = tmp_path / "operator-key"
+    outside.write_text("private\n")
+    os.chown(outside, 1000, 1000)
+    os.link(outside, workspace / "sub" / "key")
+    (workspace / "own.txt").write_text("mine\n")
+    os.link(workspace / "own.txt", workspace / "sub" / "own-again.txt")  # both names inside: its own
+    ids = iso.prepare("a" * 32, str(workspace), reach=[])
+    assert (os.stat(outside).st_uid, os.stat(outside).st_gid) == (1000, 1000)
+    assert os.stat(workspace / "own.txt").st_uid == ids.uid
+    assert os.stat(workspace / "sub").st_uid == ids.uid
+
+
+@needs_root
+def test_a_uid_is_never_given_twice(tmp_path: Path) -> None:
+    """What an agent left in /tmp, shared memory or IPC (or a process of it
+    that survived without a cgroup) would be the next holder of its uid's."""
+    state = tmp_path / "state"
+    iso = _isolation(state)
+    first = iso.ids_for("a" * 32).uid
+    shutil.rmtree(state / "sandboxes" / ("a" * 32))  # it left (retire, remove)
+    iso.forget("a" * 32)
+    again = _isolation(state)  # (and a restarted daemon)
+    assert again.ids_for("b" * 32).uid == first + 1
+    assert again.ids_for("c" * 32).uid == first + 2
+
+
+@needs_root
+def test_hardening_closes_every_agent_s_sandbox_not_only_those_that_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    for agent_id in ("a" * 32, "b" * 32):
+        (state / "sandboxes" / agent_id / "workspace").mkdir(parents=True, mode=0o755)
+        (state / "sandboxes" / agent_id).chmod(0o755)
+    iso = _isolation(state)
+    uid = iso.ids_for("a" * 32).uid
+    iso.harden_state_dir()
+    a, b = os.stat(state / "sandboxes" / ("a" * 32)), os.stat(state / "sandboxes" / ("b" * 32))
+    assert (a.st_uid, a.st_gid, a.st_mode & 0o777) == (0, uid, 0o710)
+    assert (b.st_uid, b.st_mode & 0o777) == (0, 0o700)
