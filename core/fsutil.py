@@ -92,6 +92,19 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> None:
         fsync_dir(os.path.dirname(d))
 
 
+def thread_start(tid: int) -> int | None:
+    """When thread (or process) ``tid`` started, in clock ticks since boot
+    (``/proc/<tid>/stat`` field 22), or None if it is gone: with its id,
+    it names one thread for good (ids are reused, start times are not)."""
+    try:
+        with open(f"/proc/{tid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The name (field 2) is in parentheses and may hold anything: split after its last ')'.
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
 def subdirs(directory: str | os.PathLike[str], keep: Callable[[str], bool]) -> list[str]:
     """Sorted names of the directories (not symlinks) in ``directory`` that
     ``keep`` accepts; none if ``directory`` does not exist."""

@@ -56,6 +56,7 @@ from .archive import FILES_WAIT
 from .blobcheck import BlobChecks
 from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .events import Event, MemoryEdit, ModelSwitch, Record
+from .fsutil import thread_start
 from .hashing import hash_file
 from .holder import HOLDERS_DIR, agent_files_lock
 from .live_errors import (
@@ -197,9 +198,10 @@ class LiveAgent:
         self.handle = AgentHandle(host.store, agent_id)
         self.tail = JournalTail(self.handle.path(fmt.JOURNAL))
         self.edits: dict[str, Edit] = {}
-        #: Editable files unlinked, by the thread (pid) that unlinked each: the
+        #: Editable files unlinked, by the thread that unlinked each (its id and
+        #: start time, see ``LiveHost.unlinked_by``): the
         #: name is gone for that thread only, until it creates the file anew.
-        self.unlinked: dict[str, int] = {}
+        self.unlinked: dict[str, tuple[int, int | None]] = {}
         self._digests: dict[str, tuple[tuple[int, int, int, int], fmt.FileEntry]] = {}
         self._stored: tuple[tuple[int, int, int, int], fmt.Manifest] | None = None
         self._tree: tuple[object, dict[str, dict[str, Node]]] | None = None
@@ -665,7 +667,7 @@ class LiveHost:
             return Node(Kind.CONTROL if name == CONTROL else Kind.SNAPSHOTS, parent.agent)
         child = self._children(parent, strict=False).get(name)
         if child is not None:
-            if pid is not None and child.kind is Kind.FILE and self.agent(child.agent).unlinked.get(child.rel) == pid:
+            if pid is not None and child.kind is Kind.FILE and self.unlinked_by(child, pid):
                 raise NotFoundError(f"{child.rel}: unlinked by this process, not created again yet")
             return child
         if parent.kind is Kind.DIR and self.scratch.exists(parent.agent, parent.rel, name):
@@ -823,7 +825,7 @@ class LiveHost:
             raise NotPermitted("files can only be created in memory/ and environment/ of an agent (editor scratch files)")
         existing = self._children(parent).get(name)
         if existing is not None and existing.kind is Kind.FILE and \
-                self.agent(parent.agent).unlinked.get(existing.rel) == pid:
+                self.unlinked_by(existing, pid):
             return existing, self._recreate(existing, flags)
         if existing is not None and existing.kind is Kind.FILE and existing.rel in EDITABLE \
                 and not flags & os.O_EXCL:
@@ -838,6 +840,20 @@ class LiveHost:
         self.check_writable(parent.agent)
         fd = self.scratch.create(parent.agent, parent.rel, name, mode, flags)
         return Node(Kind.SCRATCH, parent.agent, f"{parent.rel}/{name}"), ScratchHandle(fd)
+
+    def unlinked_by(self, node: Node, pid: int) -> bool:
+        """Whether thread ``pid`` unlinked editable file ``node`` and has not
+        created it again. The thread is named by its id and its start time:
+        once it is gone, a later thread given the same id is another one, and
+        sees the file (the entry is dropped)."""
+        agent = self.agent(node.agent)
+        entry = agent.unlinked.get(node.rel)
+        if entry is None or entry[0] != pid:
+            return False
+        if thread_start(pid) != entry[1]:
+            del agent.unlinked[node.rel]
+            return False
+        return True
 
     def _recreate(self, node: Node, flags: int) -> Handle:
         """Thread that unlinked ``node`` (an editable file) creates it anew:
@@ -865,7 +881,7 @@ class LiveHost:
             if pid <= 0:  # a caller outside the mount's pid namespace: no thread to make room for
                 raise NotPermitted(f"{node.rel} is part of the capsule and cannot be removed")
             self.check_writable(node.agent)
-            self.agent(node.agent).unlinked[node.rel] = pid
+            self.agent(node.agent).unlinked[node.rel] = (pid, thread_start(pid))
             log.info("agent %s: %s unlinked by pid %d (kept until it is created anew)", node.agent, node.rel, pid)
             return
         if node.kind is not Kind.SCRATCH:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -507,7 +508,7 @@ async def test_a_spec_whose_argv_or_env_holds_a_nul_is_refused(c: Client, store:
 async def test_an_unlinked_editable_file_is_gone_only_for_the_thread_that_unlinked_it(c: Client, store: HostStore) -> None:
     wm = f"alice/{fmt.WORKING_MEMORY}"
     old = await c.read(wm)
-    mv, other = Ctx(pid=100), Ctx(pid=200)
+    mv, other = Ctx(pid=os.getpid()), Ctx(pid=os.getppid())  # (threads that exist: see the next test)
     c.ctx = mv
     await c.unlink(wm)
     assert await errno_of(c.lookup(wm)) == errno.ENOENT
@@ -523,3 +524,25 @@ async def test_an_unlinked_editable_file_is_gone_only_for_the_thread_that_unlink
     assert [r.kind for r in journal_records(store)] == ["memory_edit"]
     c.ctx = other
     assert await c.read(wm) == b"made anew\n"
+
+
+async def test_a_later_thread_given_the_unlinker_s_id_sees_the_file_and_cannot_replace_it(
+        c: Client, store: HostStore) -> None:
+    """Thread ids are reused. `rm working_memory.md` by a tool that then
+    exited must not hide the file from, nor hand its recreation to, an
+    unrelated later process that gets the same id: its `echo x >>` would
+    have replaced the whole working memory with "x"."""
+    wm = f"alice/{fmt.WORKING_MEMORY}"
+    old = await c.read(wm)
+    tool = subprocess.Popen(["sleep", "30"])
+    try:
+        c.ctx = Ctx(pid=tool.pid)
+        await c.unlink(wm)
+        assert await errno_of(c.lookup(wm)) == errno.ENOENT  # for the tool itself, while it runs
+    finally:
+        tool.kill()
+        tool.wait()
+    # The same id, now another thread's (or none): the file is there, and an append appends.
+    assert await c.read(wm) == old
+    await c.write(wm, b"- one more\n", append=True, trunc=False)
+    assert await c.read(wm) == old + b"- one more\n"
