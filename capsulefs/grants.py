@@ -24,7 +24,8 @@ Rules:
     command or daemon that opens it (:func:`ensure`) grants every agent it
     holds what that agent's spec asks for today, and says so in the log:
     agents that ran before keep running. From then on the file exists, and
-    only the rules above add grants.
+    only the rules above add grants; ``STATE/.grants-made`` records that,
+    so a grants file removed later comes back empty, never migrated again.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 GRANTS_FILE = "secret-grants.json"
 LOCK_FILE = ".grants.lock"
+MARKER = ".grants-made"  # grants were set up here once (see ensure)
 FORMAT = 1
 
 
@@ -88,8 +90,8 @@ def _load(state_dir: str) -> dict[str, list[str]] | None:
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not valid JSON ({exc}); fix or remove it "
-                          f"(removed, every agent here is granted what its spec asks again)") from None
+        raise FormatError(f"{path} is not valid JSON ({exc}); fix it, or remove it "
+                          f"(then no agent here has a grant until 'capsulefs secret grant')") from None
     grants = doc.get("grants") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
     if not isinstance(grants, dict) or not all(
             fmt.is_agent_id(k) and isinstance(v, list) and all(isinstance(n, str) for n in v)
@@ -113,21 +115,30 @@ def _asked(store: HostStore, agent_id: str) -> list[str]:
 
 
 def ensure(state_dir: str, store: HostStore) -> None:
-    """Make sure the grants file exists; the first time, grant every agent
-    in the store what its spec asks for now (see the module's rules)."""
-    if os.path.exists(_path(state_dir)):
+    """Make sure the grants file exists. The very first time in a state
+    directory (no ``MARKER``), grant every agent in the store what its spec
+    asks for now (see the module's rules); later, a grants file removed by
+    hand comes back empty: removing it never grants anything."""
+    if os.path.exists(_path(state_dir)) and os.path.exists(os.path.join(state_dir, MARKER)):
         return
     try:
         with _locked(state_dir):
-            if _load(state_dir) is not None:
-                return
-            grants = {aid: names for aid in store.agent_ids() if (names := _asked(store, aid))}
-            _save(state_dir, grants)
+            first = not os.path.exists(os.path.join(state_dir, MARKER))
+            made: dict[str, list[str]] = {}
+            if _load(state_dir) is None:
+                if first:
+                    made = {aid: names for aid in store.agent_ids() if (names := _asked(store, aid))}
+                else:
+                    log.warning("grants: %s was removed; no agent here has a grant until one is given",
+                                _path(state_dir))
+                _save(state_dir, made)
+            if first:
+                atomic_write(os.path.join(state_dir, MARKER), b"grants exist in this state directory\n", mode=0o600)
     except OSError as exc:  # e.g. a state directory this user may only read: then nothing is granted
         log.warning("grants: cannot create %s (%s); agents whose specs ask for secrets will not start",
                     _path(state_dir), exc)
         return
-    for aid, names in sorted(grants.items()):
+    for aid, names in sorted(made.items()):
         log.info("grants: agent %s keeps the secret(s) it used before grants existed: %s", aid, ", ".join(names))
 
 

@@ -90,3 +90,17 @@ def test_a_state_directory_older_than_grants_keeps_what_its_agents_used(store: H
     assert _grants(state_dir) == {old.agent_id: KEYS}
     doc = json.loads((state_dir / grants.GRANTS_FILE).read_text())
     assert doc == {"format": 1, "grants": {old.agent_id: KEYS}}
+
+
+def test_removing_the_grants_file_grants_nothing(cli, state_dir: Path, tmp_path: Path) -> None:
+    """Only a state directory older than grants is migrated: a grants file
+    removed later (by hand, or as an old error message advised) comes back
+    empty, so an imported agent's spec does not get what it names."""
+    cli("new", "scout", "--spec", str(_spec_file(tmp_path, KEYS)), check=True)
+    tar = tmp_path / "scout.tar"
+    cli("export", "scout", "-o", str(tar), check=True)
+    other = tmp_path / "other"
+    run_cli("import", str(tar), state=other, check=True)
+    assert _grants(other) == {}
+    (other / grants.GRANTS_FILE).unlink()
+    assert _grants(other) == {}
