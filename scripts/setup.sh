@@ -36,6 +36,11 @@ if [ -z "${PYTHON:-}" ] && [ "$(id -u)" -eq 0 ] && ! others_reach "$PY" && [ -x 
     echo "setup: $(command -v "$PY") is not reachable by the agents' uids; using /usr/bin/python3"
     PY=/usr/bin/python3
 fi
+# A venv made before (from an interpreter the agents cannot reach) is made again.
+if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [ "$(id -u)" -eq 0 ] && ! others_reach .venv/bin/python; then
+    echo "setup: .venv's interpreter is not reachable by the agents' uids; making .venv again"
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
