@@ -211,6 +211,16 @@ def test_a_call_interrupted_by_a_crash_does_not_take_the_retry_s_result(provider
 
 
 @pytest.mark.parametrize("provider", ALL)
+def test_a_repeated_result_never_answers_a_later_call_cut_off_by_a_crash(provider: str) -> None:
+    journal = [UserMessage(text="go"), ToolCall(call_id="call_0", name="ls", arguments={}),
+               ToolResult(call_id="call_0", content="ONE"), ToolResult(call_id="call_0", content="AGAIN"),
+               UserMessage(text="next"), ToolCall(call_id="call_0", name="cat", arguments={})]
+    text = dumped(rendered(journal, provider))
+    assert "repeating an answered call" in text and text.index("AGAIN") < text.index("next")
+    assert text.index('"cat"') < text.rindex(INTERRUPTED)
+
+
+@pytest.mark.parametrize("provider", ALL)
 def test_a_second_result_for_one_call_stays_a_note(provider: str) -> None:
     journal = [UserMessage(text="go"), ToolCall(call_id="c1", name="ls", arguments={}),
                ToolResult(call_id="c1", content="ONE"), ToolResult(call_id="c1", content="AGAIN")]

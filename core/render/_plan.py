@@ -135,13 +135,16 @@ def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult],
     A result answers the latest call with its id that precedes it and is
     still open: servers that number their calls per response (``call_0``
     in every reply) reuse ids, and each reuse is its own call. A result
-    that finds no such call is taken by the earliest open call with its id
-    anywhere (journals merged out of causal order); what is left over is a
-    stray, with the reason it is one.
+    whose id no call before it had is taken by the earliest open call with
+    its id after it (journals merged out of causal order); one whose calls
+    before it are all answered repeats an answer, and never takes a later
+    call (a reused id's call that a crash cut off stays interrupted). What
+    is left over is a stray, with the reason it is one.
     """
     answers: dict[int, ToolResult] = {}  # index of a call -> its result
     open_calls: dict[str, list[int]] = {}  # call id -> indices of its calls still unanswered
-    unpaired: list[int] = []
+    early: list[int] = []  # results whose id no call before them had
+    stray: dict[int, str] = {}
     for i, (ev, _) in enumerate(pairs):
         t = type(ev)
         if t is ToolCall:
@@ -150,16 +153,16 @@ def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult],
             waiting = open_calls.get(ev.call_id)
             if waiting:
                 answers[waiting.pop()] = ev  # type: ignore[assignment]
+            elif waiting is None:
+                early.append(i)
             else:
-                unpaired.append(i)
-    stray: dict[int, str] = {}
-    for i in unpaired:
-        call_id = pairs[i][0].call_id  # type: ignore[attr-defined]
-        waiting = open_calls.get(call_id)
+                stray[i] = "repeating an answered call"
+    for i in early:
+        waiting = open_calls.get(pairs[i][0].call_id)  # type: ignore[attr-defined]
         if waiting:
             answers[waiting.pop(0)] = pairs[i][0]  # type: ignore[assignment]
         else:
-            stray[i] = "repeating an answered call" if call_id in open_calls else "with no matching call"
+            stray[i] = "with no matching call"
     return answers, stray
 
 
