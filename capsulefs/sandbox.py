@@ -217,7 +217,8 @@ def _chown_tree(top: str, ids: Ids) -> int:
     its uid, or a world-readable one of root's, into its workspace), and
     giving the inode away would give the outside file with it. Returns how
     many such files were left."""
-    found: dict[tuple[int, int], int] = {}  # (dev, ino) of a file with links -> its names in the tree
+    names: dict[tuple[int, int], int] = {}  # (dev, ino) of a file with links -> its names in the tree
+    kept: set[tuple[int, int]] = set()  # those with a name outside it too
 
     def walk(give: Callable[[os.stat_result], bool]) -> None:
         for _root, dirs, files, dir_fd in os.fwalk(top, follow_symlinks=False):
@@ -229,29 +230,28 @@ def _chown_tree(top: str, ids: Ids) -> int:
                 except FileNotFoundError:
                     pass
 
-    def first(st: os.stat_result) -> bool:
+    def count(st: os.stat_result) -> bool:  # all but files with links; count those's names
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             return True
-        found[(st.st_dev, st.st_ino)] = found.get((st.st_dev, st.st_ino), 0) + 1
+        names[(st.st_dev, st.st_ino)] = names.get((st.st_dev, st.st_ino), 0) + 1
         return False
 
-    os.chown(top, ids.uid, ids.gid, follow_symlinks=False)
-    walk(first)
-    nlinks: dict[tuple[int, int], int] = {}
-
-    def second(st: os.stat_result) -> bool:
+    def linked(st: os.stat_result) -> bool:  # files with links, if every name is in the tree
         key = (st.st_dev, st.st_ino)
-        if stat.S_ISDIR(st.st_mode) or key not in found:
+        if stat.S_ISDIR(st.st_mode) or key not in names:
             return False
-        nlinks[key] = st.st_nlink
-        return st.st_nlink <= found[key]  # every name of it is in the tree
+        if st.st_nlink > names[key]:
+            kept.add(key)
+            return False
+        return True
 
-    if found:
-        walk(second)
-    left = sum(1 for key, n in nlinks.items() if n > found[key])
-    if left:
-        log.warning("sandbox %s: %d file(s) with hard links outside it keep their owner", top, left)
-    return left
+    os.chown(top, ids.uid, ids.gid, follow_symlinks=False)
+    walk(count)
+    if names:
+        walk(linked)
+    if kept:
+        log.warning("sandbox %s: %d file(s) with hard links outside it keep their owner", top, len(kept))
+    return len(kept)
 
 
 def _unreachable(path: str, ids: Ids) -> str | None:

@@ -35,7 +35,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import FormatError, NameTooLong, UnsafePathError
 
@@ -70,17 +70,17 @@ def is_sha256(value: object) -> bool:
 def check_sha256(value: object, what: str) -> str:
     if not is_sha256(value):
         raise FormatError(f"{what}: {value!r} is not a sha256 (64 lowercase hex digits)")
-    return value  # type: ignore[return-value]
-
-
-def check_agent_id(value: object) -> str:
-    if not isinstance(value, str) or not _AGENT_ID_RE.fullmatch(value):
-        raise FormatError(f"agent_id {value!r} is not 32 lowercase hex digits")
     return value
 
 
-def is_agent_id(value: object) -> bool:
+def is_agent_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _AGENT_ID_RE.fullmatch(value) is not None
+
+
+def check_agent_id(value: object) -> str:
+    if not is_agent_id(value):
+        raise FormatError(f"agent_id {value!r} is not 32 lowercase hex digits")
+    return value  # type: ignore[return-value]
 
 
 def check_host_id(value: object) -> str:

@@ -1067,13 +1067,13 @@ class LiveHost:
                              os.path.basename(area.root), agent_id)
                     area.remove_agent(agent_id)
 
-    def _drop_kept(self, agent_id: str) -> None:
-        """Forget and remove what the mount keeps beside an agent's capsule
-        (its snapshots and scratch files), for an agent that left this host."""
+    def _drop_open(self, agent_id: str) -> None:
+        """Close what the view keeps open or cached of an agent gone from it
+        (its journal, its snapshots' caches)."""
+        if agent_id in self._agents:
+            self._agents.pop(agent_id).close()
         for key in [k for k in self._snaps if k[0] == agent_id]:
             del self._snaps[key]
-        self.snapshots.remove_agent(agent_id)
-        self.scratch.remove_agent(agent_id)
 
     # -- the daemon's API ------------------------------------------------------------
     def freeze(self, agent_id: str) -> None:
@@ -1093,9 +1093,10 @@ class LiveHost:
         except (NotFoundError, FileNotFoundError):
             pass  # already gone from the store
         self.set_state(agent_id, AgentState.RETIRED)
-        if agent_id in self._agents:
-            self._agents.pop(agent_id).close()
-        self._drop_kept(agent_id)  # it runs elsewhere now: its snapshots here would only pin blobs
+        self._drop_open(agent_id)
+        # It runs elsewhere now: snapshots kept here would only pin its blobs.
+        self.snapshots.remove_agent(agent_id)
+        self.scratch.remove_agent(agent_id)
         return name
 
     def forget(self, agent_id: str) -> None:
@@ -1103,10 +1104,7 @@ class LiveHost:
         (open journal, snapshot caches) and mark it REMOVED, so that handles
         still open on it write nothing (ENOENT), until an agent of that id is
         in the store again (an import), which is shown as a new one."""
-        if agent_id in self._agents:
-            self._agents.pop(agent_id).close()
-        for key in [k for k in self._snaps if k[0] == agent_id]:
-            del self._snaps[key]
+        self._drop_open(agent_id)
         self.set_state(agent_id, AgentState.REMOVED)
 
     def activate(self, agent_id: str) -> str:
