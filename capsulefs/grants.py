@@ -146,16 +146,16 @@ def granted(state_dir: str, agent_id: str) -> set[str]:
     return set((_load(state_dir) or {}).get(agent_id, ()))
 
 
-def check(state_dir: str, agent_id: str, names: Iterable[str], *, agent: str | None = None) -> None:
+def check(state_dir: str, agent_id: str, names: Iterable[str]) -> None:
     """Raise UngrantedSecret naming every secret in ``names`` that the agent
-    was not granted; ``agent`` is how the message names it (default: its id)."""
+    was not granted."""
     names = list(names)
     if not names:
         return
     have = granted(state_dir, agent_id)
     missing = [n for n in names if n not in have]
     if missing:
-        raise UngrantedSecret(agent or agent_id, missing)
+        raise UngrantedSecret(agent_id, missing)
 
 
 def grant(state_dir: str, agent_id: str, names: Iterable[str]) -> list[str]:
