@@ -762,6 +762,29 @@ def test_appends_ask_no_file_for_its_timestamps(tmp_path: Path, monkeypatch: pyt
         assert j.leased_commits and j.leased_commits < j.commits
 
 
+#: What a crash in a multi-page append can leave: a page never written
+#: (zeros), then the end of a real line.
+GARBAGE = bytes(5000) + b'ng text of a note that was being appended"}\n'
+
+
+def _crash_garbage(agent: AgentHandle) -> None:
+    with open(agent.path(fmt.JOURNAL), "ab") as f:
+        f.write(GARBAGE)
+
+
+def _assert_garbage_moved_aside(store: HostStore, agent: AgentHandle, acked: bytes,
+                                caplog: pytest.LogCaptureFixture) -> None:
+    """A writer's open cuts the garbage (to the recovery directory, logged),
+    keeps every acknowledged line and appends after them."""
+    with _open(agent) as j:
+        assert j.lines() == split_lines(acked)
+        j.append(Note(text="after"))
+    assert len(_lines(agent)) == len(split_lines(acked)) + 1
+    (saved,) = _recovery(store, agent)
+    assert (Path(agent.recovery_dir) / saved).read_bytes() == GARBAGE
+    assert "NUL bytes" in caplog.text
+
+
 def test_a_crash_that_left_a_page_of_an_unacknowledged_append_unwritten_does_not_stop_the_journal(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Power lost in the middle of a multi-page append, before it was
@@ -775,16 +798,8 @@ def test_a_crash_that_left_a_page_of_an_unacknowledged_append_unwritten_does_not
     with _open(agent) as j:
         _append_notes(j, 5)
         acked = agent.read(fmt.JOURNAL)
-    garbage = bytes(5000) + b'ng text of a note that was being appended"}\n'
-    with open(agent.path(fmt.JOURNAL), "ab") as f:
-        f.write(garbage)
-    with _open(agent) as j:
-        assert j.lines() == split_lines(acked)
-        j.append(Note(text="after"))
-    assert len(_lines(agent)) == len(split_lines(acked)) + 1
-    (saved,) = _recovery(store, agent)
-    assert (Path(agent.recovery_dir) / saved).read_bytes() == garbage
-    assert "NUL bytes" in caplog.text
+    _crash_garbage(agent)
+    _assert_garbage_moved_aside(store, agent, acked, caplog)
 
 
 def test_a_crash_that_left_a_page_unwritten_right_after_the_ring_was_reset_does_not_stop_the_journal(
@@ -802,18 +817,10 @@ def test_a_crash_that_left_a_page_unwritten_right_after_the_ring_was_reset_does_
         pass
     assert _chain(agent) == []
     acked = agent.read(fmt.JOURNAL)
-    garbage = bytes(5000) + b'ng text of a note that was being appended"}\n'
-    with open(agent.path(fmt.JOURNAL), "ab") as f:
-        f.write(garbage)
+    _crash_garbage(agent)
     HostStore.open(tmp_path / "state")  # a reader: leaves it
-    assert agent.read(fmt.JOURNAL) == acked + garbage
-    with _open(agent) as j:
-        assert j.lines() == split_lines(acked)
-        j.append(Note(text="after"))
-    assert len(_lines(agent)) == len(split_lines(acked)) + 1
-    (saved,) = _recovery(store, agent)
-    assert (Path(agent.recovery_dir) / saved).read_bytes() == garbage
-    assert "NUL bytes" in caplog.text
+    assert agent.read(fmt.JOURNAL) == acked + GARBAGE
+    _assert_garbage_moved_aside(store, agent, acked, caplog)
 
 
 def test_nuls_in_bytes_the_journal_had_synced_are_refused_not_cut(tmp_path: Path) -> None:

@@ -73,6 +73,15 @@ def _warm_journal(tmp_path: Path) -> None:
                   recovery_dir=str(tmp_path / "rec")).append(Note(text="warm"))
 
 
+def _daemon(state_dir: Path, tmp_path: Path) -> tuple[Daemon, AgentRuntime, Path]:
+    """A daemon with its runtime, to be served in this process at ``tmp_path/mnt``."""
+    _warm_journal(tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
+    return daemon, AgentRuntime.attach(daemon), mnt
+
+
 def _agent(store: HostStore, name: str, entrypoint: list[str] | None = None) -> AgentHandle:
     agent = make_agent(store, name)
     agent.write_files({fmt.SPEC: spec_bytes(default_spec(entrypoint))})
@@ -107,11 +116,7 @@ async def test_a_freeze_scanning_a_workspace_leaves_every_other_agent_served(
         store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     busy = _agent(store, "busy")
     _agent(store, "other")
-    _warm_journal(tmp_path)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
-    rt = AgentRuntime.attach(daemon)
+    daemon, rt, mnt = _daemon(state_dir, tmp_path)
     sandbox = rt.supervisor.sandbox(busy.agent_id)
     workspace.materialize(rt.snapshot(busy.agent_id), rt.read_blob, sandbox)
     Path(sandbox, "plan.md").write_text("next steps\n")
@@ -150,11 +155,7 @@ async def test_building_a_sandbox_leaves_every_other_agent_served(
     its workspace written from the snapshot's blobs first."""
     busy = _agent(store, "busy", [sys.executable, "-c", "import time; time.sleep(600)"])
     _agent(store, "other")
-    _warm_journal(tmp_path)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
-    rt = AgentRuntime.attach(daemon)
+    daemon, rt, mnt = _daemon(state_dir, tmp_path)
     gate = Gate()
     monkeypatch.setattr(workspace, "atomic_write", gate.wrap(workspace.atomic_write))
     seen: list[dict[str, Any]] = []

@@ -26,6 +26,13 @@ def _runtime(store: HostStore, state_dir: Path, tmp_path: Path) -> AgentRuntime:
     return AgentRuntime(Daemon(str(state_dir), str(tmp_path / "mnt")))
 
 
+def _sandbox(rt: AgentRuntime, agent_id: str) -> str:
+    """The agent's sandbox, built from its snapshot (as a start does)."""
+    sandbox = rt.supervisor.sandbox(agent_id)
+    workspace.materialize(rt.snapshot(agent_id), rt.read_blob, sandbox)
+    return sandbox
+
+
 def _updates(store: HostStore, agent_id: str) -> list[dict]:
     lines = store.agent(agent_id).read(fmt.JOURNAL).splitlines()
     return [dict(r.event.changes) for r in map(Record.from_line, lines) if r.kind == "workspace_update"]
@@ -40,8 +47,7 @@ async def test_a_name_that_is_not_utf8_is_skipped_not_a_failed_sync(store: HostS
     agent = make_agent(store, "alice")
     rt = _runtime(store, state_dir, tmp_path)
     try:
-        sandbox = rt.supervisor.sandbox(agent.agent_id)
-        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        sandbox = _sandbox(rt, agent.agent_id)
         with open(os.path.join(os.fsencode(sandbox), b"caf\xe9.txt"), "wb") as f:
             f.write(b"latin-1 name\n")
         Path(sandbox, "plan.md").write_text("next steps\n")
@@ -67,8 +73,7 @@ async def test_a_directory_the_scan_cannot_list_keeps_its_files(
     agent = make_agent(store, "alice", workspace={"src/main.py": b"print('hi')\n", "notes/a.md": b"a\n"})
     rt = _runtime(store, state_dir, tmp_path)
     try:
-        sandbox = rt.supervisor.sandbox(agent.agent_id)
-        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        sandbox = _sandbox(rt, agent.agent_id)
         Path(sandbox, "plan.md").write_text("next steps\n")
         real_open, real_stat = os.open, os.stat
 
@@ -102,8 +107,7 @@ async def test_two_syncs_at_once_commit_the_changes_once(
     agent = make_agent(store, "alice")
     rt = _runtime(store, state_dir, tmp_path)
     try:
-        sandbox = rt.supervisor.sandbox(agent.agent_id)
-        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        sandbox = _sandbox(rt, agent.agent_id)
         Path(sandbox, "plan.md").write_text("next steps\n")
         release = threading.Event()
         hash_stream = workspace.hash_stream
@@ -137,8 +141,7 @@ async def test_a_cancelled_sync_stops_within_a_file_and_commits_nothing(
     agent = make_agent(store, "alice")
     rt = _runtime(store, state_dir, tmp_path)
     try:
-        sandbox = rt.supervisor.sandbox(agent.agent_id)
-        workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+        sandbox = _sandbox(rt, agent.agent_id)
         Path(sandbox, "plan.md").write_text("next steps\n")
         entered, release = threading.Event(), threading.Event()
         ended: list[str] = []
@@ -197,8 +200,7 @@ async def test_a_file_written_during_the_sync_is_stored_as_listed_or_not_at_all(
 
     agent = make_agent(store, "alice")
     rt = _runtime(store, state_dir, tmp_path)
-    sandbox = rt.supervisor.sandbox(agent.agent_id)
-    workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
+    sandbox = _sandbox(rt, agent.agent_id)
     log_file = Path(sandbox, "tool.log")
     outcomes = []
     try:
