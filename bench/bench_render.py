@@ -1,12 +1,21 @@
-"""Benchmark: render a 100k-event journal for each provider.
+"""Benchmark: render a 100k-event journal for each provider; how full a budget's window is.
 
-Prints events/second per provider and the ratio of render time to the
+Speed: events/second per provider and the ratio of render time to the
 baseline, which is json-parsing the same journal's lines (``json.loads`` per
 line). The issue's target is a ratio of at most 3. Rendering starts from
 parsed records (what core/journal.py hands over) and includes sorting them,
 pairing, the provider's JSON and, with a budget, fitting and counting.
 
-    .venv/bin/python bench/bench_render.py [--events N] [--repeat R]
+Fill: for several budgets over long journals (short prose, and code read by
+tools), the rendered body's tokens by a reference count independent of the
+fitter's counter, as a share of the budget (fill) and how far over (overshoot).
+For OpenAI the reference is OpenAI's documented way of counting a chat
+request (the cookbook's ``num_tokens_from_messages`` and its tool formula)
+with the exact tokenizer; Anthropic and Gemini publish none, so their rows
+give the o200k count of the text and the range the real count lies in by
+the published ratios (docs/render.md).
+
+    .venv/bin/python bench/bench_render.py [--events N] [--repeat R] [--only speed|fill|attachments]
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ from capsulefs.core.events import (
     Note,
     Reasoning,
     Record,
+    System,
     ToolCall,
     ToolResult,
     UserMessage,
 )
-from capsulefs.core.render import PROVIDERS, render
+from capsulefs.core.render import PROVIDERS, counter_info, render
+from capsulefs.core.render._count import text_counter
 
 _WORDS = "the quick brown fox jumps over the lazy dog while the journal keeps every step".split()
 
@@ -75,6 +86,121 @@ def journal(n: int, seed: int = 1) -> list[bytes]:
     return lines
 
 
+def code_journal(units: int, seed: int = 2) -> list[Record]:
+    """A long agent session over this repository: questions, file reads whose
+    results are real source and docs, shell output, answers."""
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    texts = [open(f, encoding="utf-8").read() for f in sorted(glob.glob(f"{root}/core/**/*.py", recursive=True)
+                                                                + glob.glob(f"{root}/docs/*.md"))]
+    rng = random.Random(seed)
+    events: list = [System(text="You are a careful engineer working on capsulefs. Answer briefly.")]
+    for i in range(units):
+        events.append(UserMessage(text=f"Step {i}: " + _text(rng, 5, 60)))
+        for k in range(rng.choice((0, 1, 1, 2))):
+            src = rng.choice(texts)
+            start = rng.randrange(max(1, len(src) - 4000))
+            cid = f"call_{i}_{k}"
+            events.append(ToolCall(call_id=cid, name="read_file", arguments={"path": f"core/file{k}.py"}))
+            events.append(ToolResult(call_id=cid, content=src[start:start + rng.randint(200, 4000)]))
+        events.append(AssistantMessage(text=_text(rng, 10, 120)))
+    return [Record(id=f"{i:024x}", machine="bench-host", seq=i, clock=i, prev=None,
+                   time="2026-01-01T00:00:00.000Z", event=ev) for i, ev in enumerate(events, 1)]
+
+
+def openai_reference(provider: str, body: dict, encoding: str = "o200k_base") -> int:
+    """A request's tokens as OpenAI documents counting them: 3 per message
+    plus its role and content, 3 to prime the reply (the cookbook's
+    num_tokens_from_messages), the cookbook's formula for function
+    definitions (gpt-4o), and for a tool call its name and arguments plus
+    7 (the harmony format's markers around a call)."""
+    tok = text_counter(encoding)
+    n = 3
+
+    def message(role: str, content) -> int:
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content)
+        return 3 + tok(role) + tok(content or "")
+
+    if provider == "openai-chat":
+        for m in body["messages"]:
+            n += message(m["role"], m.get("content"))
+            for call in m.get("tool_calls") or ():
+                n += 7 + tok(call["function"]["name"]) + tok(call["function"]["arguments"])
+        tools = [t["function"] for t in body.get("tools", ())]
+    else:
+        if body.get("instructions"):
+            n += message("system", body["instructions"])
+        for item in body["input"]:
+            kind = item.get("type")
+            if kind == "message":
+                n += message(item["role"], item["content"])
+            elif kind == "function_call":
+                n += 7 + tok(item["name"]) + tok(item["arguments"])
+            elif kind == "function_call_output":
+                n += message("tool", item["output"])
+            elif kind == "reasoning":
+                n += tok(item.get("encrypted_content") or "")
+        tools = list(body.get("tools", ()))
+    for f in tools:
+        n += 7 + tok(f"{f['name']}:{f.get('description', '').rstrip('.')}")
+        props = (f.get("parameters") or {}).get("properties") or {}
+        if props:
+            n += 3
+            for key, p in props.items():
+                n += 3 + tok(f"{key}:{p.get('type', '')}:{p.get('description', '').rstrip('.')}")
+    return n + (12 if tools else 0)
+
+
+def o200k_text(body) -> int:
+    """Tokens of every string value in ``body`` by o200k, plus 3 per message
+    (role markers, as OpenAI's format has): what the published ratios scale."""
+    tok = text_counter("o200k_base")
+    stack, n = [body], 0
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            n += tok(x)
+        elif isinstance(x, dict):
+            n += 3 if "role" in x else 0
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return n
+
+
+#: Published ratios of real tokens to o200k tokens of the same text (docs/render.md).
+RATIOS = {"anthropic": (1.16, 1.30), "gemini": (0.9, 1.1)}
+FILL_TARGETS = [("openai-chat", "gpt-4o"), ("openai-responses", "gpt-5"), ("openai-chat", "gpt-4"),
+                ("anthropic", "claude-sonnet-4-5"), ("gemini", "gemini-2.5-pro")]
+
+
+def fill(budgets: list[int]) -> None:
+    from capsulefs.agent import TOOLS
+
+    journals = {"prose": [Record.from_line(x) for x in journal(60_000, seed=5)], "code": code_journal(3000)}
+    print(f"{'journal':8} {'provider':17} {'model':18} {'budget':>7} {'counted':>8} {'reference':>9} "
+          f"{'fill':>6} {'overshoot':>9}")
+    for name, records in journals.items():
+        for provider, model in FILL_TARGETS:
+            info = counter_info(provider, model)
+            for budget in budgets:
+                out = render(records, provider=provider, model=model, budget=budget, tools=TOOLS,
+                             working_memory="notes: keep answers short")
+                if provider.startswith("openai"):
+                    ref = openai_reference(provider, out.body, info.encoding)
+                    over = max(0, ref - budget)
+                    print(f"{name:8} {provider:17} {model:18} {budget:7} {out.tokens:8} {ref:9} "
+                          f"{ref / budget:6.1%} {over:9}")
+                else:
+                    lo, hi = RATIOS[provider]
+                    text = o200k_text(out.body)
+                    print(f"{name:8} {provider:17} {model:18} {budget:7} {out.tokens:8} {'o200k ' + str(text):>9} "
+                          f"{text * lo / budget:6.1%}-{text * hi / budget:.1%} (at x{lo}-x{hi}; counter x{info.factor})")
+
+
 def best(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -89,7 +215,12 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budget", type=int, default=200_000, help="token budget of the fitted runs")
+    parser.add_argument("--only", choices=("speed", "fill"), help="run one part")
     args = parser.parse_args()
+    if args.only != "speed":
+        fill([8_000, 32_000, 128_000, 200_000])
+        if args.only == "fill":
+            return
     lines = journal(args.events)
     size = sum(len(x) + 1 for x in lines)
     records = [Record.from_line(x) for x in lines]

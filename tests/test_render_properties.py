@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
-from capsulefs.core.render import PROVIDERS, BudgetTooSmall, byte_upper_bound, check_request, render, system_prompt
+from capsulefs.core.render import PROVIDERS, BudgetTooSmall, check_request, counter_for, render, system_prompt
 from capsulefs.core.render._plan import items_of, plan
 from render_journals import TARGETS, journals
 from render_sdk import validate_request
@@ -53,13 +53,13 @@ def test_every_request_keeps_its_providers_rules(journal, target, budget) -> Non
         prov = PROVIDERS[provider]
         system = system_prompt(p.system, "notes")
         minimal = prov.body(items_of((), p.units), model=model, system=system, tools=(), max_output=None)
-        assert budget is not None and budget < byte_upper_bound(minimal)
+        assert budget is not None and budget < counter_for(provider, model)(minimal)
         return
     body = out.body
     assert check_request(provider, body) == []
     validate_request(provider, body)
     if budget is not None:
-        assert out.tokens == byte_upper_bound(body) <= budget
+        assert out.tokens == counter_for(provider, model)(body) <= budget
     text = json.dumps(body)
     # reasoning: nothing of another model, everything of this one when nothing was dropped
     own = _markers(journal, lambda e, i: (e.provider, e.model) == target

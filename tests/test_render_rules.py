@@ -27,6 +27,7 @@ from capsulefs.core.render import (
     ToolSpec,
     byte_upper_bound,
     check_request,
+    counter_for,
     encoding_counter,
     render,
 )
@@ -260,7 +261,7 @@ def test_budget_keeps_the_newest_units_and_digests_the_rest(provider: str) -> No
     assert full.dropped_units == 0
     for budget in (full.tokens // 2, full.tokens // 5, 2000):
         out = render(journal, provider=provider, model="m-1", budget=budget)
-        assert out.tokens <= budget and byte_upper_bound(out.body) == out.tokens
+        assert out.tokens <= budget and counter_for(provider, "m-1")(out.body) == out.tokens
         assert out.dropped_units > 0 and check_request(provider, out.body) == []
         validate_request(provider, out.body)
         text = dumped(out.body)
@@ -276,7 +277,7 @@ def test_budget_keeps_the_newest_units_and_digests_the_rest(provider: str) -> No
 
 def test_digest_counts_what_was_dropped() -> None:
     journal = _long_journal(10)
-    out = render(journal, provider="openai-chat", model="m", budget=1500)
+    out = render(journal, provider="openai-chat", model="m", budget=500)
     digest = out.body["messages"][1]["content"]
     dropped_questions = sum(1 for i in range(10) if f"question {i} " not in dumped(out.body))
     assert digest.startswith(f"[Earlier conversation omitted to fit the context window: {dropped_questions} user messages")
@@ -436,10 +437,12 @@ def test_megabyte_messages(provider: str) -> None:
 def test_anthropic_counter_pays_for_the_hidden_tool_prompt() -> None:
     tools = [ToolSpec(name="grep")]
     journal = _long_journal(10)
-    plain = render(journal, provider="anthropic", model="m", budget=3000)
-    with_tools = render(journal, provider="anthropic", model="m", budget=3000, tools=tools)
-    assert with_tools.tokens == byte_upper_bound(with_tools.body) + 500 <= 3000
-    assert plain.tokens == byte_upper_bound(plain.body)
+    plain = render(journal, provider="anthropic", model="m", budget=1600)
+    with_tools = render(journal, provider="anthropic", model="m", budget=1600, tools=tools)
+    count = counter_for("anthropic", "m")
+    assert with_tools.tokens == count(with_tools.body) <= 1600
+    assert count(with_tools.body) - count({k: v for k, v in with_tools.body.items() if k != "tools"}) > 500
+    assert plain.tokens == count(plain.body)
     assert with_tools.kept_units < plain.kept_units
 
 

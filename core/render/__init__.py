@@ -41,7 +41,7 @@ from typing import Any
 
 from ..events import Event, Record
 from ._base import Provider, ToolSpec
-from ._count import DEFAULT_COUNTERS, Counter, byte_upper_bound, counter_for, encoding_counter
+from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter
 from ._plan import INTERRUPTED, BudgetTooSmall, RenderError, fit, plan
 from .anthropic import PROVIDER as _ANTHROPIC
 from .gemini import PROVIDER as _GEMINI
@@ -49,11 +49,11 @@ from .openai_chat import PROVIDER as _CHAT
 from .openai_responses import PROVIDER as _RESPONSES
 
 __all__ = [
-    "DEFAULT_COUNTERS",
     "INTERRUPTED",
     "PROVIDERS",
     "BudgetTooSmall",
     "Counter",
+    "CounterInfo",
     "Provider",
     "RenderError",
     "Rendered",
@@ -61,6 +61,7 @@ __all__ = [
     "byte_upper_bound",
     "check_request",
     "counter_for",
+    "counter_info",
     "encoding_counter",
     "get_provider",
     "parse_response",
@@ -112,8 +113,8 @@ def render(
 
     ``provider``/``model`` default to the journal's last ``model_switch``; a
     ``provider`` given alone takes the model of its own last ``model_switch``.
-    ``budget`` is in tokens by ``counter`` (default: the provider's, see
-    :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
+    ``budget`` is in tokens by ``counter`` (default: the provider's
+    tokenizer or calibrated estimate for ``model``, see :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
     reply's token limit (required by Anthropic, default 4096 there).
     """
     p = plan(journal)
@@ -131,7 +132,7 @@ def render(
     if budget is not None and budget < 1:
         raise RenderError(f"budget must be a positive number of tokens, not {budget}")
     prov = get_provider(provider)
-    count = counter or counter_for(provider)
+    count = counter or (counter_for(provider, model) if budget is not None else byte_upper_bound)
     system = system_prompt(p.system, working_memory)
 
     def build(items: list[tuple]) -> dict[str, Any]:

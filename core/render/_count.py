@@ -1,98 +1,198 @@
-"""Token counters: pluggable per provider, conservative unless a real encoding is given.
+"""Token counters: each provider's tokens, counted with a real tokenizer where one is public.
 
 Rules:
   * A counter is a function from a JSON-able request (or a piece of one) to
     an int. The fitter trusts it: a fitted request never exceeds its budget
-    *by the counter used*.
-  * The default counter never undercounts. Every tokenizer the four providers
-    use (byte-level BPE for OpenAI and Anthropic, SentencePiece with byte
-    fallback for Gemini) spends at least one UTF-8 byte per text token, so the
-    text's byte length bounds its tokens. We measure the JSON encoding of the
-    whole request with non-ASCII escaped (``\\uXXXX`` is longer than the
-    character's UTF-8 bytes), which also pays for the role markers and
-    separators a provider adds around each message: they are fewer tokens
-    than the JSON punctuation and keys that wrap the same message.
-  * A provider may add text the body does not show: Anthropic prepends a
-    tool-use system prompt (a few hundred tokens, per its docs) whenever
-    tools are offered. Such hidden prompts are added as a fixed allowance
-    (:data:`HIDDEN_WITH_TOOLS`) by the provider's default counter.
-  * No tokenizer file can be fetched at run time here (network reaches only
-    package registries) and none ships offline, so precise counting is opt-in:
-    :func:`encoding_counter` turns any tokenizer's ``encode`` into a counter.
+    *by the counter used*, so a budget means real tokens exactly as far as
+    the counter matches the provider's.
+  * OpenAI publishes its tokenizers: ``o200k_base`` (gpt-4o, gpt-4.1,
+    gpt-4.5, gpt-5, the o-series, gpt-oss) and ``cl100k_base`` (gpt-4,
+    gpt-3.5). They are counted exactly, offline: the ``toktok-rs`` package
+    compiles both vocabularies into its binary (nothing is downloaded).
+  * A request's tokens are those of every string in it (values and keys:
+    a tool's parameter names are keys), one per number, and one per JSON
+    object, which stands for the role markers and separators the provider
+    puts around each message (OpenAI documents 3 per message: the keys
+    ``role`` and ``content`` and the object's own one), plus
+    :data:`PER_REQUEST` for the reply's priming. OpenAI's counters skip
+    call ids (:data:`ID_KEYS`), which its models never see.
+  * Anthropic and Google publish no tokenizer for their current models, so
+    their counts are a calibrated estimate: the o200k count of the same
+    request times a factor (:data:`FACTORS`) chosen to stay above the real
+    count (docs/render.md gives the sources and measurements). An unknown
+    model of an OpenAI-compatible server gets cl100k times 1.1.
+  * What the body does not show is added as a fixed allowance: the hidden
+    system prompt Anthropic adds when tools are offered
+    (:data:`HIDDEN_WITH_TOOLS`); an attachment's tokens are the provider's
+    own formula for it, carried by its marker (``_base.BlobData.tokens``)
+    and never multiplied by the factor.
+  * Without the tokenizer package (it is a dependency; only a broken
+    install lacks it), every counter falls back to the byte bound
+    (:func:`byte_upper_bound`), which never undercounts: safe, but it fills
+    only a quarter to a third of the window.
 
-Theory of operation:
-  ``json.dumps`` is C code; counting the whole 100k-event body costs about as
-  much as serialising it once. The fitter calls the counter on single units
-  (to estimate) and on the final body (to check).
+Theory of operation: the tokenizer is imported and its vocabulary loaded
+(about a second for o200k) the first time a budget is counted, never at
+import. The fitter counts each unit it keeps once and the final body once
+or twice, so the cost grows with the budget, not with the journal.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 Counter = Callable[[Any], int]
 
-#: Tokens a provider adds around one message (role markers, separators), used
-#: by :func:`encoding_counter`. Generous: OpenAI documents 3-4.
-MESSAGE_OVERHEAD = 8
-
-_dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
-
-
-def byte_upper_bound(obj: Any) -> int:
-    """Length of ``obj`` as compact ASCII JSON: never fewer than its tokens."""
-    return len(_dumps(obj))
-
-
-def encoding_counter(encode: Callable[[str], Sequence[int]]) -> Counter:
-    """A counter from a real tokenizer: tokens of every string plus per-object overhead.
-
-    Strings are counted with ``encode``; each JSON object (a message, a block)
-    adds :data:`MESSAGE_OVERHEAD`, which covers keys and role markers.
-    """
-
-    def count(obj: Any) -> int:
-        total = 0
-        stack = [obj]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, str):
-                total += len(encode(x))
-            elif isinstance(x, dict):
-                total += MESSAGE_OVERHEAD
-                stack.extend(x.values())
-            elif isinstance(x, (list, tuple)):
-                stack.extend(x)
-            elif x is not None:
-                total += 1  # numbers and booleans
-        return total
-
-    return count
-
+#: Tokens a provider adds to every request (OpenAI: the reply's priming, 3).
+PER_REQUEST = 3
 
 #: Tokens a provider adds to a request that offers tools, beyond the tools'
 #: own JSON. Anthropic documents 313-346 for its tool-use system prompt.
 HIDDEN_WITH_TOOLS = {"anthropic": 500}
 
+#: (provider, model pattern) -> (encoding, factor); the first match wins.
+#: Sources and measurements: docs/render.md, "Token counting".
+FACTORS: tuple[tuple[str, re.Pattern[str], str, float], ...] = (
+    ("openai", re.compile(r"(?:.*/)?(?:gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|gpt-oss|o1|o3|o4|codex)\b.*"),
+     "o200k_base", 1.0),
+    ("openai", re.compile(r"(?:.*/)?(?:gpt-4|gpt-3\.5|text-embedding)\b.*"), "cl100k_base", 1.0),
+    ("openai", re.compile(r".*"), "cl100k_base", 1.1),
+    # Claude Opus 4.7 and later: a new tokenizer, up to 1.35x the tokens of the one before
+    ("anthropic", re.compile(r"claude-(?:opus|sonnet|haiku)-(?:4-(?:[7-9]|\d\d)|[5-9]|\d\d)\b.*"), "o200k_base", 1.75),
+    ("anthropic", re.compile(r".*"), "o200k_base", 1.3),
+    ("gemini", re.compile(r".*"), "o200k_base", 1.15),
+)
 
-def _with_hidden_prompt(extra: int) -> Counter:
+_dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
+
+
+def byte_upper_bound(obj: Any) -> int:
+    """Length of ``obj`` as compact ASCII JSON: never fewer than its tokens
+    (every tokenizer spends at least one UTF-8 byte per text token)."""
+    return len(_dumps(obj))
+
+
+_ENCODERS: dict[str, Callable[[str], int] | None] = {}
+
+
+def text_counter(encoding: str) -> Callable[[str], int] | None:
+    """A function counting one string's tokens with ``encoding``, loaded once;
+    None if the tokenizer package is missing (logged once)."""
+    if encoding not in _ENCODERS:
+        try:
+            import toktok
+        except ImportError:
+            log.warning("the toktok-rs package is missing: token budgets are counted by bytes "
+                        "(safe, but they fill a quarter to a third of the window)")
+            _ENCODERS[encoding] = None
+        else:
+            tokenizer = getattr(toktok, "_encoding", None)
+            one = getattr(tokenizer(encoding), "count", None) if tokenizer is not None else None
+            if one is None:  # only the public, batched call: slower per string, same counts
+                _ENCODERS[encoding] = lambda s, enc=encoding: toktok.batch_count([s], enc, threads=1)[0]
+            else:
+                _ENCODERS[encoding] = one
+    return _ENCODERS[encoding]
+
+
+#: Keys whose values are call ids: OpenAI's models do not see them (its
+#: chat format names a call by its function), so its counters skip them.
+ID_KEYS = frozenset({"id", "call_id", "tool_call_id"})
+
+
+def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: float = 1.0,
+                     hidden_with_tools: int = 0, skip_ids: bool = False) -> Counter:
+    """A counter from a tokenizer: ``encode`` returns a string's tokens (or
+    their number). See the module rules for what is counted."""
+    keys: dict[str, int] = {}
+    skipped = ID_KEYS if skip_ids else frozenset()
+
+    def tokens(s: str) -> int:
+        n = encode(s)
+        return n if isinstance(n, int) else len(n)
+
+    def count(obj: Any) -> int:
+        total = 0
+        fixed = 0  # provider-counted tokens (attachments): not scaled
+        stack = [obj]
+        pop, push, extend = stack.pop, stack.append, stack.extend
+        while stack:
+            x = pop()
+            t = type(x)
+            if t is str:
+                if x:
+                    total += tokens(x)
+            elif t is dict:
+                total += 1
+                for k, v in x.items():
+                    n = keys.get(k)
+                    if n is None:
+                        n = keys[k] = tokens(k)
+                    total += n
+                    if k not in skipped:
+                        push(v)
+            elif t is list or t is tuple:
+                extend(x)
+            elif x is None:
+                continue
+            elif hasattr(x, "tokens"):  # an attachment's marker
+                fixed += x.tokens
+            else:
+                total += 1  # numbers and booleans
+        hidden = hidden_with_tools if type(obj) is dict and obj.get("tools") else 0
+        return math.ceil(total * factor) + fixed + hidden + (PER_REQUEST if type(obj) is dict and "model" in obj else 0)
+
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class CounterInfo:
+    """How a provider's model is counted (for ``--stats`` and the docs)."""
+
+    encoding: str
+    factor: float
+    exact: bool  # the provider's own tokenizer, not an estimate
+
+
+def counter_info(provider: str, model: str) -> CounterInfo:
+    family = "openai" if provider.startswith("openai") else provider
+    for fam, pattern, encoding, factor in FACTORS:
+        if fam == family and pattern.fullmatch(model):
+            return CounterInfo(encoding, factor, exact=family == "openai" and factor == 1.0)
+    return CounterInfo("o200k_base", 1.3, exact=False)
+
+
+_COUNTERS: dict[tuple[str, str], Counter] = {}
+
+
+def counter_for(provider: str, model: str = "") -> Counter:
+    """The counter for ``provider``'s ``model`` (see the module rules)."""
+    info = counter_info(provider, model)
+    key = (provider, f"{info.encoding}*{info.factor}")
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        encode = text_counter(info.encoding)
+        hidden = HIDDEN_WITH_TOOLS.get(provider, 0)
+        if encode is None:
+            counter = _bytes_with_hidden(hidden)
+        else:
+            counter = encoding_counter(encode, factor=info.factor, hidden_with_tools=hidden,
+                                       skip_ids=provider.startswith("openai"))
+        _COUNTERS[key] = counter
+    return counter
+
+
+def _bytes_with_hidden(extra: int) -> Counter:
     def count(obj: Any) -> int:
         hidden = extra if isinstance(obj, dict) and obj.get("tools") else 0
         return byte_upper_bound(obj) + hidden
 
     return count
-
-
-#: The counter each provider uses unless the caller passes one.
-DEFAULT_COUNTERS: dict[str, Counter] = {
-    "anthropic": _with_hidden_prompt(HIDDEN_WITH_TOOLS["anthropic"]),
-    "openai-chat": byte_upper_bound,
-    "openai-responses": byte_upper_bound,
-    "gemini": byte_upper_bound,
-}
-
-
-def counter_for(provider: str) -> Counter:
-    return DEFAULT_COUNTERS.get(provider, byte_upper_bound)
