@@ -22,6 +22,12 @@ Rules:
     with an error on resume: never run twice silently, never lost.
   * SIGTERM asks the loop to stop at the next step boundary.
   * Tools cannot reach outside the sandbox: paths are resolved and checked.
+  * A step that fails (no model chosen, the provider down or refusing, the
+    newest message too large for the budget) is reported in one place,
+    :meth:`Agent.report`: logged, and written to ``$CAPSULE_STATUS``, which
+    the daemon shows in ``.control/status`` as ``run.problem`` until a step
+    succeeds. The model is never called with a request that lacks the
+    newest message.
   * The run's secrets (named in ``$CAPSULE_SECRETS``) are for the provider
     SDKs only: the shell tool runs without them, and any tool result or
     error holding a secret's value is journaled with ``[secret NAME]`` in
@@ -44,7 +50,8 @@ from capsulefs.core import events as ev
 from capsulefs.core import format as fmt
 from capsulefs.core import render
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.spec import SECRETS_ENV, redact_secrets, secrets_in
+from capsulefs.core.fsutil import atomic_write
+from capsulefs.core.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in
 
 log = logging.getLogger(__name__)
 
@@ -330,12 +337,36 @@ class ProviderClients:
 class Agent:
     def __init__(self, port: JournalPort, tools: Toolbox, *,
                  call: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None,
-                 default_target: tuple[str, str] | None = None, budget: int | None = None) -> None:
+                 default_target: tuple[str, str] | None = None, budget: int | None = None,
+                 status_file: str | None = None) -> None:
         self.port, self.tools = port, tools
         self.call = call if call is not None else ProviderClients()
         self.default_target = default_target
         self.budget = budget
+        self.status_file = status_file
+        self.problem: str | None = None  # the last step's failure, None once a step succeeded
         self.stopping = False
+
+    def report(self, problem: str | None) -> None:
+        """Say how the last step went: the one place a step's failure is
+        reported (logged, and written to the status file the daemon shows
+        as ``run.problem``); None clears it once a step succeeds."""
+        if problem == self.problem:
+            return
+        self.problem = problem
+        if problem is not None:
+            log.error("step failed: %s", problem)
+        if self.status_file is None:
+            return
+        try:
+            if problem is None:
+                os.unlink(self.status_file)
+            else:
+                atomic_write(self.status_file, json.dumps({"problem": problem}).encode(), mode=0o600)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot write the status file %s: %s", self.status_file, exc)
 
     def answer_interrupted(self) -> int:
         """Journal an error result for every call an earlier run left dangling."""
@@ -370,6 +401,18 @@ class Agent:
             self.port.append([ev.ToolResult(call_id=call.call_id, content=out, is_error=is_error)])
         return True
 
+    def attempt(self) -> bool | None:
+        """One :meth:`step`, its outcome reported (:meth:`report`): True if
+        it did something, False if there was nothing to do, None if it failed."""
+        try:
+            stepped = self.step()
+        except Exception as exc:  # noqa: BLE001 - the loop must survive any provider failure
+            self.report(str(exc))
+            return None
+        if stepped:
+            self.report(None)
+        return stepped
+
     def run_forever(self, poll: float = POLL_SECONDS, retry_max: float = 60.0) -> None:
         """Step until stopped. A failed step (no model chosen, provider down,
         a refused request) is logged and retried when the journal changes or
@@ -378,13 +421,12 @@ class Agent:
         backoff = 1.0
         while not self.stopping:
             size = self.port.size()
-            try:
-                if self.step():
-                    backoff = 1.0
-                    continue
-                wait = None
-            except Exception as exc:  # noqa: BLE001 - the loop must survive any provider failure
-                log.error("step failed: %s", exc)
+            stepped = self.attempt()
+            if stepped:
+                backoff = 1.0
+                continue
+            wait = None
+            if stepped is None:
                 wait, backoff = backoff, min(backoff * 2, retry_max)
             deadline = None if wait is None else time.monotonic() + wait
             while not self.stopping and self.port.size() == size:
@@ -402,7 +444,8 @@ def main(args: Any = None) -> int:
     default = os.environ.get("CAPSULE_MODEL")
     target = tuple(default.split(":", 1)) if default and ":" in default else None
     budget = int(os.environ["CAPSULE_BUDGET"]) if os.environ.get("CAPSULE_BUDGET") else None
-    agent = Agent(port, Toolbox(os.getcwd(), capsule_dir), default_target=target, budget=budget)  # type: ignore[arg-type]
+    agent = Agent(port, Toolbox(os.getcwd(), capsule_dir), default_target=target, budget=budget,  # type: ignore[arg-type]
+                  status_file=os.environ.get(STATUS_ENV) or None)
 
     def stop(_sig: int, _frame: object) -> None:
         agent.stopping = True

@@ -139,6 +139,9 @@ class AgentRuntime:
     def run_status(self, agent_id: str) -> dict[str, Any]:
         st = self.supervisor.status(agent_id).as_json()
         st["isolation"] = self.supervisor.isolation.describe(agent_id)
+        problem = self.supervisor.agent_problem(agent_id)
+        if problem is not None:
+            st["problem"] = problem
         ok, why = self.runnable(agent_id)
         if not ok and st["state"] in ("stopped", "frozen"):
             st["detail"] = why

@@ -33,6 +33,12 @@ Rules:
     their own, and cannot read the state directory (capsulefs/sandbox.py);
     a run ends with that cgroup, so a process that left the process group
     goes too. Not root: isolation is off, and the status says so.
+  * A running agent says how its steps go in one small file it writes,
+    ``$CAPSULE_STATUS`` (in its HOME: ``agent-status.json``, ``{"problem":
+    text}``, removed once a step succeeds); the status shows it as
+    ``problem``. The file is the agent's, so it is read as hostile: not
+    followed if a link, only a regular file of the agent's own uid, 4 KiB
+    at most, one line of text kept. It is removed before each start.
   * A crash (non-zero exit) is followed by a restart with exponential
     backoff, visible in the status. An exit with status 0 means the agent
     finished; it is not restarted until wanted again.
@@ -49,6 +55,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -64,7 +71,7 @@ from capsulefs.sandbox import Isolation
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.spec import SECRETS_ENV, redact_secrets, secrets_in, validate_spec
+from capsulefs.core.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in, validate_spec
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +84,10 @@ BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 #: holds ``workspace/``, the running process's ``pid`` file and ``setup.log``.
 SANDBOXES_DIR = "sandboxes"
 SETUP_LOG = "setup.log"  # beside workspace/: the output of the last build's setup steps
+#: The environment variable naming the file a running agent reports its
+#: problem in, and that file's name in its HOME (see the module rules).
+AGENT_STATUS = "agent-status.json"
+AGENT_STATUS_MAX = 4096
 
 
 def sandbox_root(state_dir: str) -> str:
@@ -87,6 +98,38 @@ def discard_sandbox(state_dir: str, agent_id: str) -> None:
     """Remove an agent's sandbox (its process must not run: stop it first)."""
     fmt.check_agent_id(agent_id)
     shutil.rmtree(os.path.join(sandbox_root(state_dir), agent_id), ignore_errors=True)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_agent_problem(path: str, owner: int) -> str | None:
+    """The ``problem`` an agent wrote to its status file, as one line of at
+    most 500 characters; None if there is none or the file is not one to
+    trust (a link, not a regular file, another owner, too big, not JSON)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_size > AGENT_STATUS_MAX:
+            return None
+        data = os.read(fd, AGENT_STATUS_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        doc = fmt.load_json(data, AGENT_STATUS)
+    except CapsuleError:
+        return None
+    problem = doc.get("problem") if isinstance(doc, dict) else None
+    if not isinstance(problem, str) or not problem.strip():
+        return None
+    return " ".join("".join(c if c.isprintable() else " " for c in problem).split())[:500]
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -324,6 +367,16 @@ class Supervisor:
     def _sandbox_lock(self, agent_id: str) -> trio.Lock:
         return self._sandbox_locks.setdefault(agent_id, trio.Lock())
 
+    def agent_problem(self, agent_id: str) -> str | None:
+        """What the running agent last reported as its problem (see the
+        module rules), or None: nothing reported, or not running."""
+        r = self._runners.get(agent_id)
+        if r is None or r.status.state is not RunState.RUNNING:
+            return None
+        home = self.isolation.home(agent_id) if self.isolation.enabled else os.path.join(self.sandbox_root, agent_id)
+        owner = self.isolation.ids_for(agent_id).uid if self.isolation.enabled else os.getuid()
+        return read_agent_problem(os.path.join(home, AGENT_STATUS), owner)
+
     def _pidfile(self, agent_id: str) -> str:
         return os.path.join(self.sandbox_root, agent_id, "pid")
 
@@ -522,6 +575,8 @@ class Supervisor:
         env.setdefault("PATH", os.defpath)
         env.update(spec.get("env", {}))
         env["HOME"] = home
+        env[STATUS_ENV] = os.path.join(home, AGENT_STATUS)
+        _remove_quietly(env[STATUS_ENV])  # (an earlier run's problem is not this one's)
         env["CAPSULE_DIR"] = capsule_dir
         env["CAPSULE_AGENT_ID"] = r.agent_id
         env.update(secrets)

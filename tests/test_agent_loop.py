@@ -149,3 +149,21 @@ def test_tool_results_never_carry_the_runs_secrets(capsule: Path, tmp_path: Path
     assert "[]" in results[0].content  # the shell does not see the secret at all
     assert "ANTHROPIC_API_KEY" in results[1].content  # a value found elsewhere is replaced by its name
     assert b"sk-live-0123456789" not in (capsule / fmt.JOURNAL).read_bytes()
+
+
+@pytest.mark.expect_error_log
+def test_a_newest_message_larger_than_the_budget_is_reported_not_sent(capsule: Path, tmp_path: Path) -> None:
+    # It used to send the digest alone: the model was asked about nothing.
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([ev.ModelSwitch(provider="anthropic", model="claude-x"), ev.UserMessage(text="hello"),
+                 ev.AssistantMessage(text="hi"), ev.UserMessage(text="please read this: " + "lorem ipsum " * 2000)])
+    status = tmp_path / "agent-status.json"
+    calls = []
+    agent = Agent(port, Toolbox(str(tmp_path), str(capsule)), call=lambda *a: calls.append(a) or {},
+                  budget=2000, status_file=str(status))
+    assert agent.attempt() is None and calls == []
+    problem = json.loads(status.read_text())["problem"]
+    assert "the newest user message alone is" in problem and "over the budget of 2000 tokens" in problem
+    agent.budget = None  # (a bigger budget, or a shorter message): the next step goes through
+    agent.call = lambda *a: anthropic_reply({"type": "text", "text": "read it"})
+    assert agent.attempt() is True and not status.exists() and agent.problem is None

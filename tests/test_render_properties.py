@@ -13,7 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
-from capsulefs.core.render import PROVIDERS, BudgetTooSmall, check_request, counter_for, render, system_prompt
+from capsulefs.core.render import (
+    PROVIDERS,
+    BudgetTooSmall,
+    NewestTooLarge,
+    check_request,
+    counter_for,
+    render,
+    system_prompt,
+)
 from capsulefs.core.render._plan import items_of, plan
 from render_journals import TARGETS, journals
 from render_sdk import validate_request
@@ -47,13 +55,22 @@ def test_every_request_keeps_its_providers_rules(journal, target, budget) -> Non
     provider, model = target
     try:
         out = render(journal, provider=provider, model=model, budget=budget, working_memory="notes")
-    except BudgetTooSmall:
-        # only when even the digest-only request does not fit
+    except BudgetTooSmall as exc:
+        # only when the newest unit (with the digest of the rest), or even the
+        # digest-only request, does not fit
         p = plan(journal)
         prov = PROVIDERS[provider]
         system = system_prompt(p.system, "notes")
+        count = counter_for(provider, model)
         minimal = prov.body(items_of((), p.units), model=model, system=system, tools=(), max_output=None)
-        assert budget is not None and budget < counter_for(provider, model)(minimal)
+        assert budget is not None
+        if isinstance(exc, NewestTooLarge):
+            newest = prov.body(items_of(p.units[-1:], p.units[:-1]), model=model, system=system, tools=(),
+                               max_output=None)
+            assert count(minimal) <= budget < count(newest) == exc.request_tokens
+            assert f"over the budget of {budget} tokens" in str(exc)
+        else:
+            assert budget < count(minimal)
         return
     body = out.body
     assert check_request(provider, body) == []

@@ -23,6 +23,7 @@ from capsulefs.core.events import (
 from capsulefs.core.render import (
     PROVIDERS,
     BudgetTooSmall,
+    NewestTooLarge,
     RenderError,
     ToolSpec,
     byte_upper_bound,
@@ -292,11 +293,17 @@ def test_budget_too_small_for_the_system_prompt(provider: str) -> None:
 
 
 @pytest.mark.parametrize("provider", ALL)
-def test_newest_message_too_big_for_the_budget_leaves_the_digest(provider: str) -> None:
-    journal = [UserMessage(text="small"), AssistantMessage(text="ok"), UserMessage(text="y" * 5000)]
-    out = render(journal, provider=provider, model="m", budget=1000)
-    assert out.kept_units == 0 and out.tokens <= 1000 and "y" * 100 not in dumped(out.body)
-    assert check_request(provider, out.body) == []
+def test_newest_message_too_big_for_the_budget_is_an_error_naming_both_sizes(provider: str) -> None:
+    # It used to render only the digest: the model was called without the question.
+    journal = [UserMessage(text="small"), AssistantMessage(text="ok"), UserMessage(text="y " * 5000)]
+    with pytest.raises(NewestTooLarge) as caught:
+        render(journal, provider=provider, model="m", budget=1000)
+    exc = caught.value
+    assert exc.unit_tokens > 1000 and exc.budget == 1000
+    assert f"the newest user message alone is {exc.unit_tokens} tokens" in str(exc)
+    assert "over the budget of 1000 tokens" in str(exc)
+    fits = render(journal, provider=provider, model="m", budget=exc.request_tokens)
+    assert fits.tokens <= exc.request_tokens and "y y y" in dumped(fits.body)
 
 
 def test_precise_counter_plugs_in() -> None:

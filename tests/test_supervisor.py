@@ -631,3 +631,35 @@ async def test_a_malformed_spec_blocks_its_agent_and_nothing_else(store: HostSto
         probe = Path(sup.sandbox(good.agent_id)) / "probe.json"
         await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the other agent to run")
         nursery.cancel_scope.cancel()
+
+
+REPORTER = r"""
+import json, os, sys, time
+path = os.environ["CAPSULE_STATUS"]
+if sys.argv[1] == "link":
+    os.symlink(os.path.abspath("secret.txt"), path)
+    with open("secret.txt", "w") as f:
+        json.dump({"problem": "read through a link"}, f)
+else:
+    with open(path, "w") as f:
+        json.dump({"problem": "the newest user message alone is 9000 tokens,\nover the budget"}, f)
+with open("probe.json", "w") as f:
+    f.write("{}")
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "link"])
+async def test_a_running_agent_s_reported_problem_is_in_its_status(store: HostStore, tmp_path: Path, how: str) -> None:
+    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", REPORTER, how]))
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path / "mnt")), grace=5)
+    async with trio.open_nursery() as nursery:
+        await _serve_and_start(sup, nursery, agent.agent_id)
+        if how == "file":
+            assert sup.agent_problem(agent.agent_id) == "the newest user message alone is 9000 tokens, over the budget"
+        else:  # the agent's file is hostile: a link is never followed
+            assert sup.agent_problem(agent.agent_id) is None
+        await sup.freeze(agent.agent_id)
+        assert sup.agent_problem(agent.agent_id) is None  # not running: nothing to report
+        nursery.cancel_scope.cancel()

@@ -13,7 +13,8 @@ Rules:
   * With a budget, the newest units that fit are kept and a deterministic
     digest of the rest opens the conversation; the body never exceeds the
     budget by the counter used (:class:`BudgetTooSmall` if even the system
-    prompt and digest cannot fit).
+    prompt and digest cannot fit, :class:`NewestTooLarge` if the newest unit
+    cannot: it is never left out).
 
 Providers and the reasoning each replays (``Reasoning.payload_format``, ``data``)::
 
@@ -42,7 +43,7 @@ from typing import Any
 from ..events import Event, Record
 from ._base import Provider, ToolSpec
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter
-from ._plan import INTERRUPTED, BudgetTooSmall, RenderError, fit, plan
+from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, fit, plan
 from .anthropic import PROVIDER as _ANTHROPIC
 from .gemini import PROVIDER as _GEMINI
 from .openai_chat import PROVIDER as _CHAT
@@ -52,6 +53,7 @@ __all__ = [
     "INTERRUPTED",
     "PROVIDERS",
     "BudgetTooSmall",
+    "NewestTooLarge",
     "Counter",
     "CounterInfo",
     "Provider",
@@ -141,12 +143,12 @@ def render(
     def cost(items: list[tuple]) -> int:
         return count(prov.fragment(items, model=model))
 
-    body, kept = fit(p.units, budget, build, cost, count)
+    body, kept, tokens = fit(p.units, budget, build, cost, count)
     return Rendered(
         body=body,
         provider=provider,
         model=model,
-        tokens=count(body) if budget is not None else None,
+        tokens=tokens,
         kept_units=kept,
         dropped_units=len(p.units) - kept,
     )
