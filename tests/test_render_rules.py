@@ -474,3 +474,23 @@ def test_responses_reasoning_cut_off_before_its_output_is_not_sent() -> None:
     broken = dict(body, input=[body["input"][0], {"type": "reasoning", "id": "r", "summary": [],
                                                   "encrypted_content": "x"}, body["input"][1]])
     assert any("required following item" in p for p in check_request("openai-responses", broken))
+
+
+# -- system prompts in time ------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_a_changed_system_prompt_replaces_the_old_one_and_marks_where(provider: str) -> None:
+    # Both versions used to open the request, concatenated: the old instruction still held.
+    journal = [System(text="OLD: answer in French."), UserMessage(text="first question"),
+               ToolCall(call_id="c1", name="ls", arguments={}), System(text="NEW: answer in English."),
+               ToolResult(call_id="c1", content="a.txt"), AssistantMessage(text="premier"),
+               UserMessage(text="second question")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert "OLD:" not in text and text.count("NEW: answer in English.") == 1
+    marker = "[The system prompt was changed at this point"
+    assert text.index("first question") < text.index("a.txt") < text.index(marker) < text.index("second question")
+    # the same prompt again, or set before the conversation, leaves no marker
+    quiet = [System(text="A"), System(text="B"), UserMessage(text="q"), System(text="B"), AssistantMessage(text="x")]
+    assert marker not in dumped(rendered(quiet, provider))

@@ -93,7 +93,8 @@ def get_provider(provider: str) -> Provider:
 
 
 def system_prompt(system: Sequence[str], working_memory: str | None) -> str | None:
-    """System events in journal order, then the working memory in a marked section."""
+    """The current system prompt (the plan's: the last system event), then
+    the working memory in a marked section."""
     parts = [s for s in system if s]
     if working_memory:
         parts.append(f"<working_memory>\n{working_memory}\n</working_memory>")

@@ -4,7 +4,11 @@ Rules:
   * The journal is never rewritten. A plan is computed from it afresh on every
     render, and depends only on the events and the target (provider, model).
   * ``model_switch``, ``note``, ``memory_edit``, ``workspace_update`` and
-    unknown kinds are never dialogue; ``system`` events feed the system prompt.
+    unknown kinds are never dialogue. The system prompt is a projection, like
+    working memory: the last ``system`` event's text. One that changes it
+    after the conversation began leaves a marker there (:data:`SYSTEM_CHANGED`,
+    a user-side note between units), so the turns before it read as having
+    run under other instructions; the earlier texts are not sent.
   * Every tool call is answered, right after the assistant step that made it:
     by its result, or, if none was ever recorded (the machine died
     mid-call), by an explicit error result saying the call was interrupted.
@@ -62,6 +66,8 @@ INTERRUPTED = (
 )
 NO_CONVERSATION = "(No conversation yet.)"
 CONTINUES = "(The conversation so far begins with an assistant turn.)"
+SYSTEM_CHANGED = ("[The system prompt was changed at this point of the conversation; "
+                  "the one given now is the current version, and the turns before this ran under an earlier one.]")
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")
 _SAFE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
@@ -121,7 +127,7 @@ class Unit:
 
 @dataclass(slots=True)
 class Plan:
-    system: list[str]  # texts of system events, in journal order
+    system: list[str]  # the current system prompt (the last system event's text), or none
     units: list[Unit]
     target: tuple[str, str] | None  # the last model_switch (provider, model), if any
     models: dict[str, str] = field(default_factory=dict)  # provider -> model of its last model_switch
@@ -235,7 +241,12 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
                 pending.append((index, cid, name))
             continue
         if t is System:
-            system.append(ev.text)
+            if system and system[0] == ev.text:
+                continue
+            if units:  # a change mid-conversation: the old prompt goes, its place is marked
+                close_step()
+                units.append(Unit(items=[(USER, SYSTEM_CHANGED)], first=when, last=when))
+            system[:] = [ev.text]
         elif t is ModelSwitch:
             target = (ev.provider, ev.model)
             models[ev.provider] = ev.model
