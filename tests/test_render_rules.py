@@ -494,3 +494,48 @@ def test_a_changed_system_prompt_replaces_the_old_one_and_marks_where(provider: 
     # the same prompt again, or set before the conversation, leaves no marker
     quiet = [System(text="A"), System(text="B"), UserMessage(text="q"), System(text="B"), AssistantMessage(text="x")]
     assert marker not in dumped(rendered(quiet, provider))
+
+
+# -- blank texts and block order -------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_blank_texts_are_never_sent(provider: str) -> None:
+    # One renderer dropped them and the others sent them; Anthropic refuses blank text blocks.
+    journal = [UserMessage(text="hi"), AssistantMessage(text="  \n"), UserMessage(text=""),
+               UserMessage(text="again"), AssistantMessage(text=""), ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="x"), AssistantMessage(text="done")]
+    body = rendered(journal, provider)
+    texts = []
+    stack = [body]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            texts += [v for k, v in x.items() if k in ("text", "content") and isinstance(v, str)]
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    assert texts and all(t.strip() for t in texts), texts
+
+
+def test_anthropic_turn_with_thinking_starts_with_it() -> None:
+    # The model changed mid-step: claude-x's text, then claude-y's thinking and call, in one turn.
+    journal = [UserMessage(text="go"), AssistantMessage(text="let me look", model="claude-x"),
+               reasoning("anthropic", "claude-y", "SIGY"), ToolCall(call_id="c1", name="ls", arguments={}),
+               ToolResult(call_id="c1", content="x")]
+    turn = rendered(journal, "anthropic", "claude-y")["messages"][1]["content"]
+    assert [b["type"] for b in turn] == ["thinking", "text", "tool_use"]
+    broken = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "text", "text": "t"}, dict(reasoning("anthropic", "m", "S").data)]}]}
+    assert any("must start with it" in p for p in check_request("anthropic", broken))
+
+
+@pytest.mark.parametrize("provider,body", [
+    ("openai-chat", {"model": "m", "messages": [{"role": "user", "content": " "}]}),
+    ("openai-responses", {"model": "m", "input": [{"type": "message", "role": "user", "content": ""}]}),
+    ("gemini", {"contents": [{"role": "user", "parts": [{"text": "\n"}]}]}),
+    ("anthropic", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}),
+])
+def test_the_checks_and_so_the_stub_refuse_blank_texts(provider: str, body: dict) -> None:
+    assert any("blank text" in p for p in check_request(provider, body))

@@ -10,9 +10,13 @@ Rules this module guarantees for every body it renders:
     ``anthropic.thinking`` / ``anthropic.redacted_thinking``) are sent back,
     verbatim and in place, only to the exact model that wrote them: their
     signatures are model-specific.
-  * Text blocks are never empty or blank (the API refuses those), and neither
-    is a ``tool_result``'s content: a blank output is sent as :data:`NO_OUTPUT`
-    (the API refuses an empty one flagged ``is_error``).
+  * Text blocks are never empty or blank (the API refuses those): a blank
+    text is not sent. Neither is a ``tool_result``'s content: a blank output
+    is sent as :data:`NO_OUTPUT` (the API refuses an empty one flagged
+    ``is_error``).
+  * An assistant turn with thinking starts with it: thinking kept for this
+    model that the journal has after a text or a call of the same turn (the
+    model changed mid-step) moves up, after the thinking before it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ._base import Provider, ToolSpec, verbatim
 from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "anthropic"
+_THINKING = frozenset({"thinking", "redacted_thinking"})
 #: What a tool_result says for a tool output that is empty or blank.
 NO_OUTPUT = "(no output)"
 
@@ -62,6 +67,11 @@ class Anthropic(Provider):
                 content = [block]
                 messages.append({"role": side, "content": content})
                 role = side
+            elif tag != CALL and tag != TEXT and side == "assistant" and any(
+                    b["type"] not in _THINKING for b in content):
+                # thinking after text or a call (the model changed mid-step): the turn starts with it
+                at = next(i for i, b in enumerate(content) if b["type"] not in _THINKING)
+                content.insert(at, block)
             else:
                 content.append(block)
         return messages
@@ -141,6 +151,10 @@ class Anthropic(Provider):
                     if cid in seen:
                         problems.append(f"{where}: tool_use id {cid!r} used twice")
                     seen.add(cid)
+            if role == "assistant":
+                kinds = [b.get("type") for b in blocks]
+                if any(k in _THINKING for k in kinds) and kinds[0] not in _THINKING:
+                    problems.append(f"{where}: an assistant turn with thinking must start with it")
             for b in blocks:
                 if b.get("type") == "text" and not str(b.get("text", "")).strip():
                     problems.append(f"{where}: blank text block")

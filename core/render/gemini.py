@@ -11,6 +11,9 @@ Rules this module guarantees for every body it renders:
     before the part that carried them, and re-attached to that part only for
     the exact model that wrote them. Thought parts (``gemini.thought``, data
     ``{"part": {...}}``) come back verbatim for that model only.
+  * A blank (empty or whitespace-only) text is not sent, except on a model
+    part that carries a thought signature (Gemini itself returns such
+    parts: ``{"text": "", "thoughtSignature": ...}``).
   * Gemini 3 and later refuse a request whose current turn (everything
     after the last user text) has a step of function calls without a
     signature: when another model made that step, or its signature was
@@ -62,7 +65,7 @@ class Gemini(Provider):
             tag = item[0]
             if tag != USER and tag != RESULT:
                 if tag == TEXT:
-                    if not item[1] and signature is None:
+                    if not item[1].strip() and signature is None:
                         continue
                     part: dict[str, Any] = {"text": item[1]}
                 elif tag == CALL:
@@ -167,6 +170,8 @@ class Gemini(Provider):
                 problems.append(f"{where}: no parts")
             answers = []
             for part in parts:
+                if "text" in part and not str(part["text"]).strip() and "thoughtSignature" not in part:
+                    problems.append(f"{where}: blank text part")
                 if "functionResponse" in part:
                     fr = part["functionResponse"]
                     answers.append((fr.get("id"), fr.get("name")))

@@ -6,6 +6,8 @@ Rules this module guarantees for every body it renders:
   * That message is followed at once by one ``tool`` message for every id in
     its ``tool_calls``, in call order; no ``tool`` message appears elsewhere.
   * ``function.arguments`` is a JSON string of an object.
+  * A blank (empty or whitespace-only) user or assistant text is not sent;
+    an assistant message left with neither text nor calls is not sent.
   * Chat Completions has no way to send private reasoning back, so reasoning
     is never sent; and no error flag on tool output, so an error result's
     text starts with ``[error]``.
@@ -52,7 +54,8 @@ class OpenAIChat(Provider):
         for item in items:
             tag = item[0]
             if tag == TEXT:
-                texts.append(item[1])
+                if item[1].strip():
+                    texts.append(item[1])
             elif tag == CALL:
                 calls.append({"id": item[1], "type": "function",
                               "function": {"name": item[2], "arguments": args_json(item[3])}})
@@ -61,7 +64,8 @@ class OpenAIChat(Provider):
                 messages.append({"role": "tool", "tool_call_id": item[1], "content": error_text(item[3], item[4])})
             elif tag == USER:
                 flush()
-                messages.append({"role": "user", "content": item[1]})
+                if item[1].strip():
+                    messages.append({"role": "user", "content": item[1]})
             # THINK: never sent to Chat Completions
         flush()
         return messages
@@ -114,6 +118,11 @@ class OpenAIChat(Provider):
                 waiting = []
             if role not in ("system", "developer", "user", "assistant"):
                 problems.append(f"{where}: unknown role {role!r}")
+            content = msg.get("content")
+            if role in ("user", "assistant") and (isinstance(content, str) and not content.strip() or any(
+                    isinstance(p, dict) and p.get("type") == "text" and not str(p.get("text", "")).strip()
+                    for p in (content if isinstance(content, list) else ()))):
+                problems.append(f"{where}: blank text in a {role} message")
             if role == "assistant":
                 calls = msg.get("tool_calls") or []
                 if msg.get("content") is None and not calls:

@@ -19,6 +19,7 @@ Rules this module guarantees for every body it renders:
     required following item").
   * No error flag exists on tool output, so an error result's text starts
     with ``[error]``.
+  * A blank (empty or whitespace-only) user or assistant text is not sent.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ class OpenAIResponses(Provider):
         for item in items:
             tag = item[0]
             if tag == USER:
-                out.append({"type": "message", "role": "user", "content": item[1]})
+                if item[1].strip():
+                    out.append({"type": "message", "role": "user", "content": item[1]})
             elif tag == TEXT:
-                out.append({"type": "message", "role": "assistant", "content": item[1]})
+                if item[1].strip():
+                    out.append({"type": "message", "role": "assistant", "content": item[1]})
             elif tag == CALL:
                 out.append({"type": "function_call", "call_id": item[1], "name": item[2],
                             "arguments": args_json(item[3])})
@@ -104,6 +107,9 @@ class OpenAIResponses(Provider):
         for i, item in enumerate(items):
             kind = item.get("type", "message")
             where = f"input[{i}]"
+            content = item.get("content")
+            if kind == "message" and isinstance(content, str) and not content.strip():
+                problems.append(f"{where}: blank text in a {item.get('role')} message")
             if kind == "reasoning" and not _followed(items, i):
                 problems.append(f"{where}: reasoning without its required following item")
             if kind == "function_call":
