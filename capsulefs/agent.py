@@ -6,7 +6,8 @@ the agent can be stopped between any two of them and resumed anywhere:
   1. Read the journal. Calls left without a result by an earlier run (the
      process was killed or moved mid-call) get an explicit error result.
   2. If the conversation waits on the model (its last dialogue event is a
-     user message or a tool result), render the journal for the current
+     user message or a tool result), journal the tools it offers (a
+     ``tools`` event, when they differ from the last), render the journal for the current
      provider and model (``.control/model``, i.e. the last model_switch),
      call the provider through its official SDK, and journal the reply:
      reasoning with its signature, text, tool calls.
@@ -95,7 +96,19 @@ TOOLS = (
 )
 
 
+#: The tools as the journal's ``tools`` event records them.
+TOOL_DEFS = [{"name": t.name, "description": t.description, "parameters": dict(t.parameters)} for t in TOOLS]
+
+
 # -- what to do next (pure) ---------------------------------------------------------
+
+
+def offered_tools(records: Sequence[ev.Record]) -> list[dict[str, Any]] | None:
+    """The definitions of the journal's last ``tools`` event, or None."""
+    for r in reversed(records):
+        if isinstance(r.event, ev.ToolsOffered):
+            return [dict(t) for t in r.event.tools]
+    return None
 
 
 def dangling_calls(records: Sequence[ev.Record]) -> list[ev.ToolCall]:
@@ -386,8 +399,11 @@ class Agent:
         if target is None:
             raise CapsuleError("no model chosen: write provider:model to .control/model")
         provider, model = target
+        if offered_tools(records) != TOOL_DEFS:  # the journal says what the requests offer
+            self.port.append([ev.ToolsOffered(tools=TOOL_DEFS)])
+            records = self.port.records()
         rendered = render.render(records, provider=provider, model=model, working_memory=self.port.working_memory(),
-                                 budget=self.budget, tools=TOOLS)
+                                 budget=self.budget)
         reply = self.call(provider, model, rendered.body)
         events = render.parse_response(provider, reply, model=model)
         self.port.append(events)  # the calls are journaled before they run

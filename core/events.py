@@ -324,6 +324,37 @@ class System(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ToolsOffered(Event):
+    """The tools the agent offers the model from here on (replaces the last such event).
+
+    Each is ``{"name": str, "description": str, "parameters": JSON schema
+    object}`` (description and parameters optional); renderers send them as
+    the provider's ``tools``, so a rendered request is self-contained."""
+
+    KIND: ClassVar[str] = "tools"
+    tools: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tools, (list, tuple)):
+            raise FormatError("tools.tools must be a list of tool definitions")
+        names = set()
+        for i, tool in enumerate(self.tools):
+            what = f"tools.tools[{i}]"
+            if not isinstance(tool, Mapping):
+                raise FormatError(f"{what} must be an object")
+            extra = set(tool) - {"name", "description", "parameters"}
+            if extra:
+                raise FormatError(f"{what}: unknown field(s) {', '.join(sorted(map(str, extra)))}")
+            name = _need_str(tool.get("name"), f"{what}.name", empty=False)
+            if name in names:
+                raise FormatError(f"{what}: tool {name!r} is offered twice")
+            names.add(name)
+            _need_str(tool.get("description", ""), f"{what}.description")
+            if not isinstance(tool.get("parameters", {}), Mapping):
+                raise FormatError(f"{what}.parameters must be a JSON schema object")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A kind written by a newer version: kept, never dropped, never rendered."""
 
@@ -351,6 +382,7 @@ KINDS: dict[str, type[Event]] = {
         ModelSwitch,
         Note,
         System,
+        ToolsOffered,
     )
 }
 

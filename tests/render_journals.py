@@ -17,6 +17,7 @@ from capsulefs.core.events import (
     System,
     ToolCall,
     ToolResult,
+    ToolsOffered,
     UserMessage,
 )
 
@@ -104,6 +105,8 @@ _single: st.SearchStrategy[Event] = st.one_of(
     st.builds(Note, text=_text),
     st.builds(System, text=st.text(max_size=40)),
     st.builds(MemoryEdit, text=st.text(max_size=20)),
+    st.builds(ToolsOffered, tools=st.lists(st.sampled_from(["read_file", "grep", "run"]), unique=True).map(
+        lambda names: [{"name": n, "description": f"{n} it"} for n in names])),
 )
 
 

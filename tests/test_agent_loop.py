@@ -57,8 +57,11 @@ def test_tool_calls_run_in_the_sandbox_and_are_journaled_in_order(capsule: Path,
     assert agent.step() and agent.step()
     assert not agent.step()  # nothing left to do
     kinds = [r.kind for r in port.records()]
-    assert kinds == ["model_switch", "user_message", "reasoning", "tool_call", "tool_call",
-                     "tool_result", "tool_result", "assistant_message"]
+    assert kinds == ["model_switch", "user_message", "tools", "reasoning", "tool_call", "tool_call",
+                     "tool_result", "tool_result", "assistant_message"]  # the tools journaled once, before the first call
+    offered = [t["name"] for t in port.records()[2].event.tools]
+    assert offered == ["read_file", "write_file", "shell", "recall"]
+    assert all([t["name"] for t in body["tools"]] == offered for _, body in bodies)
     results = [r.event for r in port.records() if r.kind == "tool_result"]
     assert results[0].content == "wrote 1 bytes to a.txt" and not results[0].is_error
     assert results[1].content.startswith("exit status 0\nA\na.txt")

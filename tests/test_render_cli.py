@@ -71,3 +71,18 @@ def test_render_errors_name_the_problem(alice, state_dir, capsys) -> None:
     assert rc == 1 and "budget of 20 tokens" in err
     with pytest.raises(SystemExit):
         main(["render", "alice", "--provider", "nope"])
+
+
+def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path, capsys) -> None:
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", "alice")
+    assert rc == 0 and "tools" not in json.loads(out)  # none journaled
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "shell", "description": "run a command",
+                                  "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]))
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", "alice", "--tools", str(tools))
+    assert rc == 0, err
+    assert json.loads(out)["tools"] == [{"name": "shell", "description": "run a command", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}}}]
+    tools.write_text('[{"name": "shell", "parameters": "none"}]')
+    rc, _, err = run(capsys, "--state", str(state_dir), "render", "alice", "--tools", str(tools))
+    assert rc == 1 and "parameters must be a JSON schema object" in err and err.count("\n") == 1

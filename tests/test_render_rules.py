@@ -539,3 +539,33 @@ def test_anthropic_turn_with_thinking_starts_with_it() -> None:
 ])
 def test_the_checks_and_so_the_stub_refuse_blank_texts(provider: str, body: dict) -> None:
     assert any("blank text" in p for p in check_request(provider, body))
+
+
+# -- self-contained requests: the tools the journal offers ---------------------------------
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_the_journal_s_last_tools_event_is_sent_with_the_history(provider: str) -> None:
+    # No tools array was sent, and Anthropic refuses tool_use blocks without one.
+    from capsulefs.core.events import ToolsOffered
+
+    grep = {"name": "grep", "description": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+    journal = [ToolsOffered(tools=[{"name": "old_tool"}]), UserMessage(text="find x"),
+               ToolsOffered(tools=[grep, {"name": "ls"}]), ToolCall(call_id="c1", name="grep", arguments={"q": "x"}),
+               ToolResult(call_id="c1", content="x.txt")]
+    body = rendered(journal, provider)
+    text = dumped(body)
+    assert '"grep"' in text and '"ls"' in text and "old_tool" not in text and "search" in text
+    mine = rendered(journal, provider, tools=[ToolSpec(name="mine")])
+    assert "mine" in dumped(mine) and '"ls"' not in dumped(mine)
+    assert "tools" not in rendered(journal, provider, tools=[])
+
+
+@pytest.mark.parametrize("tools", [{"name": "x"}, [{"name": ""}], [{"name": "a"}, {"name": "a"}],
+                                   [{"name": "a", "parameters": []}], [{"name": "a", "extra": 1}], ["a"]])
+def test_a_tools_event_is_checked(tools) -> None:
+    from capsulefs.core.errors import FormatError
+    from capsulefs.core.events import parse_draft
+
+    with pytest.raises(FormatError):
+        parse_draft({"kind": "tools", "tools": tools})

@@ -5,7 +5,8 @@ capsule tar. The journal is read, never written: a line still being written
 at the end of the file is left out. The working memory
 (``memory/working_memory.md``) goes into the system prompt unless
 ``--no-memory``. Provider and model default to the journal's last
-``model_switch``.
+``model_switch``; the tools offered, to the journal's last ``tools`` event
+(``--tools FILE`` replaces them).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from collections.abc import Callable
 from capsulefs.cli.common import open_store
 from capsulefs.core import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
-from capsulefs.core.events import Record
-from capsulefs.core.render import PROVIDERS, render
+from capsulefs.core.events import Record, ToolsOffered
+from capsulefs.core.render import PROVIDERS, ToolSpec, render
+
+MAX_TOOLS_FILE = 1 << 20
 
 
 def capsule_reader(args: argparse.Namespace, target: str) -> Callable[[str], bytes | None]:
@@ -67,6 +70,25 @@ def read_records(data: bytes) -> list[Record]:
     return records
 
 
+def read_tools(path: str) -> list[ToolSpec]:
+    """Tool definitions from a JSON file: a list of ``{"name", "description",
+    "parameters"}`` objects, checked as a ``tools`` event's are."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TOOLS_FILE + 1)
+    except OSError as exc:
+        raise NotFoundError(f"--tools {path}: {exc.strerror}") from None
+    if len(data) > MAX_TOOLS_FILE:
+        raise FormatError(f"--tools {path} is larger than {MAX_TOOLS_FILE} bytes")
+    doc = fmt.load_json(data, f"--tools {path}")
+    try:
+        event = ToolsOffered(tools=doc)
+    except FormatError as exc:
+        raise FormatError(f"--tools {path}: {exc}") from None
+    return [ToolSpec(name=t["name"], description=t.get("description", ""),
+                     parameters=t.get("parameters") or {"type": "object", "properties": {}}) for t in event.tools]
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     read = capsule_reader(args, args.agent)
     data = read(fmt.JOURNAL)
@@ -76,8 +98,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     if not args.no_memory:
         raw = read(fmt.WORKING_MEMORY)
         memory = raw.decode("utf-8", errors="replace") if raw else None
+    tools = read_tools(args.tools) if args.tools else None
     out = render(
         read_records(data),
+        tools=tools,
         provider=args.provider,
         model=args.model,
         working_memory=memory,
@@ -119,6 +143,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=_positive, metavar="TOKENS",
                    help="fit the conversation into this many input tokens (conservative count)")
     p.add_argument("--max-output", type=_positive, metavar="TOKENS", help="reply token limit to put in the body")
+    p.add_argument("--tools", metavar="FILE", help="offer these tools (a JSON list of {name, description, "
+                   "parameters}) instead of the journal's last tools event")
     p.add_argument("--no-memory", action="store_true", help="leave the working memory out of the system prompt")
     p.add_argument("--compact", action="store_true", help="one line of JSON instead of indented")
     p.add_argument("--stats", action="store_true", help="say on stderr how much was kept and counted")

@@ -10,6 +10,8 @@ Rules:
     produced it, verbatim and in place; for any other target it is dropped.
   * Every tool call is answered (an interrupted one by an explicit error
     result); a result with no call is never sent as a tool result.
+  * Requests are self-contained: the tools of the journal's last ``tools``
+    event (or the caller's) go with the history, as the provider's ``tools``.
   * With a budget, the newest units that fit are kept and a deterministic
     digest of the rest opens the conversation; the body never exceeds the
     budget by the counter used (:class:`BudgetTooSmall` if even the system
@@ -109,7 +111,7 @@ def render(
     working_memory: str | None = None,
     budget: int | None = None,
     counter: Counter | None = None,
-    tools: Sequence[ToolSpec] = (),
+    tools: Sequence[ToolSpec] | None = None,
     max_output: int | None = None,
 ) -> Rendered:
     """Render ``journal`` (records in any order, or events in order) for one target.
@@ -119,6 +121,7 @@ def render(
     ``budget`` is in tokens by ``counter`` (default: the provider's
     tokenizer or calibrated estimate for ``model``, see :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
     reply's token limit (required by Anthropic, default 4096 there).
+    ``tools`` overrides the tools the journal's last ``tools`` event offers.
     """
     p = plan(journal)
     if provider is not None and model is None:
@@ -134,6 +137,10 @@ def render(
         model = model or p.target[1]
     if budget is not None and budget < 1:
         raise RenderError(f"budget must be a positive number of tokens, not {budget}")
+    if tools is None:  # the journal's: the last tools event
+        tools = [ToolSpec(name=t["name"], description=t.get("description", ""),
+                          parameters=t.get("parameters") or {"type": "object", "properties": {}})
+                 for t in p.tools or ()]
     prov = get_provider(provider)
     count = counter or (counter_for(provider, model) if budget is not None else byte_upper_bound)
     system = system_prompt(p.system, working_memory)

@@ -4,7 +4,8 @@ Rules:
   * The journal is never rewritten. A plan is computed from it afresh on every
     render, and depends only on the events and the target (provider, model).
   * ``model_switch``, ``note``, ``memory_edit``, ``workspace_update`` and
-    unknown kinds are never dialogue. The system prompt is a projection, like
+    unknown kinds are never dialogue; the last ``tools`` event gives the
+    tools offered (every request carries them). The system prompt is a projection, like
     working memory: the last ``system`` event's text. One that changes it
     after the conversation began leaves a marker there (:data:`SYSTEM_CHANGED`,
     a user-side note between units), so the turns before it read as having
@@ -50,6 +51,7 @@ from ..events import (
     System,
     ToolCall,
     ToolResult,
+    ToolsOffered,
     UserMessage,
 )
 
@@ -131,6 +133,7 @@ class Plan:
     units: list[Unit]
     target: tuple[str, str] | None  # the last model_switch (provider, model), if any
     models: dict[str, str] = field(default_factory=dict)  # provider -> model of its last model_switch
+    tools: list[dict[str, Any]] | None = None  # the last ``tools`` event's definitions, if any
 
 
 def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]:
@@ -192,6 +195,7 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
     units: list[Unit] = []
     target: tuple[str, str] | None = None
     models: dict[str, str] = {}
+    tools: list[dict[str, Any]] | None = None
     seen_ids: dict[str, int] = {}  # raw call id -> times seen
     step: Unit | None = None  # the open assistant step
     pending: list[tuple[int, str, str]] = []  # (index, safe id, safe name) of its calls
@@ -250,8 +254,10 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
         elif t is ModelSwitch:
             target = (ev.provider, ev.model)
             models[ev.provider] = ev.model
+        elif t is ToolsOffered:
+            tools = [dict(x) for x in ev.tools]
     close_step()
-    return Plan(system=system, units=units, target=target, models=models)
+    return Plan(system=system, units=units, target=target, models=models, tools=tools)
 
 
 def _digest_text(user: int, assistant: int, tools: dict[str, int], first: str | None, last: str | None) -> str:
