@@ -146,6 +146,8 @@ class JournalPort(Protocol):
 
     def size(self) -> int: ...
 
+    def read_blob(self, sha256: str) -> bytes: ...
+
 
 class CapsuleDirPort:
     """The agent's capsule directory in a capsulefs mount: appends are draft lines."""
@@ -176,6 +178,11 @@ class CapsuleDirPort:
 
     def size(self) -> int:
         return os.stat(self.journal).st_size
+
+    def read_blob(self, sha256: str) -> bytes:
+        """An attachment's bytes, as the capsule serves them."""
+        with open(os.path.join(self.dir, fmt.blob_path(sha256)), "rb") as f:
+            return f.read()
 
 
 class DirectPort(CapsuleDirPort):
@@ -403,7 +410,7 @@ class Agent:
             self.port.append([ev.ToolsOffered(tools=TOOL_DEFS)])
             records = self.port.records()
         rendered = render.render(records, provider=provider, model=model, working_memory=self.port.working_memory(),
-                                 budget=self.budget)
+                                 budget=self.budget, read_blob=self.port.read_blob)
         reply = self.call(provider, model, rendered.body)
         events = render.parse_response(provider, reply, model=model)
         self.port.append(events)  # the calls are journaled before they run

@@ -173,6 +173,16 @@ def check(listing: Listing, *, pubkey: bytes | None = None) -> tuple[fmt.Manifes
         except CapsuleError:
             pass  # reported by its content check below
 
+    # Every blob an attachment in the journal names is in the capsule.
+    journal = listing.contents.get(fmt.JOURNAL)
+    if journal is not None:
+        from .projections import attachment_blobs
+
+        for sha, no in sorted(attachment_blobs(journal.split(b"\n")).items(), key=lambda x: x[1]):
+            if fmt.blob_path(sha) not in manifest.files:
+                problems.append(Problem(fmt.JOURNAL, "attachment",
+                                        f"line {no}: attachment needs blob {sha}, which the capsule lacks"))
+
     for path, fn in CONTENT_CHECKS.items():
         data = listing.contents.get(path)
         if data is None or path not in manifest.files:

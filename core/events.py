@@ -323,6 +323,35 @@ class System(Event):
         _need_str(self.text, "system.text")
 
 
+_MEDIA_TYPE_RE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,63}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attachment(Event):
+    """An image or document in the conversation: the sha256 of its bytes in
+    ``artifacts/blobs/`` (the store keeps one copy however many agents hold it).
+
+    With ``call_id`` it came with that tool call's result; without, the user
+    sent it, with the user message next to it."""
+
+    KIND: ClassVar[str] = "attachment"
+    blob: str  # sha256 hex of the bytes, listed in the manifest as artifacts/blobs/<sha256>
+    media_type: str  # e.g. image/png, application/pdf (lowercase type/subtype)
+    size: int  # bytes
+    name: str | None = None  # a file name, for people and for providers that want one
+    call_id: str | None = None  # the tool call whose result carries it
+
+    def __post_init__(self) -> None:
+        check_sha256(self.blob, "attachment.blob")
+        if not isinstance(self.media_type, str) or not _MEDIA_TYPE_RE.fullmatch(self.media_type):
+            raise FormatError(f"attachment.media_type {self.media_type!r} is not a lowercase type/subtype")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
+            raise FormatError(f"attachment.size {self.size!r} is not a number of bytes")
+        _need_opt_str(self.name, "attachment.name")
+        if self.call_id is not None:
+            _need_str(self.call_id, "attachment.call_id", empty=False)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolsOffered(Event):
     """The tools the agent offers the model from here on (replaces the last such event).
@@ -383,6 +412,7 @@ KINDS: dict[str, type[Event]] = {
         Note,
         System,
         ToolsOffered,
+        Attachment,
     )
 }
 

@@ -6,6 +6,9 @@ Rules:
   * ``artifacts/snapshot.json`` is the fold of the ``workspace_update``
     events in journal order: each change sets path -> sha256, or deletes
     the path when the sha256 is null.
+  * Every blob a journal names (memory, workspace versions, attachments)
+    travels with the capsule: the manifest lists it, so export, move, merge
+    and gc carry it like any other blob, and verify checks attachments'.
   * Because the journal is sorted by (clock, machine, seq), merging two
     capsules never conflicts: the later edit by that order wins, and the
     other stays in the journal for a person to read.
@@ -22,13 +25,15 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .events import MemoryEdit, Record, WorkspaceUpdate
+from .events import Attachment, MemoryEdit, Record, WorkspaceUpdate
+from .errors import CapsuleError
 from .format import snapshot_bytes
 
 log = logging.getLogger(__name__)
 
 _MEMORY = b'"kind":"memory_edit"'
 _WORKSPACE = b'"kind":"workspace_update"'
+_ATTACHMENT = b'"kind":"attachment"'
 
 
 def _records_of(lines: Iterable[bytes], needle: bytes, cls: type) -> Iterable[Record]:
@@ -82,17 +87,34 @@ def has_workspace_updates(lines: Iterable[bytes]) -> bool:
 
 
 def referenced_blobs(lines: Iterable[bytes]) -> set[str]:
-    """Every blob sha256 the journal names: memory_edit blobs and every
-    version of every workspace file (past versions included)."""
+    """Every blob sha256 the journal names: memory_edit blobs, every
+    version of every workspace file (past versions included), attachments."""
     shas: set[str] = set()
     for line in lines:
-        if _MEMORY in line or _WORKSPACE in line:
+        if _MEMORY in line or _WORKSPACE in line or _ATTACHMENT in line:
             event = Record.from_line(line).event
             if isinstance(event, MemoryEdit) and event.blob is not None:
                 shas.add(event.blob)
             elif isinstance(event, WorkspaceUpdate):
                 shas.update(sha for sha in event.changes.values() if sha is not None)
+            elif isinstance(event, Attachment):
+                shas.add(event.blob)
     return shas
+
+
+def attachment_blobs(lines: Iterable[bytes]) -> dict[str, int]:
+    """sha256 -> line number (1-based) of each blob an attachment names:
+    a capsule must hold every one of them (``capsule.check``)."""
+    out: dict[str, int] = {}
+    for no, line in enumerate(lines, 1):
+        if _ATTACHMENT in line:
+            try:
+                event = Record.from_line(line).event
+            except CapsuleError:
+                continue  # the journal's own check reports the line
+            if isinstance(event, Attachment):
+                out.setdefault(event.blob, no)
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

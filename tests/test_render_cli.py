@@ -86,3 +86,16 @@ def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path
     tools.write_text('[{"name": "shell", "parameters": "none"}]')
     rc, _, err = run(capsys, "--state", str(state_dir), "render", "alice", "--tools", str(tools))
     assert rc == 1 and "parameters must be a JSON schema object" in err and err.count("\n") == 1
+
+
+def test_verify_names_an_attachment_whose_blob_the_capsule_lacks(alice, tmp_path, capsys) -> None:
+    from capsulefs.core.capsule import check, scan_dir
+    from capsulefs.core.events import Attachment
+
+    sha = alice.store.put_blob(b"\x89PNG picture")
+    with open_journal(alice.path(fmt.JOURNAL), machine=HOST, now=lambda: 1764684001.0, new_id=lambda: "f" * 24,
+                      recovery_dir=tmp_path / "recovery", create=False) as journal:
+        journal.append_many([Attachment(blob=sha, media_type="image/png", size=13)])
+    _, capsule = export_and_unpack(alice, tmp_path)
+    problems = [str(p) for p in check(scan_dir(str(capsule)))[1]]
+    assert any(f"attachment needs blob {sha}, which the capsule lacks" in p for p in problems)

@@ -17,6 +17,7 @@ from capsulefs.core.render import (
     PROVIDERS,
     BudgetTooSmall,
     NewestTooLarge,
+    ToolSpec,
     check_request,
     counter_for,
     render,
@@ -62,10 +63,11 @@ def test_every_request_keeps_its_providers_rules(journal, target, budget) -> Non
         prov = PROVIDERS[provider]
         system = system_prompt(p.system, "notes")
         count = counter_for(provider, model)
-        minimal = prov.body(items_of((), p.units), model=model, system=system, tools=(), max_output=None)
+        tools = [ToolSpec(name=t["name"], description=t.get("description", "")) for t in p.tools or ()]
+        minimal = prov.body(items_of((), p.units), model=model, system=system, tools=tools, max_output=None)
         assert budget is not None
         if isinstance(exc, NewestTooLarge):
-            newest = prov.body(items_of(p.units[-1:], p.units[:-1]), model=model, system=system, tools=(),
+            newest = prov.body(items_of(p.units[-1:], p.units[:-1]), model=model, system=system, tools=tools,
                                max_output=None)
             assert count(minimal) <= budget < count(newest) == exc.request_tokens
             assert f"over the budget of {budget} tokens" in str(exc)

@@ -569,3 +569,70 @@ def test_a_tools_event_is_checked(tools) -> None:
 
     with pytest.raises(FormatError):
         parse_draft({"kind": "tools", "tools": tools})
+
+
+# -- attachments ----------------------------------------------------------------------
+
+
+def _attachment_journal():
+    import hashlib
+
+    from capsulefs.core.events import Attachment
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(200)
+    pdf = b"%PDF-1.4 /Type /Pages /Type /Page /Type /Page %%EOF"
+    blobs = {hashlib.sha256(b).hexdigest(): b for b in (png, pdf)}
+    sp, sd = hashlib.sha256(png).hexdigest(), hashlib.sha256(pdf).hexdigest()
+    journal = [Attachment(blob=sp, media_type="image/png", size=len(png), name="a.png"), UserMessage(text="what is this?"),
+               ToolCall(call_id="c1", name="read_file", arguments={"path": "doc.pdf"}),
+               Attachment(blob=sd, media_type="application/pdf", size=len(pdf), name="doc.pdf", call_id="c1"),
+               ToolResult(call_id="c1", content="attached doc.pdf"),
+               Attachment(blob=sp, media_type="image/svg+xml", size=10, name="x.svg"), AssistantMessage(text="ok")]
+    return journal, blobs
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_attachments_are_each_provider_s_native_parts(provider: str) -> None:
+    import base64
+
+    journal, blobs = _attachment_journal()
+    body = rendered(journal, provider, "gpt-4o", read_blob=blobs.__getitem__)  # SDK types and pairing checked
+    text = dumped(body)
+    for data in blobs.values():
+        assert base64.b64encode(data).decode() in text
+    native = {"anthropic": ('"type": "image"', '"type": "document"'), "openai-chat": ('"image_url"', '"file_data"'),
+              "openai-responses": ('"input_image"', '"input_file"'), "gemini": ('"inlineData"', '"application/pdf"')}
+    assert all(marker in text for marker in native[provider])
+    # a type the provider does not take is dropped with a note, never sent
+    assert "[attachment x.svg (image/svg+xml, 10 bytes) not sent:" in text
+    # the image goes with the user's question, the PDF after its call's result
+    image, doc = (base64.b64encode(b).decode()[:40] for b in blobs.values())
+    assert text.index(image) < text.index("what is this?") < text.index("attached doc.pdf") < text.index(doc)
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_the_budget_counts_attachments_by_the_provider_s_formula(provider: str) -> None:
+    journal, blobs = _attachment_journal()
+    out = render(journal, provider=provider, model="gpt-4o", budget=100_000, read_blob=blobs.__getitem__)
+    plain = [e for e in journal if type(e).__name__ != "Attachment"]
+    without = render(plain, provider=provider, model="gpt-4o", budget=100_000)
+    assert out.tokens - without.tokens >= 1600 + 2 * 3000  # an image, a two-page PDF
+    with pytest.raises(NewestTooLarge):
+        render(journal[:2], provider=provider, model="gpt-4o", budget=1000, read_blob=blobs.__getitem__)
+    with pytest.raises(RenderError, match="needs the capsule's blobs"):
+        render(journal, provider=provider, model="gpt-4o")
+
+
+def test_attachment_events_are_checked_and_their_blobs_travel() -> None:
+    from capsulefs.core.errors import FormatError
+    from capsulefs.core.events import parse_draft
+    from capsulefs.core.projections import referenced_blobs
+
+    sha = "a" * 64
+    for bad in ({"blob": "x", "media_type": "image/png", "size": 1}, {"blob": sha, "media_type": "PNG", "size": 1},
+                {"blob": sha, "media_type": "image/png", "size": -1}, {"blob": sha, "media_type": "image/png", "size": True},
+                {"blob": sha, "media_type": "image/png", "size": 1, "call_id": ""}):
+        with pytest.raises(FormatError):
+            parse_draft({"kind": "attachment", **bad})
+    journal = records([parse_draft({"kind": "attachment", "blob": sha, "media_type": "image/png", "size": 1})])
+    assert referenced_blobs([r.line for r in journal]) == {sha}

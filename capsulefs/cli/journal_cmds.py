@@ -24,7 +24,7 @@ from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_
 from capsulefs.core import format as fmt
 from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.events import MemoryEdit, Record, WorkspaceUpdate, parse_draft
+from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
 from capsulefs.core.journal_recovery import read_journal_locked
@@ -186,9 +186,15 @@ def _check_blobs(agent: AgentHandle, events: list[Any]) -> list[str]:
             shas.append(ev.blob)
         elif isinstance(ev, WorkspaceUpdate):
             shas.extend(sha for sha in ev.changes.values() if sha is not None)
+        elif isinstance(ev, Attachment):
+            shas.append(ev.blob)
     missing = [sha for sha in shas if not agent.store.has_blob(sha)]
     if missing:
         raise NotFoundError(f"blob {missing[0]} is not in the store; put the file there first")
+    for ev in events:
+        if isinstance(ev, Attachment) and agent.store.blob_size(ev.blob) != ev.size:
+            raise FormatError(f"attachment {ev.blob}: size {ev.size} but the blob has "
+                              f"{agent.store.blob_size(ev.blob)} bytes")
     return shas
 
 

@@ -45,9 +45,13 @@ def capsule_reader(args: argparse.Namespace, target: str) -> Callable[[str], byt
 
         contents = scan_tar(target).contents
         return contents.get
-    agent = open_store(args).find(target)
+    store = open_store(args)
+    agent = store.find(target)
 
     def from_store(rel: str) -> bytes | None:
+        name = fmt.blob_name(rel)
+        if name is not None:  # blobs live once in the store, not in the agent's directory
+            return store.read_blob(name) if store.has_blob(name) else None
         try:
             with open(agent.path(rel), "rb") as f:
                 return f.read()
@@ -89,6 +93,13 @@ def read_tools(path: str) -> list[ToolSpec]:
                      parameters=t.get("parameters") or {"type": "object", "properties": {}}) for t in event.tools]
 
 
+def _blob(read: Callable[[str], bytes | None], sha: str) -> bytes:
+    data = read(fmt.blob_path(sha))
+    if data is None:
+        raise NotFoundError(f"attachment blob {sha} is not in the capsule")
+    return data
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     read = capsule_reader(args, args.agent)
     data = read(fmt.JOURNAL)
@@ -107,6 +118,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         working_memory=memory,
         budget=args.budget,
         max_output=args.max_output,
+        read_blob=lambda sha: _blob(read, sha),
     )
     if args.compact:
         sys.stdout.write(json.dumps(out.body, ensure_ascii=False, separators=(",", ":")) + "\n")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import Event, Record
-from ._base import Provider, ToolSpec
+from ._base import Provider, ToolSpec, resolve
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter
 from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, fit, plan
 from .anthropic import PROVIDER as _ANTHROPIC
@@ -87,6 +87,12 @@ class Rendered:
     dropped_units: int  # units replaced by the digest
 
 
+def pdf_pages(data: bytes) -> int | None:
+    """A PDF's page count by its page objects; None if it shows none."""
+    n = data.count(b"/Type /Page") + data.count(b"/Type/Page") - data.count(b"/Type /Pages") - data.count(b"/Type/Pages")
+    return n if n > 0 else None
+
+
 def get_provider(provider: str) -> Provider:
     try:
         return PROVIDERS[provider]
@@ -113,6 +119,7 @@ def render(
     counter: Counter | None = None,
     tools: Sequence[ToolSpec] | None = None,
     max_output: int | None = None,
+    read_blob: Callable[[str], bytes] | None = None,
 ) -> Rendered:
     """Render ``journal`` (records in any order, or events in order) for one target.
 
@@ -122,8 +129,10 @@ def render(
     tokenizer or calibrated estimate for ``model``, see :func:`counter_for`); ``None`` sends everything. ``max_output`` is the
     reply's token limit (required by Anthropic, default 4096 there).
     ``tools`` overrides the tools the journal's last ``tools`` event offers.
+    ``read_blob(sha256) -> bytes`` gives the attachments' bytes (a
+    :class:`RenderError` if the request holds one and it is missing).
     """
-    p = plan(journal)
+    p = plan(journal, pages=(lambda sha: pdf_pages(read_blob(sha))) if read_blob is not None else None)
     if provider is not None and model is None:
         # that provider's own last model: the last switch may name another provider's
         get_provider(provider)
@@ -152,6 +161,8 @@ def render(
         return count(prov.fragment(items, model=model))
 
     body, kept, tokens = fit(p.units, budget, build, cost, count)
+    if p.attachments:
+        body = resolve(body, read_blob)
     return Rendered(
         body=body,
         provider=provider,

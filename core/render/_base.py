@@ -37,11 +37,76 @@ class ToolSpec:
             raise FormatError(f"tool {self.name}: parameters must be a JSON schema object")
 
 
+@dataclass(frozen=True, slots=True)
+class BlobData:
+    """Where an attachment's bytes go in a body, until the body is final:
+    counted as ``tokens`` (the provider's own estimate, not its base64), then
+    replaced by ``prefix`` + the base64 of the blob (:func:`resolve`)."""
+
+    blob: str
+    tokens: int
+    prefix: str = ""  # "data:<media type>;base64," where the API takes a data URL
+
+
+#: Upper bounds of what one attachment costs in tokens (docs/render.md):
+#: an image is resized by every provider to at most about 1.2 megapixels
+#: (Anthropic: 1,600 tokens at most; gpt-4o: 1,445; Gemini: 258 per tile);
+#: a PDF page is its text and its picture (Anthropic documents 1,500-3,000).
+IMAGE_TOKENS = 1600
+PDF_PAGE_TOKENS = 3000
+
+
+def attachment_tokens(media_type: str, size: int, pages: int | None) -> int:
+    if media_type.startswith("image/"):
+        return IMAGE_TOKENS
+    if media_type == "application/pdf":
+        return PDF_PAGE_TOKENS * max(1, pages or 1) if pages is not None else max(PDF_PAGE_TOKENS, size)
+    return size  # text: never more tokens than bytes
+
+
+def attachment_note(ev: Any, why: str) -> str:
+    name = f" {ev.name}" if ev.name else ""
+    return f"[attachment{name} ({ev.media_type}, {ev.size} bytes) not sent: {why}]"
+
+
+def resolve(obj: Any, read_blob: Any) -> Any:
+    """``obj`` with every :class:`BlobData` replaced by its prefix and the
+    base64 of its blob (read with ``read_blob(sha256) -> bytes``)."""
+    import base64
+
+    if isinstance(obj, BlobData):
+        if read_blob is None:
+            from ._plan import RenderError
+
+            raise RenderError(f"the request holds attachment {obj.blob}: rendering it needs the capsule's blobs")
+        return obj.prefix + base64.b64encode(read_blob(obj.blob)).decode("ascii")
+    if isinstance(obj, dict):
+        return {k: resolve(v, read_blob) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [resolve(v, read_blob) for v in obj]
+    return obj
+
+
+MB = 1024 * 1024
+IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+
+
 class Provider:
     """Base of the provider modules' singletons. Subclasses fill every method."""
 
     id: str = ""
     replays: frozenset[str] = frozenset()  # reasoning payload formats it sends back
+    #: media types it takes as attachments -> largest size in bytes
+    accepts: dict[str, int] = {}
+
+    def refuses(self, ev: Any) -> str | None:
+        """Why this provider cannot take the attachment ``ev``, or None."""
+        limit = self.accepts.get(ev.media_type)
+        if limit is None:
+            return f"{self.id} takes no {ev.media_type} attachments"
+        if ev.size > limit:
+            return f"{self.id} takes attachments of at most {limit} bytes"
+        return None
 
     def keeps(self, item: Reasoning, model: str) -> bool:
         """True if this reasoning goes back to the target ``model`` of this provider."""

@@ -44,6 +44,7 @@ from typing import Any
 from ..errors import CapsuleError
 from ..events import (
     AssistantMessage,
+    Attachment,
     Event,
     ModelSwitch,
     Reasoning,
@@ -61,6 +62,7 @@ TEXT = 1  # (TEXT, text)                          assistant-visible text
 THINK = 2  # (THINK, Reasoning)                    kept only for the exact model
 CALL = 3  # (CALL, call_id, name, arguments)       ids and names already made safe
 RESULT = 4  # (RESULT, call_id, name, content, is_error)
+ATTACH = 5  # (ATTACH, Attachment, pages or None)         user side: after the results of its call, or the user's
 
 INTERRUPTED = (
     "interrupted: this tool call did not return (the machine running it "
@@ -134,6 +136,7 @@ class Plan:
     target: tuple[str, str] | None  # the last model_switch (provider, model), if any
     models: dict[str, str] = field(default_factory=dict)  # provider -> model of its last model_switch
     tools: list[dict[str, Any]] | None = None  # the last ``tools`` event's definitions, if any
+    attachments: bool = False  # whether any unit holds an attachment
 
 
 def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]:
@@ -186,8 +189,9 @@ def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult],
     return answers, stray
 
 
-def plan(journal: Iterable[Record | Event]) -> Plan:
-    """Pair calls with results and cut the journal into units (see module rules)."""
+def plan(journal: Iterable[Record | Event], pages: Callable[[str], int | None] | None = None) -> Plan:
+    """Pair calls with results and cut the journal into units (see module rules).
+    ``pages`` tells a PDF blob's page count (for its tokens), if known."""
     pairs = _events(journal)
     answers, stray = _pair(pairs)
 
@@ -199,6 +203,9 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
     seen_ids: dict[str, int] = {}  # raw call id -> times seen
     step: Unit | None = None  # the open assistant step
     pending: list[tuple[int, str, str]] = []  # (index, safe id, safe name) of its calls
+    step_files: list[tuple] = []  # attachments of its calls' results
+    call_unit: dict[str, Unit] = {}  # raw call id -> the step unit of its latest call
+    user_unit: Unit | None = None  # the user-side unit still taking attachments and a message
 
     def close_step() -> None:
         nonlocal step
@@ -210,22 +217,48 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
                 step.items.append((RESULT, cid, name, INTERRUPTED, True))
             else:
                 step.items.append((RESULT, cid, name, res.content, res.is_error))
+        step.items.extend(step_files)
+        step_files.clear()
         pending.clear()
         step = None
 
     for index, (ev, when) in enumerate(pairs):
         t = type(ev)
+        if t is Attachment:
+            item = (ATTACH, ev, pages(ev.blob) if pages is not None and ev.media_type == "application/pdf" else None)
+            owner = call_unit.get(ev.call_id) if ev.call_id is not None else None
+            if owner is not None:  # with its call's results
+                if owner is step:
+                    step_files.append(item)
+                else:
+                    owner.items.append(item)
+                continue
+            close_step()
+            if user_unit is None:
+                user_unit = Unit(first=when)
+                units.append(user_unit)
+            user_unit.items.append(item)
+            user_unit.last = when
+            continue
         if t is UserMessage or t is ToolResult:
             close_step()
             if t is UserMessage:
-                units.append(Unit(items=[(USER, ev.text)], user=1, first=when, last=when))
-            elif index in stray:
+                if user_unit is not None and not user_unit.user:  # the attachments it came with
+                    user_unit.items.append((USER, ev.text))
+                    user_unit.user, user_unit.last = 1, when
+                else:
+                    user_unit = Unit(items=[(USER, ev.text)], user=1, first=when, last=when)
+                    units.append(user_unit)
+            else:
+                user_unit = None
+            if t is ToolResult and index in stray:
                 why = stray[index]
                 flag = " (error)" if ev.is_error else ""
                 text = f"[tool output{flag} {why}, call id {ev.call_id}]\n{ev.content}"
                 units.append(Unit(items=[(USER, text)], first=when, last=when))
             continue
         if t is AssistantMessage or t is ToolCall or t is Reasoning:
+            user_unit = None
             if step is None:
                 step = Unit(first=when)
                 units.append(step)
@@ -242,6 +275,7 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
                 name = safe_tool_name(ev.name)
                 step.items.append((CALL, cid, name, ev.arguments))
                 step.tools.append(ev.name)
+                call_unit[ev.call_id] = step
                 pending.append((index, cid, name))
             continue
         if t is System:
@@ -250,6 +284,7 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
             if units:  # a change mid-conversation: the old prompt goes, its place is marked
                 close_step()
                 units.append(Unit(items=[(USER, SYSTEM_CHANGED)], first=when, last=when))
+                user_unit = None
             system[:] = [ev.text]
         elif t is ModelSwitch:
             target = (ev.provider, ev.model)
@@ -257,7 +292,8 @@ def plan(journal: Iterable[Record | Event]) -> Plan:
         elif t is ToolsOffered:
             tools = [dict(x) for x in ev.tools]
     close_step()
-    return Plan(system=system, units=units, target=target, models=models, tools=tools)
+    return Plan(system=system, units=units, target=target, models=models, tools=tools,
+                attachments=any(type(e) is Attachment for e, _ in pairs))
 
 
 def _digest_text(user: int, assistant: int, tools: dict[str, int], first: str | None, last: str | None) -> str:
@@ -349,7 +385,7 @@ def lead_in(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None 
         return [(USER, summary if summary is not None else digest(dropped))]
     if not units:
         return [(USER, NO_CONVERSATION)]
-    if units[0].items[0][0] != USER:
+    if units[0].items[0][0] not in (USER, ATTACH):
         return [(USER, CONTINUES)]
     return []
 

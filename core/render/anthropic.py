@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
-from ._base import Provider, ToolSpec, verbatim
-from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
+from ._base import IMAGES, MB, BlobData, Provider, ToolSpec, attachment_note, attachment_tokens, verbatim
+from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "anthropic"
 _THINKING = frozenset({"thinking", "redacted_thinking"})
@@ -37,6 +37,7 @@ NO_OUTPUT = "(no output)"
 class Anthropic(Provider):
     id = ID
     replays = frozenset({"anthropic.thinking", "anthropic.redacted_thinking"})
+    accepts = {**{t: 5 * MB for t in IMAGES}, "application/pdf": 32 * MB}
 
     def _messages(self, items: list[tuple], model: str) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -52,6 +53,9 @@ class Anthropic(Provider):
             elif tag == CALL:
                 block = {"type": "tool_use", "id": item[1], "name": item[2], "input": dict(item[3])}
                 side = "assistant"
+            elif tag == ATTACH:
+                block = self._attachment(item[1], item[2])
+                side = "user"
             elif tag == RESULT:
                 output = item[3] if item[3].strip() else NO_OUTPUT
                 block = {"type": "tool_result", "tool_use_id": item[1], "content": output}
@@ -75,6 +79,14 @@ class Anthropic(Provider):
             else:
                 content.append(block)
         return messages
+
+    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
+        why = self.refuses(ev)
+        if why is not None:
+            return {"type": "text", "text": attachment_note(ev, why)}
+        source = {"type": "base64", "media_type": ev.media_type,
+                  "data": BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages))}
+        return {"type": "image" if ev.media_type in IMAGES else "document", "source": source}
 
     def body(self, items, *, model, system, tools, max_output):
         messages = self._messages(items, model)

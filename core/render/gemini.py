@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
-from ._base import Provider, ToolSpec, args_from_json
-from ._plan import CALL, CONTINUES, RESULT, TEXT, USER
+from ._base import IMAGES, MB, BlobData, Provider, ToolSpec, args_from_json, attachment_note, attachment_tokens
+from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "gemini"
 SIGNATURE = "gemini.thought_signature"
@@ -45,6 +45,8 @@ _VERSION = re.compile(r"(?:models/)?gemini-(\d+)")
 class Gemini(Provider):
     id = ID
     replays = frozenset({SIGNATURE, THOUGHT})
+    accepts = {t: 20 * MB for t in ("image/png", "image/jpeg", "image/webp", "image/heic", "image/heif",
+                                    "application/pdf", "text/plain")}
 
     def fragment(self, items, *, model):
         contents: list[dict[str, Any]] = []
@@ -63,7 +65,7 @@ class Gemini(Provider):
 
         for item in items:
             tag = item[0]
-            if tag != USER and tag != RESULT:
+            if tag != USER and tag != RESULT and tag != ATTACH:
                 if tag == TEXT:
                     if not item[1].strip() and signature is None:
                         continue
@@ -93,6 +95,14 @@ class Gemini(Provider):
             if tag == USER:
                 if item[1].strip():
                     add("user", {"text": item[1]})
+            elif tag == ATTACH:
+                ev = item[1]
+                why = self.refuses(ev)
+                if why is not None:
+                    add("user", {"text": attachment_note(ev, why)})
+                else:
+                    add("user", {"inlineData": {"mimeType": ev.media_type, "data": BlobData(
+                        ev.blob, attachment_tokens(ev.media_type, ev.size, item[2]))}})
             else:
                 key = "error" if item[4] else "output"
                 add("user", {"functionResponse": {"id": item[1], "name": item[2], "response": {key: item[3]}}})

@@ -20,8 +20,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, ToolCall
-from ._base import Provider, ToolSpec, args_from_json, args_json, error_text
-from ._plan import CALL, RESULT, TEXT, USER
+from ._base import (
+    IMAGES,
+    MB,
+    BlobData,
+    Provider,
+    ToolSpec,
+    args_from_json,
+    args_json,
+    attachment_note,
+    attachment_tokens,
+    error_text,
+)
+from ._plan import ATTACH, CALL, RESULT, TEXT, USER
 
 ID = "openai-chat"
 
@@ -29,6 +40,16 @@ ID = "openai-chat"
 class OpenAIChat(Provider):
     id = ID
     replays = frozenset()
+    accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+
+    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
+        why = self.refuses(ev)
+        if why is not None:
+            return {"type": "text", "text": attachment_note(ev, why)}
+        data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
+        if ev.media_type in IMAGES:
+            return {"type": "image_url", "image_url": {"url": data}}
+        return {"type": "file", "file": {"filename": ev.name or "document.pdf", "file_data": data}}
 
     def fragment(self, items, *, model):
         messages: list[dict[str, Any]] = []
@@ -66,6 +87,9 @@ class OpenAIChat(Provider):
                 flush()
                 if item[1].strip():
                     messages.append({"role": "user", "content": item[1]})
+            elif tag == ATTACH:  # a user message of parts (tool messages take text only)
+                flush()
+                messages.append({"role": "user", "content": [self._attachment(item[1], item[2])]})
             # THINK: never sent to Chat Completions
         flush()
         return messages

@@ -29,8 +29,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
-from ._base import Provider, ToolSpec, args_from_json, args_json, error_text, verbatim
-from ._plan import CALL, RESULT, TEXT, USER
+from ._base import (
+    IMAGES,
+    MB,
+    BlobData,
+    Provider,
+    ToolSpec,
+    args_from_json,
+    args_json,
+    attachment_note,
+    attachment_tokens,
+    error_text,
+    verbatim,
+)
+from ._plan import ATTACH, CALL, RESULT, TEXT, USER
 
 ID = "openai-responses"
 #: The keys of a reasoning item the API takes back as input; output-only keys
@@ -41,6 +53,16 @@ _REASONING_INPUT_KEYS = ("type", "id", "summary", "encrypted_content")
 class OpenAIResponses(Provider):
     id = ID
     replays = frozenset({"openai-responses.reasoning"})
+    accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+
+    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
+        why = self.refuses(ev)
+        if why is not None:
+            return {"type": "input_text", "text": attachment_note(ev, why)}
+        data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
+        if ev.media_type in IMAGES:
+            return {"type": "input_image", "image_url": data, "detail": "auto"}
+        return {"type": "input_file", "filename": ev.name or "document.pdf", "file_data": data}
 
     def fragment(self, items, *, model):
         out: list[dict[str, Any]] = []
@@ -52,6 +74,8 @@ class OpenAIResponses(Provider):
             elif tag == TEXT:
                 if item[1].strip():
                     out.append({"type": "message", "role": "assistant", "content": item[1]})
+            elif tag == ATTACH:
+                out.append({"type": "message", "role": "user", "content": [self._attachment(item[1], item[2])]})
             elif tag == CALL:
                 out.append({"type": "function_call", "call_id": item[1], "name": item[2],
                             "arguments": args_json(item[3])})
