@@ -1,0 +1,122 @@
+"""Fuzz targets: the fleet engines' replies (etcd's JSON gateway, S3's XML)
+and the tier addresses a person types. Bad input raises a CapsuleError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capsulefs.core.errors import CapsuleError
+from capsulefs.core.fleet import etcd
+from capsulefs.core.fleet.s3_wire import error_for, parse_list_v2, parse_tier_url
+
+from . import Target
+
+HEADER = b'"header":{"cluster_id":"14443903163313418560","member_id":"1","revision":"7","raft_term":"2"}'
+KV = b'{"key":"Zm9v","create_revision":"2","mod_revision":"3","version":"2","value":"YmF6","lease":"5"}'
+
+
+def _range_seeds() -> list[bytes]:
+    return [b"{" + HEADER + b',"kvs":[' + KV + b'],"count":"1"}', b"{" + HEADER + b"}",
+            b"{" + HEADER + b',"kvs":[' + KV + b"," + KV + b'],"count":"2","more":true}']
+
+
+def _txn_seeds() -> list[bytes]:
+    return [b"{" + HEADER + b',"succeeded":true,"responses":[{"response_put":{"header":{"revision":"3"}}}]}',
+            b"{" + HEADER + b',"responses":[{"response_range":{' + HEADER + b',"kvs":[' + KV + b'],"count":"1"}}]}']
+
+
+def _watch_seeds() -> list[bytes]:
+    return [b'{"result":{' + HEADER + b',"created":true}}',
+            b'{"result":{' + HEADER + b',"events":[{"kv":' + KV + b'},{"type":"DELETE","kv":' + KV
+            + b',"prev_kv":' + KV + b"}]}}",
+            b'{"result":{"header":{"raft_term":"2"},"canceled":true,"compact_revision":"5"}}',
+            b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader"}}']
+
+
+def _lease_seeds() -> list[bytes]:
+    return [b'{"result":{' + HEADER + b',"ID":"1","TTL":"5"}}', b'{"result":{' + HEADER + b',"ID":"1"}}',
+            b"{" + HEADER + b',"ID":"1","TTL":"4","grantedTTL":"5","keys":["Zm9v"]}', b'{"ID":"1","TTL":"-1"}']
+
+
+def _error_seeds() -> list[bytes]:
+    return [b'{"error":"etcdserver: requested lease not found","message":"etcdserver: requested lease not found",'
+            b'"code":5}', b'{"message":"etcdserver: mvcc: required revision has been compacted","code":11}',
+            b"404 page not found"]
+
+
+def _list_seeds() -> list[bytes]:
+    return [b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            b"<Name>b</Name><Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>"
+            b"<NextContinuationToken>tok</NextContinuationToken><Contents><Key>p/a</Key>"
+            b"<Size>5</Size><ETag>&quot;5d41&quot;</ETag></Contents></ListBucketResult>",
+            b"<ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>"]
+
+
+def _s3_error_seeds() -> list[bytes]:
+    return [b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchBucket</Code>'
+            b"<Message>The specified bucket does not exist</Message></Error>", b""]
+
+
+def _url_seeds() -> list[bytes]:
+    return [b"http://127.0.0.1:8333/bucket", b"https://s3.example.com/my.bucket/fleet/eu",
+            b"http://[::1]:9000/b-1/", b"etcd://127.0.0.1:2379,[::1]:2380"]
+
+
+def _run_range(data: bytes, scratch: Path) -> None:
+    etcd.decode_range(data)
+
+
+def _run_txn(data: bytes, scratch: Path) -> None:
+    etcd.decode_txn(data, [etcd.Put(key=b"k", value=b"v")], [etcd.Range(key=b"k")])
+
+
+def _run_watch(data: bytes, scratch: Path) -> None:
+    splitter = etcd.LineSplitter(limit=1 << 16)
+    for line in splitter.feed(data + b"\n"):
+        etcd.decode_watch_line(line)
+
+
+def _run_lease(data: bytes, scratch: Path) -> None:
+    for decode in (etcd.decode_keepalive, etcd.decode_lease_ttl):
+        try:
+            decode(data, 1)
+        except CapsuleError:
+            pass
+    etcd.decode_lease_grant(data)
+
+
+def _run_error(data: bytes, scratch: Path) -> None:
+    for status in (400, 404, 503):
+        if not isinstance(etcd.decode_error(status, data), CapsuleError):
+            raise AssertionError("decode_error returned something else than an error")
+
+
+def _run_list(data: bytes, scratch: Path) -> None:
+    parse_list_v2(data, "p/")
+
+
+def _run_s3_error(data: bytes, scratch: Path) -> None:
+    for status in (403, 404, 409, 412, 503):
+        if not isinstance(error_for(status, data, "fuzz"), CapsuleError):
+            raise AssertionError("error_for returned something else than an error")
+
+
+def _run_urls(data: bytes, scratch: Path) -> None:
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        parse_tier_url(text)
+    except CapsuleError:
+        pass
+    etcd.parse_endpoints(text)
+
+
+TARGETS = [
+    Target("fleet-etcd-range", _range_seeds, _run_range),
+    Target("fleet-etcd-txn", _txn_seeds, _run_txn),
+    Target("fleet-etcd-watch", _watch_seeds, _run_watch),
+    Target("fleet-etcd-lease", _lease_seeds, _run_lease),
+    Target("fleet-etcd-error", _error_seeds, _run_error),
+    Target("fleet-s3-list", _list_seeds, _run_list),
+    Target("fleet-s3-error", _s3_error_seeds, _run_s3_error),
+    Target("fleet-addresses", _url_seeds, _run_urls),
+]
