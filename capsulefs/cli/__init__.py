@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "capsulefs.cli.render_cmds",
     "capsulefs.cli.peer_cmds",
     "capsulefs.cli.move_cmds",
+    "capsulefs.cli.fleet_cmds",
 )
 
 
