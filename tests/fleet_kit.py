@@ -36,6 +36,10 @@ _VENV_WEED = Path(sys.executable).with_name("weed")
 WEED = str(_VENV_WEED) if _VENV_WEED.exists() else shutil.which("weed")
 READY_WITHIN = 60.0  # seconds an engine may take to answer its health check (the machine is shared)
 STOP_GRACE = 20.0
+# weed mini's volume server sometimes takes 25 s and more to stop (it waits on
+# its own gRPC streams); its data is thrown away, so it gets SIGKILL sooner
+# and its leftover sockets are removed here.
+WEED_STOP_GRACE = 5.0
 START_TRIES = 3  # a free port can be taken between our probe and the engine's bind
 
 
@@ -60,6 +64,7 @@ class WeedServer(Engine):
     endpoint: str  # the S3 endpoint, http://127.0.0.1:PORT
     access_key: str
     secret_key: str
+    grpc_sockets: tuple[Path, ...]  # weed's sockets in /tmp, removed after it stops
 
     def tier_url(self, bucket: str, prefix: str = "") -> str:
         return f"{self.endpoint}/{bucket}" + (f"/{prefix}" if prefix else "")
@@ -109,11 +114,11 @@ def _tail(log: Path) -> str:
         return "(no log)"
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, grace: float) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=STOP_GRACE)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
     proc.wait(timeout=STOP_GRACE)
@@ -127,7 +132,7 @@ def _clean_env(drop_prefix: str) -> dict[str, str]:
 def _started(name: str, argv_for: Callable[[Path, list[int]], list[str]], nports: int,
              health: Callable[[list[int]], str], check: Callable[[bytes], bool],
              env: dict[str, str], leftovers: Callable[[list[int]], list[Path]] = lambda ports: [],
-             ) -> Iterator[tuple[subprocess.Popen, Path, Path, list[int]]]:
+             grace: float = STOP_GRACE) -> Iterator[tuple[subprocess.Popen, Path, Path, list[int]]]:
     root = Path(tempfile.mkdtemp(prefix=f"capsulefs-{name}-"))
     try:
         for attempt in range(START_TRIES):
@@ -143,7 +148,7 @@ def _started(name: str, argv_for: Callable[[Path, list[int]], list[str]], nports
                     yield proc, data, log, ports
                     return
             finally:
-                _stop(proc)
+                _stop(proc, grace)
                 for path in leftovers(ports):
                     path.unlink(missing_ok=True)
         raise AssertionError(f"{name} exited before it was healthy, {START_TRIES} times:\n{_tail(log)}")
@@ -179,9 +184,10 @@ _WEED_GRPC = ("master", "volume", "filer", "s3", "admin")
 
 
 @contextmanager
-def running_weed() -> Iterator[WeedServer]:
+def running_weed(grace: float = WEED_STOP_GRACE) -> Iterator[WeedServer]:
     """SeaweedFS in one process (``weed mini``) with its S3 gateway, which
-    checks SigV4 signatures against one identity made for this run."""
+    checks SigV4 signatures against one identity made for this run; given
+    ``grace`` seconds to stop on SIGTERM before SIGKILL."""
     assert WEED is not None
     access_key, secret_key = "AKCAPSULEFS" + secrets.token_hex(4).upper(), secrets.token_hex(20)
 
@@ -210,9 +216,9 @@ def running_weed() -> Iterator[WeedServer]:
 
     env = dict(os.environ)
     with _started("weed", argv, 10, lambda ports: f"http://127.0.0.1:{ports[6]}/healthz", lambda body: True,
-                  env, leftovers) as (proc, data, log, ports):
+                  env, leftovers, grace) as (proc, data, log, ports):
         yield WeedServer(proc=proc, data=data, log=log, endpoint=f"http://127.0.0.1:{ports[6]}",
-                         access_key=access_key, secret_key=secret_key)
+                         access_key=access_key, secret_key=secret_key, grpc_sockets=tuple(leftovers(ports)))
 
 
 def etcd_or_skip() -> AbstractContextManager[EtcdServer]:
