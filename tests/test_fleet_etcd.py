@@ -235,6 +235,18 @@ async def test_a_cut_write_is_reply_lost_and_never_sent_again(etcd_server: EtcdS
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_without_a_leader_is_skipped_for_reads_only(etcd_server: EtcdServer, prefix: bytes) -> None:
+    no_leader = _answer("503 Service Unavailable", b'{"error":"etcdserver: no leader","code":14}')
+    async with trio.open_nursery() as nursery:
+        sick = await _serve(nursery, no_leader)
+        async with open_etcd([sick, etcd_server.url]) as client:
+            assert await client.get(prefix + b"k") is None  # answered by the second member
+        async with open_etcd([sick, etcd_server.url]) as client:
+            with pytest.raises(DirectoryReplyLost, match="no leader"):
+                await client.put(prefix + b"k", b"v")
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(("status", "body", "error", "match"), [
     ("200 OK", b"<html>not json</html>", DirectoryProtocolError, "not JSON"),
     ("200 OK", b'{"header":{"revision":"-3"}}', DirectoryProtocolError, "out of range"),

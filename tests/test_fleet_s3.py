@@ -13,9 +13,11 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import trio
 
 from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.fleet.errors import (
+    BlobTierError,
     BlobTierProtocolError,
     BlobTierRefused,
     BlobTierUnavailable,
@@ -131,6 +133,47 @@ async def test_blob_tier_streams_in_and_out(s3: S3Client) -> None:
 
     assert await tier.fetch(digest, sink, limit=len(data)) == len(data)
     assert bytes(received) == data
+
+
+async def test_a_stream_of_another_length_than_declared_is_refused(s3: S3Client) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"12345"
+
+    digest = hashlib.sha256(b"12345").hexdigest()
+    with pytest.raises(BlobTierError, match="not its declared 6"):
+        await s3.put_stream("fleet/short", chunks(), size=6, sha256=digest)
+    with pytest.raises(BlobTierError, match="longer than its declared 4"):
+        await s3.put_stream("fleet/long", chunks(), size=4, sha256=digest)
+    assert await s3.head("fleet/short") is None  # weed refuses a body cut short (499)
+    # (the long one was cut before its first byte: weed keeps an empty object
+    # for that, which BlobTier replaces; see the next test)
+
+
+async def test_a_torn_copy_on_the_tier_is_replaced(s3: S3Client, weed_server: WeedServer) -> None:
+    """SeaweedFS 4.48 answers 200 to a put whose connection ends before its
+    body and keeps an empty object: the blob's name is then taken by the
+    wrong bytes. The next put of the blob sees the size is wrong and
+    replaces that copy (If-Match on its ETag), so the blob is not lost."""
+    tier = BlobTier(s3)
+    data = b"the blob a torn upload left empty"
+    digest = hashlib.sha256(data).hexdigest()
+    key = tier.key(digest)
+    headers = [("content-length", str(len(data))), ("if-none-match", "*")]
+    url, signed = s3.sign("PUT", key, [], headers, digest)
+    with trio.fail_after(30):
+        stream = await trio.open_tcp_stream("127.0.0.1", url.port)
+        async with stream:
+            head = f"PUT {url.raw_path.decode()} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in signed)
+            await stream.send_all(head.encode() + b"\r\n")
+            await stream.send_eof()  # the uploader dies before its first body byte
+            answer = await stream.receive_some(4096)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+    assert (await s3.head(key)).size == 0  # type: ignore[union-attr]
+    with pytest.raises(CorruptBlobError):
+        await tier.get(digest, limit=100)
+    assert await tier.put(digest, data) is True
+    assert await tier.get(digest, limit=100) == data
+    assert await tier.put(digest, data) is False
 
 
 async def test_a_blob_whose_bytes_do_not_match_its_name_is_refused(s3: S3Client) -> None:

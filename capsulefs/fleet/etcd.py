@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
 
@@ -98,9 +98,14 @@ class EtcdClient:
                 sent = True
                 failures.append(f"{base}: {_reason(exc)}")
                 continue
-            self._current = self.endpoints.index(base)
             if resp.status_code != 200:
-                raise wire.decode_error(resp.status_code, body)
+                error = wire.decode_error(resp.status_code, body)
+                if isinstance(error, DirectoryReplyLost) and req.idempotent:
+                    sent = True  # this member cannot answer now (no leader, timed out): ask the next
+                    failures.append(f"{base}: {error}")
+                    continue
+                raise error
+            self._current = self.endpoints.index(base)
             return body
         cls = DirectoryReplyLost if sent else DirectoryUnreachable
         raise cls(f"no etcd endpoint answered {req.path}: {'; '.join(failures)}")
@@ -168,28 +173,24 @@ class EtcdClient:
         revision was compacted: ``compact_revision``)."""
         op = wire.Range(key=key, range_end=wire.prefix_end(key) if prefix else b"")
         req = wire.watch_request(op, start_revision=start_revision, prev_kv=prev_kv)
+        timeout = httpx.Timeout(self._http.timeout.connect, read=None)  # events may be far apart
         failures = []
         for base in self._order():
-            try:
-                cm = self._http.stream("POST", base + req.path, content=req.body, headers=_JSON,
-                                       timeout=httpx.Timeout(self._http.timeout.connect, read=None))
-                resp = await cm.__aenter__()
-            except _NOT_SENT as exc:
-                failures.append(f"{base}: {_reason(exc)}")
-                continue
-            except (httpx.HTTPError, OSError) as exc:
-                raise DirectoryUnavailable(f"etcd {base} watch: {_reason(exc)}") from exc
-            try:
+            async with AsyncExitStack() as stack:
+                try:
+                    resp = await stack.enter_async_context(
+                        self._http.stream("POST", base + req.path, content=req.body, headers=_JSON, timeout=timeout))
+                except _NOT_SENT as exc:
+                    failures.append(f"{base}: {_reason(exc)}")
+                    continue
+                except (httpx.HTTPError, OSError) as exc:
+                    raise DirectoryUnavailable(f"etcd {base} watch: {_reason(exc)}") from exc
                 if resp.status_code != 200:
                     raise wire.decode_error(resp.status_code, await _read_capped(resp, wire.MAX_LINE, "etcd watch"))
                 stream = WatchStream(resp, f"etcd {base} watch")
-                try:
-                    yield stream
-                finally:
-                    await stream.aclose()
-            finally:
-                await cm.__aexit__(None, None, None)
-            return
+                stack.push_async_callback(stream.aclose)
+                yield stream
+                return
         raise DirectoryUnreachable(f"no etcd endpoint answered the watch: {'; '.join(failures)}")
 
     async def version(self) -> dict[str, str]:

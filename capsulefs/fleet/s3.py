@@ -103,8 +103,10 @@ class S3Client:
         self._http = http
         self._clock = clock
 
-    def _signed(self, method: str, key: str | None, query: Sequence[tuple[str, str]],
-                headers: Sequence[tuple[str, str]], payload_hash: str) -> tuple[httpx.URL, list[tuple[str, str]]]:
+    def sign(self, method: str, key: str | None, query: Sequence[tuple[str, str]],
+             headers: Sequence[tuple[str, str]], payload_hash: str) -> tuple[httpx.URL, list[tuple[str, str]]]:
+        """The URL and the signed headers of a request (of the bucket if
+        ``key`` is None) made now with these ``headers``."""
         path = object_path(self.tier.bucket, key)
         signed = [("host", self.tier.host_header), ("x-amz-date", amz_date(self._clock())),
                   ("x-amz-content-sha256", payload_hash), *headers]
@@ -123,7 +125,7 @@ class S3Client:
                     ok: Sequence[int] = (200,)) -> AsyncIterator[httpx.Response]:
         """A streamed answer with a status in ``ok``; any other is raised as
         its error. Transport errors inside the block are mapped too."""
-        url, all_headers = self._signed(method, key, query, headers, payload_hash)
+        url, all_headers = self.sign(method, key, query, headers, payload_hash)
         with _map_errors(what):
             request = self._http.build_request(method, url, headers=all_headers, content=content)
             resp = await self._http.send(request, stream=True)
@@ -150,12 +152,17 @@ class S3Client:
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         """Store ``data`` under ``key``; the new object's ETag."""
-        return await self.put_stream(key, _once(data), size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                                     if_none_match=if_none_match, if_match=if_match)
+        return await self._put(key, data, len(data), hashlib.sha256(data).hexdigest(), if_none_match, if_match)
 
     async def put_stream(self, key: str, chunks: AsyncIterable[bytes], *, size: int, sha256: str,
                          if_none_match: bool = False, if_match: str | None = None) -> str:
-        """Store ``size`` bytes whose sha256 is ``sha256`` from ``chunks``."""
+        """Store ``size`` bytes whose sha256 is ``sha256`` from ``chunks``
+        (closed when done, if they can be)."""
+        what = self._what("put", key)
+        return await self._put(key, _Exactly(chunks, size, what), size, sha256, if_none_match, if_match)
+
+    async def _put(self, key: str, content: bytes | AsyncIterable[bytes], size: int, sha256: str,
+                   if_none_match: bool, if_match: str | None) -> str:
         if if_none_match and if_match is not None:
             raise ValueError("If-None-Match and If-Match together")
         headers = [("content-length", str(size))]
@@ -164,9 +171,12 @@ class S3Client:
         if if_match is not None:
             headers.append(("if-match", if_match))
         what = self._what("put", key)
-        async with self._open("PUT", key, what, headers=headers, content=_exactly(chunks, size, what),
-                              payload_hash=sha256) as resp:
-            return check_etag(resp.headers.get("etag"), what)
+        try:
+            async with self._open("PUT", key, what, headers=headers, content=content, payload_hash=sha256) as resp:
+                return check_etag(resp.headers.get("etag"), what)
+        finally:
+            if isinstance(content, _Exactly):
+                await content.aclose()
 
     async def get(self, key: str, *, limit: int) -> bytes:
         """The object's bytes (at most ``limit``)."""
@@ -229,19 +239,37 @@ class S3Client:
             token = page.next_token
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
+class _Exactly:
+    """A request body of exactly ``size`` bytes from ``chunks``: more or
+    fewer is a BlobTierError. A class, not an async generator, so an upload
+    httpx abandons midway leaves nothing for trio to warn about."""
 
+    def __init__(self, chunks: AsyncIterable[bytes], size: int, what: str) -> None:
+        self._source = chunks.__aiter__()
+        self._size = size
+        self._sent = 0
+        self._what = what
 
-async def _exactly(chunks: AsyncIterable[bytes], size: int, what: str) -> AsyncIterator[bytes]:
-    sent = 0
-    async for chunk in chunks:
-        sent += len(chunk)
-        if sent > size:
-            raise BlobTierError(f"{what}: the body is longer than its declared {size} bytes")
-        yield chunk
-    if sent != size:
-        raise BlobTierError(f"{what}: the body is {sent} bytes, not its declared {size}")
+    def __aiter__(self) -> _Exactly:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._source.__anext__()
+        except StopAsyncIteration:
+            if self._sent != self._size:
+                raise BlobTierError(
+                    f"{self._what}: the body is {self._sent} bytes, not its declared {self._size}") from None
+            raise
+        self._sent += len(chunk)
+        if self._sent > self._size:
+            raise BlobTierError(f"{self._what}: the body is longer than its declared {self._size} bytes")
+        return chunk
+
+    async def aclose(self) -> None:
+        close = getattr(self._source, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _check_digest(digest: str) -> None:
@@ -264,26 +292,49 @@ class BlobTier:
         had it already (an earlier call, or another host)."""
         if hashlib.sha256(data).hexdigest() != digest:
             raise ValueError(f"the bytes given for blob {digest} do not hash to it")
-        return await self.put_stream(digest, _once(data), size=len(data))
+        return await self._put(digest, lambda: data, len(data))
 
-    async def put_stream(self, digest: str, chunks: Callable[[], AsyncIterable[bytes]] | AsyncIterable[bytes],
-                         *, size: int) -> bool:
-        """Store a blob from a stream. Pass a callable making the stream
-        afresh if a retry (after a 409) should be possible."""
+    async def put_stream(self, digest: str, chunks: Callable[[], AsyncIterable[bytes]], *, size: int) -> bool:
+        """Store a blob from a stream; ``chunks`` makes the stream afresh for
+        each attempt (a retry after a 409, a repair of a torn copy)."""
+        return await self._put(digest, chunks, size)
+
+    async def _put(self, digest: str, body: Callable[[], bytes | AsyncIterable[bytes]], size: int) -> bool:
+        """If-None-Match; on 412, the tier's copy is kept if its size is right,
+        else replaced with If-Match on its ETag (a torn upload: SeaweedFS
+        stores an empty object for a put cut before its body)."""
         key = self.key(digest)
         for attempt in range(CONFLICT_RETRIES):
-            body = chunks() if callable(chunks) else chunks
             try:
-                await self.s3.put_stream(key, body, size=size, sha256=digest, if_none_match=True)
+                await self._write(key, body(), size, digest, None)
                 return True
             except PreconditionFailed:
-                return False
+                pass
             except ConditionalConflict:
-                if not callable(chunks) or attempt == CONFLICT_RETRIES - 1:
-                    raise
                 log.debug("blob %s: conditional write conflict, retrying", digest)
                 await trio.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")
+                continue
+            there = await self.s3.head(key)
+            if there is None:
+                continue  # removed since: create it again
+            if there.size == size:
+                return False
+            log.warning("blob tier %s: %s is %d bytes, not %d: replacing the torn copy", self.s3.tier, key,
+                        there.size, size)
+            try:
+                await self._write(key, body(), size, digest, there.etag)
+                return True
+            except (PreconditionFailed, ConditionalConflict):
+                continue  # replaced by another writer since: look again
+        raise BlobTierUnavailable(f"blob {digest}: no conditional write settled in {CONFLICT_RETRIES} attempts")
+
+    async def _write(self, key: str, content: bytes | AsyncIterable[bytes], size: int, digest: str,
+                     if_match: str | None) -> None:
+        if isinstance(content, bytes):
+            await self.s3.put(key, content, if_none_match=if_match is None, if_match=if_match)
+        else:
+            await self.s3.put_stream(key, content, size=size, sha256=digest, if_none_match=if_match is None,
+                                     if_match=if_match)
 
     async def fetch(self, digest: str, sink: Callable[[bytes], Awaitable[None]], *, limit: int) -> int:
         """Stream a blob into ``sink`` and verify it; its size. ``sink`` sees
