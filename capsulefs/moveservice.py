@@ -112,8 +112,8 @@ class MoveService:
         try:
             agent_id = fmt.check_agent_id(args.get("agent_id"))
             epoch = args.get("epoch")
-            if which is not mv.Call.FENCE and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1):
-                raise FormatError(f"epoch {epoch!r} is not a positive integer")
+            if which is not mv.Call.FENCE:
+                fmt.check_int(epoch, "epoch", low=1)
         except FormatError as exc:
             raise CallFailed("bad-request", str(exc)) from None
         self.served.append(call)
@@ -171,8 +171,7 @@ class MoveService:
             for item in items:
                 sha, size = item
                 fmt.check_sha256(sha, "blob")
-                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                    raise FormatError(f"size {size!r} of {sha} is not a non-negative integer")
+                fmt.check_int(size, f"size of {sha}")
                 pieces.append((sha, size))
             if sum(size for _, size in pieces) != payload.size:
                 raise FormatError(f"the items add up to {sum(s for _, s in pieces)} bytes, the payload has {payload.size}")

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import trio
 
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.format import load_json
 from capsulefs.identity import Identity, host_id_from_der
 from capsulefs.peers import Peer, PeerBook, parse_address
 from capsulefs.tlsstream import TLSStream
@@ -209,10 +210,7 @@ class _Framer:
         await self._fill(_PREFIX.size + head_len)
         raw = bytes(self._buf[_PREFIX.size: _PREFIX.size + head_len])
         del self._buf[: _PREFIX.size + head_len]
-        try:
-            header = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-            raise PeerProtocolError(f"{self.what}: header is not JSON: {exc}") from None
+        header = load_json(raw, f"{self.what}: header", error=PeerProtocolError)
         if not isinstance(header, dict) or not isinstance(header.get("type"), str):
             raise PeerProtocolError(f"{self.what}: header must be an object with a 'type'")
         return header, Payload(self, size)

@@ -14,11 +14,12 @@ Theory of operation:
 
 Line layout (every key at the top level of one JSON object)::
 
-    v        int     event schema version, EVENT_VERSION
+    v        int     event schema version, EVENT_VERSION (a greater one: kept as unknown)
     id       str     unique id of the event (random, 24 hex)
     machine  str     host id of the writer
     seq      int     1, 2, 3... per machine, no gaps
     clock    int     Lamport clock: > every clock the writer had seen
+                     (v, seq and clock: integers from 1 to format.MAX_INT, 2**53-1)
     prev     str|null  sha256 hex of the previous line (without newline) of the
                      same machine; null for that machine's first line
     time     str     writer's wall clock, UTC ISO-8601 with ms; informational
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from .errors import FormatError
-from .format import check_host_id, check_relpath, check_sha256, has_control, load_json_object
+from .format import check_host_id, check_int, check_relpath, check_sha256, has_control, load_json_object
 
 EVENT_VERSION = 1
 ENVELOPE = ("v", "id", "machine", "seq", "clock", "prev", "time", "kind")
@@ -502,10 +503,8 @@ class Record:
         if not isinstance(self.id, str) or not _ID_RE.fullmatch(self.id):
             raise FormatError(f"event id {self.id!r} is not 8-64 lowercase hex digits")
         check_host_id(self.machine)
-        for name in ("seq", "clock"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FormatError(f"event {name} {value!r} is not a positive integer")
+        check_int(self.seq, "event seq", low=1)
+        check_int(self.clock, "event clock", low=1)
         if self.prev is not None:
             check_sha256(self.prev, "event prev")
         _need_str(self.time, "event time")
@@ -595,8 +594,7 @@ class Record:
             raise FormatError(f"journal line lacks {', '.join(missing)}")
         if canonical_json(doc) != line:
             raise FormatError("journal line is not canonical JSON (sorted keys, no spaces, UTF-8)")
-        if not isinstance(doc["v"], int) or doc["v"] < 1:
-            raise FormatError(f"journal line has bad version {doc['v']!r}")
+        check_int(doc["v"], "journal line version v", low=1)
         payload = {k: v for k, v in doc.items() if k not in ENVELOPE}
         if doc["v"] > EVENT_VERSION:
             event: Event = UnknownEvent(unknown_kind=str(doc["kind"]), fields_=payload)

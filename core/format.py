@@ -15,6 +15,8 @@ regular files and directories::
 Rules (MUST):
   * ``manifest.json`` lists every file of the capsule except itself and
     ``manifest.sig``, each with its sha256 (64 lowercase hex) and size.
+  * JSON is strict (:func:`load_json`): UTF-8, no key twice, at most
+    MAX_JSON_DEPTH deep; every integer field is 0 (or 1) to MAX_INT.
   * Paths are relative, '/'-separated, with no empty, ``.`` or ``..``
     component, no NUL and no backslash; nothing absolute.
   * ``agent_id`` is fixed for the agent's whole life. Every component keys the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -152,8 +155,7 @@ class FileEntry:
 
     def __post_init__(self) -> None:
         check_sha256(self.sha256, "file entry")
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
-            raise FormatError(f"file entry size {self.size!r} is not a non-negative integer")
+        check_int(self.size, "file entry size")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,8 +165,7 @@ class Holder:
 
     def __post_init__(self) -> None:
         check_host_id(self.host)
-        if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0:
-            raise FormatError(f"holder epoch {self.epoch!r} is not a non-negative integer")
+        check_int(self.epoch, "holder epoch")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -257,16 +258,30 @@ class Manifest:
 
 
 # -- JSON documents ----------------------------------------------------------
+#
+# Every document and line that comes from outside (a capsule's files, a
+# journal line, a draft, a holder record, a peer's message) is parsed here,
+# and only one form of it is JSON text: UTF-8 without a byte order mark, no
+# key twice in one object, at most MAX_JSON_DEPTH deep, no NaN or Infinity,
+# no float that overflows, no lone UTF-16 surrogate, no integer longer than
+# the interpreter converts (sys.get_int_max_str_digits(), 4300 digits). Any
+# of these is the caller's ``error`` (a FormatError by default) naming the
+# document: never a ValueError or RecursionError, which the mount would take
+# for its own fault.
 
+#: Deepest nesting of arrays and objects a document may have. Far beyond
+#: anything the format or a provider's tool arguments use, and far below
+#: Python's recursion limit, so that parsing, re-encoding and walking a
+#: document cannot run out of stack whatever the caller's depth.
+MAX_JSON_DEPTH = 64
 
-#: A ``\\uD800``-``\\uDFFF`` escape, or the UTF-8 form of such a code point
-#: (``json.loads`` decodes bytes with "surrogatepass"): how a document can
-#: carry a lone surrogate, which parses into a str that cannot be encoded again.
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+#: A ``\\uD800``-``\\uDFFF`` escape: how JSON text can carry a lone surrogate,
+#: which parses into a str that cannot be encoded as UTF-8 again.
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _NotJSON(ValueError):
-    """What Python's parser accepts beyond JSON: NaN, Infinity, 1e999."""
+    """What Python's parser accepts beyond JSON: NaN, Infinity, 1e999, a key twice."""
 
 
 def _no_constant(name: str) -> Any:
@@ -276,56 +291,113 @@ def _no_constant(name: str) -> Any:
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
-        raise _NotJSON(f"{text} is out of range")
+        raise _NotJSON(f"{text[:40]} is out of range")
     return value
 
 
-def load_json(data: bytes | str, what: str, *, error: type[Exception] = FormatError) -> Any:
-    """``json.loads`` of a document from outside, reported as ``error`` naming
-    ``what`` if it does not parse, nests deeper than the parser goes, or
-    escapes a lone surrogate (text that cannot be written back as UTF-8)."""
-    try:
-        doc = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, json.JSONDecodeError, _NotJSON) as exc:
-        raise error(_not_json(data, what, exc)) from None
-    except RecursionError:
-        raise error(f"{what} is not valid JSON: nested too deeply") from None
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _NotJSON(f"key {key[:64]!r} appears twice in one object")
+            seen.add(key)
+    return doc
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def load_json(data: bytes | bytearray | memoryview | str, what: str, *, error: type[Exception] = FormatError) -> Any:
+    """Parse one JSON document from outside, strictly (see above): any fault
+    is ``error`` naming ``what``. Time and memory are linear in its size."""
     if isinstance(data, str):
+        text = data
         try:
-            data = data.encode()
-        except UnicodeEncodeError:
-            raise error(f"{what} is not valid JSON text: it holds a lone UTF-16 surrogate") from None
-    if _SURROGATE.search(data) or json.detect_encoding(data) != "utf-8":  # (UTF-16/32: decoded with surrogatepass)
+            text.encode()
+        except UnicodeEncodeError:  # surrogate-escaped bytes from argv, or a lone surrogate
+            raise error(f"{what} is not valid JSON text: it is not UTF-8 (or holds a lone UTF-16 surrogate)") from None
+    else:
+        try:
+            text = bytes(data).decode()  # strict UTF-8: no guessing UTF-16/32, no encoded surrogates
+        except UnicodeDecodeError as bad:
+            raise error(f"{what} is not UTF-8 text: byte 0x{bad.object[bad.start]:02x} at offset {bad.start} "
+                        "is not valid UTF-8") from None
+    try:
+        doc = _DECODER.decode(text)
+    except RecursionError:
+        raise error(f"{what} is not valid JSON: nested too deeply (more than {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # JSONDecodeError, _NotJSON, and the int-digits limit's plain ValueError
+        raise error(_not_json(text, what, exc)) from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth_over(doc):
+        raise error(f"{what} is not valid JSON: nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+    if "\\u" in text and _SURROGATE.search(text):
         try:
             json.dumps(doc, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise error(f"{what} is not valid JSON text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
-        except RecursionError:
-            raise error(f"{what} is not valid JSON: nested too deeply") from None
     return doc
 
 
-def _not_json(data: bytes | str, what: str, exc: ValueError) -> str:
-    """Why ``data`` did not parse. Bytes that are not UTF-8 are named as such
-    by their first bad byte: json.loads, guessing UTF-16 or UTF-32 from their
-    first bytes (0xff 0xfe...), would say a codec's error or a JSON one about
-    the garbage that decoding made."""
-    if isinstance(data, bytes):
-        try:
-            data.decode()
-        except UnicodeDecodeError as bad:
-            return f"{what} is not UTF-8 text: byte 0x{data[bad.start]:02x} at offset {bad.start} is not valid UTF-8"
-        if isinstance(exc, UnicodeDecodeError):  # UTF-8, but NUL bytes made json.loads read it as UTF-16/32
-            return f"{what} is not valid JSON: its NUL bytes make it read as {exc.encoding}, which fails at byte {exc.start}"
+def _depth_over(doc: Any) -> bool:
+    """Whether a parsed document nests deeper than MAX_JSON_DEPTH, level by
+    level (a container without containers in it costs one pass in C)."""
+    level = [doc] if type(doc) is dict or type(doc) is list else []
+    for _depth in range(MAX_JSON_DEPTH):
+        deeper: list[Any] = []
+        for node in level:
+            values = node.values() if type(node) is dict else node
+            kinds = set(map(type, values))
+            if dict in kinds or list in kinds:
+                deeper.extend(v for v in values if type(v) is dict or type(v) is list)
+        if not deeper:
+            return False
+        level = deeper
+    return True
+
+
+def _not_json(text: str, what: str, exc: ValueError) -> str:
+    """Why ``text`` did not parse, in words."""
+    if text.startswith("\ufeff"):
+        return f"{what} is not valid JSON: it starts with a byte order mark (JSON text here is UTF-8 without one)"
+    if "\0" in text:
+        return f"{what} is not valid JSON: it holds NUL bytes (UTF-16 or UTF-32 text? JSON text here is UTF-8)"
+    if not isinstance(exc, _NotJSON) and "integer string conversion" in str(exc):
+        return f"{what} is not valid JSON: a number has more than {sys.get_int_max_str_digits()} digits"
     return f"{what} is not valid JSON: {exc}"
 
 
-def load_json_object(data: bytes | str, what: str, *, error: type[Exception] = FormatError) -> dict[str, Any]:
+def load_json_object(data: bytes | bytearray | memoryview | str, what: str, *,
+                     error: type[Exception] = FormatError) -> dict[str, Any]:
     """:func:`load_json` of a document that must be a JSON object."""
     doc = load_json(data, what, error=error)
     if not isinstance(doc, dict):
         raise error(f"{what} must be a JSON object")
     return doc
+
+
+# -- integer fields --------------------------------------------------------------
+
+#: Largest value of every integer field the format defines (seq, clock, v,
+#: epoch, size, counts): 2**53 - 1, the largest integer every JSON reader
+#: (an IEEE double) holds exactly, and far beyond any real count.
+MAX_INT = (1 << 53) - 1
+
+
+def check_int(value: object, what: str, *, low: int = 0, error: type[Exception] = FormatError) -> int:
+    """``value`` if it is an integer (not a bool) from ``low`` to MAX_INT, else ``error``."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_INT:
+        return value
+    raise error(f"{what} {_brief(value)} is not an integer from {low} to 2**53-1")
+
+
+def _brief(value: object) -> str:
+    """``value`` for a message, short whatever its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"(an integer of {value.bit_length()} bits)"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # -- the workspace snapshot -------------------------------------------------

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import CapsuleError, FilesBusy, FormatError
-from .format import check_agent_id, check_host_id, load_json_object
+from .format import check_agent_id, check_host_id, check_int, load_json_object
 from .fsutil import atomic_write, makedirs_durable
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,7 @@ MOVING = frozenset({HolderState.FROZEN, HolderState.COMMITTING}) | PENDING
 
 
 def _need_epoch(value: object, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise FormatError(f"{what} {value!r} is not a non-negative integer")
-    return value
+    return check_int(value, what)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -63,7 +63,7 @@ import numpy as np
 
 from .embedders import EmbedderSpec
 from .errors import FormatError
-from .format import load_json
+from .format import MAX_INT, check_int, load_json
 from .fsutil import atomic_write, makedirs_durable
 from .index_text import INDEXED_KINDS
 
@@ -114,7 +114,7 @@ class Entry:
         event, kind, time, start, end = row
         if type(event) is not str or type(kind) is not str or type(time) is not str:
             raise IndexCorrupt("an index entry has a non-string event, kind or time")
-        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= MAX_INT:
             raise IndexCorrupt(f"index entry for {event} has a bad span {start!r}..{end!r}")
         return cls(event=event, kind=kind, time=time, start=start, end=end)
 
@@ -147,12 +147,11 @@ class JournalPosition:
             raise IndexCorrupt("index journal heads is not an object")
         heads = {}
         for machine, head in heads_doc.items():
-            if not (isinstance(head, list) and len(head) == 2 and isinstance(head[0], int) and isinstance(head[1], str)):
+            if not (isinstance(head, list) and len(head) == 2 and isinstance(head[1], str)):
                 raise IndexCorrupt(f"index head of {machine!r} is not [seq, sha256]")
-            heads[machine] = (head[0], head[1])
-        events, size = doc.get("events", 0), doc.get("bytes", 0)
-        if not isinstance(events, int) or not isinstance(size, int) or events < 0 or size < 0:
-            raise IndexCorrupt("index journal events/bytes are not non-negative integers")
+            heads[machine] = (check_int(head[0], f"index head seq of {machine!r}", error=IndexCorrupt), head[1])
+        events = check_int(doc.get("events", 0), "index journal events", error=IndexCorrupt)
+        size = check_int(doc.get("bytes", 0), "index journal bytes", error=IndexCorrupt)
         return cls(events=events, last=doc.get("last"), bytes=size, prefix=doc.get("prefix"), heads=heads)
 
 
@@ -342,8 +341,8 @@ def parse_index(data: bytes) -> VectorIndex:
     if mem is not None:
         try:
             clock, machine, seq = mem["order"]
-            memory = (str(mem["event"]), (int(clock), str(machine), int(seq)))
-        except (KeyError, TypeError, ValueError):
+            memory = (str(mem["event"]), (check_int(clock, "clock"), str(machine), check_int(seq, "seq")))
+        except (KeyError, TypeError, ValueError, FormatError):
             raise IndexCorrupt("index.json memory is not {event, order: [clock, machine, seq]}") from None
     return VectorIndex(
         spec,

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 from .errors import FormatError
 from .events import Event, Record, UnknownEvent, line_hash
-from .format import check_host_id
+from .format import MAX_INT, check_host_id
 from .journal_lines import Key, envelope
 
 
@@ -131,6 +131,9 @@ class ChainState:
                 prev = records[-1].digest
             seq += 1
             clock += 1
+            if clock > MAX_INT:  # (a machine's seq never passes its clock)
+                raise FormatError("the journal's clock has reached 2**53-1, the largest the format allows: "
+                                  "nothing more can be appended")
             rec = stamp(event, id=new_id(), machine=machine, seq=seq, clock=clock, prev=prev, time=when)
             if isinstance(event, UnknownEvent):
                 Record.from_line(rec.line)  # a kind we do not know must still make a readable line

@@ -37,7 +37,7 @@ from hashlib import sha256
 from typing import Any
 
 from .errors import FormatError, IntegrityError
-from .format import load_json
+from .format import MAX_INT, load_json
 from .events import Record, line_hash
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ _VALUE = (
 )
 _OTHER = rb'(?!"(?:clock|id|kind|machine|prev|seq|time|v)")' + _STR + rb":" + _VALUE
 _SKIP = rb"(?:" + _OTHER + rb",)*?"
-_INT = rb"([1-9][0-9]{0,17})"
+_INT = rb"([1-9][0-9]{0,15})"  # below 10**16; MAX_INT is checked after
 _ENVELOPE_RE = re.compile(
     rb"\{" + _SKIP + rb'"clock":' + _INT
     + rb"," + _SKIP + rb'"id":"[0-9a-f]{8,64}"'
@@ -92,7 +92,7 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
 
 
 def _posint(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_INT
 
 
 def envelope(line: bytes) -> tuple[Key, str | None]:
@@ -101,8 +101,10 @@ def envelope(line: bytes) -> tuple[Key, str | None]:
     event's own fields or the canonical form (:func:`verify_lines` does)."""
     m = _fullmatch(line)
     if m is not None and (line.isascii() or _utf8(line)):
-        clock, machine, prev, seq, _v = m.groups()
-        return (int(clock), machine.decode(), int(seq)), (None if prev == b"null" else prev[1:-1].decode())
+        clock, machine, prev, seq, v = m.groups()
+        c, s = int(clock), int(seq)
+        if c <= MAX_INT and s <= MAX_INT and int(v) <= MAX_INT:
+            return (c, machine.decode(), s), (None if prev == b"null" else prev[1:-1].decode())
     doc = load_json(line, "the line")
     if not isinstance(doc, dict):
         raise FormatError("not a JSON object")
@@ -111,7 +113,7 @@ def envelope(line: bytes) -> tuple[Key, str | None]:
         raise FormatError(f"lacks {', '.join(missing)}")
     clock, machine, seq, prev = doc["clock"], doc["machine"], doc["seq"], doc["prev"]
     if not (_posint(clock) and _posint(seq) and _posint(doc["v"])):
-        raise FormatError("clock, seq and v must be positive integers")
+        raise FormatError("clock, seq and v must be integers from 1 to 2**53-1")
     if not isinstance(machine, str) or not _HOST_RE.fullmatch(machine):
         raise FormatError(f"machine {machine!r} is not a host id")
     if prev is not None and not (isinstance(prev, str) and _HEX64_RE.fullmatch(prev)):

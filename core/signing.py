@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import SignatureError
+from .format import load_json_object
 from .fsutil import atomic_write
 
 SIG_FORMAT = "capsule-sig/1"
@@ -80,7 +81,7 @@ def sign_manifest(manifest_bytes: bytes, private_pem: bytes) -> bytes:
 def verify_manifest_signature(manifest_bytes: bytes, sig_bytes: bytes, public_pem: bytes) -> None:
     pub = load_public_key(public_pem)
     try:
-        doc = json.loads(sig_bytes)
+        doc = load_json_object(sig_bytes, "manifest.sig", error=SignatureError)
         if doc.get("format") != SIG_FORMAT or doc.get("alg") != "ed25519":
             raise ValueError("unknown signature format")
         sig = base64.b64decode(doc["sig"], validate=True)

@@ -109,7 +109,7 @@ def test_drafts_are_all_or_nothing(tmp_path: Path) -> None:
             (b'{"kind":"note","text":"no newline"}', "whole lines"),
             (b"not json\n", "not valid JSON"),
             (b'{"kind":"note","text":"\\udc80"}\n', "lone UTF-16 surrogate"),
-            (b'{"kind":"note","text":"' + "\udc80".encode("utf-8", "surrogatepass") + b'"}\n', "lone UTF-16 surrogate"),
+            (b'{"kind":"note","text":"' + "\udc80".encode("utf-8", "surrogatepass") + b'"}\n', "not UTF-8"),
             (b"[" * 50_000 + b"]" * 50_000 + b"\n", "nested too deeply"),
         ]:
             with pytest.raises(FormatError, match=word):
@@ -385,7 +385,7 @@ _EVENTS = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(event=_EVENTS, machine=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
-       seq=st.integers(1, 2**70), clock=st.integers(1, 2**70), prev=st.none() | _SHA,
+       seq=st.integers(1, 2**53 - 1), clock=st.integers(1, 2**53 - 1), prev=st.none() | _SHA,
        id=st.text("0123456789abcdef", min_size=8, max_size=64), time=_TEXT)
 def test_a_stamped_line_is_the_canonical_json_of_its_record(event: Event, machine: str, seq: int, clock: int,
                                                             prev: str | None, id: str, time: str) -> None:

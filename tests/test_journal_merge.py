@@ -129,15 +129,22 @@ def test_fast_merge_host_ids_of_any_length(machine: str) -> None:
     assert b"".join(fast_merge(a.data(), b.data())) == want == merge_bytes(b.data(), a.data())
 
 
-def test_huge_clocks_go_to_the_reference() -> None:
+def test_clocks_up_to_2_53_merge_on_both_paths_and_beyond_are_refused_by_both() -> None:
     a = Replica(machine="host-a")
     a.append(note("one"))
-    a.state.clock = 10**20  # a writer that had seen a huge clock
+    a.state.clock = 2**53 - 2  # a writer that had seen a huge clock
     a.append(note("two"))
-    assert json.loads(a.lines[1])["clock"] == 10**20 + 1
-    assert merge_bytes(a.data(), a.data()) == a.data()
-    with pytest.raises(Unreadable):
-        fast_merge(a.data(), a.data())
+    assert json.loads(a.lines[1])["clock"] == 2**53 - 1
+    with pytest.raises(FormatError, match="2\\*\\*53-1"):
+        a.append(note("three"))  # no clock left
+    assert merge_bytes(a.data(), a.data()) == b"".join(fast_merge(a.data(), a.data())) == a.data()
+    over = a.lines[1].replace(b'"clock":9007199254740991', b'"clock":9007199254740992')
+    huge = a.lines[1].replace(b'"clock":9007199254740991', b'"clock":' + b"9" * 5000)
+    for line, why in ((over, "clock, seq and v must be integers from 1 to 2\\*\\*53-1"), (huge, "more than 4300 digits")):
+        with pytest.raises(Unreadable):
+            fast_merge(a.data(), a.lines[0] + b"\n" + line + b"\n")
+        with pytest.raises(ChainError, match=f"input B does not verify: line 2: .*{why}"):
+            merge_bytes(a.data(), a.lines[0] + b"\n" + line + b"\n")
 
 
 # -- refusals ------------------------------------------------------------------------

@@ -185,7 +185,7 @@ async def test_a_header_nested_too_deeply_is_a_protocol_error() -> None:
     a, b = trio.testing.memory_stream_pair()
     head = b"[" * 100_000
     await a.send_all(struct.pack("!IQ", len(head), 0) + head)
-    with pytest.raises(PeerProtocolError, match="header is not JSON"):
+    with pytest.raises(PeerProtocolError, match="header is not valid JSON: nested too deeply"):
         await _Framer(b, "test").receive()
 
 

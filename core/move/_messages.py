@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ..errors import CapsuleError, FormatError
-from ..format import check_agent_id, check_host_id, check_sha256
+from ..format import check_agent_id, check_host_id, check_int, check_sha256
 from ..holder import HolderRecord, PeerView
 
 __all__ = [
@@ -105,9 +105,7 @@ class Outcome(enum.Enum):
 
 
 def _epoch(value: object, what: str = "epoch") -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise FormatError(f"{what} {value!r} is not a positive integer")
-    return value
+    return check_int(value, what, low=1)
 
 
 def _shas(values: object, what: str) -> tuple[str, ...]:
@@ -193,8 +191,7 @@ class OfferReply(_Answer):
         _flag(self.accepted, "accepted")
         _flag(self.held_there, "held_there")
         _shas(self.missing, "missing")
-        if not isinstance(self.highest, int) or self.highest < 0:
-            raise FormatError(f"highest epoch {self.highest!r} is not a non-negative integer")
+        check_int(self.highest, "highest epoch")
         _text(self.reason, "reason")
 
 

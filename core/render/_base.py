@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import FormatError
 from ..events import Event, Reasoning
+from ..format import load_json
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,8 +150,8 @@ def args_from_json(raw: Any) -> dict[str, Any]:
     if isinstance(raw, Mapping):
         return dict(raw)
     try:
-        value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
-    except json.JSONDecodeError:
+        value = load_json(raw, "tool arguments") if isinstance(raw, str) and raw.strip() else {}
+    except FormatError:  # not JSON, or JSON this reader refuses (a key twice, too deep, a huge number)
         return {"_unparsed_arguments": raw}
     return value if isinstance(value, dict) else {"_unparsed_arguments": raw}
 

@@ -159,7 +159,7 @@ class OpenAIChat(Provider):
                     waiting.append(cid)
                     try:
                         ok = isinstance(json.loads(call["function"]["arguments"]), dict)
-                    except (KeyError, TypeError, json.JSONDecodeError):
+                    except (KeyError, TypeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, a huge number
                         ok = False
                     if not ok:
                         problems.append(f"{where}: arguments of {cid!r} are not a JSON object string")

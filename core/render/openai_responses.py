@@ -143,7 +143,7 @@ class OpenAIResponses(Provider):
                 calls[cid] = 0
                 try:
                     ok = isinstance(json.loads(item["arguments"]), dict)
-                except (KeyError, TypeError, json.JSONDecodeError):
+                except (KeyError, TypeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, a huge number
                     ok = False
                 if not ok:
                     problems.append(f"{where}: arguments are not a JSON object string")
