@@ -166,8 +166,11 @@ def verify_lines(lines: Sequence[bytes], *, full: bool = True) -> list[str]:
     problems: list[str] = []
     # machine -> [seq, digest, clock, lineno] of its last line
     tails: dict[str, list[Any]] = {}
-    # machine -> line numbers by seq (index seq-1), to name forks
+    # machine -> line numbers of its seqs 1, 2, 3... as long as they run
+    # without a gap, to name forks; a seq beyond the run goes to ``stray``
+    # (memory follows the number of lines, never the value of a seq)
     where: dict[str, list[int]] = {}
+    stray: dict[str, dict[int, int]] = {}
     last_key: Key | None = None
     last_no = 0
     for no, line in enumerate(lines, 1):
@@ -194,8 +197,8 @@ def verify_lines(lines: Sequence[bytes], *, full: bool = True) -> list[str]:
         digest = line_hash(line)
         seen = where.setdefault(machine, [])
         tail = tails.get(machine)
-        if seq <= len(seen) and seen[seq - 1]:
-            other = seen[seq - 1]
+        other = seen[seq - 1] if seq <= len(seen) else stray.get(machine, {}).get(seq)
+        if other is not None:
             if lines[other - 1] == line:
                 problems.append(f"line {no}: machine {machine} seq {seq}: duplicates line {other}")
             else:
@@ -226,9 +229,10 @@ def verify_lines(lines: Sequence[bytes], *, full: bool = True) -> list[str]:
                     f"line {no}: machine {machine} seq {seq}: clock {clock} is not greater than clock {t_clock} "
                     f"of seq {t_seq} (line {t_no})"
                 )
-        if seq > len(seen):
-            seen.extend([0] * (seq - len(seen)))
-        seen[seq - 1] = no
+        if seq == len(seen) + 1:
+            seen.append(no)
+        else:  # (never below: a seq the run holds was answered above)
+            stray.setdefault(machine, {})[seq] = no
         tails[machine] = [seq, digest, clock, no]
     return problems
 

@@ -1,4 +1,4 @@
-"""Outside JSON is read one strict way (issue 25, findings 1 and 8).
+"""Outside JSON is read one strict way (issue 25, findings 1, 2 and 8).
 
 A document or line from outside (a capsule's files, a journal line, a draft
 written through the mount or given to ``capsulefs append``, a spec, a holder
@@ -6,14 +6,17 @@ record, a peer's header) that holds an integer of thousands of digits, a key
 twice, UTF-16 text, nesting past ``MAX_JSON_DEPTH`` or a field out of its
 range is the caller's domain error naming the document: EINVAL through the
 mount (never failsafe, never another agent's business), one line and exit 1
-from the CLI.
+from the CLI. Journal verification costs memory by lines, not by the value
+of a seq.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import tarfile
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,33 @@ def test_journal_envelopes_hold_seq_clock_and_v_to_2_53_minus_1_on_every_path() 
     for v in (b"true", b"9007199254740992"):
         with pytest.raises(FormatError, match="version v"):
             Record.from_line(_line().replace(b'"v":1', b'"v":' + v))
+
+
+# -- verification costs memory by lines, not by seq values (finding 2) ---------------------
+
+
+@pytest.mark.parametrize("seq", [10**12, 2 * 10**8])
+def test_a_huge_seq_costs_verification_no_memory(seq: int) -> None:
+    first = _line()
+    lines = [first, _line(seq=seq, clock=2, prev=hashlib.sha256(first).hexdigest()), _line(seq=seq, clock=3)]
+    tracemalloc.start()
+    try:
+        problems = verify_lines(lines)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert problems[0] == f"line 2: machine host-a seq {seq}: gap, the machine's previous line is seq 1 (line 1)"
+    assert problems[1].startswith(f"line 3: machine host-a seq {seq}: differs from line 2")
+
+
+def test_forks_and_duplicates_are_named_after_a_gap_as_before() -> None:
+    first = _line()
+    p1 = hashlib.sha256(first).hexdigest()
+    second = _line(seq=2, clock=2, prev=p1)
+    fifth = _line(seq=5, clock=5, prev=p1)
+    problems = verify_lines([first, fifth, second, fifth])
+    assert any("line 4: machine host-a seq 5: duplicates line 2" in p for p in problems), problems
 
 
 # -- through the mount: EINVAL, never failsafe (finding 1) ----------------------------------
