@@ -15,6 +15,9 @@ regular files and directories::
 Rules (MUST):
   * ``manifest.json`` lists every file of the capsule except itself and
     ``manifest.sig``, each with its sha256 (64 lowercase hex) and size.
+  * The tree is closed: a capsule's files are the ones above and blobs
+    named by their sha256 (:func:`in_tree`); a manifest listing any other
+    path is refused.
   * JSON is strict (:func:`load_json`): UTF-8, no key twice, at most
     MAX_JSON_DEPTH deep; every integer field is 0 (or 1) to MAX_INT.
   * Paths are relative, '/'-separated, with no empty, ``.`` or ``..``
@@ -58,6 +61,9 @@ SPEC = "environment/spec.json"
 REQUIRED_FILES = (WORKING_MEMORY, JOURNAL, VECTOR_INDEX, SNAPSHOT, SPEC)
 #: Files that are never listed in the manifest.
 UNLISTED = frozenset({MANIFEST, SIGNATURE})
+_TREE_FILES = frozenset(REQUIRED_FILES)
+_BLOBS_PREFIX = BLOBS_DIR + "/"
+_BLOB_PATH_LEN = len(_BLOBS_PREFIX) + 64
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _AGENT_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -136,6 +142,14 @@ def check_relpath(path: object, what: str = "path") -> str:
     return path
 
 
+def in_tree(path: str) -> bool:
+    """Whether ``path`` is a file of the capsule tree: one of REQUIRED_FILES
+    or a blob named by a sha256. The tree is closed: nothing else is part
+    of a capsule (manifest.json and manifest.sig are not listed)."""
+    return path in _TREE_FILES or (path.startswith(_BLOBS_PREFIX) and len(path) == _BLOB_PATH_LEN
+                                   and _SHA256_RE.fullmatch(path, len(_BLOBS_PREFIX)) is not None)
+
+
 def blob_path(sha256: str) -> str:
     return f"{BLOBS_DIR}/{check_sha256(sha256, 'blob name')}"
 
@@ -180,9 +194,12 @@ class Manifest:
         check_agent_id(self.agent_id)
         check_agent_name(self.name)
         for path in self.files:
-            check_relpath(path, "manifest path")
-            if path in UNLISTED:
-                raise FormatError(f"manifest lists {path}, which it must not list")
+            if not in_tree(path):
+                check_relpath(path, "manifest path")
+                if path in UNLISTED:
+                    raise FormatError(f"manifest lists {path}, which it must not list")
+                raise FormatError(f"manifest lists {path!r}, which is not a file of a capsule (a {FORMAT} capsule "
+                                  f"holds {', '.join(REQUIRED_FILES)} and {BLOBS_DIR}/<sha256>, nothing else)")
 
     def blob_entries(self) -> dict[str, FileEntry]:
         """The entries of the blobs it lists (``blobs/<sha256>``), in a new dict."""

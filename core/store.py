@@ -629,7 +629,9 @@ class AgentHandle:
         return self.manifest().name
 
     def local_files(self) -> list[str]:
-        """Relative paths of the agent's non-blob files, as on disk."""
+        """Relative paths of the agent's non-blob files, as on disk: the
+        capsule's own files only (``fmt.REQUIRED_FILES``; the tree is closed),
+        so that nothing else found in its directory becomes part of the agent."""
         out = []
         for root, dirs, files in os.walk(self.dir):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -637,7 +639,7 @@ class AgentHandle:
                 if name.startswith(TMP_PREFIX) or name.startswith("."):
                     continue
                 rel = os.path.relpath(os.path.join(root, name), self.dir).replace(os.sep, "/")
-                if rel not in fmt.UNLISTED:
+                if rel in fmt.REQUIRED_FILES:
                     out.append(rel)
         return sorted(out)
 

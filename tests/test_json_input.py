@@ -7,7 +7,7 @@ twice, UTF-16 text, nesting past ``MAX_JSON_DEPTH`` or a field out of its
 range is the caller's domain error naming the document: EINVAL through the
 mount (never failsafe, never another agent's business), one line and exit 1
 from the CLI. Journal verification costs memory by lines, not by the value
-of a seq.
+of a seq. A manifest lists only the capsule's own tree.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ async def test_hostile_json_an_agent_writes_through_the_mount_is_einval_and_neve
     assert parse_spec(store.find("alice").read(fmt.SPEC))["entrypoint"] is None
 
 
-# -- manifests: one form only (finding 8) -------------------------------
+# -- manifests: one form, the capsule's tree only (finding 8) ---------------------
 
 
 def _forge(capsule: Path, edit: "object") -> None:
@@ -197,6 +197,11 @@ def _tar(capsule: Path, dest: Path) -> Path:
     return dest
 
 
+def _with_extra(doc: dict) -> bytes:  # type: ignore[type-arg]
+    doc["files"]["extra/evil.sh"] = {"sha256": hashlib.sha256(b"#!/bin/sh\nrm -rf ~\n").hexdigest(), "size": 19}
+    return json.dumps(doc, sort_keys=True, indent=2).encode()
+
+
 def _size_over(doc: dict) -> bytes:  # type: ignore[type-arg]
     next(iter(doc["files"].values()))["size"] = 2**53
     return json.dumps(doc).encode()
@@ -208,6 +213,7 @@ MANIFESTS = {
     "epoch true": (lambda d: json.dumps({**d, "holder": {**d["holder"], "epoch": True}}).encode(), "holder epoch True"),
     "key twice": (lambda d: json.dumps(d)[:-1].encode() + b', "name": "mallory"}', "key 'name' appears twice"),
     "UTF-16": (lambda d: json.dumps(d, indent=2).encode("utf-16"), "not UTF-8"),
+    "outside the tree": (_with_extra, "manifest lists 'extra/evil.sh', which is not a file of a capsule"),
 }
 
 
@@ -225,6 +231,9 @@ def _forged_capsule(store: HostStore, tmp_path: Path, case: str) -> tuple[Path, 
     agent = make_agent(store, "alice")
     good_tar, capsule = export_and_unpack(agent, tmp_path)
     _forge(capsule, MANIFESTS[case][0])
+    if case == "outside the tree":
+        (capsule / "extra").mkdir()
+        (capsule / "extra" / "evil.sh").write_bytes(b"#!/bin/sh\nrm -rf ~\n")
     return good_tar, capsule, _tar(capsule, tmp_path / "forged.tar")
 
 
@@ -258,6 +267,16 @@ def test_the_real_cli_refuses_a_manifest_with_a_huge_number_in_one_line(
     p = run_cli("import", str(tar), state=tmp_path / "other")
     assert p.returncode == 1 and "Traceback" not in p.stderr and "4300 digits" in p.stderr, p.stderr
     assert len(p.stderr.splitlines()) == 1
+
+
+def test_a_stored_agent_is_only_its_capsules_files(store: HostStore, tmp_path: Path) -> None:
+    agent = make_agent(store, "alice")
+    (Path(agent.dir) / "extra").mkdir()
+    (Path(agent.dir) / "extra" / "evil.sh").write_bytes(b"#!/bin/sh\n")  # dropped beside the store's files
+    assert agent.local_files() == sorted(fmt.REQUIRED_FILES)
+    _tar_path, capsule = export_and_unpack(agent, tmp_path)
+    assert not (capsule / "extra").exists()
+    assert all(fmt.in_tree(p) for p in fmt.Manifest.from_bytes((capsule / fmt.MANIFEST).read_bytes()).files)
 
 
 def test_a_stored_manifest_is_read_as_strictly_as_an_imported_one(store: HostStore) -> None:

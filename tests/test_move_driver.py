@@ -315,11 +315,14 @@ async def test_the_target_syncs_each_calls_pieces_and_their_adoption_through_one
 
 async def test_empty_files_and_a_shared_digest_move(world: World, tmp_path: Path) -> None:
     agent = world.a.store.agent(world.agent_id)
-    agent.write_files({fmt.WORKING_MEMORY: b"", "memory/extra.md": b""})  # two empty files, one digest
+    empty = world.a.store.put_blob(b"")  # an empty workspace file and empty working memory: one digest
+    snap = {**fmt.parse_snapshot(agent.read(fmt.SNAPSHOT)), "empty.txt": empty}
+    agent.write_files({fmt.WORKING_MEMORY: b"", fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=[empty])
     world.a.store.agent(world.agent_id).refresh_manifest()
     result = await world.move()
     assert result.moved and world.check() == "b"
-    assert world.b.store.agent(world.agent_id).read("memory/extra.md") == b""
+    moved = world.b.store.agent(world.agent_id)
+    assert moved.read(fmt.WORKING_MEMORY) == b"" and moved.read(fmt.blob_path(empty)) == b""
     verify_on(world.b, world.agent_id, tmp_path)
 
 
