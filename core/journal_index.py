@@ -8,7 +8,10 @@ Rules:
     if the fast path was merely too strict, returns the merge).
   * Like the reference, it reads each line's envelope (clock, machine, seq,
     prev) and checks chains, order and forks; it does not re-check each
-    event's own fields or canonical form (``verify_lines`` does).
+    event's own fields or canonical form (``verify_lines`` does). It reads
+    the envelope's tokens, not the whole line: a line that is not JSON (or
+    holds a key twice) but has each of the four keys once passes it, where
+    the reference would refuse; callers verify their inputs first.
 
 Theory of operation:
   A key token such as ``"clock":`` can only occur in valid JSON as an object

@@ -364,10 +364,13 @@ def _union_error(a: Sequence[bytes], b: Sequence[bytes], msg: str) -> ChainError
 
 
 def merge_bytes(a: bytes, b: bytes) -> bytes:
-    """:func:`merge` on whole journal files, vectorised (same result, same refusals).
+    """:func:`merge` on whole journal files, vectorised (same result, same
+    refusals, on inputs whose every line :func:`envelope` reads).
 
     The fast path (:mod:`capsulefs.core.journal_index`) hands anything it
     does not accept to :func:`merge`, which raises the precise ChainError.
+    It reads envelope tokens, not whole lines: a line whose body is broken
+    but whose envelope keys it finds may pass it. Verify inputs first.
     """
     return b"".join(merge_pieces(a, b))
 
