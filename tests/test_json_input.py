@@ -279,6 +279,44 @@ def test_a_stored_agent_is_only_its_capsules_files(store: HostStore, tmp_path: P
     assert all(fmt.in_tree(p) for p in fmt.Manifest.from_bytes((capsule / fmt.MANIFEST).read_bytes()).files)
 
 
+@pytest.mark.parametrize(("rel", "edit", "words"), [
+    (fmt.SPEC, lambda b: b.replace(b'"version": 1', b'"version": ' + HUGE), "spec is not valid JSON: a number has"),
+    (fmt.SNAPSHOT, lambda b: b.replace(b'"files": {', b'"files": {"a": 1, "a": 2, '), "key 'a' appears twice"),
+    (fmt.JOURNAL, lambda b: b.replace(b'"seq":1,', b'"seq":' + HUGE + b",", 1), "line 1: journal line is not valid JSON"),
+    (fmt.JOURNAL, lambda b: b.replace(b'"seq":1,', b'"seq":9007199254740992,', 1), "event seq 9007199254740992"),
+])
+def test_hostile_json_in_a_capsules_other_files_is_a_problem_named_by_verify(
+        rel: str, edit: "object", words: str, store: HostStore, tmp_path: Path) -> None:
+    from capsulefs.core import archive
+    from capsulefs.core.journal import open_agent_journal
+
+    agent = make_agent(store, "alice")
+    with open_agent_journal(agent, machine=HOST, now=lambda: 1.7e9, new_id=lambda: "0" * 24) as j:
+        j.append(Note(text="one"))
+    _tar, capsule = export_and_unpack(agent, tmp_path)
+    data = edit((capsule / rel).read_bytes())  # type: ignore[operator]
+    (capsule / rel).write_bytes(data)
+    _forge(capsule, lambda d: json.dumps({**d, "files": {**d["files"], rel: {
+        "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}}).encode())  # the digest made to match
+    _m, problems = archive.verify_capsule(str(capsule))
+    assert [p.path for p in problems] == [rel] and words in str(problems[0]), problems
+
+
+async def test_a_peer_header_with_a_key_twice_or_a_huge_number_is_a_protocol_error() -> None:
+    import struct
+
+    import trio.testing
+
+    from capsulefs.peerlink import PeerProtocolError, _Framer
+
+    for head, words in [(b'{"type":"call","type":"reply"}', "key 'type' appears twice"),
+                        (b'{"type":"call","id":' + HUGE + b"}", "more than 4300 digits")]:
+        a, b = trio.testing.memory_stream_pair()
+        await a.send_all(struct.pack("!IQ", len(head), 0) + head)
+        with pytest.raises(PeerProtocolError, match=f"header is not valid JSON: .*{words}"):
+            await _Framer(b, "test").receive()
+
+
 def test_a_stored_manifest_is_read_as_strictly_as_an_imported_one(store: HostStore) -> None:
     agent = make_agent(store, "alice")
     raw = (Path(agent.dir) / fmt.MANIFEST).read_bytes()
