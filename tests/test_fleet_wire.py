@@ -268,3 +268,9 @@ def test_fuzz_only_our_errors_escape(target: Target, data: st.DataObject) -> Non
             target.run(blob, Path("/nonexistent"))  # (no target here writes)
         except CapsuleError:
             pass
+
+
+@pytest.mark.parametrize("body", [b'<?xml version="" encoding="T"?>', b'<?xml version="1.0" encoding="no-such"?><Error/>'])
+def test_an_xml_answer_naming_an_unknown_encoding_is_a_protocol_error(body: bytes) -> None:
+    # (found by the fuzz target: ElementTree raised LookupError for the encoding)
+    assert type(error_for(500, body, "put x")) is BlobTierUnavailable

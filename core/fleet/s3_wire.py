@@ -125,7 +125,7 @@ def _xml(body: bytes, what: str) -> ET.Element:
         raise BlobTierProtocolError(f"{what}: an XML answer with a DTD is refused")
     try:
         return ET.fromstring(body)
-    except (ET.ParseError, ValueError, RecursionError) as exc:
+    except (ET.ParseError, ValueError, LookupError, RecursionError) as exc:  # (LookupError: an unknown encoding= in the declaration)
         raise BlobTierProtocolError(f"{what}: not XML ({str(exc)[:80]})") from None
 
 
