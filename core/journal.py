@@ -126,6 +126,7 @@ from .journal_recovery import (
 )
 from .journal_lease import IDLE, MAX_HOLD, keeper
 from .journal_ring import Ring
+from .journal_tip import TIP_EVERY, Tip, advance_tip, checked_tip, journal_tip_path, save_tip
 
 __all__ = [
     # the journal file (this module)
@@ -170,6 +171,7 @@ log = logging.getLogger(__name__)
 BULK_CATCH_UP = 1 << 20
 #: Catching up reads the file in pieces of this size (more for a longer line).
 CATCH_UP_PIECE = 256 << 20
+_NEVER = 1 << 62  # a size no journal reaches: no tip to write
 
 
 class JournalForked(CapsuleError):
@@ -194,11 +196,15 @@ class Journal:
         new_id: Callable[[], str],
         recovery_dir: str,
         ring_path: str | None = None,
+        tip_path: str | None = None,
     ) -> None:
         self.path = path
         self.machine = machine
         self.recovery_dir = recovery_dir
         self.ring_path = ring_path  # None: each append fdatasyncs the journal itself
+        self.tip_path = tip_path  # None: no tip (see journal_tip): opening reads the whole file
+        self._tip: Tip | None = None  # the tip on disk this Journal checked or wrote
+        self._tip_due = TIP_EVERY if tip_path is not None else _NEVER  # write a tip once _size reaches this
         self._ring: Ring | None = None  # opened (created) at the first append
         self._id: tuple[int, int] | None = None  # (st_ino, st_dev) of the file held
         self._identity = identity_probe(path)  # (st_ino, st_dev) of whatever ``path`` names now
@@ -413,8 +419,52 @@ class Journal:
                 # before a restarted ring could overwrite their only copy.
                 replay_ring(self._fd, self.path, self.ring_path, self.recovery_dir)
                 size = os.lseek(self._fd, 0, os.SEEK_END)
-            self._state = ChainState()
-            self._size = 0
+            self._forget_state()
+        if self._size == 0 and self.tip_path is not None:
+            self._start_from_tip(size)
+        self._read_new(size)
+        if self._size >= self._tip_due:
+            self._save_tip()
+
+    def _forget_state(self) -> None:
+        """Start over from an empty file (then from the tip on disk, if it
+        matches the file). Caller holds both locks."""
+        self._state = ChainState()
+        self._size = 0
+        self._tip = None
+        self._tip_due = TIP_EVERY if self.tip_path is not None else _NEVER
+
+    def _start_from_tip(self, size: int) -> None:
+        """Take the state from the tip on disk if it describes this file
+        (see journal_tip): catching up then reads only the bytes after it.
+        Caller holds both locks; ``_size`` is 0."""
+        assert self.tip_path is not None
+        tip = checked_tip(self._fd, self.tip_path, size)
+        if tip is None:
+            return
+        self._state = tip.chain_state()
+        self._size = tip.size
+        self._tip = tip
+        self._tip_due = tip.size + TIP_EVERY
+
+    def _save_tip(self) -> None:
+        """Write the tip of what this Journal knows (see journal_tip), the
+        old one advanced over the bytes since. Never raises: a tip is an
+        optimisation. Caller holds both locks."""
+        assert self.tip_path is not None
+        self._tip_due = self._size + TIP_EVERY
+        try:
+            tip = advance_tip(self._fd, self._tip, self._state, self._size)
+            save_tip(self.tip_path, tip)
+        except Exception as exc:
+            quiet = isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+            (log.info if quiet else log.warning)("journal %s: could not write its tip %s: %s",
+                                                 self.path, self.tip_path, exc)
+            return
+        self._tip = tip
+
+    def _read_new(self, size: int) -> None:
+        """Absorb the file's bytes from ``_size`` to ``size``. Caller holds both locks."""
         # In pieces: one read() returns at most 2 GiB - 4 KiB, and a short
         # read taken for the whole file made a torn tail of the line it
         # stopped in. A piece's partial last line is read again with the
@@ -520,8 +570,7 @@ class Journal:
             raise
         old, self._fd = self._fd, fd
         os.close(old)  # releases the old file's flock
-        self._state = ChainState()
-        self._size = 0
+        self._forget_state()
         held = os.fstat(fd)
         self._id = (held.st_ino, held.st_dev)
         return held.st_size
@@ -588,6 +637,8 @@ class Journal:
             self.commits += 1
             self.leased_commits += self._unchanged
             ok = True
+            if self._size >= self._tip_due:
+                self._save_tip()
             return records[0]
         finally:
             self._release(lease=ok)
@@ -684,6 +735,8 @@ class Journal:
                 ok = True
                 for req, records in planned:
                     req.settle(records=records)
+                if self._size >= self._tip_due:
+                    self._save_tip()
             finally:
                 self._release(lease=ok)
         except BaseException as exc:
@@ -904,6 +957,7 @@ def open_journal(
     recovery_dir: str | os.PathLike[str],
     create: bool = True,
     ring_path: str | os.PathLike[str] | None = None,
+    tip_path: str | os.PathLike[str] | None = None,
 ) -> Journal:
     """Open (or create) a journal file and catch up with it.
 
@@ -915,8 +969,11 @@ def open_journal(
     write-ahead ring, and opening first replays it into the journal if a
     crash left the journal behind; a journal that disagrees with its ring
     raises RingMismatch when opened for appending (read-only, it is logged
-    and the journal is read as it is). Use it as a context manager, or call
-    ``close()``.
+    and the journal is read as it is). With ``tip_path`` (a file outside the
+    capsule, see :mod:`capsulefs.core.journal_tip`), opening starts from the
+    tip saved there if it matches the file, and reads only the bytes after
+    it; the Journal writes a new tip every ``TIP_EVERY`` bytes it reads or
+    appends. Use it as a context manager, or call ``close()``.
     """
     path = os.fspath(path)
     flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
@@ -932,7 +989,8 @@ def open_journal(
     if created:
         fsync_dir(os.path.dirname(path) or ".")
     journal = Journal(path, fd, machine=machine, now=now, new_id=new_id, recovery_dir=os.fspath(recovery_dir),
-                      ring_path=None if ring_path is None else os.fspath(ring_path))
+                      ring_path=None if ring_path is None else os.fspath(ring_path),
+                      tip_path=None if tip_path is None else os.fspath(tip_path))
     try:
         try:
             journal._recover()
@@ -965,6 +1023,7 @@ def open_agent_journal(
         recovery_dir=agent_recovery_dir(agent.store.root, agent.agent_id),
         create=False,
         ring_path=journal_ring_path(agent.store.root, agent.agent_id),
+        tip_path=journal_tip_path(agent.store.root, agent.agent_id),
     )
 
 

@@ -70,6 +70,7 @@ from .live_errors import (
 )
 from .journal import Journal, parse_draft_lines
 from .journal_recovery import RECOVERY_DIR, journal_ring_path
+from .journal_tip import journal_tip_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,
@@ -196,7 +197,8 @@ class LiveAgent:
         self.host = host
         self.agent_id = agent_id
         self.handle = AgentHandle(host.store, agent_id)
-        self.tail = JournalTail(self.handle.path(fmt.JOURNAL))
+        self.tail = JournalTail(self.handle.path(fmt.JOURNAL),
+                                tip_path=journal_tip_path(host.store.root, agent_id))
         self.edits: dict[str, Edit] = {}
         #: Editable files unlinked, by the thread that unlinked each (its id and
         #: start time, see ``LiveHost.unlinked_by``): the
@@ -366,7 +368,8 @@ class LiveAgent:
             self._appender = open_appender(self.handle.path(fmt.JOURNAL), machine=h.host_id,
                                            new_id=h.new_event_id, now_ns=h.now_ns,
                                            recovery_dir=os.path.join(h.store.root, RECOVERY_DIR, self.agent_id),
-                                           ring_path=journal_ring_path(h.store.root, self.agent_id))
+                                           ring_path=journal_ring_path(h.store.root, self.agent_id),
+                                           tip_path=journal_tip_path(h.store.root, self.agent_id))
         return self._appender
 
     def append(self, events: Sequence[Event]) -> list[Record]:

@@ -10,7 +10,10 @@ Rules:
   * :class:`JournalTail` follows the file for the served manifest: it
     hashes only the new bytes, only up to the last newline (a line being
     written is not yet part of the journal), and starts over if the file
-    was replaced or shrank. It never writes.
+    was replaced or shrank. It starts from the journal's tip (see
+    :mod:`capsulefs.core.journal_tip`) when the tip matches the file and
+    holds a running digest: then even its first look reads only the bytes
+    appended since the tip. It never writes.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .errors import FormatError
 from .events import ModelSwitch, Record
 from .journal import Journal, open_journal
+from .journal_tip import checked_tip
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +37,13 @@ READ_CHUNK = 8 << 20
 class JournalTail:
     """Follows a journal file: digest and served size of its whole lines."""
 
-    def __init__(self, path: str, *, chunk: int = READ_CHUNK) -> None:
+    def __init__(self, path: str, *, chunk: int = READ_CHUNK, tip_path: str | None = None) -> None:
         self.path = path
         self.chunk = chunk  # read the growth in pieces of this size
+        self.tip_path = tip_path  # the journal's tip, to start from (None: hash the whole file)
         self._ino = -1
         self._size = 0  # bytes of whole lines hashed
-        self._h = hashlib.sha256()
+        self._h: Any = hashlib.sha256()  # (or a sha256_state.Sha256State resumed from the tip)
         self._lines = 0
         self.model: tuple[str, str] | None = None  # last model_switch (provider, model)
         self.mtime_ns = 0
@@ -56,6 +62,8 @@ class JournalTail:
         if st.st_size == self._size:
             return
         with open(self.path, "rb") as f:
+            if self._size == 0 and self.tip_path is not None:
+                self._start_from_tip(f.fileno(), st.st_size)
             f.seek(self._size)
             left = st.st_size - self._size
             carry = b""
@@ -68,6 +76,16 @@ class JournalTail:
                 end = data.rfind(b"\n") + 1
                 self._take(data[:end])
                 carry = data[end:]
+
+    def _start_from_tip(self, fd: int, size: int) -> None:
+        tip = checked_tip(fd, self.tip_path or "", size)
+        sha = tip.sha256() if tip is not None else None
+        if tip is None or sha is None:
+            return
+        self._h = sha
+        self._size = tip.size
+        self._lines = tip.count
+        self.model = tip.model
 
     def _take(self, whole: bytes) -> None:
         """Account for whole lines (``whole`` ends with a newline, or is empty)."""
@@ -116,8 +134,10 @@ def open_appender(
     now_ns: Callable[[], int],
     recovery_dir: str,
     ring_path: str | None = None,
+    tip_path: str | None = None,
 ) -> Journal:
     """The journal of one agent, open for appending as ``machine`` (with its
-    write-ahead ring, if ``ring_path``: see :mod:`capsulefs.core.journal_ring`)."""
+    write-ahead ring, if ``ring_path``: see :mod:`capsulefs.core.journal_ring`;
+    and its tip, if ``tip_path``: see :mod:`capsulefs.core.journal_tip`)."""
     return open_journal(journal_path, machine=machine, now=lambda: now_ns() / 1e9, new_id=new_id,
-                        recovery_dir=recovery_dir, create=False, ring_path=ring_path)
+                        recovery_dir=recovery_dir, create=False, ring_path=ring_path, tip_path=tip_path)

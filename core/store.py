@@ -15,6 +15,9 @@ Layout (``LAYOUT`` = 1), under the state directory::
     recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal)
     journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable
                                there first (see capsulefs.core.journal_ring)
+    journal-tip/<agent_id>     the journal's tip, derived and checked before use:
+                               opening reads only what came after it
+                               (see capsulefs.core.journal_tip)
 
 Rules:
   * A blob is stored once per host however many agents use it; the agents'
@@ -36,7 +39,8 @@ Rules:
   * Opening the store replays every agent's write-ahead ring into its
     journal if a crash left the journal behind, before anything reads a
     journal file. Replacing a journal empties its ring first (under the
-    journal's flock); installing or removing an agent removes its ring.
+    journal's flock); installing or removing an agent removes its ring
+    and its tip.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from .journal_recovery import (
     recover_journal,
     replacing_journal,
 )
+from .journal_tip import forget_tip, journal_tip_path
 from .spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
@@ -542,6 +547,7 @@ class HostStore:
         # A ring left by an earlier stay of this agent vouches for another
         # file (whose inode number the new journal might even reuse).
         forget_ring(journal_ring_path(self.root, manifest.agent_id))
+        forget_tip(journal_tip_path(self.root, manifest.agent_id))  # (it would not match: removed all the same)
         os.rename(staged_dir, dest)
         fsync_dir(self.agents_dir)
         fsync_dir(self.staging_dir)
@@ -554,6 +560,7 @@ class HostStore:
             os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
             fsync_dir(self.agents_dir)
         forget_ring(journal_ring_path(self.root, agent_id))
+        forget_tip(journal_tip_path(self.root, agent_id))
         shutil.rmtree(trash)
 
     # -- staging ---------------------------------------------------------------
