@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, TypeVar
 
 CHUNK = 1 << 20
@@ -45,5 +44,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None =
     if len(items) < 2 or workers < 2:
         yield from map(fn, items)
         return
+    from concurrent.futures import ThreadPoolExecutor  # (only where a pool is used: commands start faster)
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
         yield from pool.map(fn, items)

@@ -42,8 +42,6 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
-
 from .errors import FormatError
 from .fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
 from .journal_ring import Ring
@@ -286,6 +284,8 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
             # possibly with later pages that did reach the disk. Anything else
             # is a disagreement. What the file holds past the ring's end was
             # never acknowledged: it goes to the recovery file with the rest.
+            import numpy as np  # (here only: readers of a journal load no numpy)
+
             got = np.frombuffer(have, np.uint8, offset=k)
             vouched = np.frombuffer(want, np.uint8, count=len(have), offset=0)[k:]
             if not bool(np.all((got == vouched) | (got == 0))):

@@ -40,13 +40,15 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import sha256_state
 from .errors import FormatError
 from .events import ModelSwitch, Record, line_hash
 from .fsutil import atomic_write, makedirs_durable
-from .journal_chain import ChainState, Tail
-from .journal_lines import envelope
+
+if TYPE_CHECKING:
+    from .journal_chain import ChainState
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,10 @@ class Tip:
     sha_state: bytes | None  # running SHA-256 of the covered bytes (sha256_state), if saved
     sha_lib: str  # the library that saved it
 
-    def chain_state(self) -> ChainState:
+    def chain_state(self) -> "ChainState":
         """The stamping state this tip stands for."""
+        from .journal_chain import ChainState, Tail
+
         state = ChainState()
         state.tails = {m: Tail(seq=t.seq, digest=t.digest, clock=t.clock) for m, t in self.tails.items()}
         state.clock = self.clock
@@ -224,6 +228,8 @@ def mismatch(fd: int, tip: Tip, file_size: int) -> str | None:
         return f"it covers {tip.size} bytes, the journal has {file_size}"
     if tip.size == 0:
         return None if tip.count == 0 and not tip.tails else "it is empty but lists lines"
+    from .journal_lines import envelope  # (its grammar compiles on first import: only where tips are checked)
+
     if tip.last is None or tip.clock != max(t.clock for t in tip.tails.values()):
         return "its clock is not its tails' greatest"
     for machine, t in tip.tails.items():
@@ -299,7 +305,7 @@ def _last_model(data: bytes) -> tuple[str, str] | None:
     return None
 
 
-def advance_tip(fd: int, old: Tip | None, state: ChainState, size: int) -> Tip:
+def advance_tip(fd: int, old: Tip | None, state: "ChainState", size: int) -> Tip:
     """The tip of the journal open at ``fd`` up to ``size``, whose chain
     state (caught up to ``size``) is ``state``, from the tip ``old`` it
     extends (None: from the start). Reads the bytes after ``old``: back from

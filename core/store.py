@@ -18,6 +18,8 @@ Layout (``LAYOUT`` = 1), under the state directory::
     journal-tip/<agent_id>     the journal's tip, derived and checked before use:
                                opening reads only what came after it
                                (see capsulefs.core.journal_tip)
+    timeline/<agent_id>/       the timeline index (SQLite), derived and checked
+                               before use (see capsulefs.core.timeline)
 
 Rules:
   * A blob is stored once per host however many agents use it; the agents'
@@ -39,8 +41,8 @@ Rules:
   * Opening the store replays every agent's write-ahead ring into its
     journal if a crash left the journal behind, before anything reads a
     journal file. Replacing a journal empties its ring first (under the
-    journal's flock); installing or removing an agent removes its ring
-    and its tip.
+    journal's flock); installing or removing an agent removes its ring,
+    its tip and its timeline index.
 """
 
 from __future__ import annotations
@@ -548,6 +550,7 @@ class HostStore:
         # file (whose inode number the new journal might even reuse).
         forget_ring(journal_ring_path(self.root, manifest.agent_id))
         forget_tip(journal_tip_path(self.root, manifest.agent_id))  # (it would not match: removed all the same)
+        _forget_timeline(self.root, manifest.agent_id)
         os.rename(staged_dir, dest)
         fsync_dir(self.agents_dir)
         fsync_dir(self.staging_dir)
@@ -561,6 +564,7 @@ class HostStore:
             fsync_dir(self.agents_dir)
         forget_ring(journal_ring_path(self.root, agent_id))
         forget_tip(journal_tip_path(self.root, agent_id))
+        _forget_timeline(self.root, agent_id)
         shutil.rmtree(trash)
 
     # -- staging ---------------------------------------------------------------
@@ -580,6 +584,12 @@ class HostStore:
                 shutil.rmtree(path, ignore_errors=True)
             os.unlink(path + ".lock")
             os.close(lock_fd)
+
+
+def _forget_timeline(root: str, agent_id: str) -> None:
+    from .timeline import forget_timeline  # (sqlite3 only where it is used)
+
+    forget_timeline(root, agent_id)
 
 
 class AgentHandle:

@@ -263,3 +263,21 @@ def test_a_read_only_store_with_a_write_ahead_ring(tmp_path: Path) -> None:
         run_cli("ls", state=state, check=True)  # opened read-write: replayed
         assert journal.read_bytes() == whole
         assert "two" in run_cli("log", "ada", state=ro, check=True).stdout
+
+
+def test_the_command_table_names_what_each_module_registers() -> None:
+    """``capsulefs CMD`` imports only CMD's module (cli.COMMANDS): the table
+    must say which module registers each command."""
+    import argparse
+    import importlib
+
+    from capsulefs import cli
+
+    found = {}
+    for name in cli.COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        found.update(dict.fromkeys(sub.choices, name))
+    assert found == cli.COMMANDS
+    assert cli._command(["--state", "log", "-v", "log", "x"]) == "log"
+    assert cli._command(["-h", "log"]) is None and cli._command([]) is None

@@ -4,6 +4,11 @@ Each command group lives in its own module under ``capsulefs.cli`` and
 exposes ``register(subparsers)``, which adds its subcommands and sets
 ``func`` on each. ``main`` maps every domain error to one line on stderr and
 a non-zero exit; nothing a user can cause prints a traceback.
+
+A command's run imports only its own module (:data:`COMMANDS` says which),
+and each module imports what its commands need inside them: ``capsulefs
+log`` loads no numpy, trio, pyfuse3 or cryptography. Help, and anything
+not in the table, builds the whole parser.
 """
 
 from __future__ import annotations
@@ -28,14 +33,44 @@ COMMAND_MODULES = (
     "capsulefs.cli.peer_cmds",
     "capsulefs.cli.move_cmds",
     "capsulefs.cli.fleet_cmds",
+    "capsulefs.cli.mcp_cmds",
 )
+#: Which module registers each command (a test keeps it equal to what they register).
+COMMANDS = {
+    **dict.fromkeys(("new", "ls", "rm", "verify", "export", "import", "keygen", "gc"), "capsulefs.cli.capsule_cmds"),
+    **dict.fromkeys(("log", "append", "merge"), "capsulefs.cli.journal_cmds"),
+    **dict.fromkeys(("search", "reindex"), "capsulefs.cli.index_cmds"),
+    **dict.fromkeys(("mount", "umount"), "capsulefs.cli.mount_cmds"),
+    **dict.fromkeys(("agent", "secret"), "capsulefs.cli.run_cmds"),
+    "render": "capsulefs.cli.render_cmds",
+    **dict.fromkeys(("init", "id", "peer"), "capsulefs.cli.peer_cmds"),
+    **dict.fromkeys(("move", "peer-serve"), "capsulefs.cli.move_cmds"),
+    "fleet": "capsulefs.cli.fleet_cmds",
+    "mcp": "capsulefs.cli.mcp_cmds",
+}
 
 
 class UsageError(Exception):
     """A command was called wrongly; the message says how."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (its first word that is no global option
+    or option value), or None (none, or help asked before it)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--state":
+            next(args, None)
+        elif arg in ("-h", "--help", "--version") or arg == "--":
+            return None
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` (one of :data:`COMMANDS`), only its
+    module's subcommands are registered (and imported)."""
     parser = argparse.ArgumentParser(
         prog="capsulefs",
         description="Mount every agent this host holds as a live capsule directory; "
@@ -49,13 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    only = COMMANDS.get(command or "")
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        if only is None or name == only:
+            importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),

@@ -15,36 +15,37 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from typing import Any, BinaryIO
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_dir
 from capsulefs.core import format as fmt
-from capsulefs.core.capsule_merge import Side, merge_capsules, side_from_agent, side_from_dir, side_from_tar
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.holder import HolderBook, HolderState
-from capsulefs.core.journal import Journal, open_agent_journal, parse_draft_lines, split_lines
-from capsulefs.core.journal_recovery import read_journal_locked
-from capsulefs.core.live_handles import MAX_EDIT_SIZE, MAX_PARTIAL_LINE
 from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
-from capsulefs.movehost import holders_dir
+
+if TYPE_CHECKING:
+    from capsulefs.core.capsule_merge import Side
+    from capsulefs.core.journal import Journal
+    from capsulefs.core.timeline import Query
 
 SUMMARY_CHARS = 100
-#: Most bytes ``append --stdin`` reads in all: its drafts are appended all or
-#: none, so they are held in memory until the input ends (as big as a
-#: ``new --spec`` file or a working_memory.md edit may be).
-MAX_STDIN_DRAFTS = MAX_EDIT_SIZE
+#: Most bytes ``append --stdin`` reads in all (None: ``live_handles.MAX_EDIT_SIZE``):
+#: its drafts are appended all or none, so they are held in memory until the
+#: input ends (as big as a ``new --spec`` file or a working_memory.md edit may be).
+MAX_STDIN_DRAFTS: int | None = None
 
 
 def new_event_id() -> str:
     return secrets.token_hex(12)
 
 
-def agent_journal(agent: AgentHandle, *, machine: str | None) -> Journal:
+def agent_journal(agent: AgentHandle, *, machine: str | None) -> "Journal":
+    from capsulefs.core.journal import open_agent_journal
+
     return open_agent_journal(agent, machine=machine, now=time.time, new_id=new_event_id)
 
 
@@ -84,41 +85,90 @@ def summary(rec: Record) -> str:
     return f"(a kind from a newer capsulefs; fields: {keys or 'none'})"
 
 
-@contextmanager
-def _journal_bytes(args: argparse.Namespace, target: str) -> Iterator[bytes]:
-    """The journal of an agent (store), a capsule directory, or a capsule tar."""
+def _query(args: argparse.Namespace) -> "Query":
+    from capsulefs.core.timeline import Query, parse_when
+
+    if args.tail is not None and args.tail < 0:
+        raise UsageError("--tail takes a number of events, 0 or more")
+    if args.grep is not None:
+        try:
+            args.grep.encode()
+        except UnicodeEncodeError:
+            raise UsageError("--grep is not valid UTF-8 text") from None
+    return Query(kinds=tuple(args.kind or ()), grep=args.grep, failed=args.failed, tail=args.tail,
+                 since_ms=None if args.since is None else parse_when(args.since),
+                 until_ms=None if args.until is None else parse_when(args.until))
+
+
+def _capsule_journal(target: str) -> bytes | None:
+    """The journal of a capsule directory or tar, or None if ``target`` is neither."""
     if os.path.isdir(target) and os.path.isfile(os.path.join(target, fmt.MANIFEST)):
         with open(os.path.join(target, fmt.JOURNAL), "rb") as f:
-            yield f.read()
-        return
+            return f.read()
     if os.path.isfile(target):
         from capsulefs.core.tarball import scan_tar
 
         listing = scan_tar(target)
         if fmt.JOURNAL not in listing.contents:
             raise NotFoundError(f"{target} holds no {fmt.JOURNAL}")
-        yield listing.contents[fmt.JOURNAL]
-        return
-    agent = open_store(args).find(target)
+        return listing.contents[fmt.JOURNAL]
+    return None
+
+
+def _agent_rows(args: argparse.Namespace, q: "Query") -> list[tuple[int | None, bytes]]:
+    """The lines ``log`` shows of an agent of the store: the last ones read
+    from the end (--tail alone), the whole journal (no filter), or the
+    timeline index's answer (any filter)."""
+    from capsulefs.core import timeline
+    from capsulefs.core.journal_recovery import read_journal_locked
+
+    store = open_store(args)
+    agent = store.find(args.agent)
     agent.recover_journal()  # a reader's replay (or, in a store it may not write, a check)
-    yield read_journal_locked(agent.path(fmt.JOURNAL), agent.ring_path)  # without a crash's unacknowledged garbage
+    path = agent.path(fmt.JOURNAL)
+    if not q.filters and q.tail is None:
+        return list(enumerate(_whole_lines(read_journal_locked(path, agent.ring_path)), 1))
+    snap = timeline.open_snapshot(path)
+    try:
+        if not q.filters:
+            assert q.tail is not None
+            lines = timeline.last_lines(snap, q.tail)
+            if lines is None:  # NUL bytes near the end: as a whole reader sees it
+                lines = _whole_lines(read_journal_locked(path, agent.ring_path))[-q.tail:] if q.tail else []
+            return [(None, line) for line in lines]
+        index = timeline.TimelineIndex(os.path.join(timeline.timeline_dir(store.root, agent.agent_id),
+                                                    timeline.INDEX_NAME), path)
+        return list(timeline.answer(snap, q, index))
+    finally:
+        os.close(snap.fd)
+
+
+def _whole_lines(data: bytes) -> list[bytes]:
+    """The lines of a journal's bytes, without a line still being written."""
+    data = data[: data.rfind(b"\n") + 1]
+    return data[:-1].split(b"\n") if data else []
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    with _journal_bytes(args, args.agent) as data:
-        if data and not data.endswith(b"\n"):
-            data = data[: data.rfind(b"\n") + 1]  # a line still being written
-        lines = split_lines(data)
+    q = _query(args)
+    data = _capsule_journal(args.agent)
+    if data is None:
+        rows = _agent_rows(args, q)
+    elif q.filters or q.tail is not None:
+        from capsulefs.core.timeline import scan
+
+        rows = list(scan(_whole_lines(data), q))
+    else:
+        rows = list(enumerate(_whole_lines(data), 1))
     out = sys.stdout
-    for no, line in enumerate(lines, 1):
+    for no, line in rows:
         try:
             rec = Record.from_line(line)
         except FormatError as exc:
             if args.json:
                 continue
-            out.write(shown(f"line {no}: unreadable: {exc}") + "\n")
-            continue
-        if args.kind and rec.kind not in args.kind:
+            where = f"line {no}" if no is not None else "a line"
+            out.write(shown(f"{where}: unreadable: {exc}") + "\n")
             continue
         if args.json:
             out.write(line.decode() + "\n")
@@ -136,15 +186,19 @@ def _stdin_drafts(f: BinaryIO) -> list[Any]:
     input that never ends a line (``/dev/zero``) or is not JSON stops at its
     first line instead of being read whole into memory; input that goes on
     (valid lines without end) stops at MAX_STDIN_DRAFTS bytes in all."""
+    from capsulefs.core.journal import parse_draft_lines
+    from capsulefs.core.live_handles import MAX_EDIT_SIZE, MAX_PARTIAL_LINE
+
+    limit = MAX_STDIN_DRAFTS if MAX_STDIN_DRAFTS is not None else MAX_EDIT_SIZE
     events: list[Any] = []
     no = total = 0
-    while line := f.readline(min(MAX_PARTIAL_LINE, MAX_STDIN_DRAFTS - total) + 1):
+    while line := f.readline(min(MAX_PARTIAL_LINE, limit - total) + 1):
         no += 1
         total += len(line)
         if len(line) > MAX_PARTIAL_LINE:
             raise FormatError(f"draft line {no} is longer than {MAX_PARTIAL_LINE} bytes")
-        if total > MAX_STDIN_DRAFTS:
-            raise UsageError(f"--stdin drafts are more than {MAX_STDIN_DRAFTS} bytes in all; "
+        if total > limit:
+            raise UsageError(f"--stdin drafts are more than {limit} bytes in all; "
                              f"split them into several appends (each is all or none on its own)")
         events += parse_draft_lines(line, first=no)
     if not events:
@@ -234,6 +288,8 @@ def _refuse_unless_held(holders: HolderBook, agent_id: str, name: str) -> None:
 
 
 def cmd_append(args: argparse.Namespace) -> int:
+    from capsulefs.movehost import holders_dir
+
     events = _drafts(args)
     store = open_store(args)
     agent = store.find(args.agent)
@@ -258,7 +314,9 @@ def cmd_append(args: argparse.Namespace) -> int:
 # -- merge -------------------------------------------------------------------------
 
 
-def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch: str) -> Side:
+def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch: str) -> "Side":
+    from capsulefs.core.capsule_merge import side_from_agent, side_from_dir, side_from_tar
+
     if os.path.isdir(target):
         return side_from_dir(target)
     if os.path.isfile(target):
@@ -267,6 +325,8 @@ def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from capsulefs.core.capsule_merge import merge_capsules
+
     out = args.output
     if os.path.lexists(out):
         raise UsageError(f"{out} already exists; merge writes a new capsule")
@@ -286,6 +346,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("log", help="show an agent's journal as a readable timeline")
     p.add_argument("agent", help="agent name or id, or a capsule directory or tar")
     p.add_argument("--kind", action="append", metavar="K", help="only events of this kind (repeatable)")
+    p.add_argument("--since", metavar="T", help="only events at or after T: 2026-12-07, 2026-12-07T14:00, 14:00, "
+                   "today, yesterday, or a span ago (30m, 2h, 3d, 1w); without a zone, local time")
+    p.add_argument("--until", metavar="T", help="only events before T (as --since)")
+    p.add_argument("--grep", metavar="RE", help="only events whose text (every string field) matches this "
+                   "regular expression (time-bounded)")
+    p.add_argument("--failed", action="store_true", help="only failed tool calls (tool results with is_error)")
+    p.add_argument("--tail", type=int, metavar="N", help="only the last N events (that match)")
     p.add_argument("--json", action="store_true", help="print the journal lines themselves")
     p.set_defaults(func=cmd_log)
 
