@@ -24,11 +24,11 @@ from capsulefs.core import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.holder import HolderBook, HolderState
-from capsulefs.core.projections import apply_workspace_changes
 from capsulefs.core.store import AgentHandle
 
 if TYPE_CHECKING:
     from capsulefs.core.capsule_merge import Side
+    from capsulefs.core.store import HostStore
     from capsulefs.core.journal import Journal
     from capsulefs.core.timeline import Query
 
@@ -115,15 +115,13 @@ def _capsule_journal(target: str) -> bytes | None:
     return None
 
 
-def _agent_rows(args: argparse.Namespace, q: "Query") -> list[tuple[int | None, bytes]]:
-    """The lines ``log`` shows of an agent of the store: the last ones read
-    from the end (--tail alone), the whole journal (no filter), or the
-    timeline index's answer (any filter)."""
+def timeline_rows(store: "HostStore", agent: AgentHandle, q: "Query") -> list[tuple[int | None, bytes]]:
+    """(line number if known, line) of what ``log`` shows of an agent of the
+    store: the last ones read from the end (--tail alone), the whole journal
+    (no filter), or the timeline index's answer (any filter)."""
     from capsulefs.core import timeline
     from capsulefs.core.journal_recovery import read_journal_locked
 
-    store = open_store(args)
-    agent = store.find(args.agent)
     agent.recover_journal()  # a reader's replay (or, in a store it may not write, a check)
     path = agent.path(fmt.JOURNAL)
     if not q.filters and q.tail is None:
@@ -149,11 +147,24 @@ def _whole_lines(data: bytes) -> list[bytes]:
     return data[:-1].split(b"\n") if data else []
 
 
+def log_line(no: int | None, line: bytes) -> str | None:
+    """One journal line as ``log`` shows it (None: an unreadable line's
+    message is for a person only, not for --json)."""
+    try:
+        rec = Record.from_line(line)
+    except FormatError as exc:
+        where = f"line {no}" if no is not None else "a line"
+        return shown(f"{where}: unreadable: {exc}")
+    when = rec.time.replace("T", " ").rstrip("Z")[:19]
+    return shown(f"{when}  {rec.machine[:8]:<8} #{rec.seq:<5} {rec.kind:<17} {summary(rec)}")
+
+
 def cmd_log(args: argparse.Namespace) -> int:
     q = _query(args)
     data = _capsule_journal(args.agent)
     if data is None:
-        rows = _agent_rows(args, q)
+        store = open_store(args)
+        rows = timeline_rows(store, store.find(args.agent), q)
     elif q.filters or q.tail is not None:
         from capsulefs.core.timeline import scan
 
@@ -162,19 +173,14 @@ def cmd_log(args: argparse.Namespace) -> int:
         rows = list(enumerate(_whole_lines(data), 1))
     out = sys.stdout
     for no, line in rows:
-        try:
-            rec = Record.from_line(line)
-        except FormatError as exc:
-            if args.json:
-                continue
-            where = f"line {no}" if no is not None else "a line"
-            out.write(shown(f"{where}: unreadable: {exc}") + "\n")
-            continue
         if args.json:
+            try:
+                Record.from_line(line)
+            except FormatError:
+                continue
             out.write(line.decode() + "\n")
         else:
-            when = rec.time.replace("T", " ").rstrip("Z")[:19]
-            out.write(shown(f"{when}  {rec.machine[:8]:<8} #{rec.seq:<5} {rec.kind:<17} {summary(rec)}") + "\n")
+            out.write(f"{log_line(no, line)}\n")
     return 0
 
 
@@ -254,6 +260,8 @@ def _check_blobs(agent: AgentHandle, events: list[Any]) -> list[str]:
 
 def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
     """Keep working_memory.md and snapshot.json equal to their projections."""
+    from capsulefs.core.projections import apply_workspace_changes
+
     files: dict[str, bytes] = {}
     snap = None
     for ev in events:
@@ -287,13 +295,15 @@ def _refuse_unless_held(holders: HolderBook, agent_id: str, name: str) -> None:
     raise CapsuleError(f"cannot append to agent {name} ({agent_id}): {why}")
 
 
-def cmd_append(args: argparse.Namespace) -> int:
+def append_events(state: str, store: "HostStore", agent: AgentHandle, events: list[Any], *,
+                  machine: str) -> list[Record]:
+    """Append validated draft events to an agent of the store from outside
+    any daemon, as ``capsulefs append`` does (stamped, chained, durable; all
+    or none), and keep its projections current. Refused (CapsuleError)
+    unless this host holds the agent and no move of it is under way."""
     from capsulefs.movehost import holders_dir
 
-    events = _drafts(args)
-    store = open_store(args)
-    agent = store.find(args.agent)
-    holders = HolderBook(holders_dir(state_dir(args)))
+    holders = HolderBook(holders_dir(state))
     # The holder record is checked under the agent's files lock: a move of
     # the agent reads its files under the same lock once FROZEN is durable,
     # so these events are either whole in what it moves or refused here.
@@ -302,9 +312,17 @@ def cmd_append(args: argparse.Namespace) -> int:
         _refuse_unless_held(holders, agent.agent_id, agent.name)
         blobs = _check_blobs(agent, events)
         agent.list_blobs(blobs)  # before the journal names them: a crash then leaves none to gc
-        with agent_journal(agent, machine=host_id(args)) as journal:
+        with agent_journal(agent, machine=machine) as journal:
             records = journal.append_many(events)
         _project(agent, events, blobs)
+    return records
+
+
+def cmd_append(args: argparse.Namespace) -> int:
+    events = _drafts(args)
+    store = open_store(args)
+    agent = store.find(args.agent)
+    records = append_events(state_dir(args), store, agent, events, machine=host_id(args))
     if not args.quiet:
         for rec in records:
             sys.stdout.write(rec.line.decode() + "\n")
