@@ -271,3 +271,31 @@ def test_log_loads_only_what_it_uses(state_dir: Path, agent: AgentHandle) -> Non
         p = subprocess.run([sys.executable, "-c", code, "--state", str(state_dir), *args], capture_output=True,
                            text=True, cwd=REPO, timeout=120, check=True)
         assert p.stderr.strip().splitlines()[-1] == loaded, (args, p.stderr)
+
+
+def test_the_fuzz_targets_take_hostile_input() -> None:
+    """A short pass of this area's fuzz targets (tests/fuzz): bad input
+    raises a CapsuleError, nothing else escapes."""
+    import random
+
+    from capsulefs.core.errors import CapsuleError
+    from fuzz import targets_timeline
+
+    rng = random.Random(31)
+    for target in targets_timeline.TARGETS:
+        for seed in target.seeds():
+            for _ in range(150):
+                data = bytearray(seed)
+                for _ in range(rng.randint(1, 4)):
+                    op = rng.random()
+                    pos = rng.randint(0, len(data))
+                    if op < 0.4 and data:
+                        data[min(pos, len(data) - 1)] = rng.randint(0, 255)
+                    elif op < 0.7:
+                        data[pos:pos] = bytes(rng.choice(b"(){}[]*+?|\\.:-TZ0123456789\n\"\x00") for _ in range(3))
+                    else:
+                        del data[pos : pos + rng.randint(1, 8)]
+                try:
+                    target.run(bytes(data), Path("."))
+                except CapsuleError:
+                    pass
