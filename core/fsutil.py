@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import struct
 import threading
 from collections.abc import Callable, Iterable
@@ -38,7 +37,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def _tmp_name(directory: str) -> str:
-    return os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
+    return os.path.join(directory, TMP_PREFIX + os.urandom(8).hex())
 
 
 @contextmanager

@@ -38,7 +38,6 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -79,7 +78,7 @@ def save_torn(recovery_dir: str, journal_path: str, tail: bytes) -> str:
     """Save bytes cut from a journal as ``<name>.torn-<n>`` (durably); return the path."""
     makedirs_durable(recovery_dir)
     name = os.path.basename(journal_path) + TORN_SUFFIX
-    tmp = os.path.join(recovery_dir, TMP_PREFIX + secrets.token_hex(8))
+    tmp = os.path.join(recovery_dir, TMP_PREFIX + os.urandom(8).hex())
     try:
         with open(tmp, "xb") as f:
             f.write(tail)

@@ -57,7 +57,6 @@ import errno
 import logging
 import mmap
 import os
-import secrets
 import struct
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -440,7 +439,7 @@ def _create(path: str, size: int) -> None:
     """Make a ring of ``size`` zeros at ``path``, unless one appears meanwhile."""
     directory = os.path.dirname(path) or "."
     makedirs_durable(directory)
-    tmp = os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
+    tmp = os.path.join(directory, TMP_PREFIX + os.urandom(8).hex())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         try:

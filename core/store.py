@@ -53,8 +53,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
-import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -75,7 +73,6 @@ from .journal_recovery import (
     recover_journal,
     replacing_journal,
 )
-from .journal_tip import forget_tip, journal_tip_path
 from .spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
@@ -168,7 +165,7 @@ class HostStore:
                 continue
             try:
                 if os.path.isdir(path):
-                    shutil.rmtree(path)
+                    _rmtree(path)
                 if os.path.exists(lock):
                     os.unlink(lock)
             finally:
@@ -222,7 +219,7 @@ class HostStore:
         With ``expect``, refuse bytes that do not hash to it (nothing lands).
         """
         os.makedirs(self.objects_dir, exist_ok=True)
-        tmp = os.path.join(self.objects_dir, TMP_PREFIX + secrets.token_hex(8))
+        tmp = os.path.join(self.objects_dir, TMP_PREFIX + os.urandom(8).hex())
         h = hashlib.sha256()
         size = 0
         with self.writing():
@@ -346,7 +343,7 @@ class HostStore:
     def _quarantine(self, path: str, why: str) -> None:
         pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
         makedirs_durable(pen, 0o700)
-        dest = os.path.join(pen, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+        dest = os.path.join(pen, f"{os.path.basename(path)}.{os.urandom(4).hex()}")
         try:
             os.rename(path, dest)
         except FileNotFoundError:
@@ -545,12 +542,11 @@ class HostStore:
                 raise ExistsError(f"an agent named {manifest.name!r} already exists here ({a.agent_id})")
         blobs_dir = os.path.join(staged_dir, fmt.BLOBS_DIR)
         if os.path.isdir(blobs_dir):
-            shutil.rmtree(blobs_dir)
+            _rmtree(blobs_dir)
         # A ring left by an earlier stay of this agent vouches for another
         # file (whose inode number the new journal might even reuse).
         forget_ring(journal_ring_path(self.root, manifest.agent_id))
-        forget_tip(journal_tip_path(self.root, manifest.agent_id))  # (it would not match: removed all the same)
-        _forget_timeline(self.root, manifest.agent_id)
+        _forget_derived(self.root, manifest.agent_id)  # (they would not match: removed all the same)
         os.rename(staged_dir, dest)
         fsync_dir(self.agents_dir)
         fsync_dir(self.staging_dir)
@@ -558,21 +554,20 @@ class HostStore:
 
     def remove_agent(self, agent_id: str) -> None:
         agent = self.agent(agent_id)
-        trash = os.path.join(self.staging_dir, f"rm-{agent_id}-{secrets.token_hex(4)}")
+        trash = os.path.join(self.staging_dir, f"rm-{agent_id}-{os.urandom(4).hex()}")
         with holding_journal(agent.path(fmt.JOURNAL)):  # no appender is between its checks and its write
             os.rename(agent.dir, trash)  # atomic: the agent is gone or still whole
             fsync_dir(self.agents_dir)
         forget_ring(journal_ring_path(self.root, agent_id))
-        forget_tip(journal_tip_path(self.root, agent_id))
-        _forget_timeline(self.root, agent_id)
-        shutil.rmtree(trash)
+        _forget_derived(self.root, agent_id)
+        _rmtree(trash)
 
     # -- staging ---------------------------------------------------------------
     @contextmanager
     def staging(self, label: str) -> Iterator[str]:
         """A private scratch directory inside the store, removed on exit
         (unless it was consumed, e.g. renamed by install_agent)."""
-        name = f"{label}-{secrets.token_hex(6)}"
+        name = f"{label}-{os.urandom(6).hex()}"
         path = os.path.join(self.staging_dir, name)
         lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -581,14 +576,23 @@ class HostStore:
             yield path
         finally:
             if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
+                _rmtree(path, ignore_errors=True)
             os.unlink(path + ".lock")
             os.close(lock_fd)
 
 
-def _forget_timeline(root: str, agent_id: str) -> None:
-    from .timeline import forget_timeline  # (sqlite3 only where it is used)
+def _rmtree(path: str, *, ignore_errors: bool = False) -> None:
+    import shutil  # (here only: commands that only read start faster)
 
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
+def _forget_derived(root: str, agent_id: str) -> None:
+    """Remove what the host derived from an agent's journal: its tip and its timeline index."""
+    from .journal_tip import forget_tip, journal_tip_path  # (here: commands that only read start faster)
+    from .timeline import forget_timeline
+
+    forget_tip(journal_tip_path(root, agent_id))
     forget_timeline(root, agent_id)
 
 

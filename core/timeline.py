@@ -41,7 +41,6 @@ far it covers the journal. Updates are one transaction each
 
 from __future__ import annotations
 
-import datetime as _dt
 import fcntl
 import functools
 import json
@@ -196,6 +195,8 @@ def last_lines(snap: Snapshot, n: int) -> list[bytes] | None:
 
 @functools.lru_cache(maxsize=1024)
 def _day_ms(day: str) -> int | None:
+    import datetime as _dt
+
     try:
         when = _dt.date.fromisoformat(day)
     except ValueError:
@@ -413,6 +414,8 @@ def parse_when(text: str, now: float | None = None) -> int:
     for the T), ``14:00`` (today), ``today``, ``yesterday``, or a span ago:
     ``30m``, ``2h``, ``3d``, ``1w``, ``90s``. Times without a zone are the
     local time. QueryError if it is none of these."""
+    import datetime as _dt
+
     now = time.time() if now is None else now
     t = text.strip()
     if m := _RELATIVE.fullmatch(t):

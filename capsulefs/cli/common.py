@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import stat
 import time
 
@@ -36,7 +35,7 @@ def find_agent(args: argparse.Namespace, name_or_id: str) -> AgentHandle:
 
 
 def new_agent_id() -> str:
-    return secrets.token_hex(16)
+    return os.urandom(16).hex()
 
 
 def now_seconds() -> int:

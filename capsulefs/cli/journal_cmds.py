@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import sys
 import time
 from contextlib import ExitStack
@@ -23,11 +22,11 @@ from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_
 from capsulefs.core import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
-from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.store import AgentHandle
 
 if TYPE_CHECKING:
     from capsulefs.core.capsule_merge import Side
+    from capsulefs.core.holder import HolderBook
     from capsulefs.core.store import HostStore
     from capsulefs.core.journal import Journal
     from capsulefs.core.timeline import Query
@@ -40,7 +39,7 @@ MAX_STDIN_DRAFTS: int | None = None
 
 
 def new_event_id() -> str:
-    return secrets.token_hex(12)
+    return os.urandom(12).hex()
 
 
 def agent_journal(agent: AgentHandle, *, machine: str | None) -> "Journal":
@@ -277,10 +276,12 @@ def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
         agent.write_files(files, add_blobs=blobs)
 
 
-def _refuse_unless_held(holders: HolderBook, agent_id: str, name: str) -> None:
+def _refuse_unless_held(holders: "HolderBook", agent_id: str, name: str) -> None:
     """CapsuleError unless this host holds the agent and no move of it is
     under way (an agent without a record, from before holder records, may
     be written)."""
+    from capsulefs.core.holder import HolderState
+
     rec = holders.get(agent_id)
     if rec is None or rec.state is HolderState.HELD:
         return
@@ -301,6 +302,7 @@ def append_events(state: str, store: "HostStore", agent: AgentHandle, events: li
     any daemon, as ``capsulefs append`` does (stamped, chained, durable; all
     or none), and keep its projections current. Refused (CapsuleError)
     unless this host holds the agent and no move of it is under way."""
+    from capsulefs.core.holder import HolderBook
     from capsulefs.movehost import holders_dir
 
     holders = HolderBook(holders_dir(state))
