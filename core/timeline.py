@@ -74,6 +74,8 @@ MAX_INDEXED_TEXT = 64 << 10
 #: Bytes read at a time when reading the journal from the end or indexing it.
 BLOCK = 64 << 10
 PIECE = 8 << 20
+#: Indexing at least this many bytes at once says so (the first query of a long history).
+NOTICE_BYTES = 64 << 20
 _ENVELOPE = frozenset(("v", "id", "machine", "seq", "clock", "prev", "time", "kind"))
 
 
@@ -557,6 +559,9 @@ class TimelineIndex:
                 pos = Position(0, 0, "")
                 self.rebuilt = True
             if pos.size < snap.size:
+                if snap.size - pos.size >= NOTICE_BYTES:
+                    log.warning("timeline index: indexing %d MiB of journal (%s); done once, later queries add only "
+                                "what was appended since", (snap.size - pos.size) >> 20, self.journal_path)
                 pos = self._add(db, snap, pos)
             db.executemany("INSERT OR REPLACE INTO meta VALUES(?, ?)",
                            (("size", pos.size), ("count", pos.count), ("last", pos.last)))
