@@ -23,8 +23,11 @@ of its own under a temporary directory) opening the same history and
 reading its last 100 (``tools.get_recent(0, limit=100)``, its tool-call
 table with its index on the start time). The AgentFS database is built with
 Python's sqlite3 in AgentFS's own schema (its tool_calls table), the same
-events as JSON. Target: capsulefs <= 1.0x AgentFS's wall time. If AgentFS
-cannot be installed (no network), the reason is printed and that part skipped.
+events as JSON. Target: capsulefs <= 1.0x AgentFS's wall time. capsulefs
+runs twice: as ``scripts/setup.sh`` installs it (editable: an import finder
+loads at every start) and as a user installs it (a wheel, in a venv of its
+own whose dependencies come from .venv). If AgentFS cannot be installed (no
+network), the reason is printed and that part skipped.
 
     .venv/bin/python bench/bench_history.py [--events 1000,100000,1000000] [--runs 7]
 """
@@ -251,10 +254,30 @@ asyncio.run(main())
 """
 
 
-def processes(state: Path, db: Path, afs_python: Path, reader: Path, runs: int) -> dict[str, float]:
+def installed_capsulefs(root: Path) -> tuple[Path | None, str]:
+    """capsulefs installed as a wheel (as a user gets it), not editable:
+    setup.sh's editable install loads an import finder at every start (about
+    15 ms of CPU here). Its dependencies come from .venv (a .pth file)."""
+    venv = root / "capsulefs-venv"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(REPO)],
+                       check=True, capture_output=True, timeout=600, text=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        return None, f"could not install capsulefs as a wheel: {detail.strip().splitlines()[-1:]}"
+    deps = REPO / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "zz-capsulefs-deps.pth").write_text(f"{deps}\n")  # (a path: .pth files inside it are not read)
+    return venv / "bin" / "capsulefs", ""
+
+
+def processes(state: Path, db: Path, afs_python: Path, reader: Path, runs: int,
+              capsulefs: Path | None = None) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as users run it: with .pyc
-    ours = [str(REPO / ".venv" / "bin" / "capsulefs"), "--state", str(state), "log", AGENT, "--tail", "100"]
+    ours = [str(capsulefs or REPO / ".venv" / "bin" / "capsulefs"), "--state", str(state), "log", AGENT, "--tail", "100"]
     theirs = [str(afs_python), str(reader), str(db), "100"]
+    how = "installed" if capsulefs else "editable"
 
     def once(argv: list[str]) -> tuple[float, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -280,12 +303,12 @@ def processes(state: Path, db: Path, afs_python: Path, reader: Path, runs: int) 
         cpus["agentfs"].append(cb)
         ratios.append(a / b)
         cpu_ratios.append(ca / cb if cb else float("nan"))
-    return {"capsulefs log --tail 100 (process wall)": statistics.median(walls["capsulefs"]) * 1000,
-            "AgentFS open + last 100 (process wall)": statistics.median(walls["agentfs"]) * 1000,
-            "capsulefs log --tail 100 (process cpu)": statistics.median(cpus["capsulefs"]) * 1000,
-            "AgentFS open + last 100 (process cpu)": statistics.median(cpus["agentfs"]) * 1000,
-            "wall ratio capsulefs/AgentFS (median of pairs)": statistics.median(ratios),
-            "cpu ratio capsulefs/AgentFS (median of pairs)": statistics.median(cpu_ratios)}
+    return {f"capsulefs log --tail 100, {how} (process wall)": statistics.median(walls["capsulefs"]) * 1000,
+            f"AgentFS open + last 100 (process wall, vs {how})": statistics.median(walls["agentfs"]) * 1000,
+            f"capsulefs log --tail 100, {how} (process cpu)": statistics.median(cpus["capsulefs"]) * 1000,
+            f"AgentFS open + last 100 (process cpu, vs {how})": statistics.median(cpus["agentfs"]) * 1000,
+            f"wall ratio capsulefs ({how})/AgentFS, median of pairs": statistics.median(ratios),
+            f"cpu ratio capsulefs ({how})/AgentFS, median of pairs": statistics.median(cpu_ratios)}
 
 
 def main() -> int:
@@ -298,6 +321,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
         afs_python, why = (None, "skipped (--no-agentfs)") if args.no_agentfs else agentfs_venv(root)
+        wheel, wheel_why = installed_capsulefs(root) if afs_python is not None else (None, "")
+        if wheel_why:
+            print(f"capsulefs as a wheel: {wheel_why}")
         reader = root / "afs_read.py"
         reader.write_text(AFS_READER)
         table: dict[int, dict[str, float]] = {}
@@ -310,17 +336,19 @@ def main() -> int:
             table[n] = in_process(state, n, args.runs)
             if afs_python is not None:
                 table[n].update(processes(state, db, afs_python, reader, args.runs))
+                if wheel is not None:
+                    table[n].update(processes(state, db, afs_python, reader, args.runs, wheel))
             shutil.rmtree(state)
             for f in root.glob(f"agentfs-{n}.db*"):
                 f.unlink()
         if afs_python is None:
             print(f"AgentFS side by side: {why}")
         names = list(next(iter(table.values())))
-        print(f"\n{'ms (median)':<48}" + "".join(f"{n:>12,}" for n in sizes) + f"{'x' + str(sizes[0]):>10}")
+        print(f"\n{'ms (median)':<60}" + "".join(f"{n:>12,}" for n in sizes) + f"{'x' + str(sizes[0]):>10}")
         for name in names:
             row = [table[n].get(name, float('nan')) for n in sizes]
             growth = row[-1] / row[0] if row[0] else float("nan")
-            print(f"{name:<48}" + "".join(f"{v:>12.2f}" for v in row) + f"{growth:>9.2f}x")
+            print(f"{name:<60}" + "".join(f"{v:>12.2f}" for v in row) + f"{growth:>9.2f}x")
         print(f"(load: {os.getloadavg()[0]:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -49,8 +49,8 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CapsuleError, FormatError
 from .events import line_hash
@@ -130,12 +130,14 @@ def _open_shared(path: str) -> int:
         os.close(fd)
 
 
-@dataclass(frozen=True, slots=True)
 class Snapshot:
     """A journal open for reading, and how far its appends had gone when opened."""
 
-    fd: int
-    size: int  # bytes, up to the end of the last whole line
+    __slots__ = ("fd", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size  # bytes, up to the end of the last whole line
 
     def read(self, at: int, n: int) -> bytes:
         data = os.pread(self.fd, n, at)
@@ -279,17 +281,13 @@ class Query:
         return bool(self.kinds or self.since_ms is not None or self.until_ms is not None or self.grep or self.failed)
 
 
-@dataclass
 class Matcher:
     """A query's test of one line, with the pattern's time budget."""
 
-    query: Query
-    spent: float = 0.0  # seconds spent matching the pattern so far
-    _pattern: Any = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.query.grep is not None:
-            self._pattern = compile_pattern(self.query.grep)
+    def __init__(self, query: Query) -> None:
+        self.query = query
+        self.spent = 0.0  # seconds spent matching the pattern so far
+        self._pattern = compile_pattern(query.grep) if query.grep is not None else None
 
     def matches(self, doc: dict[str, Any] | None) -> bool:
         q = self.query
@@ -464,8 +462,7 @@ CREATE VIRTUAL TABLE IF NOT EXISTS words USING fts5(text, content='', tokenize='
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Position:
+class Position(NamedTuple):
     size: int  # journal bytes covered
     count: int  # lines covered
     last: str  # sha256 of the line ending at ``size`` ('' when empty)
