@@ -13,7 +13,9 @@ here (see ``__all__``):
   * :mod:`capsulefs.core.journal_recovery`: replaying the ring after a
     crash, torn-tail files, replacing a journal, where rings live;
   * :mod:`capsulefs.core.journal_ring`: the ring file itself;
-  * :mod:`capsulefs.core.journal_index`: the vectorised merge.
+  * :mod:`capsulefs.core.journal_index`: the vectorised merge;
+  * :mod:`capsulefs.core.journal_tip`: the tip, so that opening need not
+    read the history.
 
 Rules:
   * An append is acknowledged only once it is durable: after an fdatasync
@@ -49,7 +51,10 @@ Theory of operation (appends):
   lseek, one write and one fdatasync, whatever the journal's length.
   If another file was renamed over the journal's path (by someone holding
   the old file's flock), the Journal follows it: nothing is appended to an
-  unlinked file.
+  unlinked file. With a tip (:mod:`capsulefs.core.journal_tip`), a Journal
+  that knows nothing yet (opening, or after a replacement) starts from the
+  tip on disk when it matches the file, and writes a new one every
+  ``TIP_EVERY`` bytes: opening costs the bytes after the tip, not the history.
 
   The lease (:mod:`capsulefs.core.journal_lease`): after a commit that
   succeeded the Journal keeps the flock, for ``IDLE`` seconds after its
