@@ -3,7 +3,7 @@ hashes and writes the slabs the daemon's event loop decrypted into shared
 memory. Imports nothing but the standard library and the piece writer, so
 that it starts in a few tens of milliseconds.
 
-Run as ``python -m capsulefs.slabhelper FD COUNT BUFFER``: FD is the shared
+Run as ``python -I -m capsulefs.slabhelper FD COUNT BUFFER``: FD is the shared
 memory file of COUNT buffers of BUFFER bytes. Requests on stdin, one JSON
 object per line; one reply per request, in order, on stdout:
   * ``{"op": "open", "w": ID, "pieces": [[sha256, size, path|null], ...]}``:

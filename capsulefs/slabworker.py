@@ -16,7 +16,7 @@ Rules:
     in a trio worker thread.
   * :class:`ProcessWriters`: the pool is one shared memory file (memfd);
     the event loop decrypts a slab into it and a helper process
-    (``python -m capsulefs.slabhelper``) hashes and writes it from the same
+    (``python -I -m capsulefs.slabhelper``) hashes and writes it from the same
     pages. Why: in one process the worker threads keep retaking the GIL
     from the event loop, which gives it up on every TLS record it decrypts;
     measured on the 2-core VM of docs/move.md, a move's transfer ran at
@@ -213,12 +213,14 @@ def _start_helper(count: int, python: str) -> _Started:
         os.close(fd)
         raise
     try:
-        # The helper finds capsulefs where this process did; it ends when its
-        # stdin does, which this process's death closes too.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # Isolated (-I), in "/": it imports the installed capsulefs and the
+        # standard library only, never a module planted in the directory the
+        # daemon was started from (``-m`` alone puts it first on sys.path,
+        # and the helper runs as root), nor what PYTHON* variables name. It
+        # ends when its stdin does, which this process's death closes too.
         proc = subprocess.Popen(
-            [python, "-m", "capsulefs.slabhelper", str(fd), str(count), str(BUFFER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], env=env)
+            [python, "-I", "-m", "capsulefs.slabhelper", str(fd), str(count), str(BUFFER)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], cwd="/")
     except BaseException:
         shared.close()
         os.close(fd)

@@ -27,6 +27,9 @@ Rules:
     sandbox being scanned, built or removed. A cancelled job stops within a
     chunk (``trio.from_thread.check_cancelled``); a cancelled build removes
     what it wrote.
+  * ``capsulefs ...`` (the reference agent) runs isolated, ``python -I -m
+    capsulefs``: nothing its tools write into the workspace is imported by it
+    (:func:`ours_isolated`).
   * A run ends with its process: once it exits (crashed, finished or
     stopped), what is left of its process group (tools it started) is killed.
   * As root, the agent's processes run as a uid of its own, in a cgroup of
@@ -53,6 +56,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -183,6 +187,28 @@ def _last_line(path: str, start: int) -> str:
         f.seek(max(start, os.path.getsize(path) - 64 * 1024))
         lines = f.read().decode(errors="replace").strip().splitlines()
     return lines[-1] if lines else ""
+
+
+#: ``python -m capsulefs ...`` as a spec may spell it (any python: ``python3``, ``python3.11``, a path to one).
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def ours_isolated(argv: list[str]) -> list[str]:
+    """An entrypoint or setup step that runs capsulefs itself, made to run this
+    host's capsulefs isolated: ``capsulefs ...`` becomes ``python -I -m
+    capsulefs ...`` with this interpreter (wherever it is installed), and
+    ``python -m capsulefs ...`` gains ``-I``. Without ``-I``, ``-m`` puts
+    the working directory (the workspace, which the agent and its tools
+    write) first on ``sys.path``, and a ``json.py`` planted there would run
+    inside the process that holds the agent's secrets; ``-I`` also ignores
+    ``PYTHON*`` variables and the user site (under the agent's ``HOME``).
+    Any other program runs as the spec says (it is the spec's own code)."""
+    if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
+        return [sys.executable, "-I", "-m", "capsulefs", *argv[1:]]
+    if argv[1:2] == ["-m"] and argv[2:3] and argv[2].partition(".")[0] == "capsulefs" \
+            and _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return [argv[0], "-I", *argv[1:]]
+    return argv
 
 
 def _die_with_parent() -> None:
@@ -581,14 +607,12 @@ class Supervisor:
         env["CAPSULE_AGENT_ID"] = r.agent_id
         env.update(secrets)
         env[SECRETS_ENV] = ",".join(sorted(secrets))
-        argv = list(entry)
-        if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
-            argv[:1] = [sys.executable, "-m", "capsulefs"]
+        argv = ours_isolated(list(entry))
         if self.isolation.enabled:  # (an interpreter under /root, say: say so, not just EACCES)
             program = shutil.which(argv[0], path=env["PATH"]) if os.sep not in argv[0] else os.path.join(cwd, argv[0])
             if program is not None:
                 self.isolation.check_reachable(r.agent_id, os.path.realpath(program))
-        return argv, env, cwd, list(spec.get("setup", []))
+        return argv, env, cwd, [ours_isolated(list(step)) for step in spec.get("setup", [])]
 
     def _build_sandbox(self, agent_id: str, cwd: str) -> None:
         """Materialise the sandbox from the snapshot unless it exists (in a

@@ -81,7 +81,7 @@ class Host:
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return capsulefs("--state", str(self.state), *args, check=check)
 
-    def start(self, crash_at: str | None = None, *, run: bool = False) -> None:
+    def start(self, crash_at: str | None = None, *, run: bool = False, cwd: Path | None = None) -> None:
         env = dict(os.environ)
         env.pop("CAPSULEFS_TEST_CRASH_AT", None)
         if crash_at:
@@ -91,7 +91,7 @@ class Host:
             self.proc = subprocess.Popen(
                 [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state),
                  *([] if run else ["--no-run"]), "--listen", f"127.0.0.1:{self.port}"],
-                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
         proc = self.proc
         wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, f"{self.name} to mount")
         assert proc.poll() is None, self.log.read_text()

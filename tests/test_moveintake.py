@@ -375,8 +375,8 @@ async def test_after_a_failed_slab_the_calls_later_pieces_are_not_written(tmp_pa
 
 
 SLOW_HELPER = """#!/bin/sh
-# capsulefs.slabhelper with each slab taking a second ("-m capsulefs.slabhelper" dropped)
-shift 2
+# capsulefs.slabhelper with each slab taking a second ("-I -m capsulefs.slabhelper" dropped)
+shift 3
 exec {python} -c '
 import sys, time
 import capsulefs.piecewriter as pw

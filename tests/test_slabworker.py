@@ -219,9 +219,8 @@ async def test_a_spare_that_died_or_does_not_fit_is_not_used(tmp_path, how: str)
             started.proc.kill()
             started.proc.wait()
         python = None
-        if how == "other python":  # the same program under another name, for the test
-            (tmp_path / "python").symlink_to(sys.executable)
-            python = str(tmp_path / "python")
+        if how == "other python":  # the same program under another name, for the test (beside its pyvenv.cfg)
+            python = os.path.join(os.path.dirname(sys.executable), ".", os.path.basename(sys.executable))
         writers = ProcessWriters(4, spare=spare, python=python)
         async with trio.open_nursery() as nursery:
             await writers.start(nursery)
