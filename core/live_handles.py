@@ -410,10 +410,10 @@ class RemoveHandle(Handle):
     async def write_async(self, offset: int, data: bytes) -> int:
         if self.remover is None:
             raise NotSupported(REMOVE_UNAVAILABLE)
-        token = control_line(bytes(data), ".control/remove")
+        token = control_line(bytes(data), ".control/remove", example="AGENT_ID", strip=False)
         if token != self.agent.agent_id:
-            raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id "
-                              f"(\"agent_id\" in .control/status) to remove it")
+            raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id, "
+                              f"nothing around it (\"agent_id\" in .control/status) to remove it")
         await self.remover.remove(self.agent.agent_id)
         return len(data)
 
@@ -421,8 +421,11 @@ class RemoveHandle(Handle):
         pass  # `echo ID > remove` truncates first; the write that follows is what counts
 
 
-def control_line(data: bytes, what: str, *, example: str = "laptop") -> str:
-    """The one line of text a control file write may carry, or FormatError."""
+def control_line(data: bytes, what: str, *, example: str = "laptop", strip: bool = True) -> str:
+    """The one line of text a control file write may carry, or FormatError:
+    UTF-8 without control characters (C0, DEL, C1), one trailing newline
+    allowed (as ``echo`` writes). ``strip``: spaces around it are dropped
+    (a peer's name, a model); else they are part of the text."""
     if len(data) > MAX_CONTROL_LINE:
         raise FormatError(f"{what}: write one line of at most {MAX_CONTROL_LINE} bytes")
     try:
@@ -430,10 +433,9 @@ def control_line(data: bytes, what: str, *, example: str = "laptop") -> str:
     except UnicodeDecodeError:
         raise FormatError(f"{what}: not UTF-8 text") from None
     text = text[:-1] if text.endswith("\n") else text
-    text = text.strip()
-    if not text or fmt.has_control(text):  # (a newline is one)
+    if not text.strip(" ") or any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text):  # (another newline is one)
         raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
-    return text
+    return text.strip(" ") if strip else text
 
 
 def check_edit_size(rel: str, size: int, now: int = 0) -> None:

@@ -68,7 +68,8 @@ async def test_one_line_naming_a_peer_is_passed_on(c: Client, mover: FakeMover) 
     assert json.loads(await c.read(f"alice/{CONTROL}/status"))["move"] == {"available": True, "phase": "idle"}
 
 
-@pytest.mark.parametrize("data", [b"\n", b"a\nb\n", b"\xff\n", b"x" * 2000, b"a\tb\n"])
+@pytest.mark.parametrize("data", [b"\n", b"a\nb\n", b"\xff\n", b"x" * 2000, b"a\tb\n", b"laptop\n\n", b"\nlaptop\n",
+                                  b"laptop\r\n", b"laptop\x7f\n", "laptop\x85\n".encode()])
 async def test_bad_input_is_einval_and_reaches_no_mover(c: Client, mover: FakeMover, data: bytes) -> None:
     assert await errno_of(c.write(MOVE, data)) == errno.EINVAL
     assert mover.calls == []
@@ -156,6 +157,23 @@ async def test_remove_refuses_anything_but_the_id_with_einval(c: Client, remover
     agent_id = await _agent_id(c)
     assert await errno_of(c.write(REMOVE, agent_id.upper().encode() + b"\n")) == errno.EINVAL
     assert await errno_of(c.write(REMOVE, (agent_id + " " + agent_id).encode() + b"\n")) == errno.EINVAL
+    assert remover.calls == []
+
+
+async def test_remove_takes_the_id_without_a_newline_too(c: Client, remover: FakeRemover) -> None:
+    agent_id = await _agent_id(c)
+    await c.write(REMOVE, agent_id.encode())  # (printf ID > remove)
+    assert remover.calls == [agent_id]
+
+
+@pytest.mark.parametrize("around", [(b"", b" \n"), (b" ", b"\n"), (b"", b"\t\n"), (b"", b" "), (b"", b"\n\n"),
+                                    (b"\n", b"\n"), (b"", b"\r\n"), (b"", "\u00a0\n".encode())])
+async def test_remove_takes_exactly_the_id_and_nothing_around_it(c: Client, remover: FakeRemover,
+                                                                 around: tuple[bytes, bytes]) -> None:
+    """Exactly the id, as docs/mount.md says: a trailing newline (as echo
+    writes) is the one thing allowed beside it, not a space (issue 25)."""
+    agent_id = await _agent_id(c)
+    assert await errno_of(c.write(REMOVE, around[0] + agent_id.encode() + around[1])) == errno.EINVAL
     assert remover.calls == []
 
 
