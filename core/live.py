@@ -90,6 +90,7 @@ from .live_handles import (
     resize,
 )
 from .live_journal import JournalTail, open_appender
+from .render import PROVIDER_ALIASES, PROVIDERS
 from .scratch import ScratchArea
 from .snapshots import Snapshots
 from .spec import parse_spec
@@ -384,11 +385,20 @@ class LiveAgent:
         return self.append(parse_draft_lines(data, "journal"))
 
     def switch_model(self, line: str) -> Record:
-        """Switch to ``provider:model``, one line as ``.control/model`` takes it (``control_line``)."""
+        """Switch to ``provider:model``, one line as ``.control/model`` takes it
+        (``control_line``). The provider must be one the renderers know
+        (or a short name for one, ``render.PROVIDER_ALIASES``): the agent
+        could never answer for another."""
         provider, sep, model = line.partition(":")
-        if not sep or not provider.strip() or not model.strip():
-            raise FormatError(f"model {line!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
-        return self.append([ModelSwitch(provider=provider.strip(), model=model.strip())])[0]
+        provider, model = provider.strip(), model.strip()
+        if not sep or not provider or not model:
+            raise FormatError(f"model {line[:80]!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
+        provider = PROVIDER_ALIASES.get(provider, provider)
+        if provider not in PROVIDERS:
+            known = ", ".join(sorted(PROVIDERS)) + "; " + ", ".join(f"{a} means {p}" for a, p in
+                                                                  sorted(PROVIDER_ALIASES.items()))
+            raise FormatError(f"unknown provider {provider[:80]!r} in .control/model; known: {known}")
+        return self.append([ModelSwitch(provider=provider, model=model)])[0]
 
     def begin_edit(self, rel: str) -> Edit:
         self.check_writable()

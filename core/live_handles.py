@@ -350,7 +350,7 @@ class ModelHandle(Handle):
 
     def write(self, offset: int, data: bytes) -> int:
         # One short line, whole: a long write comes in pieces, none of which may switch the model.
-        self.agent.switch_model(control_line(bytes(data), ".control/model", example="openai:gpt-5"))
+        self.agent.switch_model(control_line(bytes(data), ".control/model", example="anthropic:claude-sonnet-4-5"))
         return len(data)
 
     def truncate(self, size: int) -> None:
@@ -424,8 +424,9 @@ class RemoveHandle(Handle):
 def control_line(data: bytes, what: str, *, example: str = "laptop", strip: bool = True) -> str:
     """The one line of text a control file write may carry, or FormatError:
     UTF-8 without control characters (C0, DEL, C1), one trailing newline
-    allowed (as ``echo`` writes). ``strip``: spaces around it are dropped
-    (a peer's name, a model); else they are part of the text."""
+    allowed (as ``echo`` writes). ``strip``: spaces around it and a CRLF
+    line end are dropped (a peer's name, a model); else they are part of
+    the text."""
     if len(data) > MAX_CONTROL_LINE:
         raise FormatError(f"{what}: write one line of at most {MAX_CONTROL_LINE} bytes")
     try:
@@ -433,6 +434,8 @@ def control_line(data: bytes, what: str, *, example: str = "laptop", strip: bool
     except UnicodeDecodeError:
         raise FormatError(f"{what}: not UTF-8 text") from None
     text = text[:-1] if text.endswith("\n") else text
+    if strip and text.endswith("\r"):  # (a CRLF line end)
+        text = text[:-1]
     if not text.strip(" ") or any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text):  # (another newline is one)
         raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
     return text.strip(" ") if strip else text

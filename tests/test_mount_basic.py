@@ -172,6 +172,6 @@ def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, s
                 write = subprocess.run([*nobody, f"echo openai:gpt-5 > {target}"], capture_output=True, text=True)
                 assert write.returncode != 0 and "Permission denied" in write.stderr
             (ctl / "model").write_text("openai:gpt-5\n")  # root may
-            assert (ctl / "model").read_text() == "openai:gpt-5\n"
+            assert (ctl / "model").read_text() == "openai-responses:gpt-5\n"
     finally:
         mnt.rmdir()

@@ -143,14 +143,14 @@ def test_control_model_and_move(mnt: Path) -> None:
     ctl = mnt / ".control"
     sh = subprocess.run(["bash", "-c", f"echo openai:gpt-5 > {ctl / 'model'}"], capture_output=True, text=True)
     assert sh.returncode == 0, sh.stderr
-    assert (ctl / "model").read_text() == "openai:gpt-5\n"
+    assert (ctl / "model").read_text() == "openai-responses:gpt-5\n"  # (openai: the Responses API)
     assert kinds(mnt) == ["model_switch"]
     bad = subprocess.run(["bash", "-c", f"echo nonsense > {ctl / 'model'}"], capture_output=True, text=True)
     assert bad.returncode != 0 and "Invalid argument" in bad.stderr
     move = subprocess.run(["bash", "-c", f"echo hostb > {ctl / 'move'}"], capture_output=True, text=True)
     assert move.returncode != 0 and "Invalid argument" in move.stderr  # no peer of that name
     shown = status(mnt)
-    assert (shown["provider"], shown["model"]) == ("openai", "gpt-5")
+    assert (shown["provider"], shown["model"]) == ("openai-responses", "gpt-5")
 
 
 def test_control_model_takes_one_short_line_or_nothing(mnt: Path) -> None:
@@ -166,8 +166,8 @@ def test_control_model_takes_one_short_line_or_nothing(mnt: Path) -> None:
             os.close(fd)
     assert model.read_bytes() == b""
     assert kinds(mnt) == []
-    model.write_bytes(b" openai:gpt-5 \r\n")
-    assert model.read_text() == "openai:gpt-5\n"
+    model.write_bytes(b" openai-chat:gpt-5 \r\n")
+    assert model.read_text() == "openai-chat:gpt-5\n"
     assert kinds(mnt) == ["model_switch"]
 
 

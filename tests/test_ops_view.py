@@ -248,6 +248,28 @@ async def test_control_model_and_status(c: Client, store: HostStore) -> None:
     assert status["move"]["available"] is False
 
 
+@pytest.mark.parametrize("line", [b"evilprov:x\n", b"Anthropic:claude\n", b"openai-chat-x:gpt\n", b"claude:sonnet\n",
+                                  b"openrouter:meta/llama-3:70b\n"])
+async def test_control_model_refuses_a_provider_no_renderer_knows(c: Client, store: HostStore, line: bytes,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The agent could never answer for it, and would silently not (issue 25):
+    EINVAL, and the log names the providers there are."""
+    assert await errno_of(c.write(f"alice/{CONTROL}/model", line)) == errno.EINVAL
+    assert journal_records(store) == []
+    said = [r.getMessage() for r in caplog.records if "unknown provider" in r.getMessage()]
+    assert said and all(p in said[0] for p in ("anthropic", "gemini", "openai-chat", "openai-responses"))
+
+
+async def test_control_model_takes_openai_as_the_responses_api(c: Client, store: HostStore) -> None:
+    await c.write(f"alice/{CONTROL}/model", b"openai:gpt-5\n")  # docs/mount.md's example
+    assert await c.read(f"alice/{CONTROL}/model") == b"openai-responses:gpt-5\n"
+    (rec,) = journal_records(store)
+    assert (rec.event.provider, rec.event.model) == ("openai-responses", "gpt-5")  # type: ignore[attr-defined]
+    for provider in ("anthropic", "openai-chat", "openai-responses", "gemini"):
+        await c.write(f"alice/{CONTROL}/model", f"{provider}:m\n".encode())
+        assert await c.read(f"alice/{CONTROL}/model") == f"{provider}:m\n".encode()
+
+
 async def test_control_writes_only_by_owner_and_move_is_reserved(c: Client) -> None:
     assert await errno_of(c.open(f"alice/{CONTROL}/model", os.O_WRONLY, Ctx(uid=1234))) == errno.EACCES
     assert await errno_of(c.open(f"alice/{CONTROL}/status", os.O_WRONLY)) == errno.EPERM

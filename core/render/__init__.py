@@ -54,6 +54,7 @@ from .openai_responses import PROVIDER as _RESPONSES
 __all__ = [
     "INTERRUPTED",
     "PROVIDERS",
+    "PROVIDER_ALIASES",
     "BudgetTooSmall",
     "NewestTooLarge",
     "Counter",
@@ -75,6 +76,10 @@ __all__ = [
 
 #: Provider id -> its module's singleton. The ids are the journal's spelling.
 PROVIDERS: dict[str, Provider] = {p.id: p for p in (_ANTHROPIC, _CHAT, _RESPONSES, _GEMINI)}
+#: Short names people type (``echo openai:gpt-5 > .control/model``) -> the
+#: provider id journaled for them. ``openai`` is the Responses API, OpenAI's
+#: API for its reasoning models (their reasoning items go back to them).
+PROVIDER_ALIASES: dict[str, str] = {"openai": _RESPONSES.id}
 
 
 @dataclass(frozen=True, slots=True)
