@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Longest incomplete line a journal handle holds while waiting for its newline.
+#: Longest journal line a handle takes (it holds an incomplete one while waiting for its newline).
 MAX_PARTIAL_LINE = 16 << 20
+_TOO_LONG = f"a journal line is longer than {MAX_PARTIAL_LINE >> 20} MiB: nothing of it is appended"
 #: Largest working_memory.md or spec.json a write or truncate may make: the
 #: file being edited is held in the daemon's memory until it is committed.
 MAX_EDIT_SIZE = 64 << 20
@@ -185,6 +186,16 @@ class JournalHandle(Handle):
     of every copy of the descriptor (a child closing an inherited one at
     exec), and the copy still open may finish the line. The last close
     (release) drops a line still incomplete, with a log line.
+
+    A line longer than MAX_PARTIAL_LINE is never appended, nor any part of
+    it: the write that makes it too long fails with TooLarge, and so does
+    every later write through the handle until one carries the newline
+    that ends it (that one fails too, and the next write starts a new
+    line), and so does a close meanwhile. (The kernel cuts a large
+    ``write()`` into requests answered one by one: the requests before the
+    one that made the line too long were taken, so that ``write()`` returns
+    a short count, as at a file size limit, and the caller's write of the
+    rest fails.)
     """
 
     direct_io = True
@@ -196,6 +207,7 @@ class JournalHandle(Handle):
         if writable:
             agent.journal()  # opened now, so that a broken journal fails the open
         self.partial = b""  # the start of a line whose newline has not come yet
+        self.overlong = False  # in a line too long to append: refuse writes until its newline
 
     def read(self, offset: int, size: int) -> bytes:
         tail = self.agent.tail
@@ -211,10 +223,17 @@ class JournalHandle(Handle):
         if not self.writable:
             raise NotPermitted("the journal is not open for writing")
         self.agent.check_writable()
+        if self.overlong:
+            self.overlong = b"\n" not in data
+            raise TooLarge(_TOO_LONG + ("; writes fail until the newline that ends it" if self.overlong else
+                                        "; it ended in this write, refused whole: the next write starts a new line"))
         buf, self.partial = self.partial + bytes(data), b""  # a refused write leaves no partial line
         end = buf.rfind(b"\n") + 1
-        if len(buf) - end > MAX_PARTIAL_LINE:
-            raise FormatError(f"a journal line is longer than {MAX_PARTIAL_LINE} bytes")
+        if len(buf) - end > MAX_PARTIAL_LINE:  # the line still open: refused until its newline
+            self.overlong = True
+            raise TooLarge(_TOO_LONG + "; writes fail until the newline that ends it")
+        if end > MAX_PARTIAL_LINE and max(map(len, buf[:end].split(b"\n"))) > MAX_PARTIAL_LINE:
+            raise TooLarge(_TOO_LONG + "; the write is refused whole")
         if end:
             self.agent.journal().append_many(parse_draft_lines(buf[:end], "journal"))
         self.partial = buf[end:]
@@ -224,11 +243,17 @@ class JournalHandle(Handle):
         self.agent.host.changed(self.agent_id, fmt.JOURNAL)
 
     def flush(self) -> None:
+        if self.overlong:
+            raise TooLarge(_TOO_LONG + "; the descriptor was closed before its newline")
         if self.partial:
             raise FormatError(f"the journal write ended without a newline: {len(self.partial)} bytes of an "
                               "incomplete line are not appended")
 
     def release(self) -> None:
+        if self.overlong:
+            log.warning("agent %s: journal closed in a line longer than %d MiB; dropped",
+                        self.agent_id, MAX_PARTIAL_LINE >> 20)
+            self.overlong = False
         if self.partial:
             log.warning("agent %s: journal closed with %d bytes of an incomplete line; dropped",
                         self.agent_id, len(self.partial))

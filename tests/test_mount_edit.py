@@ -214,6 +214,37 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
+def test_a_journal_line_too_long_fails_and_appends_nothing_of_it(mnt: Path) -> None:
+    """A 50 MB line (issue 25): the kernel hands the daemon a large write in
+    pieces, so write() takes what came before the line grew too long (a
+    short count, as at a file size limit) and the write of the rest fails
+    with EFBIG; no part of the line is ever appended, however it is cut."""
+    journal = mnt / fmt.JOURNAL
+    tail = b'{"kind":"note","text":"smuggled"}\n'  # a valid line, if anything after a cut were taken alone
+    line = b'{"kind":"note","text":"' + b"x" * (50 << 20) + b'"}' + tail
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+    try:
+        taken = os.write(fd, line)
+        assert taken < 17 << 20
+        for piece in (line[taken:], line[taken + (1 << 20):], line[-len(tail):]):  # however the caller goes on
+            with pytest.raises(OSError) as exc:
+                os.write(fd, piece)
+            assert exc.value.errno == errno.EFBIG
+        _write_all(fd, b'{"kind":"note","text":"after"}\n')  # (the newline ended the long line)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as exc:  # as Python's buffered writer does it: one error, nothing appended
+        with open(journal, "ab") as f:
+            f.write(line)
+    assert exc.value.errno == errno.EFBIG
+    sh = subprocess.run(["bash", "-c", f"head -c {40 << 20} /dev/zero | tr '\\0' x >> {journal}"],
+                        capture_output=True, text=True)
+    assert sh.returncode != 0 and "File too large" in sh.stderr
+    texts = [r.event.text for r in check_chains(journal.read_bytes())]  # type: ignore[attr-defined]
+    assert texts == ["after"] and status(mnt)["writable"]
+    verifies(mnt)
+
+
 def test_a_refused_journal_line_does_not_stop_the_next(mnt: Path) -> None:
     journal = mnt / fmt.JOURNAL
     good = b'{"kind":"note","text":"after"}\n'
