@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import format as fmt
 from .blobcheck import BlobCheck
-from .errors import FormatError, NotFoundError
+from .errors import CapsuleError, FormatError, NotFoundError
 from .journal import parse_draft_lines
 from .live_errors import NotPermitted, NotSupported, TooLarge
 
@@ -273,7 +273,11 @@ class Edit:
     writing bytes that nobody will see and nothing commits. ``fresh``: a
     file created anew after an unlink, not committed yet; it takes the
     capsule's mode at its commit, so mode changes until then are accepted
-    (``install`` copies under mode 0600, ``mv`` sets the source's mode)."""
+    (``install`` copies under mode 0600, ``mv`` sets the source's mode).
+    ``failed``: a write to it failed (too large, read-only...); the bytes
+    are not what any writer meant, so the edit is detached and poisoned:
+    its writes, truncates and closes fail with that error, nothing of it is
+    committed, and the file stays as it was (the next open starts anew)."""
 
     data: bytearray
     dirty: bool = False
@@ -281,6 +285,7 @@ class Edit:
     writers: int = 0
     detached: bool = False
     fresh: bool = False
+    failed: CapsuleError | None = None
 
 
 class EditHandle(Handle):
@@ -326,26 +331,54 @@ class EditHandle(Handle):
     def write(self, offset: int, data: bytes) -> int:
         if not self.writable:
             raise NotPermitted(f"{self.rel} is not open for writing")
-        self.agent.check_writable()
+        self._check_failed()
         buf = self.edit.data
-        if self.append:
-            offset = len(buf)
-        check_edit_size(self.rel, offset + len(data), len(buf))
+        try:
+            self.agent.check_writable()
+            if self.append:
+                offset = len(buf)
+            check_edit_size(self.rel, offset + len(data), len(buf))
+        except CapsuleError as exc:
+            # (The kernel may have had earlier pieces of this write() taken:
+            # what the edit holds now is no version anyone meant to save.)
+            self._poison(exc)
+            raise
         if offset > len(buf):
             buf.extend(b"\0" * (offset - len(buf)))
         buf[offset: offset + len(data)] = data
         self.edit.dirty = self.edit.written = True
         return len(data)
 
+    def _poison(self, exc: CapsuleError) -> None:
+        edit = self.edit
+        if edit.failed is None:
+            log.warning("agent %s: a write to %s failed (%s); the edit is dropped, the file keeps its saved version",
+                        self.agent.agent_id, self.rel, exc)
+        edit.failed = exc
+        if self.agent.edits.get(self.rel) is edit:
+            self.agent.detach_edit(self.rel)  # readers and the next writer see the file as saved
+            if edit.dirty:
+                self.agent.host.changed(self.agent.agent_id, self.rel)  # (the kernel's size was the edit's)
+
+    def _check_failed(self) -> None:
+        failed = self.edit.failed
+        if failed is not None:
+            raise type(failed)(f"{self.rel}: an earlier write through this file failed ({failed}); nothing of "
+                               "this edit is saved: close it, and open the file again")
+
     def truncate(self, size: int) -> None:
         if not self.writable:
             raise NotPermitted(f"{self.rel} is not open for writing")
+        self._check_failed()
         self.agent.check_writable()
         resize(self.edit.data, size, self.rel)
         self.edit.dirty = True
 
     def flush(self) -> None:
-        if not self.writable or self.edit.detached:
+        if not self.writable:
+            return
+        self._check_failed()
+        if self.edit.detached:
             return
         if self.edit.written:
             self.agent.commit_edit(self.rel)

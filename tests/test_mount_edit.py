@@ -326,16 +326,51 @@ def test_working_memory_cannot_grow_without_bound(mnt: Path) -> None:
     assert exc.value.errno == errno.EFBIG
     sh = subprocess.run(["truncate", "-s", "1T", str(wm)], capture_output=True, text=True)
     assert sh.returncode != 0 and "File too large" in sh.stderr
-    with open(wm, "r+b", buffering=0) as f:
-        with pytest.raises(OSError) as exc:
-            f.seek(1 << 30)
-            f.write(b"x")
-        assert exc.value.errno == errno.EFBIG
-        with pytest.raises(OSError) as exc:
-            f.truncate(1 << 40)
-        assert exc.value.errno == errno.EFBIG
+    with pytest.raises(OSError) as closed:
+        with open(wm, "r+b", buffering=0) as f:
+            with pytest.raises(OSError) as exc:
+                f.seek(1 << 30)
+                f.write(b"x")
+            assert exc.value.errno == errno.EFBIG
+            with pytest.raises(OSError) as exc:
+                f.truncate(1 << 40)
+            assert exc.value.errno == errno.EFBIG
+    assert closed.value.errno == errno.EFBIG  # (a failed write poisons the edit: its close saves nothing)
     assert wm.read_text() == MEMORY and status(mnt)["writable"]
     assert kinds(mnt) == []
+    verifies(mnt)
+
+
+def test_a_failed_write_leaves_working_memory_as_it_was(mnt: Path, tmp_path: Path) -> None:
+    """70 MB written at once (issue 25): the kernel's first 64 MiB of pieces
+    were taken when one went past the limit; the close must not commit
+    that cut-off file. The edit is poisoned: every later write and the close
+    fail, the file and the journal stay as they were, and the next open
+    starts from the saved file."""
+    wm = mnt / fmt.WORKING_MEMORY
+    big = b"# big\n" + b"y" * (70 << 20)
+    fd = os.open(wm, os.O_WRONLY | os.O_TRUNC)
+    try:
+        taken = os.write(fd, big)
+        assert 0 < taken <= 64 << 20  # (the pieces before the limit)
+        for write in (lambda: os.write(fd, big[taken:]), lambda: os.write(fd, b"small\n"),
+                      lambda: os.ftruncate(fd, 10)):
+            with pytest.raises(OSError) as exc:
+                write()
+            assert exc.value.errno == errno.EFBIG
+        assert wm.read_text() == MEMORY  # readers see the file as saved meanwhile
+    finally:
+        with pytest.raises(OSError) as exc:
+            os.close(fd)
+        assert exc.value.errno == errno.EFBIG
+    src = tmp_path / "big.md"
+    src.write_bytes(big)
+    for argv in (["cp", str(src), str(wm)], ["bash", "-c", f"cat {src} > {wm}"]):
+        sh = subprocess.run(argv, capture_output=True, text=True)
+        assert sh.returncode != 0 and "File too large" in sh.stderr, argv
+    assert wm.read_text() == MEMORY and kinds(mnt) == [] and status(mnt)["writable"]
+    wm.write_text("# small again\n")  # a new open starts anew from the saved file
+    assert wm.read_text() == "# small again\n" and kinds(mnt) == ["memory_edit"]
     verifies(mnt)
 
 
