@@ -91,7 +91,7 @@ from .live_handles import (
 )
 from .live_journal import JournalTail, open_appender
 from .render import PROVIDER_ALIASES, PROVIDERS
-from .scratch import ScratchArea
+from .scratch import SCRATCH_DIRS, ScratchArea
 from .snapshots import Snapshots
 from .spec import parse_spec
 from .store import AgentHandle, HostStore
@@ -155,6 +155,8 @@ class Attr:
     immutable: bool = False  # never changes: the kernel may cache it long
     uid: int | None = None  # None: the mounting user
     gid: int | None = None
+    atime_ns: int | None = None  # None: mtime_ns
+    ctime_ns: int | None = None  # None: mtime_ns
 
 
 class AgentState(Enum):
@@ -318,10 +320,37 @@ class LiveAgent:
         st = os.stat(self.handle.path(rel))
         if rel == fmt.JOURNAL:
             self.tail.refresh()
-            return Attr(False, 0o644, self.tail.size, st.st_mtime_ns)
+            return Attr(False, 0o644, self.tail.size, st.st_mtime_ns, atime_ns=st.st_atime_ns, ctime_ns=st.st_ctime_ns)
+        if rel not in EDITABLE:
+            return Attr(False, 0o444, st.st_size, st.st_mtime_ns)
         edit = self.edits.get(rel)
         size = len(edit.data) if edit is not None else st.st_size
-        return Attr(False, 0o644 if rel in EDITABLE else 0o444, size, st.st_mtime_ns)
+        return Attr(False, 0o644, size, st.st_mtime_ns, atime_ns=st.st_atime_ns, ctime_ns=st.st_ctime_ns)
+
+    def dir_attr(self, rel: str) -> Attr:
+        """A directory of the capsule: one fixed time (its entries change only
+        when the capsule's shape does), or, where editors keep scratch files,
+        the time a scratch name in it last came or went, if later."""
+        mtime = self.dir_mtime_ns
+        if rel in SCRATCH_DIRS:
+            mtime = max(mtime, self.host.scratch.dir_mtime_ns(self.agent_id, rel))
+        return Attr(True, 0o755, 0, mtime)
+
+    def set_times(self, rel: str, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """``touch -d``, ``cp -p``, ``rsync -a`` on a mutable file (working
+        memory, the spec, the journal): the times are the stored file's, until
+        its content changes (a commit replaces it, an append moves its mtime),
+        as on a disk. Set while an edit is pending, they are set again once it
+        is committed, unless it is written to meanwhile."""
+        self.check_writable()
+        path = self.handle.path(rel)
+        st = os.stat(path)
+        times = (st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns)
+        edit = self.edits.get(rel)
+        if edit is not None and edit.dirty:
+            edit.times = times
+        os.utime(path, ns=times)
+        self.host.changed(self.agent_id, rel)
 
     def model(self) -> tuple[str, str] | None:
         self.tail.refresh()
@@ -430,6 +459,9 @@ class LiveAgent:
         edit = self.edits[rel]
         self.save(rel, bytes(edit.data))
         edit.dirty = edit.written = edit.fresh = False
+        if edit.times is not None:  # set after the last write, before this commit
+            os.utime(self.handle.path(rel), ns=edit.times)
+            edit.times = None
 
     def detach_edit(self, rel: str) -> None:
         """``rel`` was replaced: its open writers keep writing to the old file."""
@@ -709,7 +741,7 @@ class LiveHost:
                 a.stored_manifest()
                 if node.kind is Kind.DIR and node.rel not in a.tree():
                     raise NotFoundError(f"{node.rel}: no such directory")
-                return Attr(True, 0o755, 0, a.dir_mtime_ns)
+                return a.dir_attr(node.rel) if node.kind is Kind.DIR else Attr(True, 0o755, 0, a.dir_mtime_ns)
             case Kind.FILE:
                 return self.agent(node.agent).file_attr(node.rel)
             case Kind.BLOB:
@@ -728,7 +760,8 @@ class LiveHost:
             case Kind.SCRATCH:
                 d, _, n = node.rel.rpartition("/")
                 st = self.scratch.stat(node.agent, d, n)
-                return Attr(False, st.st_mode & 0o7777, st.st_size, st.st_mtime_ns, uid=st.st_uid, gid=st.st_gid)
+                return Attr(False, st.st_mode & 0o7777, st.st_size, st.st_mtime_ns, uid=st.st_uid, gid=st.st_gid,
+                            atime_ns=st.st_atime_ns, ctime_ns=st.st_ctime_ns)
             case Kind.CONTROL_FILE:
                 a = self.agent(node.agent)
                 mtime = os.stat(a.handle.dir).st_mtime_ns
@@ -925,9 +958,12 @@ class LiveHost:
                 self.scratch.rename(src.agent, (src_dir, n_old), (p_new.rel, n_new))
                 return src, Node(Kind.SCRATCH, src.agent, f"{p_new.rel}/{n_new}")
             if dst.kind is Kind.FILE and dst.rel in EDITABLE:
-                size = os.stat(self.scratch.path(src.agent, src_dir, n_old)).st_size
-                check_edit_size(dst.rel, size)
+                st = os.stat(self.scratch.path(src.agent, src_dir, n_old))
+                check_edit_size(dst.rel, st.st_size)
                 agent.save(dst.rel, self.scratch.read(src.agent, src_dir, n_old))
+                # The renamed file keeps its times, as on a disk (`rsync -a`
+                # sets them on its temp file before renaming it over).
+                os.utime(agent.handle.path(dst.rel), ns=(st.st_atime_ns, st.st_mtime_ns))
                 agent.detach_edit(dst.rel)  # writers still open write to the file replaced, as on a disk
                 self.scratch.unlink(src.agent, src_dir, n_old)
                 return src, dst
@@ -988,13 +1024,29 @@ class LiveHost:
             raise NotPermitted("the owner of capsule files is the mounting user, or the agent's own uid")
 
     def utimens(self, node: Node, atime_ns: int | None, mtime_ns: int | None) -> None:
-        """Times are real on scratch files and ignored elsewhere (``touch`` works)."""
-        if node.kind is Kind.SCRATCH:
-            d, _, n = node.rel.rpartition("/")
-            p = self.scratch.path(node.agent, d, n)
-            st = os.stat(p)
-            os.utime(p, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
-                            st.st_mtime_ns if mtime_ns is None else mtime_ns))
+        """Times are real on scratch files and on the capsule's mutable files
+        (working memory, the spec, the journal: ``LiveAgent.set_times``);
+        elsewhere they follow the capsule, and a change is refused as a mode
+        change is, unless it changes nothing."""
+        match node.kind:
+            case Kind.SCRATCH:
+                self.check_writable(node.agent)
+                d, _, n = node.rel.rpartition("/")
+                p = self.scratch.path(node.agent, d, n)
+                st = os.stat(p)
+                os.utime(p, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                                st.st_mtime_ns if mtime_ns is None else mtime_ns))
+                return
+            case Kind.FILE if node.rel in EDITABLE or node.rel == fmt.JOURNAL:
+                self.agent(node.agent).set_times(node.rel, atime_ns, mtime_ns)
+                return
+            case Kind.SNAP_FILE | Kind.SNAP_DIR | Kind.SNAPSHOT:
+                raise ReadOnly("snapshots are read-only")
+        a = self.attr(node)
+        if (mtime_ns is not None and mtime_ns != a.mtime_ns) or \
+                (atime_ns is not None and atime_ns != (a.mtime_ns if a.atime_ns is None else a.atime_ns)):
+            raise NotPermitted(f"the times of {node.rel or node.kind.value} follow the capsule; only working memory, "
+                               "the spec, the journal and scratch files take times of their own")
 
     # -- opening -------------------------------------------------------------------
     def open(self, node: Node, flags: int, uid: int) -> Handle:

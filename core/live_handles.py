@@ -286,6 +286,7 @@ class Edit:
     detached: bool = False
     fresh: bool = False
     failed: CapsuleError | None = None
+    times: tuple[int, int] | None = None  # (atime, mtime) set after the last write: applied at its commit
 
 
 class EditHandle(Handle):
@@ -347,6 +348,7 @@ class EditHandle(Handle):
             buf.extend(b"\0" * (offset - len(buf)))
         buf[offset: offset + len(data)] = data
         self.edit.dirty = self.edit.written = True
+        self.edit.times = None  # (a write moves the mtime, as on a disk)
         return len(data)
 
     def _poison(self, exc: CapsuleError) -> None:

@@ -62,11 +62,20 @@ class ScratchArea:
             return False
 
     def create(self, agent_id: str, reldir: str, name: str, mode: int, flags: int) -> int:
-        """Create and open a new scratch file; return its descriptor."""
+        """Create and open a new scratch file of exactly ``mode`` (the caller's
+        umask is the kernel's business, already applied: the daemon's own
+        umask must not be applied again); return its descriptor."""
         p = self.path(agent_id, reldir, name)
         makedirs_durable(os.path.dirname(p), 0o700)
         acc = flags & os.O_ACCMODE
-        return os.open(p, acc | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+        fd = os.open(p, acc | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, mode & 0o7777)
+        except BaseException:
+            os.close(fd)
+            os.unlink(p)
+            raise
+        return fd
 
     def open(self, agent_id: str, reldir: str, name: str, flags: int) -> int:
         p = self.path(agent_id, reldir, name)
@@ -104,6 +113,13 @@ class ScratchArea:
             return sorted(os.listdir(os.path.join(self.root, agent_id, reldir)))
         except FileNotFoundError:
             return []
+
+    def dir_mtime_ns(self, agent_id: str, reldir: str) -> int:
+        """When a scratch name in ``reldir`` last came or went (0: never)."""
+        try:
+            return os.stat(os.path.join(self.root, agent_id, reldir)).st_mtime_ns if reldir in SCRATCH_DIRS else 0
+        except FileNotFoundError:
+            return 0
 
     def stat(self, agent_id: str, reldir: str, name: str) -> os.stat_result:
         try:

@@ -165,7 +165,9 @@ class Operations(pyfuse3.Operations):
         e.st_size = a.size
         e.st_blksize = BLKSIZE
         e.st_blocks = (a.size + 511) // 512
-        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
+        e.st_mtime_ns = a.mtime_ns
+        e.st_atime_ns = a.mtime_ns if a.atime_ns is None else a.atime_ns
+        e.st_ctime_ns = a.mtime_ns if a.ctime_ns is None else a.ctime_ns
         return e
 
     def _handle(self, fh: int) -> Handle:

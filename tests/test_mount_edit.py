@@ -483,3 +483,62 @@ def test_mv_of_a_private_temp_file_saves_without_complaint(mnt: Path, tmp_path: 
     assert exc.value.errno == errno.EPERM
     assert kinds(mnt) == ["memory_edit"]
     verifies(mnt)
+
+
+def _sh(script: str, cwd: Path) -> str:
+    out = subprocess.run(["bash", "-c", script], cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_scratch_files_take_the_callers_umask_once_and_have_their_own_times(mnt: Path) -> None:
+    """issue 25: `umask 0; touch f` gave 0644 (the daemon's umask applied
+    again); atime and ctime read back as mtime; the directory's mtime never
+    moved when a scratch name came or went."""
+    memory = mnt / "memory"
+    assert _sh("umask 0; touch f0; umask 077; touch f77; umask 022; touch f22; stat -c %a f0 f77 f22", memory) \
+        .split() == ["666", "600", "644"]
+    _sh("touch -a -d '2001-02-03 04:05:06' f0; touch -m -d '2011-12-13 14:15:16' f0", memory)
+    st = os.stat(memory / "f0")
+    assert time.gmtime(st.st_atime)[:3] == (2001, 2, 3) and time.gmtime(st.st_mtime)[:3] == (2011, 12, 13)
+    assert st.st_ctime > st.st_mtime  # (the change was made now)
+    before = os.stat(memory).st_mtime_ns
+    for step in ("touch newer", "mv newer newest", "rm newest"):
+        _sh(step, memory)
+        now = os.stat(memory).st_mtime_ns
+        assert now > before, step
+        before = now
+    assert os.stat(mnt / "artifacts").st_mtime_ns < before  # (no scratch files there: its time is fixed)
+    for name in ("f0", "f77", "f22"):
+        os.unlink(memory / name)
+    verifies(mnt)
+
+
+def test_times_of_working_memory_are_kept_and_read_only_files_refuse_them(mnt: Path, tmp_path: Path) -> None:
+    """`touch -d`, `cp -p` and `rsync -a` on working memory returned 0 and
+    changed nothing (issue 25): the times are the saved file's now, until
+    its content changes; read-only files refuse a change as chmod does."""
+    wm = mnt / fmt.WORKING_MEMORY
+    _sh(f"touch -d '2001-02-03 04:05:06' {wm}", tmp_path)
+    assert time.gmtime(os.stat(wm).st_mtime)[:3] == (2001, 2, 3)
+    assert wm.read_text() == MEMORY and kinds(mnt) == []
+    src = tmp_path / "notes.md"
+    src.write_text("# copied with its time\n")
+    src.chmod(0o644)  # (cp -p and rsync -a keep modes and owners too: a capsule file's are fixed)
+    os.chown(src, os.stat(wm).st_uid, os.stat(wm).st_gid)  # (the agent's uid, when it runs isolated)
+    os.utime(src, (1_000_000_000, 1_100_000_000))
+    runs = [["cp", "-p", str(src), str(wm)]]
+    if shutil.which("rsync"):
+        runs.append(["rsync", "-a", str(src), str(wm)])  # (a scratch temp file, timed, renamed over)
+    for argv in runs:
+        os.utime(wm, (1, 1))
+        run = subprocess.run(argv, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert os.stat(wm).st_mtime == 1_100_000_000, argv
+        assert wm.read_text() == "# copied with its time\n"
+    wm.write_text("# edited\n")  # a new version: its own time
+    assert os.stat(wm).st_mtime > 1_100_000_000
+    for path in (mnt / "manifest.json", mnt / fmt.SNAPSHOT, mnt / "memory"):
+        sh = subprocess.run(["touch", "-d", "2001-02-03", str(path)], capture_output=True, text=True)
+        assert sh.returncode != 0 and "Operation not permitted" in sh.stderr, path
+    verifies(mnt)

@@ -568,3 +568,48 @@ async def test_a_later_thread_given_the_unlinker_s_id_sees_the_file_and_cannot_r
     assert await c.read(wm) == old
     await c.write(wm, b"- one more\n", append=True, trunc=False)
     assert await c.read(wm) == old + b"- one more\n"
+
+
+async def _set_mtime(c: Client, path: str, mtime_ns: int, fh: int | None = None) -> None:
+    import pyfuse3
+
+    from ops_kit import Fields
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mtime_ns = mtime_ns
+    await c.ops.setattr(await c.lookup(path), attr, Fields(update_mtime=True), fh, c.ctx)  # type: ignore[arg-type]
+
+
+async def test_times_set_on_an_open_edit_hold_at_its_commit_unless_written_after(c: Client) -> None:
+    """`cp -p` sets the times through its descriptor before closing it: the
+    commit at close replaces the file, and must keep them; a write after
+    them moves the mtime, as on a disk."""
+    wm = "alice/memory/working_memory.md"
+    for write_after, kept in ((False, True), (True, False)):
+        fi = await c.open(wm, os.O_WRONLY | os.O_TRUNC)
+        await c.ops.write(fi.fh, 0, b"# copied %d\n" % write_after)
+        await _set_mtime(c, wm, 1_100_000_000 * 10**9, fi.fh)
+        if write_after:
+            await c.ops.write(fi.fh, 0, b"# copied 2\n")
+        await c.ops.flush(fi.fh)
+        await c.ops.release(fi.fh)
+        assert ((await c.stat(wm)).st_mtime_ns == 1_100_000_000 * 10**9) is kept
+    assert await c.read(wm) == b"# copied 2\n"
+
+
+async def test_scratch_files_keep_the_mode_asked_for_and_move_their_directorys_time(c: Client) -> None:
+    memory = await c.lookup("alice/memory")
+    before = (await c.stat("alice/memory")).st_mtime_ns
+    fi, attr = await c.ops.create(memory, b"f", 0o666, os.O_WRONLY | os.O_CREAT | os.O_EXCL, Ctx(umask=0))
+    await c.ops.release(fi.fh)
+    assert attr.st_mode & 0o7777 == 0o666  # (the kernel applied the caller's umask; the daemon's is not applied)
+    assert (await c.stat("alice/memory")).st_mtime_ns > before
+    assert (await c.stat("alice/artifacts")).st_mtime_ns == before  # (no scratch files there)
+    await c.unlink("alice/memory/f")
+
+
+@pytest.mark.parametrize("path", ["alice/manifest.json", "alice/artifacts/snapshot.json", "alice/memory", "alice",
+                                  f"alice/{CONTROL}/model"])
+async def test_read_only_files_refuse_new_times_as_they_refuse_a_mode(c: Client, path: str) -> None:
+    assert await errno_of(_set_mtime(c, path, 1_100_000_000 * 10**9)) == errno.EPERM
+    await _set_mtime(c, path, (await c.stat(path)).st_mtime_ns)  # (a no-op is fine)
