@@ -90,7 +90,6 @@ from .live_handles import (
     resize,
 )
 from .live_journal import JournalTail, open_appender
-from .render import PROVIDER_ALIASES, PROVIDERS
 from .scratch import SCRATCH_DIRS, ScratchArea
 from .snapshots import Snapshots
 from .spec import parse_spec
@@ -413,20 +412,8 @@ class LiveAgent:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
         return self.append(parse_draft_lines(data, "journal"))
 
-    def switch_model(self, line: str) -> Record:
-        """Switch to ``provider:model``, one line as ``.control/model`` takes it
-        (``control_line``). The provider must be one the renderers know
-        (or a short name for one, ``render.PROVIDER_ALIASES``): the agent
-        could never answer for another."""
-        provider, sep, model = line.partition(":")
-        provider, model = provider.strip(), model.strip()
-        if not sep or not provider or not model:
-            raise FormatError(f"model {line[:80]!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
-        provider = PROVIDER_ALIASES.get(provider, provider)
-        if provider not in PROVIDERS:
-            known = ", ".join(sorted(PROVIDERS)) + "; " + ", ".join(f"{a} means {p}" for a, p in
-                                                                  sorted(PROVIDER_ALIASES.items()))
-            raise FormatError(f"unknown provider {provider[:80]!r} in .control/model; known: {known}")
+    def switch_model(self, provider: str, model: str) -> Record:
+        """Switch to ``provider:model`` (as ``live_handles.parse_model_line`` reads one)."""
         return self.append([ModelSwitch(provider=provider, model=model)])[0]
 
     def begin_edit(self, rel: str) -> Edit:

@@ -31,6 +31,7 @@ from .blobcheck import BlobCheck
 from .errors import CapsuleError, FormatError, NotFoundError
 from .journal import parse_draft_lines
 from .live_errors import NotPermitted, NotSupported, TooLarge
+from .render import PROVIDER_ALIASES, PROVIDERS
 
 if TYPE_CHECKING:
     from .live import LiveAgent
@@ -410,7 +411,7 @@ class ModelHandle(Handle):
 
     def write(self, offset: int, data: bytes) -> int:
         # One short line, whole: a long write comes in pieces, none of which may switch the model.
-        self.agent.switch_model(control_line(bytes(data), ".control/model", example="anthropic:claude-sonnet-4-5"))
+        self.agent.switch_model(*parse_model_line(bytes(data)))
         return len(data)
 
     def truncate(self, size: int) -> None:
@@ -470,10 +471,7 @@ class RemoveHandle(Handle):
     async def write_async(self, offset: int, data: bytes) -> int:
         if self.remover is None:
             raise NotSupported(REMOVE_UNAVAILABLE)
-        token = control_line(bytes(data), ".control/remove", example="AGENT_ID", strip=False)
-        if token != self.agent.agent_id:
-            raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id, "
-                              f"nothing around it (\"agent_id\" in .control/status) to remove it")
+        check_removal(bytes(data), self.agent.agent_id)
         await self.remover.remove(self.agent.agent_id)
         return len(data)
 
@@ -499,6 +497,33 @@ def control_line(data: bytes, what: str, *, example: str = "laptop", strip: bool
     if not text.strip(" ") or any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text):  # (another newline is one)
         raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
     return text.strip(" ") if strip else text
+
+
+def parse_model_line(data: bytes) -> tuple[str, str]:
+    """What a write to ``.control/model`` switches to: (provider id, model), or
+    FormatError. The provider must be one the renderers know, or a short
+    name for one (``render.PROVIDER_ALIASES``): the agent could never answer
+    for another."""
+    line = control_line(data, ".control/model", example="anthropic:claude-sonnet-4-5")
+    provider, sep, model = line.partition(":")
+    provider, model = provider.strip(" "), model.strip(" ")
+    if not sep or not provider or not model:
+        raise FormatError(f"model {line[:80]!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
+    provider = PROVIDER_ALIASES.get(provider, provider)
+    if provider not in PROVIDERS:
+        known = ", ".join(sorted(PROVIDERS)) + "; " + ", ".join(f"{a} means {p}" for a, p in
+                                                              sorted(PROVIDER_ALIASES.items()))
+        raise FormatError(f"unknown provider {provider[:80]!r} in .control/model; known: {known}")
+    return provider, model
+
+
+def check_removal(data: bytes, agent_id: str) -> None:
+    """FormatError unless a write to ``.control/remove`` is exactly ``agent_id``
+    (with at most the newline ``echo`` adds): a stray write removes nothing."""
+    token = control_line(data, ".control/remove", example="AGENT_ID", strip=False)
+    if token != agent_id:
+        raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id, "
+                          f"nothing around it (\"agent_id\" in .control/status) to remove it")
 
 
 def check_edit_size(rel: str, size: int, now: int = 0) -> None:

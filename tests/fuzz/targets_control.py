@@ -1,0 +1,68 @@
+"""Fuzz targets: one write to a ``.control`` file, parsed as the view parses it.
+
+Each ``run`` takes the bytes of one ``write()`` and, when the view would
+accept them, checks what a user relies on (an AssertionError is a finding,
+like any exception that is not a CapsuleError):
+
+  * model: what is accepted is a known provider (never an alias) and a
+    model, and the line ``.control/model`` then shows reads back as the same
+    switch; the event it appends is one the journal takes.
+  * move, abandon: one line of text, no control character, no spaces
+    around it, at most MAX_CONTROL_LINE bytes.
+  * remove: accepted only for exactly the agent's id, with at most the
+    newline ``echo`` adds: nothing else can remove an agent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capsulefs.core.events import ModelSwitch
+from capsulefs.core.live_handles import MAX_CONTROL_LINE, check_removal, control_line, parse_model_line
+from capsulefs.core.render import PROVIDER_ALIASES, PROVIDERS
+
+from . import Target
+
+AGENT_ID = "0123456789abcdef0123456789abcdef"
+HOST_ID = "FUZZHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+
+
+def _model_seeds() -> list[bytes]:
+    return [b"anthropic:claude-sonnet-4-5\n", b"openai:gpt-5\n", b" openai-chat:gpt-4o \r\n", b"gemini:gemini-2.5-pro",
+            b"openai-responses:o3:high\n", "anthropic:claude-\u00e9\n".encode()]
+
+
+def _run_model(data: bytes, scratch: Path) -> None:
+    provider, model = parse_model_line(data)
+    assert provider in PROVIDERS and provider not in PROVIDER_ALIASES, provider
+    assert model and model == model.strip(" ")
+    ev = ModelSwitch(provider=provider, model=model)  # the journal takes it
+    shown = f"{ev.provider}:{ev.model}\n".encode()  # what .control/model reads back (LiveAgent.model_bytes)
+    assert parse_model_line(shown) == (provider, model), shown
+
+
+def _line_seeds() -> list[bytes]:
+    return [b"laptop\n", HOST_ID.encode() + b"\n", b"the peer is gone for good\n", b" b \r\n"]
+
+
+def _run_line(data: bytes, scratch: Path) -> None:
+    for what in (".control/move", ".control/abandon"):
+        text = control_line(data, what)
+        assert text and text == text.strip(" ") and len(text.encode()) <= MAX_CONTROL_LINE
+        assert not any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text), text
+
+
+def _remove_seeds() -> list[bytes]:
+    return [AGENT_ID.encode() + b"\n", AGENT_ID.encode()]
+
+
+def _run_remove(data: bytes, scratch: Path) -> None:
+    check_removal(data, AGENT_ID)
+    assert data in (AGENT_ID.encode(), AGENT_ID.encode() + b"\n"), data
+
+
+TARGETS = [
+    Target("control_model", _model_seeds, _run_model),
+    Target("control_move_abandon", _line_seeds, _run_line),
+    Target("control_remove", _remove_seeds, _run_remove),
+]
