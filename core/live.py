@@ -17,6 +17,10 @@ Rules:
     file is renamed over the file. A committed working-memory edit is one
     ``memory_edit`` journal event followed by the file itself; a spec edit
     must pass ``spec.validate_spec`` or it is refused and the old spec kept.
+  * A failed write poisons its edit (``live_handles.Edit.failed``): nothing
+    of it is committed. Times given to a mutable file are kept on the
+    stored file until its content changes (:meth:`LiveAgent.set_times`);
+    other capsule files refuse them, as they refuse a mode.
   * Hidden directories, absent from listings but reachable by name:
     ``.control/`` (status, model, move, abandon, remove) and ``.snapshots/``
     (see snapshots).
