@@ -277,8 +277,10 @@ class Edit:
     (``install`` copies under mode 0600, ``mv`` sets the source's mode).
     ``failed``: a write to it failed (too large, read-only...); the bytes
     are not what any writer meant, so the edit is detached and poisoned:
-    its writes, truncates and closes fail with that error, nothing of it is
-    committed, and the file stays as it was (the next open starts anew)."""
+    its writes, truncates and fsyncs fail with that error, nothing of it is
+    committed, and the file stays as it was (the next open starts anew);
+    a close fails too if bytes written before the failure were dropped
+    (``dropped``)."""
 
     data: bytearray
     dirty: bool = False
@@ -287,6 +289,7 @@ class Edit:
     detached: bool = False
     fresh: bool = False
     failed: CapsuleError | None = None
+    dropped: bool = False
     times: tuple[int, int] | None = None  # (atime, mtime) set after the last write: applied at its commit
 
 
@@ -358,6 +361,7 @@ class EditHandle(Handle):
             log.warning("agent %s: a write to %s failed (%s); the edit is dropped, the file keeps its saved version",
                         self.agent.agent_id, self.rel, exc)
         edit.failed = exc
+        edit.dropped = edit.dropped or edit.dirty
         if self.agent.edits.get(self.rel) is edit:
             self.agent.detach_edit(self.rel)  # readers and the next writer see the file as saved
             if edit.dirty:
@@ -378,8 +382,8 @@ class EditHandle(Handle):
         self.edit.dirty = True
 
     def flush(self) -> None:
-        if not self.writable:
-            return
+        if not self.writable or (self.edit.failed is not None and not self.edit.dropped):
+            return  # (a write failed, but nothing written was lost: nothing to report)
         self._check_failed()
         if self.edit.detached:
             return
@@ -389,6 +393,8 @@ class EditHandle(Handle):
             self.agent.check_edit(self.rel, bytes(self.edit.data))
 
     def fsync(self) -> None:
+        if self.writable:
+            self._check_failed()
         self.flush()
 
     def release(self) -> None:
