@@ -193,17 +193,22 @@ def _last_line(path: str, start: int) -> str:
 _PYTHON = re.compile(r"python[0-9.]*")
 
 
+#: This interpreter's ``capsulefs`` script (its shebang runs python without -I).
+_OUR_SCRIPT = os.path.realpath(os.path.join(os.path.dirname(sys.executable), "capsulefs"))
+
+
 def ours_isolated(argv: list[str]) -> list[str]:
     """An entrypoint or setup step that runs capsulefs itself, made to run this
-    host's capsulefs isolated: ``capsulefs ...`` becomes ``python -I -m
-    capsulefs ...`` with this interpreter (wherever it is installed), and
+    host's capsulefs isolated: ``capsulefs ...`` (or the path of this
+    interpreter's ``capsulefs`` script) becomes ``python -I -m capsulefs
+    ...`` with this interpreter (wherever it is installed), and
     ``python -m capsulefs ...`` gains ``-I``. Without ``-I``, ``-m`` puts
     the working directory (the workspace, which the agent and its tools
     write) first on ``sys.path``, and a ``json.py`` planted there would run
     inside the process that holds the agent's secrets; ``-I`` also ignores
     ``PYTHON*`` variables and the user site (under the agent's ``HOME``).
     Any other program runs as the spec says (it is the spec's own code)."""
-    if argv[0] == "capsulefs":  # this host's own capsulefs, wherever it is installed
+    if argv[0] == "capsulefs" or (os.path.isabs(argv[0]) and os.path.realpath(argv[0]) == _OUR_SCRIPT):
         return [sys.executable, "-I", "-m", "capsulefs", *argv[1:]]
     if argv[1:2] == ["-m"] and argv[2:3] and argv[2].partition(".")[0] == "capsulefs" \
             and _PYTHON.fullmatch(os.path.basename(argv[0])):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from helpers import reference_agent_spec
@@ -67,6 +68,8 @@ def _replies(h: Host, name: str) -> int:
 def test_capsulefs_entrypoints_and_setup_steps_run_isolated() -> None:
     py = "/usr/bin/python3.11"
     assert ours_isolated(["capsulefs", "agent"])[1:] == ["-I", "-m", "capsulefs", "agent"]
+    script = os.path.join(os.path.dirname(sys.executable), "capsulefs")  # (its shebang has no -I)
+    assert ours_isolated([script, "agent"])[1:] == ["-I", "-m", "capsulefs", "agent"]
     assert ours_isolated([py, "-m", "capsulefs", "agent"]) == [py, "-I", "-m", "capsulefs", "agent"]
     assert ours_isolated(["python3", "-m", "capsulefs.stubprovider"]) == ["python3", "-I", "-m", "capsulefs.stubprovider"]
     # The spec's own programs run as it says (-I would hide a script's own modules from it).
