@@ -111,8 +111,11 @@ def _scenario(a: Host, b: Host, tmp_path: Path, plant: str, beside: Path) -> Non
         (a.mnt / "pilot" / ".control" / "model").write_text("anthropic:claude-a\n")
         # The agent's own tool plants the modules in its workspace (a model told to, say).
         sandbox_a = a.state / "sandboxes" / a.status("pilot")["agent_id"] / "workspace"
+        # (One message, three calls: a message said while a tool runs would be
+        # journaled before its result, and answered as the result is.)
+        _say(a, "pilot", " ".join("call write_file " + json.dumps({"path": f"{mod}.py", "content": plant})
+                                  for mod in PLANTED))
         for mod in PLANTED:
-            _say(a, "pilot", "call write_file " + json.dumps({"path": f"{mod}.py", "content": plant}))
             wait_for(lambda mod=mod: _text(sandbox_a / f"{mod}.py") == plant, f"the agent to write {mod}.py")
         # A move: B's slab helper writes the blobs; the agent starts again on B, in a
         # workspace that holds the planted modules.
