@@ -107,7 +107,7 @@ class Tip:
         """The running digest of the covered bytes, if it can be resumed here."""
         if self.sha_state is None:
             return None
-        return sha256_state.resume(self.sha_state, self.sha_lib)
+        return sha256_state.resume(self.sha_state, self.sha_lib, self.size)
 
 
 EMPTY = Tip(size=0, count=0, clock=0, last=None, tails={}, model=None, sha_state=None, sha_lib="")

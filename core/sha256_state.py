@@ -136,9 +136,25 @@ class Sha256State:
         return out.raw.hex()
 
 
-def resume(state: bytes, lib_version: str) -> Sha256State | None:
-    """A running hash from a saved state, or None where states cannot be
-    resumed here or it was saved by another library."""
-    if _load() is None or lib_version != _version or len(state) != CTX_SIZE:
+def covers(state: bytes) -> int | None:
+    """How many bytes a saved state has hashed, read from its own fields, or
+    None if they disagree (the bit count ``Nl``/``Nh``, the partial block's
+    length ``num`` and ``md_len``): a state that is not self-consistent is
+    never handed to OpenSSL, which indexes its block by ``num``."""
+    if len(state) != CTX_SIZE:
+        return None
+    nl, nh = int.from_bytes(state[32:36], "little"), int.from_bytes(state[36:40], "little")
+    num, md_len = int.from_bytes(state[104:108], "little"), int.from_bytes(state[108:112], "little")
+    bits = nh << 32 | nl
+    if bits % 8 or md_len != 32 or num != (bits // 8) % 64:
+        return None
+    return bits // 8
+
+
+def resume(state: bytes, lib_version: str, length: int) -> Sha256State | None:
+    """A running hash from a saved state of the first ``length`` bytes, or
+    None where states cannot be resumed here, it was saved by another
+    library, or it does not cover exactly ``length`` bytes."""
+    if _load() is None or lib_version != _version or covers(state) != length:
         return None
     return Sha256State(state)

@@ -197,3 +197,22 @@ def test_tip_bytes_round_trip(journal: tuple[Path, Path]) -> None:
     for bad in (b"", b"{}\n", data[:-5], data.replace(b'"v":1', b'"v":2'), b"\xff\n00\n"):
         with pytest.raises(FormatError):
             parse_tip(bad)
+
+
+@pytest.mark.skipif(not sha256_state.available(), reason="no resumable sha256 here")
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000])
+def test_a_saved_sha256_state_resumes_only_for_the_bytes_it_covers(n: int) -> None:
+    data = bytes(range(256)) * 8
+    h = sha256_state.Sha256State()
+    h.update(data[:n])
+    saved = h.state()
+    assert sha256_state.covers(saved) == n
+    resumed = sha256_state.resume(saved, sha256_state.library(), n)
+    assert resumed is not None
+    resumed.update(data[n:])
+    assert resumed.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert sha256_state.resume(saved, sha256_state.library(), n + 1) is None
+    # a damaged partial-block length is never handed to OpenSSL
+    spoiled = saved[:104] + (200).to_bytes(4, "little") + saved[108:]
+    assert sha256_state.covers(spoiled) is None
+    assert sha256_state.resume(spoiled, sha256_state.library(), n) is None
