@@ -9,8 +9,10 @@ Rules:
   * Writable: ``memory/working_memory.md`` and ``environment/spec.json``
     (any editor: in place, a scratch file renamed over them, or unlink and
     create anew, which hides the name from the unlinking thread only), and
-    ``memory/timeline_events.jsonl`` (append only, whole JSON lines). All
-    else is read-only; the capsule's shape never changes through the mount.
+    ``memory/timeline_events.jsonl`` (append only, whole JSON lines). A new
+    file in ``artifacts/blobs/`` named by the sha256 of its bytes adds a
+    blob (``live_upload``). All else is read-only; the capsule's shape
+    never changes through the mount otherwise.
   * An edit of an editable file is buffered (one :class:`Edit` per file,
     shared by every descriptor writing it, like an inode's pages) and
     committed when a writer flushes (close) or fsyncs, or when a scratch
@@ -95,6 +97,7 @@ from .live_handles import (
 )
 from .live_journal import JournalTail, open_appender
 from .scratch import SCRATCH_DIRS, ScratchArea
+from .live_upload import UploadArea, check_attachments, check_upload_name
 from .snapshots import Snapshots
 from .spec import parse_spec
 from .store import AgentHandle, HostStore
@@ -407,10 +410,16 @@ class LiveAgent:
 
     def append(self, events: Sequence[Event]) -> list[Record]:
         self.check_writable()
+        self.check_blobs(events)
         try:
             return self.journal().append_many(events)
         finally:
             self.host.changed(self.agent_id, fmt.JOURNAL)
+
+    def check_blobs(self, events: Sequence[Event]) -> None:
+        """FormatError unless every attachment among ``events`` names a blob
+        this agent lists, with its size (``live_upload.check_attachments``)."""
+        check_attachments(self.blobs, events)
 
     def append_lines(self, data: bytes) -> list[Record]:
         """Validate whole JSON lines of event drafts, then append them all, or none."""
@@ -559,6 +568,7 @@ class LiveHost:
         self.agent_owner: Callable[[str], int | None] | None = None
         self.work_dir = work_dir
         self.scratch = ScratchArea.under(work_dir)
+        self.uploads = UploadArea.under(work_dir)  # (leftovers of an earlier daemon removed)
         self.snapshots = Snapshots.under(work_dir)
         self.snapshots.sweep()
         self._drop_leftovers(set(store.agent_ids()))
@@ -738,6 +748,8 @@ class LiveHost:
             case Kind.BLOB:
                 sha = fmt.blob_name(node.rel) or ""
                 size = self.agent(node.agent).blobs().get(sha)
+                if size is None and (pending := self.uploads.pending_size(node.agent, sha)) is not None:
+                    return Attr(False, 0o644, pending, self.now_ns())  # being uploaded (live_upload)
                 if size is None:
                     raise NotFoundError(f"{node.rel}: no such blob in this agent")
                 try:
@@ -860,6 +872,8 @@ class LiveHost:
             if parent.kind in (Kind.SNAPSHOT, Kind.SNAP_DIR):
                 raise ReadOnly("snapshots are read-only")
             raise NotPermitted("files can only be created in memory/ and environment/ of an agent (editor scratch files)")
+        if parent.rel == fmt.BLOBS_DIR:
+            return self._upload(parent.agent, name, exclusive=bool(flags & os.O_EXCL))
         existing = self._children(parent).get(name)
         if existing is not None and existing.kind is Kind.FILE and \
                 self.unlinked_by(existing, pid):
@@ -1062,9 +1076,11 @@ class LiveHost:
                     raise NotPermitted(f"{node.rel} is read-only")
                 return FileHandle(a.handle.path(node.rel))
             case Kind.BLOB:
-                if write:
-                    raise NotPermitted("blobs are read-only")
                 sha = fmt.blob_name(node.rel) or ""
+                if write:  # the same bytes again: verified, and stored only if the store lacks them
+                    return self._upload(node.agent, sha, exclusive=False)[1]
+                if sha not in self.agent(node.agent).blobs():
+                    raise NotFoundError(f"{node.rel}: not stored (yet)")
                 return self._blob_handle(sha)
             case Kind.MANIFEST:
                 if write:
@@ -1099,6 +1115,15 @@ class LiveHost:
                     return self._blob_handle(sha)
                 return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
         raise IsADirectory("is a directory")
+
+    def _upload(self, agent_id: str, name: str, *, exclusive: bool) -> tuple[Node, Handle]:
+        """A new blob written through ``artifacts/blobs/<sha256>`` (``live_upload``)."""
+        sha = check_upload_name(name)
+        agent = self.agent(agent_id)
+        agent.check_writable()
+        if exclusive and sha in agent.blobs():
+            raise ExistsError(f"{fmt.blob_path(sha)} exists")
+        return Node(Kind.BLOB, agent_id, fmt.blob_path(sha)), self.uploads.open(agent, sha)
 
     def _blob_handle(self, sha: str) -> "BlobHandle":
         path = self.store.blob_file(sha)

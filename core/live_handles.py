@@ -236,7 +236,9 @@ class JournalHandle(Handle):
         if end > MAX_PARTIAL_LINE and max(map(len, buf[:end].split(b"\n"))) > MAX_PARTIAL_LINE:
             raise TooLarge(_TOO_LONG + "; the write is refused whole")
         if end:
-            self.agent.journal().append_many(parse_draft_lines(buf[:end], "journal"))
+            events = parse_draft_lines(buf[:end], "journal")
+            self.agent.check_blobs(events)  # an attachment names a blob this agent has
+            self.agent.journal().append_many(events)
         self.partial = buf[end:]
         return len(data)
 

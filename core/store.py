@@ -11,7 +11,8 @@ Layout (``LAYOUT`` = 1), under the state directory::
     mount/                     the FUSE mount's own area (see capsulefs.core.live):
       snapshots/<agent_id>/<name>/manifest.json
                                read-only snapshots; gc keeps the blobs they list
-      scratch/, recovery/      editors' temp files, torn journal tails
+      scratch/, uploads/,      editors' temp files, blobs being uploaded (live_upload),
+      recovery/                torn journal tails
     recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal)
     journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable
                                there first (see capsulefs.core.journal_ring)

@@ -184,13 +184,17 @@ class Operations(pyfuse3.Operations):
     def _changed(self, agent_id: str, rel: str) -> None:
         """A file changed through the mount: drop the kernel's attributes of it,
         of the manifest and of the control files, if the kernel has them."""
-        nodes = [Node(Kind.FILE, agent_id, rel), Node(Kind.MANIFEST, agent_id, fmt.MANIFEST)]
+        blob = fmt.blob_name(rel) is not None
+        nodes = [Node(Kind.BLOB if blob else Kind.FILE, agent_id, rel), Node(Kind.MANIFEST, agent_id, fmt.MANIFEST)]
         nodes += [Node(Kind.CONTROL_FILE, agent_id, n) for n in ("status", "model")]
         if rel == fmt.WORKING_MEMORY:
             nodes.append(Node(Kind.FILE, agent_id, fmt.JOURNAL))  # its memory_edit event
         for node in nodes:
             for ino in self.inodes.all_of(node):
                 self.kernel.invalidate_attr(ino)
+        if blob:  # an upload stored or dropped: the kernel's entry of its name goes too
+            for ino in self.inodes.all_of(Node(Kind.DIR, agent_id, fmt.BLOBS_DIR)):
+                self.kernel.invalidate_entry(ino, os.fsencode(rel.rpartition("/")[2]))
 
     def owner_changed(self, agent_id: str) -> None:
         """The agent was given a uid of its own (sandbox isolation): drop the

@@ -74,7 +74,11 @@ async def test_blobs_are_read_only_cached_and_long_lived(c: Client, store: HostS
     fi = await c.open(path)
     assert fi.keep_cache and not fi.direct_io
     await c.ops.release(fi.fh)
-    assert await errno_of(c.open(path, os.O_WRONLY)) == errno.EPERM
+    # writing it is an upload of the same bytes (live_upload): other bytes are refused at close
+    fi = await c.open(path, os.O_WRONLY)
+    await c.ops.write(fi.fh, 0, b"other bytes")
+    assert await errno_of(c.ops.flush(fi.fh)) == errno.EINVAL
+    await c.ops.release(fi.fh)
     assert await errno_of(c.open("alice/manifest.json", os.O_WRONLY)) == errno.EPERM
     assert await c.read(path) in (b"print('hi')\n", b"hello\n")
 

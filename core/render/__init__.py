@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import Event, Record
-from ._base import Provider, ToolSpec, resolve
+from ._base import Provider, ToolSpec, resolve, sniff_media_type
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter
 from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, fit, plan
 from .anthropic import PROVIDER as _ANTHROPIC
@@ -53,6 +53,7 @@ from .openai_responses import PROVIDER as _RESPONSES
 
 __all__ = [
     "INTERRUPTED",
+    "MAX_ATTACHMENT",
     "PROVIDERS",
     "PROVIDER_ALIASES",
     "BudgetTooSmall",
@@ -71,6 +72,7 @@ __all__ = [
     "get_provider",
     "parse_response",
     "render",
+    "sniff_media_type",
     "system_prompt",
 ]
 
@@ -80,6 +82,9 @@ PROVIDERS: dict[str, Provider] = {p.id: p for p in (_ANTHROPIC, _CHAT, _RESPONSE
 #: provider id journaled for them. ``openai`` is the Responses API, OpenAI's
 #: API for its reasoning models (their reasoning items go back to them).
 PROVIDER_ALIASES: dict[str, str] = {"openai": _RESPONSES.id}
+#: The largest attachment any provider takes (bytes): what an agent may
+#: upload as a blob through the mount (``core.live_upload``).
+MAX_ATTACHMENT = max(size for p in PROVIDERS.values() for size in p.accepts.values())
 
 
 @dataclass(frozen=True, slots=True)

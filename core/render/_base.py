@@ -92,6 +92,22 @@ MB = 1024 * 1024
 IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
+def sniff_media_type(head: bytes) -> str | None:
+    """The media type of an image or PDF by its first bytes (its magic
+    number, never its file name), or None if it is neither."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head.startswith(b"%PDF-"):
+        return "application/pdf"
+    return None
+
+
 class Provider:
     """Base of the provider modules' singletons. Subclasses fill every method."""
 
