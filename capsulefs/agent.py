@@ -29,6 +29,11 @@ Rules:
     the daemon shows in ``.control/status`` as ``run.problem`` until a step
     succeeds. The model is never called with a request that lacks the
     newest message.
+  * ``read_file`` on an image or a PDF (told by its first bytes, never its
+    name) attaches it: the bytes are stored as a blob of the capsule
+    (``artifacts/blobs/<sha256>``; through the mount, an upload checked at
+    close), then an ``attachment`` event with the call's id is journaled
+    with its result, in one append, so the next request shows it to the model.
   * The run's secrets (named in ``$CAPSULE_SECRETS``) are for the provider
     SDKs only: the shell tool runs without them, and any tool result or
     error holding a secret's value is journaled with ``[secret NAME]`` in
@@ -37,6 +42,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -63,7 +69,7 @@ POLL_SECONDS = 0.2
 TOOLS = (
     render.ToolSpec(
         name="read_file",
-        description="Read a text file of the workspace.",
+        description="Read a text file of the workspace; an image or a PDF is attached for you to see.",
         parameters={"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
     ),
     render.ToolSpec(
@@ -148,6 +154,8 @@ class JournalPort(Protocol):
 
     def read_blob(self, sha256: str) -> bytes: ...
 
+    def put_blob(self, data: bytes) -> str: ...
+
 
 class CapsuleDirPort:
     """The agent's capsule directory in a capsulefs mount: appends are draft lines."""
@@ -184,6 +192,25 @@ class CapsuleDirPort:
         with open(os.path.join(self.dir, fmt.blob_path(sha256)), "rb") as f:
             return f.read()
 
+    def put_blob(self, data: bytes) -> str:
+        """Store ``data`` as a blob of the capsule; its sha256. Through the
+        mount: written to ``artifacts/blobs/<sha256>``, which the close
+        checks and stores (OSError if refused, e.g. EFBIG past the limit)."""
+        sha = hashlib.sha256(data).hexdigest()
+        try:
+            fd = os.open(os.path.join(self.dir, fmt.blob_path(sha)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        except FileExistsError:
+            return sha  # the capsule has it already
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # (the mount checks and stores the blob here)
+        return sha
+
 
 class DirectPort(CapsuleDirPort):
     """A capsule directory outside any mount: stamps events itself as ``machine``."""
@@ -202,12 +229,28 @@ class DirectPort(CapsuleDirPort):
     def append(self, events: Sequence[ev.Event]) -> None:
         self._j.append_many(events)
 
+    def put_blob(self, data: bytes) -> str:
+        sha = hashlib.sha256(data).hexdigest()
+        path = os.path.join(self.dir, fmt.blob_path(sha))
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, data, mode=0o444)
+        return sha
+
 
 # -- tools ----------------------------------------------------------------------------------
 
 
 class ToolError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool returns: its text, and files to show the model."""
+
+    text: str
+    files: tuple[tuple[str, str, bytes], ...] = ()  # (name, media type, bytes) to attach
 
 
 @dataclass
@@ -228,21 +271,39 @@ class Toolbox:
         return full
 
     def run(self, name: str, args: Mapping[str, Any]) -> str:
+        return self.call(name, args).text
+
+    def call(self, name: str, args: Mapping[str, Any]) -> ToolOutput:
+        """Run a tool; its text has the run's secrets redacted (ToolError if it failed)."""
         fn = getattr(self, f"tool_{name}", None)
         if fn is None:
             raise ToolError(f"unknown tool {name!r}")
         try:
-            return redact_secrets(fn(args), self.secrets)
+            out = fn(args)
         except ToolError as exc:
             raise ToolError(redact_secrets(str(exc), self.secrets)) from None
+        if isinstance(out, str):
+            out = ToolOutput(out)
+        return ToolOutput(redact_secrets(out.text, self.secrets), out.files)
 
-    def tool_read_file(self, args: Mapping[str, Any]) -> str:
+    def tool_read_file(self, args: Mapping[str, Any]) -> str | ToolOutput:
         path = self._path(args.get("path"))
+        rel = str(args.get("path"))
         try:
+            with open(path, "rb") as f:
+                media_type = render.sniff_media_type(f.read(16))
+                if media_type is not None:
+                    f.seek(0)
+                    data = f.read(render.MAX_ATTACHMENT + 1)
+                    if len(data) > render.MAX_ATTACHMENT:
+                        raise ToolError(f"{rel} is a {media_type} file larger than {render.MAX_ATTACHMENT} bytes, "
+                                        f"the most any provider takes: not attached")
+                    return ToolOutput(f"{rel}: {media_type}, {len(data)} bytes, attached",
+                                      ((os.path.basename(path), media_type, data),))
             with open(path, encoding="utf-8", errors="replace") as f:
                 return f.read(MAX_TOOL_OUTPUT)
         except OSError as exc:
-            raise ToolError(f"cannot read {args.get('path')}: {exc.strerror}") from None
+            raise ToolError(f"cannot read {rel}: {exc.strerror}") from None
 
     def tool_write_file(self, args: Mapping[str, Any]) -> str:
         path = self._path(args.get("path"))
@@ -418,11 +479,22 @@ class Agent:
             if self.stopping:
                 break  # left dangling; answered as interrupted on resume
             try:
-                out, is_error = self.tools.run(call.name, call.arguments), False
+                out = self.tools.call(call.name, call.arguments)
+                attached = [self.attach(call.call_id, *f) for f in out.files]
+                text, is_error = out.text, False
             except ToolError as exc:
-                out, is_error = str(exc), True
-            self.port.append([ev.ToolResult(call_id=call.call_id, content=out, is_error=is_error)])
+                attached, text, is_error = [], str(exc), True
+            # one append: the attachment never without its result, nor the result without it
+            self.port.append([*attached, ev.ToolResult(call_id=call.call_id, content=text, is_error=is_error)])
         return True
+
+    def attach(self, call_id: str, name: str, media_type: str, data: bytes) -> ev.Attachment:
+        """Store a file a tool attaches as a blob of the capsule; the event that shows it."""
+        try:
+            sha = self.port.put_blob(data)
+        except OSError as exc:
+            raise ToolError(f"cannot attach {name}: {exc.strerror or exc}") from None
+        return ev.Attachment(blob=sha, media_type=media_type, size=len(data), name=name, call_id=call_id)
 
     def attempt(self) -> bool | None:
         """One :meth:`step`, its outcome reported (:meth:`report`): True if

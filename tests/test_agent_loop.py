@@ -170,3 +170,73 @@ def test_a_newest_message_larger_than_the_budget_is_reported_not_sent(capsule: P
     agent.budget = None  # (a bigger budget, or a shorter message): the next step goes through
     agent.call = lambda *a: anthropic_reply({"type": "text", "text": "read it"})
     assert agent.attempt() is True and not status.exists() and agent.problem is None
+
+
+# -- attachments --------------------------------------------------------------------------------
+
+#: The stub provider's endpoint for each provider (capsulefs.stubprovider).
+STUB_PATHS = {"anthropic": "/v1/messages", "openai-chat": "/v1/chat/completions",
+              "openai-responses": "/v1/responses", "gemini": "/v1beta/models/{model}:generateContent"}
+
+
+def stub_call(state):
+    """The agent's ``call`` seam answered in process by the stub provider,
+    which refuses (HTTP 400) any request that breaks the provider's rules."""
+    from capsulefs.stubprovider import handle
+
+    def call(provider: str, model: str, body: dict) -> dict:
+        status, reply = handle(state, STUB_PATHS[provider].format(model=model), body)
+        assert status == 200, reply
+        return reply
+
+    return call
+
+
+@pytest.mark.parametrize("provider", sorted(STUB_PATHS))
+def test_read_file_on_an_image_shows_it_to_the_model_in_the_next_request(capsule: Path, tmp_path: Path,
+                                                                         provider: str) -> None:
+    import base64
+    import hashlib
+
+    from capsulefs.stubprovider import StubState
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8
+    (ws / "chart.txt").write_bytes(png)  # the bytes tell what it is, not the name
+    port = DirectPort(str(capsule), MACHINE)
+    port.append([ev.ModelSwitch(provider=provider, model="gpt-4o"),
+                 ev.UserMessage(text='look: call read_file {"path": "chart.txt"}')])
+    state = StubState()
+    agent = Agent(port, Toolbox(str(ws), str(capsule)), call=stub_call(state))
+    assert agent.step()  # the model asks for the file; the tool attaches it
+    sha = hashlib.sha256(png).hexdigest()
+    (call,) = [r.event for r in port.records() if r.kind == "tool_call"]
+    kinds = [r.kind for r in port.records()]
+    assert kinds[-2:] == ["attachment", "tool_result"]  # one append: never one without the other
+    attachment = port.records()[-2].event
+    assert (attachment.blob, attachment.media_type, attachment.size, attachment.call_id) == \
+        (sha, "image/png", len(png), call.call_id)
+    assert (capsule / fmt.blob_path(sha)).read_bytes() == png
+    assert len(state.requests) == 1 and base64.b64encode(png).decode() not in json.dumps(state.requests[0][2])
+    assert agent.step()  # the next request carries the image, as the provider's own part
+    assert state.refused == [] and len(state.requests) == 2
+    body = json.dumps(state.requests[1][2])
+    assert base64.b64encode(png).decode() in body
+    part = {"anthropic": '"type": "image"', "openai-chat": '"type": "image_url"',
+            "openai-responses": '"type": "input_image"', "gemini": '"inlineData"'}[provider]
+    assert part in body
+
+
+def test_read_file_does_not_attach_what_no_provider_takes(capsule: Path, tmp_path: Path) -> None:
+    from capsulefs.core import render
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "huge.pdf").write_bytes(b"%PDF-1.7\n" + bytes(render.MAX_ATTACHMENT))
+    (ws / "notes.png").write_text("plain text, whatever the name says")
+    box = Toolbox(str(ws), str(capsule))
+    with pytest.raises(ToolError, match="larger than 33554432 bytes"):
+        box.call("read_file", {"path": "huge.pdf"})
+    out = box.call("read_file", {"path": "notes.png"})
+    assert out.files == () and out.text == "plain text, whatever the name says"

@@ -88,6 +88,38 @@ def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
                 assert b"stub-key" not in f.read_bytes(), f
 
 
+def test_running_agent_attaches_an_image_it_reads_through_the_mount(tmp_path: Path) -> None:
+    """read_file on a PNG: the agent (its own uid) uploads it through the
+    mount's artifacts/blobs/, journals the attachment, and the next request
+    to the provider carries the image."""
+    import base64
+    import hashlib
+
+    state = tmp_path / "state"
+    png = base64.b64decode("iVBORw0KGgo=") + b"0123456789"
+    with serve() as (url, stub):
+        spec = reference_agent_spec(tmp_path / "spec.json", url)
+        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
+        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt):
+            agent = mnt / "pilot"
+            wait_until(lambda: agent_status(agent)["run"]["state"] == "running", "the agent process to run")
+            (agent / ".control" / "model").write_text("anthropic:claude-a\n")
+            _say(agent, 'call shell {"command": "printf iVBORw0KGgo= | base64 -d > pic; printf 0123456789 >> pic"}')
+            wait_until(lambda: len(_replies(agent)) >= 1, "the shell step")
+            _say(agent, 'call read_file {"path": "pic"}')
+            wait_until(lambda: len(_replies(agent)) >= 2, "the read_file step")
+            assert stub.refused == []
+            assert base64.b64encode(png).decode() in json.dumps(stub.requests[-1][2])
+            sha = hashlib.sha256(png).hexdigest()
+            (attachment,) = [r.event for r in _records(agent) if r.kind == "attachment"]
+            assert (attachment.blob, attachment.media_type, attachment.size) == (sha, "image/png", len(png))
+            assert (agent / fmt.blob_path(sha)).read_bytes() == png
+            assert capsulefs("verify", str(agent)).stdout.startswith("OK:")
+
+
 # An agent that, asked to stop, journals that it stopped (through its mount)
 # and exits 0: what a step boundary looks like from the outside.
 _STOPPING_AGENT = """
