@@ -636,3 +636,56 @@ def test_attachment_events_are_checked_and_their_blobs_travel() -> None:
             parse_draft({"kind": "attachment", **bad})
     journal = records([parse_draft({"kind": "attachment", "blob": sha, "media_type": "image/png", "size": 1})])
     assert referenced_blobs([r.line for r in journal]) == {sha}
+
+
+def _many(kind: str, n: int, size: int, pages: int = 0):
+    """``n`` user turns, each an attachment and a question; the blobs' bytes
+    (small: a render trusts the event's size, which append checked)."""
+    import hashlib
+
+    from capsulefs.core.events import Attachment
+
+    journal, blobs = [], {}
+    for i in range(n):
+        data = (b"%PDF-1.4 " + b"/Type /Page " * pages if kind == "application/pdf" else b"\x89PNG\r\n\x1a\n") + \
+            str(i).encode()
+        sha = hashlib.sha256(data).hexdigest()
+        blobs[sha] = data
+        journal += [Attachment(blob=sha, media_type=kind, size=size, name=f"f{i}"), UserMessage(text=f"look at {i}")]
+    return journal, blobs
+
+
+def _sent_and_noted(text: str, n: int) -> tuple[list[int], list[int]]:
+    noted = [i for i in range(n) if f"[attachment f{i} (" in text]
+    return [i for i in range(n) if i not in noted], noted
+
+
+@pytest.mark.parametrize("provider", ALL)
+def test_a_request_carries_at_most_its_provider_s_count_of_images_the_newest(provider: str) -> None:
+    limit = PROVIDERS[provider].limits.images
+    journal, blobs = _many("image/png", limit + 3, 100)
+    body = rendered(journal, provider, "gpt-4o", read_blob=blobs.__getitem__)
+    sent, noted = _sent_and_noted(dumped(body), limit + 3)
+    assert noted == [0, 1, 2] and len(sent) == limit  # the oldest go, each with a note in its place
+    assert f"takes at most {limit} images in a request; newer attachments are sent" in dumped(body)
+
+
+@pytest.mark.parametrize("provider, kind, size, pages, fits", [
+    ("anthropic", "image/png", 5 * 2**20 - 1, 0, 4),  # 32 MB request: base64 of 4 such images, not 5
+    ("anthropic", "application/pdf", 1000, 40, 2),  # 100 pages
+    ("openai-chat", "image/png", 19 * 2**20, 0, 2),  # 50 MB of images
+    ("openai-responses", "application/pdf", 15 * 2**20, 1, 2),  # 32 MB of PDFs
+    ("openai-responses", "application/pdf", 1000, 60, 1),  # 100 pages
+    ("gemini", "image/png", 8 * 2**20, 0, 1),  # 20 MB request
+    ("gemini", "application/pdf", 1000, 400, 2),  # 1,000 pages
+])
+def test_a_request_keeps_its_provider_s_size_and_page_limits(provider: str, kind: str, size: int, pages: int,
+                                                              fits: int) -> None:
+    journal, blobs = _many(kind, fits + 2, size, pages)
+    out = render(journal, provider=provider, model="gpt-4o", budget=10**9, read_blob=blobs.__getitem__)
+    assert check_request(provider, out.body) == []
+    sent, noted = _sent_and_noted(dumped(out.body), fits + 2)
+    assert noted == [0, 1] and len(sent) == fits
+    # the budget counts what is sent: the notes, not the dropped attachments' tokens
+    per = 1600 if kind.startswith("image/") else 3000 * pages
+    assert out.tokens < (fits + 1) * per

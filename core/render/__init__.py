@@ -161,6 +161,8 @@ def render(
                           parameters=t.get("parameters") or {"type": "object", "properties": {}})
                  for t in p.tools or ()]
     prov = get_provider(provider)
+    if p.attachments:
+        prov.limit_attachments(p.units)  # the newest that one request may carry
     count = counter or (counter_for(provider, model) if budget is not None else byte_upper_bound)
     system = system_prompt(p.system, working_memory)
 

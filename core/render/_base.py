@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import FormatError
 from ..events import Event, Reasoning
 from ..format import load_json
+from ._plan import ATTACH, Unit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +109,28 @@ def sniff_media_type(head: bytes) -> str | None:
     return None
 
 
+#: A decimal megabyte, as the providers state their request limits.
+MB10 = 1000 * 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestLimits:
+    """What one request may carry in attachments, as the provider documents it
+    (docs/render.md); None: no limit of that kind."""
+
+    images: int  # images in one request
+    pdf_pages: int  # pages of all PDFs in one request
+    image_bytes: int | None = None  # bytes of all images (OpenAI)
+    pdf_bytes: int | None = None  # bytes of all PDFs (OpenAI)
+    #: base64 of all attachments: the request's size limit, less a tenth for the rest of the body
+    encoded_bytes: int | None = None
+
+
+def encoded_size(size: int) -> int:
+    """Bytes of ``size`` bytes in base64."""
+    return 4 * ((size + 2) // 3)
+
+
 class Provider:
     """Base of the provider modules' singletons. Subclasses fill every method."""
 
@@ -115,6 +138,7 @@ class Provider:
     replays: frozenset[str] = frozenset()  # reasoning payload formats it sends back
     #: media types it takes as attachments -> largest size in bytes
     accepts: dict[str, int] = {}
+    limits: RequestLimits = RequestLimits(images=0, pdf_pages=0)
 
     def refuses(self, ev: Any) -> str | None:
         """Why this provider cannot take the attachment ``ev``, or None."""
@@ -124,6 +148,50 @@ class Provider:
         if ev.size > limit:
             return f"{self.id} takes attachments of at most {limit} bytes"
         return None
+
+    def why_not(self, item: tuple) -> str | None:
+        """Why the attachment of plan item ``item`` is not sent, or None:
+        a request limit (:meth:`limit_attachments`) or :meth:`refuses`."""
+        return item[3] if len(item) > 3 else self.refuses(item[1])
+
+    def limit_attachments(self, units: list[Unit]) -> None:
+        """Mark the attachments one request cannot carry, the oldest first:
+        walking from the newest, one that would pass a limit of
+        :attr:`limits` is not sent (its item gets the reason, and becomes a
+        note), so the newest are what the model sees. Decided over the whole
+        journal, which keeps the same newest ones as deciding over the
+        window, and before fitting, so that the budget counts notes for them."""
+        lim = self.limits
+        images = pages = image_bytes = pdf_bytes = encoded = 0
+        for unit in reversed(units):
+            items = unit.items
+            for i in range(len(items) - 1, -1, -1):
+                item = items[i]
+                if item[0] != ATTACH or self.refuses(item[1]) is not None:
+                    continue
+                ev = item[1]
+                image = ev.media_type.startswith("image/")
+                pdf = ev.media_type == "application/pdf"
+                n_images = images + image
+                n_pages = pages + (max(1, item[2] or 1) if pdf else 0)
+                n_image_bytes = image_bytes + (ev.size if image else 0)
+                n_pdf_bytes = pdf_bytes + (ev.size if pdf else 0)
+                n_encoded = encoded + encoded_size(ev.size)
+                why = None
+                if n_images > lim.images:
+                    why = f"{self.id} takes at most {lim.images} images in a request"
+                elif n_pages > lim.pdf_pages:
+                    why = f"{self.id} takes at most {lim.pdf_pages} PDF pages in a request"
+                elif lim.image_bytes is not None and n_image_bytes > lim.image_bytes:
+                    why = f"{self.id} takes at most {lim.image_bytes} bytes of images in a request"
+                elif lim.pdf_bytes is not None and n_pdf_bytes > lim.pdf_bytes:
+                    why = f"{self.id} takes at most {lim.pdf_bytes} bytes of PDFs in a request"
+                elif lim.encoded_bytes is not None and n_encoded > lim.encoded_bytes:
+                    why = f"{self.id} takes requests of at most {lim.encoded_bytes * 10 // 9} bytes"
+                if why is not None:
+                    items[i] = (ATTACH, ev, item[2], why + "; newer attachments are sent")
+                    continue
+                images, pages, image_bytes, pdf_bytes, encoded = n_images, n_pages, n_image_bytes, n_pdf_bytes, n_encoded
 
     def keeps(self, item: Reasoning, model: str) -> bool:
         """True if this reasoning goes back to the target ``model`` of this provider."""

@@ -25,7 +25,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
-from ._base import IMAGES, MB, BlobData, Provider, ToolSpec, attachment_note, attachment_tokens, verbatim
+from ._base import (
+    IMAGES,
+    MB,
+    MB10,
+    BlobData,
+    Provider,
+    RequestLimits,
+    ToolSpec,
+    attachment_note,
+    attachment_tokens,
+    verbatim,
+)
 from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "anthropic"
@@ -38,6 +49,7 @@ class Anthropic(Provider):
     id = ID
     replays = frozenset({"anthropic.thinking", "anthropic.redacted_thinking"})
     accepts = {**{t: 5 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    limits = RequestLimits(images=100, pdf_pages=100, encoded_bytes=32 * MB10 * 9 // 10)
 
     def _messages(self, items: list[tuple], model: str) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -54,7 +66,7 @@ class Anthropic(Provider):
                 block = {"type": "tool_use", "id": item[1], "name": item[2], "input": dict(item[3])}
                 side = "assistant"
             elif tag == ATTACH:
-                block = self._attachment(item[1], item[2])
+                block = self._attachment(item)
                 side = "user"
             elif tag == RESULT:
                 output = item[3] if item[3].strip() else NO_OUTPUT
@@ -80,8 +92,9 @@ class Anthropic(Provider):
                 content.append(block)
         return messages
 
-    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
-        why = self.refuses(ev)
+    def _attachment(self, item: tuple) -> dict[str, Any]:
+        ev, pages = item[1], item[2]
+        why = self.why_not(item)
         if why is not None:
             return {"type": "text", "text": attachment_note(ev, why)}
         source = {"type": "base64", "media_type": ev.media_type,

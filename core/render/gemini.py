@@ -31,7 +31,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..events import AssistantMessage, Event, Reasoning, ToolCall
-from ._base import IMAGES, MB, BlobData, Provider, ToolSpec, args_from_json, attachment_note, attachment_tokens
+from ._base import (
+    IMAGES,
+    MB,
+    MB10,
+    BlobData,
+    Provider,
+    RequestLimits,
+    ToolSpec,
+    args_from_json,
+    attachment_note,
+    attachment_tokens,
+)
 from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
 
 ID = "gemini"
@@ -47,6 +58,7 @@ class Gemini(Provider):
     replays = frozenset({SIGNATURE, THOUGHT})
     accepts = {t: 20 * MB for t in ("image/png", "image/jpeg", "image/webp", "image/heic", "image/heif",
                                     "application/pdf", "text/plain")}
+    limits = RequestLimits(images=3000, pdf_pages=1000, encoded_bytes=20 * MB10 * 9 // 10)
 
     def fragment(self, items, *, model):
         contents: list[dict[str, Any]] = []
@@ -97,7 +109,7 @@ class Gemini(Provider):
                     add("user", {"text": item[1]})
             elif tag == ATTACH:
                 ev = item[1]
-                why = self.refuses(ev)
+                why = self.why_not(item)
                 if why is not None:
                     add("user", {"text": attachment_note(ev, why)})
                 else:

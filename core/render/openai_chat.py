@@ -23,8 +23,10 @@ from ..events import AssistantMessage, Event, ToolCall
 from ._base import (
     IMAGES,
     MB,
+    MB10,
     BlobData,
     Provider,
+    RequestLimits,
     ToolSpec,
     args_from_json,
     args_json,
@@ -41,9 +43,11 @@ class OpenAIChat(Provider):
     id = ID
     replays = frozenset()
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
-        why = self.refuses(ev)
+    def _attachment(self, item: tuple) -> dict[str, Any]:
+        ev, pages = item[1], item[2]
+        why = self.why_not(item)
         if why is not None:
             return {"type": "text", "text": attachment_note(ev, why)}
         data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
@@ -89,7 +93,7 @@ class OpenAIChat(Provider):
                     messages.append({"role": "user", "content": item[1]})
             elif tag == ATTACH:  # a user message of parts (tool messages take text only)
                 flush()
-                messages.append({"role": "user", "content": [self._attachment(item[1], item[2])]})
+                messages.append({"role": "user", "content": [self._attachment(item)]})
             # THINK: never sent to Chat Completions
         flush()
         return messages

@@ -32,8 +32,10 @@ from ..events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import (
     IMAGES,
     MB,
+    MB10,
     BlobData,
     Provider,
+    RequestLimits,
     ToolSpec,
     args_from_json,
     args_json,
@@ -54,9 +56,11 @@ class OpenAIResponses(Provider):
     id = ID
     replays = frozenset({"openai-responses.reasoning"})
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, ev: Any, pages: int | None) -> dict[str, Any]:
-        why = self.refuses(ev)
+    def _attachment(self, item: tuple) -> dict[str, Any]:
+        ev, pages = item[1], item[2]
+        why = self.why_not(item)
         if why is not None:
             return {"type": "input_text", "text": attachment_note(ev, why)}
         data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
@@ -75,7 +79,7 @@ class OpenAIResponses(Provider):
                 if item[1].strip():
                     out.append({"type": "message", "role": "assistant", "content": item[1]})
             elif tag == ATTACH:
-                out.append({"type": "message", "role": "user", "content": [self._attachment(item[1], item[2])]})
+                out.append({"type": "message", "role": "user", "content": [self._attachment(item)]})
             elif tag == CALL:
                 out.append({"type": "function_call", "call_id": item[1], "name": item[2],
                             "arguments": args_json(item[3])})
