@@ -689,3 +689,17 @@ def test_a_request_keeps_its_provider_s_size_and_page_limits(provider: str, kind
     # the budget counts what is sent: the notes, not the dropped attachments' tokens
     per = 1600 if kind.startswith("image/") else 3000 * pages
     assert out.tokens < (fits + 1) * per
+
+
+def test_old_pdfs_beyond_the_page_limit_are_never_read() -> None:
+    journal, blobs = _many("application/pdf", 300, 1000, pages=1)
+    reads: list[str] = []
+
+    def read_blob(sha: str) -> bytes:
+        reads.append(sha)
+        return blobs[sha]
+
+    body = rendered(journal, "anthropic", "claude-x", read_blob=read_blob)
+    sent, noted = _sent_and_noted(dumped(body), 300)
+    assert len(sent) == 100 and noted == list(range(200))
+    assert len(reads) == len(set(reads)) == 100  # each sent PDF read once (its pages, then its bytes)

@@ -142,7 +142,7 @@ def render(
     ``read_blob(sha256) -> bytes`` gives the attachments' bytes (a
     :class:`RenderError` if the request holds one and it is missing).
     """
-    p = plan(journal, pages=(lambda sha: pdf_pages(read_blob(sha))) if read_blob is not None else None)
+    p = plan(journal)
     if provider is not None and model is None:
         # that provider's own last model: the last switch may name another provider's
         get_provider(provider)
@@ -161,8 +161,15 @@ def render(
                           parameters=t.get("parameters") or {"type": "object", "properties": {}})
                  for t in p.tools or ()]
     prov = get_provider(provider)
-    if p.attachments:
-        prov.limit_attachments(p.units)  # the newest that one request may carry
+    read: dict[str, bytes] = {}  # PDFs read for their pages, until the body takes them
+
+    def pages(sha: str) -> int | None:
+        assert read_blob is not None
+        data = read[sha] = read_blob(sha)
+        return pdf_pages(data)
+
+    if p.attachments:  # the newest that one request may carry; PDFs' pages read from the newest on
+        prov.limit_attachments(p.units, pages if read_blob is not None else None)
     count = counter or (counter_for(provider, model) if budget is not None else byte_upper_bound)
     system = system_prompt(p.system, working_memory)
 
@@ -174,7 +181,7 @@ def render(
 
     body, kept, tokens = fit(p.units, budget, build, cost, count)
     if p.attachments:
-        body = resolve(body, read_blob)
+        body = resolve(body, None if read_blob is None else lambda sha: read.pop(sha, None) or read_blob(sha))
     return Rendered(
         body=body,
         provider=provider,

@@ -14,7 +14,7 @@ Rules:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,15 +154,18 @@ class Provider:
         a request limit (:meth:`limit_attachments`) or :meth:`refuses`."""
         return item[3] if len(item) > 3 else self.refuses(item[1])
 
-    def limit_attachments(self, units: list[Unit]) -> None:
+    def limit_attachments(self, units: list[Unit], pages: Callable[[str], int | None] | None = None) -> None:
         """Mark the attachments one request cannot carry, the oldest first:
         walking from the newest, one that would pass a limit of
         :attr:`limits` is not sent (its item gets the reason, and becomes a
         note), so the newest are what the model sees. Decided over the whole
         journal, which keeps the same newest ones as deciding over the
-        window, and before fitting, so that the budget counts notes for them."""
+        window, and before fitting, so that the budget counts notes for them.
+        ``pages(sha256)`` counts a PDF's pages (its item takes the count, for
+        its tokens); it is asked only while the page limit is not reached,
+        so a long journal's old PDFs are never read."""
         lim = self.limits
-        images = pages = image_bytes = pdf_bytes = encoded = 0
+        images = used_pages = image_bytes = pdf_bytes = encoded = 0
         for unit in reversed(units):
             items = unit.items
             for i in range(len(items) - 1, -1, -1):
@@ -172,8 +175,10 @@ class Provider:
                 ev = item[1]
                 image = ev.media_type.startswith("image/")
                 pdf = ev.media_type == "application/pdf"
+                if pdf and item[2] is None and used_pages < lim.pdf_pages and pages is not None:
+                    item = items[i] = (ATTACH, ev, pages(ev.blob))
                 n_images = images + image
-                n_pages = pages + (max(1, item[2] or 1) if pdf else 0)
+                n_pages = used_pages + (max(1, item[2] or 1) if pdf else 0)
                 n_image_bytes = image_bytes + (ev.size if image else 0)
                 n_pdf_bytes = pdf_bytes + (ev.size if pdf else 0)
                 n_encoded = encoded + encoded_size(ev.size)
@@ -191,7 +196,7 @@ class Provider:
                 if why is not None:
                     items[i] = (ATTACH, ev, item[2], why + "; newer attachments are sent")
                     continue
-                images, pages, image_bytes, pdf_bytes, encoded = n_images, n_pages, n_image_bytes, n_pdf_bytes, n_encoded
+                images, used_pages, image_bytes, pdf_bytes, encoded = n_images, n_pages, n_image_bytes, n_pdf_bytes, n_encoded
 
     def keeps(self, item: Reasoning, model: str) -> bool:
         """True if this reasoning goes back to the target ``model`` of this provider."""
