@@ -15,7 +15,13 @@ with the exact tokenizer; Anthropic and Gemini publish none, so their rows
 give the o200k count of the text and the range the real count lies in by
 the published ratios (docs/render.md).
 
+Attachments: a long history with many images (user screenshots and images
+a tool attached) and some PDFs: per provider and budget, render time
+against the JSON parse of the same journal, the window's fill, and how many
+attachments the request sent and noted (limits and budget).
+
     .venv/bin/python bench/bench_render.py [--events N] [--repeat R] [--only speed|fill|attachments]
+                                           [--attachment-events N]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import time
 
 from capsulefs.core.events import (
     AssistantMessage,
+    Attachment,
     ModelSwitch,
     Note,
     Reasoning,
@@ -201,6 +208,78 @@ def fill(budgets: list[int]) -> None:
                           f"{text * lo / budget:6.1%}-{text * hi / budget:.1%} (at x{lo}-x{hi}; counter x{info.factor})")
 
 
+def attachment_journal(n: int, seed: int = 3) -> tuple[list[bytes], dict[str, bytes]]:
+    """``n`` journal lines of prose with tools where about one event in
+    eight is an attachment (a user's screenshot before a question, or an
+    image or PDF a tool's result carries), over 60 distinct blobs of 20-400
+    KB (a screenshot sent again is the same blob); the blobs by sha256."""
+    import hashlib
+
+    rng = random.Random(seed)
+    blobs: dict[str, bytes] = {}
+    kinds: list[tuple[str, str, int]] = []  # (sha, media type, size)
+    for i in range(60):
+        if i % 10 == 9:
+            pages = rng.randint(1, 6)
+            data = b"%PDF-1.7\n" + b"<< /Type /Page >>\n" * pages + rng.randbytes(rng.randint(20_000, 200_000))
+            kind = "application/pdf"
+        else:
+            data = b"\x89PNG\r\n\x1a\n" + rng.randbytes(rng.randint(20_000, 400_000))
+            kind = "image/png"
+        sha = hashlib.sha256(data).hexdigest()
+        blobs[sha] = data
+        kinds.append((sha, kind, len(data)))
+    events: list = [ModelSwitch(provider="anthropic", model="claude-sonnet-4-5")]
+    call = 0
+    while len(events) < n:
+        if rng.random() < 0.4:
+            sha, kind, size = rng.choice(kinds)
+            events.append(Attachment(blob=sha, media_type=kind, size=size, name=f"screen{len(events)}.png"))
+        events.append(UserMessage(text=_text(rng, 5, 60)))
+        for _ in range(rng.choice((0, 1, 1))):
+            cid = f"call_{call}"
+            call += 1
+            events.append(ToolCall(call_id=cid, name="read_file", arguments={"path": f"shot{call}.png"}))
+            if rng.random() < 0.5:
+                sha, kind, size = rng.choice(kinds)
+                events.append(Attachment(blob=sha, media_type=kind, size=size, name=f"shot{call}", call_id=cid))
+                events.append(ToolResult(call_id=cid, content=f"shot{call}: {kind}, {size} bytes, attached"))
+            else:
+                events.append(ToolResult(call_id=cid, content=_text(rng, 5, 80)))
+        events.append(AssistantMessage(text=_text(rng, 10, 80)))
+    lines = [Record(id=f"{i:024x}", machine="bench-host", seq=i, clock=i, prev=None,
+                    time="2026-01-01T00:00:00.000Z", event=ev).line for i, ev in enumerate(events[:n], 1)]
+    return lines, blobs
+
+
+def attachments(n: int, repeat: int) -> None:
+    lines, blobs = attachment_journal(n)
+    records = [Record.from_line(x) for x in lines]
+    total = sum(1 for r in records if r.kind == "attachment")
+    size = sum(len(x) + 1 for x in lines)
+    print(f"attachment-heavy journal: {len(lines)} events, {size / 1e6:.1f} MB, {total} attachments "
+          f"of {len(blobs)} blobs ({sum(map(len, blobs.values())) / 1e6:.1f} MB)")
+    print(f"{'provider':17} {'model':18} {'budget':>7} {'counted':>8} {'fill':>6} {'sent':>5} {'noted':>5} "
+          f"{'body MB':>8} {'seconds':>8} {'x baseline':>10}")
+    for provider, model in FILL_TARGETS:
+        for budget in (32_000, 128_000, 200_000, None):
+            base, t = float("inf"), float("inf")
+            out = None
+            for _ in range(repeat):
+                base = min(base, best(lambda: [json.loads(x) for x in lines], 1))
+                t0 = time.perf_counter()
+                out = render(records, provider=provider, model=model, budget=budget, read_blob=blobs.__getitem__)
+                t = min(t, time.perf_counter() - t0)
+            assert out is not None
+            text = json.dumps(out.body)
+            sent = sum(text.count(k) for k in ('"type": "image"', '"type": "document"', '"image_url": {', '"type": "file"',
+                                               '"type": "input_image"', '"type": "input_file"', '"inlineData"'))
+            noted = text.count("[attachment ")
+            fill = f"{out.tokens / budget:6.1%}" if budget else f"{'-':>6}"
+            print(f"{provider:17} {model:18} {budget or 'none':>7} {out.tokens or '-':>8} {fill} {sent:5} {noted:5} "
+                  f"{len(text) / 1e6:8.1f} {t:8.3f} {t / base:10.2f}")
+
+
 def best(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -215,12 +294,16 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budget", type=int, default=200_000, help="token budget of the fitted runs")
-    parser.add_argument("--only", choices=("speed", "fill"), help="run one part")
+    parser.add_argument("--only", choices=("speed", "fill", "attachments"), help="run one part")
+    parser.add_argument("--attachment-events", type=int, default=20_000,
+                        help="events of the attachment-heavy journal")
     args = parser.parse_args()
-    if args.only != "speed":
+    if args.only in (None, "fill"):
         fill([8_000, 32_000, 128_000, 200_000])
-        if args.only == "fill":
-            return
+    if args.only in (None, "attachments"):
+        attachments(args.attachment_events, args.repeat)
+    if args.only in ("fill", "attachments"):
+        return
     lines = journal(args.events)
     size = sum(len(x) + 1 for x in lines)
     records = [Record.from_line(x) for x in lines]
