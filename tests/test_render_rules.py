@@ -703,3 +703,21 @@ def test_old_pdfs_beyond_the_page_limit_are_never_read() -> None:
     sent, noted = _sent_and_noted(dumped(body), 300)
     assert len(sent) == 100 and noted == list(range(200))
     assert len(reads) == len(set(reads)) == 100  # each sent PDF read once (its pages, then its bytes)
+
+
+def test_render_leaves_the_garbage_collector_as_it_found_it() -> None:
+    import gc
+
+    journal = [UserMessage(text="hi"), AssistantMessage(text="hello")]
+    assert gc.isenabled()
+    render(journal, provider="anthropic", model="m", budget=1000)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        render(journal, provider="anthropic", model="m", budget=1000)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RenderError):
+        render(journal, provider="nobody", model="m")
+    assert gc.isenabled()  # resumed when a render fails too

@@ -108,18 +108,34 @@ def text_counter(encoding: str) -> Callable[[str], int] | None:
 ID_KEYS = frozenset({"id", "call_id", "tool_call_id"})
 
 
-def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: float = 1.0,
-                     hidden_with_tools: int = 0, skip_ids: bool = False) -> Counter:
-    """A counter from a tokenizer: ``encode`` returns a string's tokens (or
-    their number). See the module rules for what is counted."""
-    keys: dict[str, int] = {}
-    skipped = ID_KEYS if skip_ids else frozenset()
+class EncodingCounter:
+    """A counter from a tokenizer (see :func:`encoding_counter`). Called, it
+    counts a request; :meth:`memoized` gives a copy that remembers each
+    string's tokens, for the many counts of one render (the fitter measures
+    the same units several times; one render's strings, never kept longer)."""
 
-    def tokens(s: str) -> int:
-        n = encode(s)
-        return n if isinstance(n, int) else len(n)
+    def __init__(self, encode: Callable[[str], Sequence[int] | int], *, factor: float = 1.0,
+                 hidden_with_tools: int = 0, skip_ids: bool = False,
+                 keys: dict[str, int] | None = None, memo: dict[str, int] | None = None) -> None:
+        self.encode = encode
+        self.factor = factor
+        self.hidden_with_tools = hidden_with_tools
+        self.skip_ids = skip_ids
+        self.keys: dict[str, int] = {} if keys is None else keys  # JSON keys: few, counted once for good
+        self.memo = memo
 
-    def count(obj: Any) -> int:
+    def memoized(self) -> "EncodingCounter":
+        return EncodingCounter(self.encode, factor=self.factor, hidden_with_tools=self.hidden_with_tools,
+                               skip_ids=self.skip_ids, keys=self.keys, memo={})
+
+    def __call__(self, obj: Any) -> int:
+        encode, keys, memo = self.encode, self.keys, self.memo
+        skipped = ID_KEYS if self.skip_ids else frozenset()
+
+        def tokens(s: str) -> int:
+            n = encode(s)
+            return n if isinstance(n, int) else len(n)
+
         total = 0
         fixed = 0  # provider-counted tokens (attachments): not scaled
         stack = [obj]
@@ -129,7 +145,13 @@ def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: fl
             t = type(x)
             if t is str:
                 if x:
-                    total += tokens(x)
+                    if memo is None:
+                        total += tokens(x)
+                    else:
+                        n = memo.get(x)
+                        if n is None:
+                            n = memo[x] = tokens(x)
+                        total += n
             elif t is dict:
                 total += 1
                 for k, v in x.items():
@@ -147,10 +169,22 @@ def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: fl
                 fixed += x.tokens
             else:
                 total += 1  # numbers and booleans
-        hidden = hidden_with_tools if type(obj) is dict and obj.get("tools") else 0
-        return math.ceil(total * factor) + fixed + hidden + (PER_REQUEST if type(obj) is dict and "model" in obj else 0)
+        hidden = self.hidden_with_tools if type(obj) is dict and obj.get("tools") else 0
+        return (math.ceil(total * self.factor) + fixed + hidden
+                + (PER_REQUEST if type(obj) is dict and "model" in obj else 0))
 
-    return count
+
+def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: float = 1.0,
+                     hidden_with_tools: int = 0, skip_ids: bool = False) -> EncodingCounter:
+    """A counter from a tokenizer: ``encode`` returns a string's tokens (or
+    their number). See the module rules for what is counted."""
+    return EncodingCounter(encode, factor=factor, hidden_with_tools=hidden_with_tools, skip_ids=skip_ids)
+
+
+def per_render(counter: Counter) -> Counter:
+    """The counter one render uses: a tokenizer's remembers its strings'
+    counts for that render (:meth:`EncodingCounter.memoized`); any other as it is."""
+    return counter.memoized() if isinstance(counter, EncodingCounter) else counter
 
 
 @dataclass(frozen=True, slots=True)
