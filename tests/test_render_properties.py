@@ -12,7 +12,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
+from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, System, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import (
     PROVIDERS,
     BudgetTooSmall,
@@ -42,9 +42,16 @@ def _led_to_output(journal, i: int) -> bool:
     """Whether the reasoning at ``journal[i]`` is followed, before any other
     dialogue event, by the reply or call it led to (the Responses API takes
     reasoning back only then)."""
+    prompt = next((e.text for e in reversed(journal[:i]) if isinstance(e, System)), "")
     for e in journal[i + 1:]:
+        if isinstance(e, System):
+            if e.text != prompt:
+                return False  # the note of a changed system prompt stands between (rule 6)
+            continue
         if isinstance(e, (UserMessage, ToolResult)):
             return False
+        if isinstance(e, AssistantMessage) and not e.text.strip():
+            continue  # a blank text is never sent (rule 5): what follows it is what the reasoning led to
         if isinstance(e, (AssistantMessage, ToolCall)):
             return True
     return False

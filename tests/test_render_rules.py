@@ -494,6 +494,9 @@ def test_a_changed_system_prompt_replaces_the_old_one_and_marks_where(provider: 
     # the same prompt again, or set before the conversation, leaves no marker
     quiet = [System(text="A"), System(text="B"), UserMessage(text="q"), System(text="B"), AssistantMessage(text="x")]
     assert marker not in dumped(rendered(quiet, provider))
+    # nor does a blank prompt where there was none: still no prompt (it split an assistant step before)
+    blank = [UserMessage(text="q"), AssistantMessage(text="thinking..."), System(text=""), AssistantMessage(text="x")]
+    assert marker not in dumped(rendered(blank, provider))
 
 
 # -- blank texts and block order -------------------------------------------------------

@@ -279,8 +279,8 @@ def plan(journal: Iterable[Record | Event], pages: Callable[[str], int | None] |
                 pending.append((index, cid, name))
             continue
         if t is System:
-            if system and system[0] == ev.text:
-                continue
+            if (system[0] if system else "") == ev.text:
+                continue  # the same prompt again (a blank one where there was none: no prompt still)
             if units:  # a change mid-conversation: the old prompt goes, its place is marked
                 close_step()
                 units.append(Unit(items=[(USER, SYSTEM_CHANGED)], first=when, last=when))
