@@ -83,6 +83,16 @@ def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path
     assert rc == 0, err
     assert json.loads(out)["tools"] == [{"name": "shell", "description": "run a command", "input_schema": {
         "type": "object", "properties": {"command": {"type": "string"}}}}]
+    # journaled, the last tools event goes with every render; --tools replaces it
+    for name in ("old_tool", "grep"):
+        rc, _, err = run(capsys, "--state", str(state_dir), "append", "alice", "--kind", "tools", "--json",
+                         json.dumps({"tools": [{"name": name, "parameters": {"type": "object", "properties": {}}}]}))
+        assert rc == 0, err
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", "alice")
+    assert rc == 0, err
+    assert [t["name"] for t in json.loads(out)["tools"]] == ["grep"]
+    rc, out, err = run(capsys, "--state", str(state_dir), "render", "alice", "--tools", str(tools))
+    assert [t["name"] for t in json.loads(out)["tools"]] == ["shell"]
     tools.write_text('[{"name": "shell", "parameters": "none"}]')
     rc, _, err = run(capsys, "--state", str(state_dir), "render", "alice", "--tools", str(tools))
     assert rc == 1 and "parameters must be a JSON schema object" in err and err.count("\n") == 1
@@ -99,3 +109,29 @@ def test_verify_names_an_attachment_whose_blob_the_capsule_lacks(alice, tmp_path
     _, capsule = export_and_unpack(alice, tmp_path)
     problems = [str(p) for p in check(scan_dir(str(capsule)))[1]]
     assert any(f"attachment needs blob {sha}, which the capsule lacks" in p for p in problems)
+
+
+def test_append_takes_an_attachment_only_for_a_blob_of_the_store_with_its_size(alice, store, tmp_path,
+                                                                              capsys) -> None:
+    import hashlib
+
+    png = b"\x89PNG\r\n\x1a\n picture"
+    sha = hashlib.sha256(png).hexdigest()
+    draft = {"blob": sha, "media_type": "image/png", "size": len(png)}
+    before = alice.read(fmt.JOURNAL)
+    rc, _, err = run(capsys, "--state", str(store.root), "append", "alice", "--kind", "attachment", "--json",
+                     json.dumps(draft))
+    assert rc == 1 and f"blob {sha} is not in the store" in err
+    store.put_blob(png)
+    rc, _, err = run(capsys, "--state", str(store.root), "append", "alice", "--kind", "attachment", "--json",
+                     json.dumps(draft | {"size": 3}))
+    assert rc == 1 and f"size 3 but the blob has {len(png)} bytes" in err
+    assert alice.read(fmt.JOURNAL) == before
+    rc, _, err = run(capsys, "--state", str(store.root), "append", "alice", "--kind", "attachment", "--json",
+                     json.dumps(draft))
+    assert rc == 0, err
+    assert alice.manifest().blobs()[sha] == len(png)  # listed: gc keeps it, export carries it
+    _, capsule = export_and_unpack(alice, tmp_path)
+    from capsulefs.core.capsule import check, scan_dir
+
+    assert check(scan_dir(str(capsule)))[1] == []

@@ -712,8 +712,15 @@ def test_render_leaves_the_garbage_collector_as_it_found_it() -> None:
     import gc
 
     journal = [UserMessage(text="hi"), AssistantMessage(text="hello")]
+    during: list[bool] = []
+
+    def counter(body) -> int:
+        during.append(gc.isenabled())
+        return byte_upper_bound(body)
+
     assert gc.isenabled()
-    render(journal, provider="anthropic", model="m", budget=1000)
+    render(journal, provider="anthropic", model="m", budget=1000, counter=counter)
+    assert during and not any(during)  # paused while it renders (a long journal's render: over half its time)
     assert gc.isenabled()
     gc.disable()
     try:
