@@ -71,13 +71,22 @@ FACTORS: tuple[tuple[str, re.Pattern[str], str, float], ...] = (
     ("gemini", re.compile(r".*"), "o200k_base", 1.15),
 )
 
-_dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
-
-
 def byte_upper_bound(obj: Any) -> int:
     """Length of ``obj`` as compact ASCII JSON: never fewer than its tokens
-    (every tokenizer spends at least one UTF-8 byte per text token)."""
-    return len(_dumps(obj))
+    (every tokenizer spends at least one UTF-8 byte per text token). An
+    attachment's marker counts as the provider's tokens for it, as in
+    :func:`encoding_counter`, not as its base64."""
+    fixed = 0
+
+    def marker(x: Any) -> str:
+        nonlocal fixed
+        tokens = getattr(x, "tokens", None)
+        if not isinstance(tokens, int):
+            raise TypeError(f"{type(x).__name__} has no place in a request body")
+        fixed += tokens
+        return ""
+
+    return len(json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), default=marker).encode(obj)) + fixed
 
 
 _ENCODERS: dict[str, Callable[[str], int] | None] = {}
