@@ -47,7 +47,7 @@ import trio
 from capsulefs.core import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
-from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable
+from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree
 from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
@@ -392,7 +392,7 @@ class MoveService:
         def build() -> None:
             root = inc.capsule_dir
             if os.path.isdir(root):
-                shutil.rmtree(root)
+                remove_tree(root)
             for path, entry in sorted(m.files.items()):
                 if fmt.blob_name(path) is not None:
                     continue

@@ -75,6 +75,7 @@ from capsulefs.sandbox import Isolation
 from capsulefs.core import format as fmt
 from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in, validate_spec
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def sandbox_root(state_dir: str) -> str:
 def discard_sandbox(state_dir: str, agent_id: str) -> None:
     """Remove an agent's sandbox (its process must not run: stop it first)."""
     fmt.check_agent_id(agent_id)
-    shutil.rmtree(os.path.join(sandbox_root(state_dir), agent_id), ignore_errors=True)
+    remove_tree(os.path.join(sandbox_root(state_dir), agent_id), ignore_errors=True)
 
 
 def _remove_quietly(path: str) -> None:
@@ -631,7 +632,7 @@ class Supervisor:
             # Never leave half a workspace (also not when cancelled): the next
             # try would run the agent in it, and the next sync would delete
             # what is missing.
-            shutil.rmtree(cwd, ignore_errors=True)
+            remove_tree(cwd, ignore_errors=True)
             if isinstance(exc, (CapsuleError, OSError)):
                 raise SandboxBuildError(f"its sandbox could not be built from the snapshot: {exc}") from None
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterable
@@ -112,6 +113,75 @@ def subdirs(directory: str | os.PathLike[str], keep: Callable[[str], bool]) -> l
     except FileNotFoundError:
         return []
     return sorted(e.name for e in entries if keep(e.name) and e.is_dir(follow_symlinks=False))
+
+
+def remove_tree(path: str | os.PathLike[str], *, ignore_errors: bool = False) -> None:
+    """Remove ``path`` and everything under it, however deep.
+
+    ``shutil.rmtree`` and ``os.walk`` recurse (RecursionError past ~1,000
+    levels on Python 3.11) and build paths that outgrow PATH_MAX; what they
+    remove here (staging areas, sandboxes, scratch) may have been shaped by a
+    hostile tar or an agent. This never recurses and never opens more than
+    two directories: it empties the top directory level by level, unlinking
+    files and moving each grandchild directory up beside its parent
+    (renameat, relative to directory fds) so that no path ever grows.
+    Symbolic links are removed, never followed. With ``ignore_errors``, what
+    cannot be removed is left and nothing is raised."""
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        if ignore_errors:
+            return
+        raise
+    try:
+        while True:
+            names = os.listdir(top)
+            if not names:
+                break
+            progress = False
+            for name in names:
+                try:
+                    progress |= _remove_entry(top, name)
+                except OSError:
+                    if not ignore_errors:
+                        raise
+            if not progress:  # (only with ignore_errors: every entry left failed)
+                return
+    except OSError:
+        if not ignore_errors:
+            raise
+        return
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(path)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+def _remove_entry(top: int, name: str) -> bool:
+    """Remove a file of directory ``top``, or empty one of its directories by
+    one level (its subdirectories move into ``top``) and remove it."""
+    try:
+        st = os.stat(name, dir_fd=top, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=top)
+        return True
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+    try:
+        for child in os.listdir(fd):
+            cst = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(cst.st_mode):
+                os.rename(child, f".rm-{os.urandom(8).hex()}", src_dir_fd=fd, dst_dir_fd=top)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=top)
+    return True
 
 
 def sweep_temps(directory: str | os.PathLike[str]) -> int:

@@ -16,11 +16,10 @@ Rules:
 from __future__ import annotations
 
 import os
-import shutil
 
 from . import format as fmt
 from .errors import NameTooLong, NotFoundError
-from .fsutil import atomic_write, makedirs_durable, subdirs
+from .fsutil import atomic_write, makedirs_durable, remove_tree, subdirs
 from .live_errors import NotPermitted
 
 #: Capsule directories where editors may create scratch files.
@@ -133,4 +132,4 @@ class ScratchArea:
 
     def remove_agent(self, agent_id: str) -> None:
         """Remove every scratch file of an agent (it is being removed from the host)."""
-        shutil.rmtree(os.path.join(self.root, fmt.check_agent_id(agent_id)), ignore_errors=True)
+        remove_tree(os.path.join(self.root, fmt.check_agent_id(agent_id)), ignore_errors=True)

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 
 from . import format as fmt
 from .archive import frozen_manifest, snapshot_files
 from .errors import ExistsError, FormatError, NotFoundError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, subdirs
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, subdirs
 from .store import AgentHandle
 
 
@@ -103,7 +102,7 @@ class Snapshots:
                 atomic_write(os.path.join(tmp, fmt.MANIFEST), manifest.to_bytes(), mode=0o444)
                 os.rename(tmp, dest)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp, ignore_errors=True)
                 raise
         fsync_dir(parent)
         return manifest
@@ -115,7 +114,7 @@ class Snapshots:
         trash = os.path.join(self._agent_dir(agent_id), TMP_PREFIX + secrets.token_hex(8))
         os.rename(d, trash)
         fsync_dir(self._agent_dir(agent_id))
-        shutil.rmtree(trash)
+        remove_tree(trash)
 
     def sweep(self) -> None:
         """Remove half-made or half-removed snapshots (a crash left them)."""
@@ -125,7 +124,7 @@ class Snapshots:
             d = os.path.join(self.root, agent_id)
             for n in os.listdir(d) if os.path.isdir(d) else ():
                 if n.startswith(TMP_PREFIX):
-                    shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+                    remove_tree(os.path.join(d, n), ignore_errors=True)
 
     def manifest(self, agent_id: str, name: str) -> fmt.Manifest:
         try:
@@ -140,4 +139,4 @@ class Snapshots:
 
     def remove_agent(self, agent_id: str) -> None:
         """Remove every snapshot of an agent (it is being removed from the host)."""
-        shutil.rmtree(self._agent_dir(agent_id), ignore_errors=True)
+        remove_tree(self._agent_dir(agent_id), ignore_errors=True)

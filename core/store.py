@@ -63,7 +63,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, sweep_temps
+from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, remove_tree, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
 from .journal_recovery import (
     RingMismatch,
@@ -165,10 +165,14 @@ class HostStore:
                 os.close(fd)
                 continue
             try:
+                # Whatever a crash or a hostile tar left there, however deep:
+                # a store that cannot be swept must still open.
                 if os.path.isdir(path):
-                    _rmtree(path)
+                    remove_tree(path)
                 if os.path.exists(lock):
                     os.unlink(lock)
+            except OSError as exc:
+                log.warning("could not remove the staging area %s (left there): %s", path, exc)
             finally:
                 os.close(fd)
 
@@ -543,7 +547,7 @@ class HostStore:
                 raise ExistsError(f"an agent named {manifest.name!r} already exists here ({a.agent_id})")
         blobs_dir = os.path.join(staged_dir, fmt.BLOBS_DIR)
         if os.path.isdir(blobs_dir):
-            _rmtree(blobs_dir)
+            remove_tree(blobs_dir)
         # A ring left by an earlier stay of this agent vouches for another
         # file (whose inode number the new journal might even reuse).
         forget_ring(journal_ring_path(self.root, manifest.agent_id))
@@ -561,7 +565,7 @@ class HostStore:
             fsync_dir(self.agents_dir)
         forget_ring(journal_ring_path(self.root, agent_id))
         _forget_derived(self.root, agent_id)
-        _rmtree(trash)
+        remove_tree(trash)
 
     # -- staging ---------------------------------------------------------------
     @contextmanager
@@ -577,15 +581,9 @@ class HostStore:
             yield path
         finally:
             if os.path.isdir(path):
-                _rmtree(path, ignore_errors=True)
+                remove_tree(path, ignore_errors=True)
             os.unlink(path + ".lock")
             os.close(lock_fd)
-
-
-def _rmtree(path: str, *, ignore_errors: bool = False) -> None:
-    import shutil  # (here only: commands that only read start faster)
-
-    shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def _forget_derived(root: str, agent_id: str) -> None:

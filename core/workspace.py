@@ -40,7 +40,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .errors import UnsafePathError
-from .fsutil import atomic_write, makedirs_durable
+from .fsutil import atomic_write, makedirs_durable, remove_tree
 from .hashing import hash_stream
 
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ def materialize(snapshot: Mapping[str, str], read_blob: Callable[[str], Iterator
     else). ``check`` is called before each file and chunk (it may raise:
     ``dest`` is then left half-written, for the caller to remove)."""
     if os.path.isdir(dest):
-        shutil.rmtree(dest)
+        remove_tree(dest)
     makedirs_durable(dest, 0o755)
     for path, sha in sorted(snapshot.items()):
         check()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store import HostStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,8 +31,8 @@ def _reachable_root() -> Iterator[Path]:
     yield root
     with open("/proc/self/mountinfo") as f:
         mounted = any(f" {root}/" in line for line in f)
-    if not mounted:  # (never delete through a mount a failed test left)
-        shutil.rmtree(root, ignore_errors=True)
+    if not mounted:  # (never delete through a mount a failed test left; however deep a tree it left)
+        remove_tree(root, ignore_errors=True)
 
 
 @pytest.fixture
