@@ -8,7 +8,6 @@ expects an error log uses the ``caplog`` fixture and asserts on it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
