@@ -3,13 +3,17 @@
 Theory of operation:
   * Export freezes one consistent state: every non-blob file is read once
     (the journal up to its last whole line), the manifest is computed from
-    exactly those bytes, blobs are re-hashed from the store as they stream
-    out, and the manifest (and signature) close the tar. A corrupt blob
-    aborts the export and leaves no file behind.
-  * Import is all-or-nothing: the tar is extracted into a private staging
-    directory of the store, checked exactly as ``verify`` would, and only
-    then are its blobs adopted into objects/ and its directory renamed into
-    agents/. A refused tar leaves the store as it was.
+    exactly those bytes and opens the tar (with its signature), so a reader
+    knows every size before it reads a byte of them; blobs are re-hashed
+    from the store as they stream out. A corrupt blob aborts the export and
+    leaves no file behind.
+  * Import is all-or-nothing: the tar's manifest is read first and the
+    import refused if what it lists does not fit on the store's disk; then
+    the files are extracted into a private staging directory of the store,
+    each judged from its header before it is written (tarball.scan_tar),
+    the first problem ending it, and checked exactly as ``verify`` would;
+    only then are its blobs adopted into objects/ and its directory renamed
+    into agents/. A refused tar leaves the store as it was.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .holder import HOLDERS_DIR, agent_files_lock
 from .signing import sign_manifest
 from .journal_recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from .store import STORE_FILE, AgentHandle, HostStore
-from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, extract_into, scan_tar, write_tar
+from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, check_room, extract_into, scan_tar, write_tar
 
 #: Seconds a reader of an agent's files (export, a move) waits for a
 #: `capsulefs append` to let go of them: one suspended with ^Z would
@@ -125,6 +129,11 @@ def frozen_manifest(agent: AgentHandle, files: dict[str, bytes]) -> fmt.Manifest
 def export_members(agent: AgentHandle, *, sign_key: bytes | None = None) -> Iterator[Member]:
     files = snapshot_files(agent)
     manifest = frozen_manifest(agent, files)
+    raw = manifest.to_bytes()
+    yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
+    if sign_key is not None:
+        sig = sign_manifest(raw, sign_key)
+        yield Member(fmt.SIGNATURE, len(sig), lambda: io.BytesIO(sig))
     for rel in sorted(files):
         data = files[rel]
         yield Member(rel, len(data), lambda d=data: io.BytesIO(d))  # type: ignore[misc]
@@ -134,11 +143,6 @@ def export_members(agent: AgentHandle, *, sign_key: bytes | None = None) -> Iter
         if not os.path.exists(path):
             raise NotFoundError(f"blob {sha} of agent {agent.agent_id} is missing from the store ({path})")
         yield Member(fmt.blob_path(sha), size, lambda p=path, s=sha, n=size: _VerifiedBlob(p, s, n))  # type: ignore[misc]
-    raw = manifest.to_bytes()
-    yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
-    if sign_key is not None:
-        sig = sign_manifest(raw, sign_key)
-        yield Member(fmt.SIGNATURE, len(sig), lambda: io.BytesIO(sig))
 
 
 def export_agent(agent: AgentHandle, dest: str, *, mtime: int, sign_key: bytes | None = None) -> None:
@@ -165,7 +169,8 @@ def import_tar(
     with store.staging("import") as area:
         tree = os.path.join(area, "capsule")
         os.mkdir(tree)
-        listing = scan_tar(tar_path, extract_into(tree), max_member=max_member, max_total=max_total)
+        listing = scan_tar(tar_path, extract_into(tree), max_member=max_member, max_total=max_total,
+                           on_manifest=lambda m: check_room(tree, m, tar_path), first_problem_ends=True)
         manifest, problems = check(listing)
         if problems or manifest is None:
             shown = "; ".join(str(p) for p in problems[:5])

@@ -54,6 +54,7 @@ class Listing:
     entries: dict[str, Entry] = field(default_factory=dict)
     contents: dict[str, bytes] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    complete: bool = True  # False: the scan stopped early (at a problem), so absent files are not reported
 
 
 def _check_spec(data: bytes) -> list[str]:
@@ -88,27 +89,44 @@ CONTENT_CHECKS: dict[str, Callable[[bytes], list[str]]] = {
 # -- scanning a directory ------------------------------------------------------
 
 
+def _holds_anything(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is not None
+    except OSError:
+        return True  # (unreadable: say so rather than guess it empty)
+
+
 def scan_dir(root: str) -> Listing:
-    """Walk a capsule directory without following links."""
+    """Walk a capsule directory without following links, and without
+    recursion: only the capsule's tree (``format.TREE_DIRS``) is entered, so a
+    directory the format does not have, however deep, is one problem."""
     listing = Listing()
     files: list[str] = []
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise FormatError(f"{root} is not a directory")
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            st = os.lstat(full)
+    todo = [""]
+    while todo:
+        reldir = todo.pop()
+        with os.scandir(os.path.join(root, reldir)) as it:
+            found = sorted(it, key=lambda e: e.name)
+        for e in found:
+            rel = f"{reldir}/{e.name}" if reldir else e.name
+            st = e.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 listing.entries[rel] = Entry("dir")
+                if rel in fmt.TREE_DIRS:
+                    todo.append(rel)
+                elif _holds_anything(e.path):
+                    listing.problems.append(Problem(rel, "unknown", "is a directory the capsule format does not "
+                                                    "have; what it holds was not read"))
             elif stat.S_ISREG(st.st_mode):
                 files.append(rel)
             elif stat.S_ISLNK(st.st_mode):
                 listing.problems.append(Problem(rel, "type", "is a symbolic link; a capsule holds only files and directories"))
             else:
                 listing.problems.append(Problem(rel, "type", "is a device, fifo or socket; a capsule holds only files and directories"))
-        # os.walk does not descend into symlinked dirs (followlinks=False).
 
     def digest(rel: str) -> tuple[str, str, int]:
         sha, size = hash_file(os.path.join(root, rel))
@@ -130,7 +148,8 @@ def check(listing: Listing, *, pubkey: bytes | None = None) -> tuple[fmt.Manifes
     problems = list(listing.problems)
     raw = listing.contents.get(fmt.MANIFEST)
     if raw is None:
-        problems.append(Problem(fmt.MANIFEST, "missing", "missing: a capsule needs manifest.json"))
+        if listing.complete:
+            problems.append(Problem(fmt.MANIFEST, "missing", "missing: a capsule needs manifest.json"))
         return None, problems
     try:
         manifest = fmt.Manifest.from_bytes(raw)
@@ -145,7 +164,8 @@ def check(listing: Listing, *, pubkey: bytes | None = None) -> tuple[fmt.Manifes
     for path, want in sorted(manifest.files.items()):
         got = listing.entries.get(path)
         if got is None:
-            problems.append(Problem(path, "missing", "listed in the manifest but missing"))
+            if listing.complete:
+                problems.append(Problem(path, "missing", "listed in the manifest but missing"))
             continue
         if got.kind != "file":
             problems.append(Problem(path, "type", "listed as a file but is a directory"))

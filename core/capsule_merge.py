@@ -241,15 +241,15 @@ def write_plan(plan: Plan, dest: str, *, mtime: int) -> None:
 def _write_tar(plan: Plan, dest: str, *, mtime: int) -> None:
     from .tarball import Member, write_tar
 
-    def members() -> Iterator[Member]:
+    def members() -> Iterator[Member]:  # the manifest first, as export writes it (see tarball)
+        raw = plan.manifest.to_bytes()
+        yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
         for rel in sorted(plan.files):
             data = plan.files[rel]
             yield Member(rel, len(data), lambda d=data: io.BytesIO(d))  # type: ignore[misc]
         for sha, read in plan.blobs.items():
             size = plan.manifest.files[fmt.blob_path(sha)].size
             yield Member(fmt.blob_path(sha), size, lambda r=read: io.BytesIO(r()))  # type: ignore[misc]
-        raw = plan.manifest.to_bytes()
-        yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
 
     write_tar(dest, members(), mtime=mtime)
 

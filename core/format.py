@@ -28,6 +28,9 @@ Rules (MUST):
   * ``holder.epoch`` only grows. The move protocol fences on it.
   * Every workspace sha256 in ``artifacts/snapshot.json`` has its blob in
     ``artifacts/blobs/``.
+  * Nothing outside the tree above is part of a capsule (``tree_kind``);
+    in a tar, ``manifest.json`` comes first (see tarball.py). The limits
+    (``MAX_*``) are listed in docs/format.md, "Limits".
   * Readers keep manifest fields they do not know (forward compatibility).
 
 See docs/format.md for the prose version of this module; they must agree.
@@ -64,6 +67,20 @@ UNLISTED = frozenset({MANIFEST, SIGNATURE})
 _TREE_FILES = frozenset(REQUIRED_FILES)
 _BLOBS_PREFIX = BLOBS_DIR + "/"
 _BLOB_PATH_LEN = len(_BLOBS_PREFIX) + 64
+
+#: The capsule's tree: its directories (besides its root) and its files at
+#: fixed paths; blobs are ``artifacts/blobs/<sha256>``. Nothing else is part
+#: of a capsule, so its depth (3) and path length (80 bytes) are bounded.
+TREE_DIRS = frozenset({"memory", "memory/vector_index", "artifacts", BLOBS_DIR, "environment"})
+TREE_FILES = frozenset({MANIFEST, SIGNATURE, WORKING_MEMORY, JOURNAL, VECTOR_INDEX, SNAPSHOT, SPEC})
+
+# Limits (docs/format.md, "Limits").
+#: Files a manifest may list.
+MAX_FILES = 1_000_000
+#: Bytes of manifest.json (a listed file takes about 200).
+MAX_MANIFEST_BYTES = 256 << 20
+#: Bytes of manifest.sig (one is about 200).
+MAX_SIGNATURE_BYTES = 64 << 10
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _AGENT_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -152,6 +169,17 @@ def in_tree(path: str) -> bool:
 
 def blob_path(sha256: str) -> str:
     return f"{BLOBS_DIR}/{check_sha256(sha256, 'blob name')}"
+
+
+def tree_kind(path: str) -> str | None:
+    """"file" or "dir" where the capsule's tree has ``path`` (a checked
+    relative path), None where the format has nothing."""
+    if path in TREE_FILES:
+        return "file"
+    if path in TREE_DIRS:
+        return "dir"
+    name = blob_name(path)
+    return "file" if name is not None and is_sha256(name) else None
 
 
 def blob_name(path: str) -> str | None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from capsulefs.core import archive
 from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store import HostStore
 from capsulefs.supervisor import discard_sandbox, sandbox_root
+
+from helpers import export_and_unpack, make_agent
 
 DEPTH = 1100  # past the recursion limit (1,000): what shutil.rmtree and os.walk die of
 #: As the issue found it: a tree whose path (2 bytes a level) is past PATH_MAX too.
@@ -81,3 +84,15 @@ def test_a_sandbox_holding_a_deep_tree_is_discarded(tmp_path: Path) -> None:
     make_deep(Path(sandbox_root(str(state))) / agent_id / "workspace")
     discard_sandbox(str(state), agent_id)
     assert not (Path(sandbox_root(str(state))) / agent_id).exists()
+
+
+def test_verify_of_a_directory_holding_a_deep_tree_names_it(store: HostStore, tmp_path: Path) -> None:
+    """verify DIR walked every directory (os.walk: RecursionError); it now
+    enters only the capsule's tree and names a directory the format does not have."""
+    _tar, cap = export_and_unpack(make_agent(store), tmp_path)
+    make_deep(cap / "memory" / "extra")
+    _m, problems = archive.verify_capsule(str(cap))
+    assert [str(p) for p in problems] == [
+        "memory/extra: is a directory the capsule format does not have; what it holds was not read"]
+    remove_tree(cap / "memory" / "extra")
+    assert archive.verify_capsule(str(cap))[1] == []
