@@ -39,7 +39,9 @@ class Problem:
 
     def __str__(self) -> str:
         where = self.path or "capsule"
-        return f"{where}: {self.detail}"
+        text = f"{where}: {self.detail}"
+        # One line, whatever a tar's names hold (a newline could forge an "OK:" line).
+        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class Listing:
     contents: dict[str, bytes] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     complete: bool = True  # False: the scan stopped early (at a problem), so absent files are not reported
+    manifest: fmt.Manifest | None = None  # contents[MANIFEST] parsed, if the scan parsed it
 
 
 def _check_spec(data: bytes) -> list[str]:
@@ -152,7 +155,7 @@ def check(listing: Listing, *, pubkey: bytes | None = None) -> tuple[fmt.Manifes
             problems.append(Problem(fmt.MANIFEST, "missing", "missing: a capsule needs manifest.json"))
         return None, problems
     try:
-        manifest = fmt.Manifest.from_bytes(raw)
+        manifest = listing.manifest or fmt.Manifest.from_bytes(raw)
     except CapsuleError as exc:
         problems.append(Problem(fmt.MANIFEST, "manifest", str(exc)))
         return None, problems

@@ -128,6 +128,16 @@ def _damage(kind: str) -> tuple[type[BaseException], ...]:
     return errors
 
 
+def _next(tf: tarfile.TarFile) -> tarfile.TarInfo | None:
+    """The next member's header. tarfile's header parser raises ValueError
+    (and OverflowError) on some fields it cannot read (GNU sparse maps, pax
+    numbers): that is a damaged tar, not a fault of ours."""
+    try:
+        return tf.next()
+    except (ValueError, OverflowError) as exc:
+        raise tarfile.ReadError(f"unreadable header: {exc}") from None
+
+
 def member_path(name: str) -> str | None:
     """The capsule path of a tar member name, None for the root ('.' or './')."""
     while name.startswith("./"):
@@ -233,13 +243,13 @@ class _Scan:
         self._ended = False
         try:
             tf = tarfile.open(fileobj=stream, mode="r|")  # type: ignore[call-overload]
-        except tarfile.ReadError as exc:
+        except (tarfile.ReadError, ValueError, OverflowError) as exc:
             raise self.stop("", "tar", f"not a readable tar: {exc}") from None
         seen: set[str] = set()
         skipped = False  # files passed over, before the manifest (a plain tar)
         count = 0
         with tf:
-            while (m := tf.next()) is not None:
+            while (m := _next(tf)) is not None:
                 tf.members.clear()  # (a streaming pass needs no index of what it read)
                 count += 1
                 if count > MAX_MEMBERS:
@@ -320,7 +330,7 @@ class _Scan:
         total = sum(e.size for e in manifest.files.values())
         if total > self.max_total:
             raise self.stop(fmt.MANIFEST, "size", f"lists {total} bytes of files, over the limit of {self.max_total}")
-        self.manifest = manifest
+        self.manifest = self.listing.manifest = manifest
         if self.on_manifest is not None:
             self.on_manifest(manifest)
         if keep:

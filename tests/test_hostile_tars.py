@@ -250,3 +250,25 @@ def test_an_export_is_read_whole_in_every_compression(store: HostStore, tmp_path
         r.read()
     params = zstandard.get_frame_parameters((tmp_path / "p.tar.zst").read_bytes())
     assert params.has_checksum
+
+
+# -- what the fuzz harness found ------------------------------------------------------
+
+
+@pytest.mark.parametrize("records", [{"GNU.sparse.size": "abc"}, {"GNU.sparse.map": "0,1,x"},
+                                     {"GNU.sparse.realsize": "9" * 5000}])
+def test_a_pax_header_tarfile_cannot_read_is_a_damaged_tar(records: dict[str, str], good: bytes,
+                                                           tmp_path: Path) -> None:
+    """tarfile's header parser raised ValueError on these (a traceback)."""
+    wm = next(m for m in tar_kit.members(good) if m.name == fmt.WORKING_MEMORY)
+    tar = tmp_path / "sparse.tar"
+    tar.write_bytes(good[:wm.header] + tar_kit.pax_header(records) + good[wm.header:])
+    assert_refused(tmp_path / "target", tar, "damaged")
+
+
+def test_a_member_name_with_a_newline_is_named_on_one_line(good: bytes, tmp_path: Path) -> None:
+    """A name is printed escaped: a newline in it could forge a line of verify's output."""
+    tar = tmp_path / "newline.tar"
+    extra = tar_kit.plain_tar([("memory/x\nOK: forged \udce4", b"x")])
+    tar.write_bytes(good[:tar_kit.end_of_members(good)] + extra)
+    assert_refused(tmp_path / "target", tar, "memory/x\\nOK: forged \\udce4: is not part of the capsule format")
