@@ -232,7 +232,8 @@ def test_a_gzip_trailer_that_does_not_match_is_refused(field: str, store: HostSt
     tar.write_bytes(bytes(data))
     with pytest.raises(gzip.BadGzipFile):
         gzip.decompress(bytes(data))
-    assert_refused(tmp_path / "target", tar, "damaged", "CRC check failed" if field == "crc" else "Incorrect length")
+    assert_refused(tmp_path / "target", tar, "damaged", f"gzip: its {'CRC' if field == 'crc' else 'length'} does not "
+                   f"match its data")
 
 
 def test_an_export_is_read_whole_in_every_compression(store: HostStore, tmp_path: Path) -> None:
@@ -272,3 +273,15 @@ def test_a_member_name_with_a_newline_is_named_on_one_line(good: bytes, tmp_path
     extra = tar_kit.plain_tar([("memory/x\nOK: forged \udce4", b"x")])
     tar.write_bytes(good[:tar_kit.end_of_members(good)] + extra)
     assert_refused(tmp_path / "target", tar, "memory/x\\nOK: forged \\udce4: is not part of the capsule format")
+
+
+def test_gzip_in_several_members_reads_and_a_cut_one_is_refused(good: bytes, tmp_path: Path) -> None:
+    """Every member of a multi-member gzip is read and checked (tarfile's
+    own reader stopped after the first); a stream cut short is refused."""
+    cut = len(good) // 3
+    two = tmp_path / "two.tar.gz"
+    two.write_bytes(gzip.compress(good[:cut]) + gzip.compress(good[cut:]) + b"\0" * 100)
+    assert archive.verify_capsule(str(two))[1] == []
+    short = tmp_path / "short.tar.gz"
+    short.write_bytes(gzip.compress(good)[:-20])
+    assert_refused(tmp_path / "target", short, "gzip: the stream ends before its end marker")
