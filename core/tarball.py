@@ -77,9 +77,8 @@ class _OverLimit(Exception):
 class _Bounded:
     """The (decompressed) bytes of a tar, read no further than ``limit``.
 
-    It reads its source a chunk at a time (COPY_CHUNK): tarfile asks for 10 KiB
-    at a time, which through GzipFile's Python layers cost more than the
-    inflating. So the source is read at most a chunk past ``limit``."""
+    It reads its source a chunk (COPY_CHUNK) at a time, though tarfile asks
+    for 10 KiB at a time: so the source is read at most a chunk past ``limit``."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
@@ -196,6 +195,8 @@ def _next(tf: tarfile.TarFile) -> tarfile.TarInfo | None:
 
 def member_path(name: str) -> str | None:
     """The capsule path of a tar member name, None for the root ('.' or './')."""
+    if not name:
+        raise UnsafePathError("tar member '': an empty name")
     while name.startswith("./"):
         name = name[2:]
     name = name.rstrip("/")
@@ -240,8 +241,8 @@ def scan_tar(
     scan = _Scan(path, sink, listing, max_member=max_member, max_total=max_total,
                  on_manifest=on_manifest, first_problem_ends=first_problem_ends)
     try:
-        if scan.run(prepass=True):
-            scan.run(prepass=False)
+        if scan.run():
+            scan.run()
     except _Stop:
         listing.complete = False
     except OSError as exc:
@@ -271,14 +272,14 @@ class _Scan:
         self.listing.problems.append(Problem(path, what, detail))
         return _Stop()
 
-    def run(self, *, prepass: bool) -> bool:
+    def run(self) -> bool:
         """One pass over the tar; True if it must be read again from the start
         (files came before the manifest in a plain tar)."""
         with _open_stream(self.path) as (kind, raw, size):
             damage = _damage(kind) + (_OverLimit,)
             stream = _Bounded(raw)
             try:
-                restart = self._members(kind, size, stream, prepass=prepass)
+                restart = self._members(kind, size, stream)
                 if kind != "plain" and not restart:
                     stream.allow(stream.pos + TRAILER_ALLOWANCE)
                     while stream.read(COPY_CHUNK):  # to the end: gzip's CRC, zstd's checksum
@@ -295,7 +296,7 @@ class _Scan:
         return (f"a member's headers take more than {HEADER_ALLOWANCE} bytes at offset {stream.pos} "
                 f"(a capsule's names and sizes need one 512-byte header)")
 
-    def _members(self, kind: str, size: int, stream: _Bounded, *, prepass: bool) -> bool:
+    def _members(self, kind: str, size: int, stream: _Bounded) -> bool:
         self._ended = False
         try:
             tf = tarfile.open(fileobj=stream, mode="r|")  # type: ignore[call-overload]
@@ -340,6 +341,8 @@ class _Scan:
         except UnsafePathError as exc:
             raise self.stop(m.name, "unsafe", f"unsafe path: {str(exc)[:300]}") from None
         if rel is None:
+            if not m.isdir():  # (tarfile would skip what it claims, unchecked)
+                raise self.stop(m.name, "type", "names the capsule's root but is not a directory")
             return None
         if m.issym() or m.islnk():
             raise self.stop(rel, "type", f"is a {'symbolic' if m.issym() else 'hard'} link to {m.linkname[:200]!r}; "
