@@ -33,9 +33,7 @@ import os
 import random
 import resource
 import signal
-import struct
 import sys
-import tarfile
 import tempfile
 import time
 import traceback
@@ -52,6 +50,9 @@ BLOCK = 512
 ZERO = b"\0" * BLOCK
 MAX_INPUT = 4 << 20
 POOL_MAX = 256
+#: Accepted inputs larger than this are not kept to mutate further (they
+#: would grow, and slow every input after them).
+POOL_ENTRY_MAX = 256 << 10
 SHA = "ab" * 32
 
 # -- interesting values ------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def headers(data: bytes) -> tuple[list[Hdr], int]:
     to its end or the first that does not parse; and where that is."""
     out: list[Hdr] = []
     at = 0
-    while at + BLOCK <= len(data) and len(out) < 5000:
+    while at + BLOCK <= len(data) and len(out) < 600:  # (mutations pick among the first 600)
         blk = data[at:at + BLOCK]
         if blk == ZERO:
             break
@@ -347,8 +348,8 @@ def end_of_archive(d: bytes, r: random.Random, _p: list[bytes]) -> bytes:
         return d[:end]
     if op == "garbage":
         return d[:end] + bytes(r.randrange(256) for _ in range(r.randint(1, 2048))) + d[end:]
-    if op == "zeros":
-        return d + b"\0" * r.choice([512, 10240, 1 << 20])
+    if op == "zeros":  # (past 1 MiB: over what a compressed tar may hold after its end)
+        return d + b"\0" * (r.choice([512, 10240, 65536]) if r.random() < 0.9 else (1 << 20) + BLOCK)
     return d[:end] + ZERO
 
 
@@ -454,7 +455,10 @@ def fuzz_target(target: Target, *, seconds: float, inputs: int | None = None, se
     try:
         while time.monotonic() - start < seconds and (inputs is None or report.inputs < inputs):
             n = report.inputs
-            data = r.choice(seeds) if n < len(seeds) else mutate(r.choice(pool), r, pool)
+            if n < len(seeds):
+                data = seeds[n]
+            else:
+                data = mutate(r.choice(seeds if r.random() < 0.3 else pool), r, pool)
             scratch = base / str(n)
             scratch.mkdir()
             signal.setitimer(signal.ITIMER_REAL, watchdog)
@@ -468,7 +472,9 @@ def fuzz_target(target: Target, *, seconds: float, inputs: int | None = None, se
                 f.count += 1
             else:
                 report.accepted += 1
-                if len(pool) < POOL_MAX:
+                if len(data) > POOL_ENTRY_MAX:
+                    pass
+                elif len(pool) < POOL_MAX:
                     pool.append(data)
                 else:
                     pool[r.randrange(len(seeds), POOL_MAX)] = data
