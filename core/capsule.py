@@ -111,7 +111,7 @@ def scan_dir(root: str) -> Listing:
         raise FormatError(f"{root} is not a directory")
     todo = [""]
     while todo:
-        reldir = todo.pop()
+        reldir = todo.pop(0)
         with os.scandir(os.path.join(root, reldir)) as it:
             found = sorted(it, key=lambda e: e.name)
         for e in found:

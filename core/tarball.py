@@ -241,7 +241,7 @@ def scan_tar(
     scan = _Scan(path, sink, listing, max_member=max_member, max_total=max_total,
                  on_manifest=on_manifest, first_problem_ends=first_problem_ends)
     try:
-        if scan.run():
+        if scan.run() or scan.lenient:
             scan.run()
     except _Stop:
         listing.complete = False
@@ -265,6 +265,10 @@ class _Scan:
         self.manifest: fmt.Manifest | None = None
         self.manifest_raw: bytes | None = None
         self._ended = False  # this pass met the tar's end
+        # A plain tar without a manifest is read once more, each file judged
+        # from its header alone (the file's size bounds it): not a capsule,
+        # but log, render and search read what it holds. Never for import.
+        self.lenient = False
 
     def stop(self, path: str, what: str, detail: str) -> _Stop:
         if len(path) > 120:  # (one line, even for a name 2,000 directories deep)
@@ -318,7 +322,7 @@ class _Scan:
                         self.listing.entries[rel] = Entry("dir")
                     continue
                 stream.allow(m.offset_data + _block(m.size) + HEADER_ALLOWANCE)
-                if self.manifest is None:
+                if self.manifest is None and not self.lenient:
                     if rel == fmt.MANIFEST:
                         self._read_manifest(tf, m, keep=not skipped)
                         if skipped:
@@ -332,6 +336,7 @@ class _Scan:
                     continue
                 self._file(tf, m, rel)
             self._ended = True
+        self.lenient = skipped and self.manifest is None and not self.lenient and not self.first_problem_ends
         return False
 
     def _judge(self, m: tarfile.TarInfo, seen: set[str], kind: str, size: int) -> str | None:
@@ -396,16 +401,17 @@ class _Scan:
             self._record(fmt.MANIFEST, len(raw), io.BytesIO(raw))
 
     def _file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, rel: str) -> None:
-        """A file member, once the manifest is known."""
-        assert self.manifest is not None
-        if rel == fmt.MANIFEST:  # (the second pass of a plain tar)
+        """A file member, once the manifest is known (or in a plain tar without one)."""
+        if self.manifest is None:
+            want = None
+        elif rel == fmt.MANIFEST:  # (the second pass of a plain tar)
             f = tf.extractfile(m)
             assert f is not None
             if f.read() != self.manifest_raw:
                 raise self.stop(rel, "tar", "changed while the tar was read")
             self._record(rel, m.size, io.BytesIO(self.manifest_raw))
             return
-        if rel == fmt.SIGNATURE:
+        elif rel == fmt.SIGNATURE:
             if m.size > fmt.MAX_SIGNATURE_BYTES:
                 raise self.stop(rel, "size", f"is {m.size} bytes, over the limit of {fmt.MAX_SIGNATURE_BYTES}")
             want = None

@@ -21,6 +21,7 @@ from capsulefs.core import archive
 from capsulefs.core import format as fmt
 from capsulefs.core.errors import ImportRefused
 from capsulefs.core.store import HostStore
+from capsulefs.core.tarball import scan_tar
 
 import tar_kit
 from conftest import CAPSULEFS, REPO
@@ -298,3 +299,26 @@ def test_a_file_named_as_the_root_is_refused_before_its_claim_is_skipped(name: s
     tar.write_bytes(zstandard.ZstdCompressor().compress(good[:end] + tar_kit.header(name, 1 << 40)
                                                          + b"\0" * 20_000))
     assert_refused(tmp_path / "target", tar, "empty name" if not name else "names the capsule's root but is not a directory")
+
+
+def test_a_tar_without_a_manifest(good: bytes, tmp_path: Path) -> None:
+    """A plain one is read (its size bounds it: log, render and search read
+    what it holds) and is no capsule; import writes nothing of it; a
+    compressed one is refused at its first file."""
+    ms = tar_kit.members(good)
+    body = good[ms[1].header:]  # all but the manifest
+    plain = tmp_path / "bare.tar"
+    plain.write_bytes(body)
+    listing = scan_tar(str(plain))
+    assert fmt.JOURNAL in listing.contents and listing.complete
+    assert [str(p) for p in archive.verify_capsule(str(plain))[1]] == ["manifest.json: missing: a capsule needs manifest.json"]
+    given: list[str] = []
+    scan_tar(str(plain), lambda rel, _size, _f: given.append(rel) or "", first_problem_ends=True)
+    assert given == []  # (import's way of reading: no file reaches its sink)
+    with pytest.raises(ImportRefused, match="manifest.json: missing"):
+        archive.import_tar(HostStore.open(tmp_path / "t"), str(plain))
+    packed = tmp_path / "bare.tar.zst"
+    packed.write_bytes(zstandard.ZstdCompressor().compress(body))
+    assert [p.what for p in archive.verify_capsule(str(packed))[1]] == ["order"]
+    store = HostStore.open(tmp_path / "t")
+    assert os.listdir(store.staging_dir) == [] and store.agent_ids() == []
