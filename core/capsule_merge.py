@@ -95,14 +95,17 @@ def side_from_dir(root: str, label: str | None = None) -> Side:
 @contextmanager
 def side_from_tar(path: str, scratch: str) -> Iterator[Side]:
     """A capsule tar, extracted into a private directory under ``scratch``."""
+    from .capsule import check
     from .tarball import extract_into, scan_tar
 
     with tempfile.TemporaryDirectory(prefix=".merge-", dir=scratch) as tmp:
         tree = os.path.join(tmp, "capsule")
         os.mkdir(tree)
-        listing = scan_tar(path, extract_into(tree))
-        if listing.problems:
-            shown = "; ".join(str(p) for p in listing.problems[:5])
+        # (judged as verify judges a tar: the scan leaves a manifest it cannot
+        # parse for check to name, and extracts nothing after it)
+        _manifest, problems = check(scan_tar(path, extract_into(tree)))
+        if problems:
+            shown = "; ".join(str(p) for p in problems[:5])
             raise MergeRefused(f"{path} does not verify: {shown}")
         yield side_from_dir(tree, label=path)
 

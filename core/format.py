@@ -64,7 +64,6 @@ SPEC = "environment/spec.json"
 REQUIRED_FILES = (WORKING_MEMORY, JOURNAL, VECTOR_INDEX, SNAPSHOT, SPEC)
 #: Files that are never listed in the manifest.
 UNLISTED = frozenset({MANIFEST, SIGNATURE})
-_TREE_FILES = frozenset(REQUIRED_FILES)
 _BLOBS_PREFIX = BLOBS_DIR + "/"
 _BLOB_PATH_LEN = len(_BLOBS_PREFIX) + 64
 
@@ -72,7 +71,7 @@ _BLOB_PATH_LEN = len(_BLOBS_PREFIX) + 64
 #: fixed paths; blobs are ``artifacts/blobs/<sha256>``. Nothing else is part
 #: of a capsule, so its depth (3) and path length (80 bytes) are bounded.
 TREE_DIRS = frozenset({"memory", "memory/vector_index", "artifacts", BLOBS_DIR, "environment"})
-TREE_FILES = frozenset({MANIFEST, SIGNATURE, WORKING_MEMORY, JOURNAL, VECTOR_INDEX, SNAPSHOT, SPEC})
+TREE_FILES = UNLISTED | frozenset(REQUIRED_FILES)
 
 # Limits (docs/format.md, "Limits").
 #: Files a manifest may list.
@@ -160,11 +159,10 @@ def check_relpath(path: object, what: str = "path") -> str:
 
 
 def in_tree(path: str) -> bool:
-    """Whether ``path`` is a file of the capsule tree: one of REQUIRED_FILES
-    or a blob named by a sha256. The tree is closed: nothing else is part
-    of a capsule (manifest.json and manifest.sig are not listed)."""
-    return path in _TREE_FILES or (path.startswith(_BLOBS_PREFIX) and len(path) == _BLOB_PATH_LEN
-                                   and _SHA256_RE.fullmatch(path, len(_BLOBS_PREFIX)) is not None)
+    """Whether a manifest may list ``path``: a file of the capsule's tree
+    (:func:`tree_kind`) other than manifest.json and manifest.sig. The tree
+    is closed: nothing else is part of a capsule."""
+    return tree_kind(path) == "file" and path not in UNLISTED
 
 
 def blob_path(sha256: str) -> str:
@@ -178,8 +176,9 @@ def tree_kind(path: str) -> str | None:
         return "file"
     if path in TREE_DIRS:
         return "dir"
-    name = blob_name(path)
-    return "file" if name is not None and is_sha256(name) else None
+    is_blob = len(path) == _BLOB_PATH_LEN and path.startswith(_BLOBS_PREFIX) and \
+        _SHA256_RE.fullmatch(path, len(_BLOBS_PREFIX)) is not None
+    return "file" if is_blob else None
 
 
 def blob_name(path: str) -> str | None:
