@@ -160,13 +160,17 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
 
 def make_agent(a: Host, name: str = "walker", events: int = 5) -> str:
     (a.mnt / name).mkdir()
+    add_messages(a, name, events)
+    agent_id = a.status(name)["agent_id"]
+    assert a.holder(agent_id) is HolderState.HELD  # mkdir recorded it
+    return agent_id
+
+
+def add_messages(a: Host, name: str, events: int) -> None:
     journal = a.mnt / name / "memory" / "timeline_events.jsonl"
     for i in range(events):
         with open(journal, "a") as f:
             f.write(json.dumps({"kind": "user_message", "text": f"hello {i}"}) + "\n")
-    agent_id = a.status(name)["agent_id"]
-    assert a.holder(agent_id) is HolderState.HELD  # mkdir recorded it
-    return agent_id
 
 
 def write_move(mnt: Path, agent: str, text: str) -> int:
@@ -394,17 +398,22 @@ class Watcher:
         self._thread.join(timeout=10)
 
 
-def start_ticker(a: Host, tmp_path: Path) -> tuple[Path, Path]:
-    script, shared = tmp_path / "ticker.py", tmp_path / "ticks.log"
+def new_ticker_agent(a: Host, tmp_path: Path) -> tuple[str, Path, Path]:
+    """``capsulefs new walker --spec`` (A's daemon not yet started) with the
+    ticker as its entrypoint: the daemon starts the ticker, never first the
+    reference agent (a spec edited through the mount would reach only the
+    agent's next start, and whether the daemon started it before the edit
+    came depended on how fast the machine was)."""
+    script, shared, spec = tmp_path / "ticker.py", tmp_path / "ticks.log", tmp_path / "ticker-spec.json"
     script.write_text(TICKER)
     shared.touch()
     shared.chmod(0o666)  # (as root each host runs the agent as a uid of its own)
-    spec_path = a.mnt / "walker" / "environment" / "spec.json"
-    spec = json.loads(spec_path.read_text())
-    spec["entrypoint"] = [sys.executable, str(script), str(shared)]
-    spec_path.write_text(json.dumps(spec))
-    wait_for(lambda: shared.exists() and "tick" in shared.read_text(), "the ticker running on a")
-    return script, shared
+    spec.write_text(json.dumps({"version": 1, "entrypoint": [sys.executable, str(script), str(shared)]}))
+    assert a.proc is None
+    a.cli("new", "walker", "--spec", str(spec))
+    agent_id = next(r["agent_id"] for r in json.loads(a.cli("ls", "--json").stdout) if r["name"] == "walker")
+    assert a.holder(agent_id) is HolderState.HELD
+    return agent_id, script, shared
 
 
 def tick_labels(shared: Path) -> list[str]:
@@ -423,12 +432,13 @@ def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tm
     import threading
 
     a, b = hosts
+    agent_id, script, shared = new_ticker_agent(a, tmp_path)
     a.start(run=True)
     b.start(crash_at="target:held" if case == "lost-activate-reply" else None, run=case != "refused")
-    agent_id = make_agent(a)
+    add_messages(a, "walker", 5)
     if case == "refused":
         make_agent(b, "walker", events=0)
-    script, shared = start_ticker(a, tmp_path)
+    wait_for(lambda: "tick" in shared.read_text(), "the ticker running on a")
     watcher = Watcher(script)
     try:
         wait_for(lambda: "mnt-a" in watcher.seen, "the watcher to see the ticker on a")
