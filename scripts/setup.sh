@@ -18,8 +18,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
         exit 1
     fi
     echo "setup: installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${missing[@]}" >/dev/null
+    # Wait (up to 10 minutes) for another apt or dpkg to finish instead of
+    # failing at once: apt 2.x waits for the lists lock with this option too.
+    apt=(apt-get -o DPkg::Lock::Timeout=600)
+    "${apt[@]}" update -qq
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # As root the daemon runs each agent as a uid of its own (capsulefs/sandbox.py),
