@@ -1,14 +1,40 @@
 #!/usr/bin/env bash
 # Run the whole test suite (sets everything up first). Fails if a test left a
-# FUSE mount behind.
+# mount (a FUSE mount of the daemon) behind under this run's own directory;
+# mounts elsewhere, a user's sshfs or another test run's, are none of its business.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+
+# Every test directory and mount point of this run is under run_root
+# (tests/conftest.py reads CAPSULEFS_TEST_ROOT), and so is pytest's basetemp.
+run_root=$(mktemp -d /tmp/capsulefs-test.XXXXXX)
+chmod 0711 "$run_root"
+export CAPSULEFS_TEST_ROOT=$run_root
+
+# The mount points under run_root, from the mount table (its octal escapes undone).
+mounts_left() {
+    local _dev mnt _rest
+    while read -r _dev mnt _rest; do
+        mnt=$(printf '%b' "$mnt")
+        case "$mnt" in "$run_root"/*) printf '%s\n' "$mnt" ;; esac
+    done </proc/self/mounts
+}
+
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || rc=$?
-if grep -q ' fuse' /proc/mounts; then
-    echo "test.sh: FUSE mounts left behind:" >&2
-    grep ' fuse' /proc/mounts >&2
-    rc=1
-fi
-exit $rc
+finish() {
+    local left
+    left=$(mounts_left)
+    if [ -n "$left" ]; then
+        echo "test.sh: mounts left behind under $run_root (kept):" >&2
+        printf '%s\n' "$left" >&2
+        rc=1
+    else  # (never removed through a mount)
+        rm -rf --one-file-system "$run_root"
+    fi
+    exit $rc
+}
+trap finish EXIT
+trap 'rc=130; exit' INT TERM
+
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$run_root/basetemp" "$@" || rc=$?

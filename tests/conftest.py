@@ -23,9 +23,16 @@ REPO = Path(__file__).resolve().parent.parent
 CAPSULEFS = [sys.executable, "-m", "capsulefs"]
 
 
+#: The directory a test run makes its own under (scripts/test.sh gives each
+#: run one, and checks that no FUSE mount is left under it); default /tmp.
+RUN_ROOT_ENV = "CAPSULEFS_TEST_ROOT"
+
+
 @pytest.fixture(scope="session")
 def _reachable_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="capsulefs-pytest-", dir="/tmp"))
+    """This session's directory that every user may pass through (0711):
+    every test's directory as root, and every mount point, is under it."""
+    root = Path(tempfile.mkdtemp(prefix="capsulefs-pytest-", dir=os.environ.get(RUN_ROOT_ENV) or "/tmp"))
     root.chmod(0o711)
     yield root
     with open("/proc/self/mountinfo") as f:

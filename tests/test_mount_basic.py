@@ -156,9 +156,10 @@ def test_capsulefs_umount(store: HostStore, state_dir: Path, mnt: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, state_dir: Path) -> None:
+def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, state_dir: Path,
+                                                             _reachable_root: Path) -> None:
     make_agent(store, "alice")
-    mnt = Path(tempfile.mkdtemp(prefix="capsulefs-mnt-"))  # traversable by other users
+    mnt = Path(tempfile.mkdtemp(prefix="capsulefs-mnt-", dir=_reachable_root))  # traversable by other users
     mnt.chmod(0o755)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c"]
     try:

@@ -24,9 +24,11 @@ NOBODY = 65534
 
 
 @pytest.fixture
-def public() -> Iterator[Path]:
-    """A directory every user may enter (pytest's tmp_path is private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="capsulefs-copy-"))
+def public(_reachable_root: Path) -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp_path is private to
+    root), under the test run's own directory (scripts/test.sh checks that
+    no mount is left there)."""
+    d = Path(tempfile.mkdtemp(prefix="capsulefs-copy-", dir=_reachable_root))
     d.chmod(0o755)
     try:
         yield d
