@@ -31,7 +31,10 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=10)
     ap.add_argument("--blobs", type=int, default=100, help="blobs per agent")
     ap.add_argument("--size", type=int, default=256 << 10)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.agents, args.blobs, args.size = 2, 10, 4096
     n_shared = args.blobs * 9 // 10
     n_own = args.blobs - n_shared
     shared = random_blobs(n_shared, args.size, seed=1)
@@ -53,7 +56,7 @@ def main() -> None:
     print(f"{args.agents} agents x {args.blobs} blobs of {args.size} bytes, {n_shared} shared by all")
     print(f"unique content:      {unique_bytes / 2**20:8.1f} MiB")
     print(f"host store on disk:  {used / 2**20:8.1f} MiB")
-    print(f"10 plain copies:     {naive / 2**20:8.1f} MiB")
+    print(f"{args.agents} plain copies:     {naive / 2**20:8.1f} MiB")
     print(f"store / unique content: {used / unique_bytes:.3f}x (target <= 1.15x); "
           f"store / plain copies: {used / naive:.3f}x")
 

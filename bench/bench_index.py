@@ -132,7 +132,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("-k", type=int, default=10)
+    ap.add_argument("--more", type=int, default=1000, help="events appended for the incremental update")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.chunks, args.queries, args.more = 300, 10, 50
 
     t = time.perf_counter()
     journal, texts, last = make_journal(args.chunks)
@@ -144,11 +148,11 @@ def main() -> None:
     build = time.perf_counter() - t
     print(f"build (full):         {build:7.2f} s  {len(index)} chunks, {len(index) / build:,.0f} chunks/s  [{report.mode}]")
 
-    more, _, _ = make_journal(1000, seed=8, start=args.chunks, prev=last)
+    more, _, _ = make_journal(args.more, seed=8, start=args.chunks, prev=last)
     t = time.perf_counter()
     index, report = update_index(index, journal + more, emb)
     inc = time.perf_counter() - t
-    print(f"update (+1000 events): {inc:7.2f} s  [{report.mode}, +{report.added} rows]")
+    print(f"update (+{args.more} events): {inc:7.2f} s  [{report.mode}, +{report.added} rows]")
 
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         path = os.path.join(tmp, "index.json")

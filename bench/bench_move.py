@@ -291,7 +291,10 @@ async def main() -> None:
     ap.add_argument("--two-processes", action="store_true",
                     help="also measure figure 1 with the receiving end in a second process")
     ap.add_argument("--raw-sink", metavar="STATE", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.mib, args.blobs, args.rounds = 4, 8, 1
     if args.raw_sink:
         await raw_sink_process(args.raw_sink, args.mib)  # --mib carries the byte count here
         return

@@ -101,7 +101,10 @@ def main() -> int:
     ap.add_argument("--pieces", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /var/tmp)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.mib, args.pieces, args.rounds = 4, 8, 1
     size = (args.mib << 20) // args.pieces
     blobs = [os.urandom(size + (i % 7) * 100) for i in range(args.pieces)]  # not all whole blocks
     payload = b"".join(blobs)

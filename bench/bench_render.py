@@ -191,10 +191,10 @@ FILL_TARGETS = [("openai-chat", "gpt-4o"), ("openai-responses", "gpt-5"), ("open
                 ("anthropic", "claude-sonnet-4-5"), ("gemini", "gemini-2.5-pro")]
 
 
-def fill(budgets: list[int]) -> None:
+def fill(budgets: list[int], *, prose: int = 60_000, code: int = 3000) -> None:
     from capsulefs.agent import TOOLS
 
-    journals = {"prose": [Record.from_line(x) for x in journal(60_000, seed=5)], "code": code_journal(3000)}
+    journals = {"prose": [Record.from_line(x) for x in journal(prose, seed=5)], "code": code_journal(code)}
     print(f"{'journal':8} {'provider':17} {'model':18} {'budget':>7} {'counted':>8} {'reference':>9} "
           f"{'fill':>6} {'overshoot':>9}")
     for name, records in journals.items():
@@ -297,9 +297,15 @@ def main() -> None:
     parser.add_argument("--only", choices=("speed", "fill", "attachments"), help="run one part")
     parser.add_argument("--attachment-events", type=int, default=20_000,
                         help="events of the attachment-heavy journal")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = parser.parse_args()
+    if args.smoke:
+        args.events, args.repeat, args.budget, args.attachment_events = 2000, 1, 20_000, 200
     if args.only in (None, "fill"):
-        fill([8_000, 32_000, 128_000, 200_000])
+        if args.smoke:
+            fill([8_000], prose=600, code=30)
+        else:
+            fill([8_000, 32_000, 128_000, 200_000])
     if args.only in (None, "attachments"):
         attachments(args.attachment_events, args.repeat)
     if args.only in ("fill", "attachments"):

@@ -11,7 +11,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from common import capsulefs_cmd, pairs, random_blobs, run
+from common import capsulefs_cmd, extract_all, pairs, random_blobs, run
 
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
@@ -30,7 +30,7 @@ def build(tmp: Path, n: int, size: int) -> Path:
     archive.export_agent(agent, str(tar), mtime=0)
     out = tmp / "cap"
     with tarfile.open(tar) as tf:
-        tf.extractall(out, filter="data")
+        extract_all(tf, out)
     tar.unlink()
     return out
 
@@ -40,7 +40,10 @@ def main() -> None:
     ap.add_argument("--blobs", type=int, default=1000)
     ap.add_argument("--size", type=int, default=1 << 20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.blobs, args.size, args.rounds = 5, 4096, 1
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         cap = build(Path(tmp), args.blobs, args.size)
         files = sorted(str(p) for p in cap.rglob("*") if p.is_file() and p.name != fmt.MANIFEST)
@@ -49,6 +52,7 @@ def main() -> None:
             lambda: run(capsulefs_cmd() + ["verify", str(cap)]),
             lambda: run(["sha256sum", *files]),
             rounds=args.rounds,
+            warmup=0 if args.smoke else 1,
         )
     mib = total / (1 << 20)
     print(f"capsule: {args.blobs} blobs, {mib:.0f} MiB")
