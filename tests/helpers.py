@@ -17,6 +17,17 @@ from capsulefs.movehost import record_new_agent
 
 HOST = "TESTHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 
+#: A test waits for an event (a file, a status, a log line), never for a
+#: time; its deadline only bounds a hang, so it is generous. On a machine
+#: slower still, CAPSULEFS_TEST_TIME_FACTOR=N stretches every such deadline.
+TIME_FACTOR = float(os.environ.get("CAPSULEFS_TEST_TIME_FACTOR") or 1)
+HANG = 120.0 * TIME_FACTOR  # seconds: how long any one awaited event may take before the test fails
+
+
+def bound(seconds: float) -> float:
+    """A deadline that only bounds a hang, stretched by CAPSULEFS_TEST_TIME_FACTOR."""
+    return seconds * TIME_FACTOR
+
 
 def agent_id_for(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:32]
@@ -67,8 +78,9 @@ def files_under(root: Path) -> dict[str, bytes]:
     return out
 
 
-def wait_until(predicate: Callable[[], object], what: str, limit: float = 60.0) -> None:
-    """Poll ``predicate`` (for real processes) until true, or fail naming ``what``."""
+def wait_until(predicate: Callable[[], object], what: str, limit: float = HANG) -> None:
+    """Poll ``predicate`` (for real processes) until true, or fail naming
+    ``what`` after ``limit`` seconds (a bound on a hang, not a speed)."""
     deadline = time.monotonic() + limit
     while not predicate():
         if time.monotonic() > deadline:

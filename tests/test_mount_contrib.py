@@ -12,8 +12,8 @@ import pytest
 
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
-from helpers import make_agent
-from mount_kit import CAPSULEFS, MOUNT_POLLS, capsulefs, force_unmount, needs_fuse
+from helpers import HANG, make_agent, wait_until
+from mount_kit import CAPSULEFS, capsulefs, force_unmount, needs_fuse
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "contrib" / "mount.fuse.capsulefs"
@@ -49,11 +49,7 @@ def test_mount_helper_mounts_in_the_background(store: HostStore, state_dir: Path
         assert (mnt / "alice" / fmt.WORKING_MEMORY).read_bytes()
         assert "fuse.capsulefs" in Path("/proc/mounts").read_text()
         capsulefs("umount", str(mnt))
-        for _ in range(MOUNT_POLLS):
-            if not _daemon_pids(mnt):
-                break
-            time.sleep(0.025)
-        assert not _daemon_pids(mnt)
+        wait_until(lambda: not _daemon_pids(mnt), "the daemon to exit")
         assert (state_dir / "mount" / "daemon.log").exists()
     finally:
         force_unmount(mnt)
@@ -83,11 +79,7 @@ def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_d
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert not os.path.ismount(mnt)
-        for _ in range(MOUNT_POLLS):
-            if not _daemon_pids(mnt):
-                break
-            time.sleep(0.025)
-        assert not _daemon_pids(mnt)
+        wait_until(lambda: not _daemon_pids(mnt), "the daemon to exit")
         log = (state_dir / "mount" / "daemon.log").read_text()
         assert ("got SIGTERM: stopping the agents" in log) == (flags == [])
     finally:
@@ -114,7 +106,7 @@ def test_systemd_mode_notifies_ready(store: HostStore, state_dir: Path, tmp_path
     sock_path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(sock_path)
-        sock.settimeout(60)
+        sock.settimeout(HANG)
         env = dict(os.environ, NOTIFY_SOCKET=sock_path)
         proc = subprocess.Popen([CAPSULEFS, "mount", str(mnt), "--state", str(state_dir), "--systemd"], env=env,
                                 stderr=subprocess.DEVNULL)
@@ -160,8 +152,8 @@ def test_umount_signals_only_a_process_of_the_mounts_owner_in_our_pid_namespace(
         answer(bad)
         assert mount_cmds._daemon_pid(str(tmp_path)) is None, bad
     # A mount that never answers: the child that asks is killed, nothing hangs.
-    monkeypatch.setattr(mount_cmds, "_ASK", "import time; time.sleep(60)")
+    monkeypatch.setattr(mount_cmds, "_ASK", "import time; time.sleep(3600)")
     monkeypatch.setattr(mount_cmds, "ASK_WAIT", 0.5)
     t0 = time.monotonic()
     assert mount_cmds._daemon_pid(str(tmp_path)) is None
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < HANG  # (a hang: the child that asks is never given its hour)

@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.holder import HolderBook, HolderState
+from helpers import HANG
 from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
 from mount_kit import status as agent_status
 
 pytestmark = needs_fuse
 
 POLL = 0.05
-WAIT = 60.0  # seconds any one condition may take to come true
+WAIT = HANG  # seconds any one condition may take to come true (a bound on a hang)
 
 
 def free_port() -> int:
@@ -110,7 +111,7 @@ class Host:
         if self.proc.poll() is None:
             force_unmount(self.mnt)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=WAIT)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -148,7 +149,7 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
             force_unmount(h.mnt)  # the daemon exits once its mount is gone
             if h.proc is not None:
                 try:
-                    h.proc.wait(timeout=30)
+                    h.proc.wait(timeout=WAIT)
                 except subprocess.TimeoutExpired:
                     h.proc.kill()
                     h.proc.wait()
@@ -395,7 +396,7 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=WAIT)
 
 
 def new_ticker_agent(a: Host, tmp_path: Path) -> tuple[str, Path, Path]:
