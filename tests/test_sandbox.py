@@ -90,7 +90,8 @@ async def test_an_agent_cannot_read_the_keychain_or_the_host_key(store: HostStor
 ESCAPER = r"""
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
-time.sleep(0.2)  # (its setsid done)
+while os.getsid(child.pid) == os.getsid(0):  # until its setsid is done (however slow the machine)
+    time.sleep(0.01)
 with open("escaper.pid", "w") as f:
     f.write(str(child.pid))
 while True:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ from capsulefs.core.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.supervisor import RunState, RunStatus, Supervisor
 
-from helpers import make_agent
+from helpers import HANG, make_agent, wait_until
 
 PROBE = r"""
 import json, os, signal, sys, time
+if len(sys.argv) > 1 and sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (before it says it is ready)
 out = {"cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in ("CAPSULE_DIR", "GREETING", "API_TOKEN", "DEPLOY_KEY", "HOME")},
        "files": sorted(os.listdir("."))}
 with open("probe.json", "w") as f:
@@ -32,8 +35,6 @@ with open("probe.json", "w") as f:
 with open("made-by-agent.txt", "w") as f:
     f.write("new work\n")
 print("ready", flush=True)
-if len(sys.argv) > 1 and sys.argv[1] == "stubborn":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 while True:
     time.sleep(1)
 """
@@ -88,18 +89,20 @@ def _home(sup: Supervisor, agent_id: str) -> str:
     return os.path.dirname(sup.sandbox(agent_id))
 
 
-async def _wait_for(predicate, what: str, limit: float = 30.0) -> None:
-    """Poll ``predicate`` until ``limit`` seconds of trio's clock pass (virtual under MockClock).
+async def _wait_for(predicate, what: str, limit: float = HANG) -> None:
+    """Poll ``predicate`` until true, or fail after ``limit`` real seconds
+    (a bound on a hang: what is awaited is often a real process, which
+    trio's clock, virtual under MockClock, knows nothing of).
 
     The supervisor builds and syncs sandboxes in worker threads; while one
     works, no deadline of this wait is pending, so the autojump clock does
     not run ahead of it (a thread's real milliseconds are not virtual minutes)."""
-    deadline = trio.current_time() + limit
+    deadline = time.monotonic() + limit
     while not predicate():
         if trio.testing.active_thread_count():
             await trio.testing.wait_all_threads_completed()
             continue
-        if trio.current_time() >= deadline:
+        if time.monotonic() >= deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await trio.sleep(0.01)
 
@@ -157,7 +160,7 @@ async def test_crash_is_restarted_with_backoff(store: HostStore, tmp_path: Path,
     assert st.next_start_in is not None and st.next_start_in >= 8  # 1, 2, 4, 8...
 
 
-async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStore, tmp_path: Path) -> None:
+async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStore, tmp_path: Path, caplog) -> None:
     spec = default_spec([sys.executable, "-c", PROBE, "stubborn"])
     agent = _agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=0.5)
@@ -167,15 +170,16 @@ async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStor
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         nursery.cancel_scope.cancel()
+    assert "ignored SIGTERM for 0 s; killing it" in caplog.text  # killed by the grace period's end
 
 
 async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore, tmp_path: Path) -> None:
     spec = default_spec([sys.executable, "-c", PROBE])
     agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
     async with trio.open_nursery() as nursery:
         pid = await _serve_and_start(sup, nursery, agent.agent_id)
-        with trio.fail_after(4):  # SIGTERM suffices: well within the grace period
+        with trio.fail_after(HANG):  # SIGTERM suffices: well within the (long) grace period
             await sup.stop_all()
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -195,11 +199,11 @@ async def test_an_agent_wanted_just_before_stop_all_never_starts(store: HostStor
     spec = default_spec([sys.executable, "-c", PROBE])
     agent = _agent_with_spec(store, spec)
     for _ in range(24):
-        sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+        sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.serve)
             sup.want(agent.agent_id)
-            with trio.fail_after(4):
+            with trio.fail_after(HANG):  # (no grace period waited: nothing started)
                 await sup.stop_all()
             assert sup.status(agent.agent_id).pid is None
             nursery.cancel_scope.cancel()
@@ -210,13 +214,13 @@ async def test_an_agent_unwanted_before_its_runner_ran_never_starts(store: HostS
     # A freeze (a move) or a removal right after the reconcile loop wanted it.
     spec = default_spec([sys.executable, "-c", PROBE])
     agent = _agent_with_spec(store, spec)
-    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=5.0)
+    sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
     caplog.set_level(logging.INFO, logger="capsulefs.supervisor")
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         for _ in range(10):
             sup.want(agent.agent_id)
-            with trio.fail_after(4):
+            with trio.fail_after(HANG):  # (no grace period waited: nothing started)
                 await sup.unwant(agent.agent_id, sync=False)
         nursery.cancel_scope.cancel()
     assert "started as pid" not in caplog.text
@@ -249,6 +253,14 @@ trio.run(main)
 """
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostStore, tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -262,16 +274,7 @@ def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostSto
         os.kill(pid, 0)  # the agent runs
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
-    for _ in range(500):  # PDEATHSIG: the agent goes with its daemon
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        import time
-
-        time.sleep(0.01)
-    else:
-        raise AssertionError("the agent outlived its killed daemon")
+    wait_until(lambda: not _exists(pid), "the agent to go with its killed daemon (PDEATHSIG)")
 
     # A leftover pid file is reaped only if the process is that agent's.
     with subprocess.Popen(["sleep", "60"], env={"CAPSULE_AGENT_ID": agent.agent_id}, start_new_session=True) as mine, \
@@ -282,7 +285,7 @@ def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostSto
         other.mkdir()
         (other / "pid").write_text(f"{stranger.pid}\n")
         assert sup.reap_orphans() == [mine.pid]
-        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert mine.wait(timeout=HANG) == -signal.SIGKILL
         assert stranger.poll() is None
         stranger.kill()
 
@@ -304,7 +307,6 @@ def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(s
     at the leader, found it gone, and left the tools running for ever."""
     import signal
     import subprocess
-    import time
 
     agent = _agent_with_spec(store, default_spec([sys.executable, "-c", FORKING_AGENT]))
     tests_dir = str(Path(__file__).parent)
@@ -313,26 +315,16 @@ def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(s
         leader = int(daemon.stdout.readline())
         sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
         child_pid_file = Path(sup.sandbox(agent.agent_id)) / "child.pid"
-        for _ in range(500):
-            if child_pid_file.exists() and child_pid_file.read_text():
-                break
-            time.sleep(0.01)
+        wait_until(lambda: child_pid_file.exists() and child_pid_file.read_text(), "the agent's tool")
         child = int(child_pid_file.read_text())
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
-    for _ in range(500):  # the leader goes with its daemon (PDEATHSIG)
-        if not os.path.exists(f"/proc/{leader}"):
-            break
-        time.sleep(0.01)
+    wait_until(lambda: not os.path.exists(f"/proc/{leader}"), "the leader to go with its daemon (PDEATHSIG)")
     try:
         assert os.path.exists(f"/proc/{child}")  # the tool outlived it
         assert sup.reap_orphans() == [leader]
-        for _ in range(500):
-            if not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError("the agent's tool outlived the reap")
+        wait_until(lambda: not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z",
+                   "the agent's tool to go with the reap")
     finally:
         try:
             os.kill(child, signal.SIGKILL)
@@ -364,7 +356,7 @@ async def test_the_tools_of_an_agent_that_exits_go_with_it(store: HostStore, tmp
             await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the agent to crash")
             [tool] = [int(p.read_text()) for p in sandbox.glob("child-*.pid")]
             await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
-                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go", limit=5)
+                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go")
             nursery.cancel_scope.cancel()
     finally:
         for p in sandbox.glob("child-*.pid"):
@@ -401,7 +393,7 @@ async def test_a_missing_secret_blocks_the_start_until_it_is_set(
         await trio.sleep(600)
         assert not os.path.exists(Path(sup.sandbox(agent.agent_id)) / "probe.json")
         keychain.store_secret(store.root, "API_TOKEN", "now-set")
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start", limit=30)
+        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start")
         nursery.cancel_scope.cancel()
     assert caplog.text.count("not started") == 1
 
@@ -426,7 +418,7 @@ async def test_a_secret_the_host_did_not_grant_is_never_given(store: HostStore, 
         probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
         assert not probe.exists()
         grants.grant(store.root, agent.agent_id, ["DEPLOY_KEY"])
-        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent to start", limit=30)
+        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent to start")
         assert json.loads(probe.read_text())["env"]["DEPLOY_KEY"] == "d3pl0y-value"
         nursery.cancel_scope.cancel()
     assert grants.revoke(store.root, agent.agent_id, ["DEPLOY_KEY"]) == ["API_TOKEN"]
@@ -442,7 +434,7 @@ async def test_the_status_of_a_crashed_agent_names_no_dead_pid(store: HostStore,
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the crash", limit=10_000)
+        await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the crash")
         st = sup.status(agent.agent_id)
         assert (st.state, st.pid) == (RunState.BACKOFF, None)
         nursery.cancel_scope.cancel()
@@ -478,7 +470,7 @@ async def _failed(store: HostStore, tmp_path: Path, spec: dict, *, starts: int =
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= starts, "failed starts", limit=10_000)
+        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= starts, "failed starts")
         st = copy.copy(sup.status(agent.agent_id))
         nursery.cancel_scope.cancel()
     assert st.state is RunState.BACKOFF
@@ -521,7 +513,7 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
         # thread, and the autojump clock may jump ahead while one works: so
         # the time of the eighth try is a lower bound.)
         t0 = trio.current_time()
-        await _wait_for(lambda: len(tries) >= 8, "eight tries", limit=10_000)
+        await _wait_for(lambda: len(tries) >= 8, "eight tries")
         assert trio.current_time() - t0 >= 1 + 2 + 4 + 8 + 16 + 32 + 60 - 1
         await _wait_for(lambda: sup.status(agent.agent_id).detail.endswith("trying again in 60 s"), "the last backoff")
         nursery.cancel_scope.cancel()
@@ -544,10 +536,10 @@ async def test_stopping_an_agent_during_setup_leaves_nothing_of_it_running(store
             await _wait_for(lambda: tool_pid.exists() and tool_pid.read_text().strip(), "the setup step's tool")
             tool = int(tool_pid.read_text())
             assert sup.status(agent.agent_id).state is RunState.BUILDING
-            with trio.fail_after(10):
+            with trio.fail_after(HANG):
                 await sup.unwant(agent.agent_id, sync=False)
             await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
-                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go", limit=5)
+                            or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go")
             nursery.cancel_scope.cancel()
     finally:
         if tool is not None:
