@@ -77,3 +77,18 @@ def retext(line: bytes, **changes: object) -> bytes:
 
 def lines_of(records: Iterable[Record]) -> list[bytes]:
     return [r.line for r in records]
+
+
+class LeaseClock:
+    """The journal lease keeper's clock, moved only by the test (see
+    :func:`lease_clock`): whether appends are "in a run" and when a lease
+    is over no longer depend on how fast the machine runs the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

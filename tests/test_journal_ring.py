@@ -10,6 +10,7 @@ processes, SIGKILL.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -17,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,11 @@ from capsulefs.core.journal import (
     verify_lines,
 )
 from capsulefs.core.journal_ring import HEADER, Ring
+from capsulefs.core import journal_lease
 from capsulefs.core.store import AgentHandle, HostStore
+
+from helpers import wait_until
+from journal_helpers import LeaseClock
 
 HOST = "host-a"
 T0 = 1_764_684_000.0
@@ -744,8 +748,11 @@ def test_appends_ask_no_file_for_its_timestamps(tmp_path: Path, monkeypatch: pyt
     asking for the inode or link count alone: no stat, fstat or lstat."""
     store = HostStore.open(tmp_path / "state")
     agent = _agent(store)
+    clock = LeaseClock()  # (the keeper's: a busy machine must not end a lease between two appends)
+    monkeypatch.setattr(journal_lease, "_keeper", journal_lease.Keeper(clock=clock))
     with _open(agent) as j:
-        _append_notes(j, 3)
+        j.lease_idle = 0.05
+        _append_notes(j, 3)  # the second takes a lease, the third finds it
 
         def no_stat(*args: object, **kw: object) -> None:
             raise AssertionError(f"an append asked for timestamps: stat{args}")
@@ -756,10 +763,24 @@ def test_appends_ask_no_file_for_its_timestamps(tmp_path: Path, monkeypatch: pyt
             for i in range(6):
                 j.append(Note(text=f"leased {i}"))
                 if i % 2:
-                    time.sleep(j.lease_max * 2)  # the next append takes the flock and checks the file again
+                    clock.advance(1.0)  # idle: the keeper gives the flock back, and
+                    wait_until(lambda: _flock_free(j.path), "the keeper to give the flock back")
+                    # the next append takes the flock and checks the file again
         finally:
-            monkeypatch.undo()
-        assert j.leased_commits and j.leased_commits < j.commits
+            monkeypatch.undo()  # (the keeper too: close() ends a lease itself)
+        # leased: the third note, i = 0 and 1; then each pair takes the flock and the lease anew
+        assert j.leased_commits == 3 and j.commits == 3 + 6
+
+
+def _flock_free(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # (the flock, if taken, goes with it)
+    return True
 
 
 #: What a crash in a multi-page append can leave: a page never written
