@@ -21,7 +21,7 @@ from capsulefs.core.live import AgentState
 from capsulefs.core.live_journal import open_appender
 from capsulefs.core.store import HostStore
 from capsulefs.daemon import Daemon
-from helpers import make_agent
+from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -136,7 +136,7 @@ async def test_a_signal_while_mounting_stops_the_daemon_once_it_can(store: HostS
     daemon.listeners.append(Listener())
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        with trio.fail_after(30):
+        with trio.fail_after(HANG):
             async with trio.open_nursery() as nursery:
                 await nursery.start(daemon.serve)
         assert stopped == ["agents stopped"]

@@ -33,12 +33,12 @@ from capsulefs.core.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.daemon import Daemon
 from capsulefs.runtime import AgentRuntime
-from helpers import make_agent
+from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
-GATE_LIMIT = 10.0  # seconds a held scan or build waits for the probe before it gives up (the test then fails)
+GATE_LIMIT = HANG  # seconds a held scan or build waits for the probe before it gives up (the test then fails)
 
 
 class Gate:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import export_and_unpack, make_agent
+from helpers import HANG, export_and_unpack, make_agent
 
 from capsulefs.core import archive
 from capsulefs.core import format as fmt
@@ -823,7 +823,7 @@ async def test_the_target_keeps_a_writer_process_started_for_the_next_move(world
     first = spare._spare
     assert first is not None and first.proc.poll() is None
     assert (await world.move()).moved
-    with trio.fail_after(10):
+    with trio.fail_after(HANG):
         while spare.started < 2:  # (the intake ends in activate, as the capsule is installed)
             await trio.sleep(0.01)
     assert first.proc.poll() is not None  # used by the move, and ended with its intake
@@ -859,7 +859,7 @@ async def test_an_append_from_outside_the_daemon_is_whole_in_the_move_or_refused
         _refuse_unless_held(holders, agent_id, "mover")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(move)
-            with trio.fail_after(10):
+            with trio.fail_after(HANG):
                 while holders.get(agent_id).state is not HolderState.FROZEN:
                     await trio.sleep(0.005)
             await trio.sleep(0.2)  # the snapshot waits for the lock: nothing was offered yet
@@ -888,7 +888,7 @@ async def test_an_append_that_never_lets_go_rolls_the_move_back(world: World, mo
 
     monkeypatch.setattr(movedriver, "FILES_WAIT", 0.3)
     with world.a.holders.files_lock(world.agent_id, shared=False):
-        with trio.fail_after(10):
+        with trio.fail_after(HANG):
             result = await world.move()
     assert result.state is mv.SourceState.ROLLED_BACK
     assert "a writer outside the daemon (capsulefs append) has held its files" in result.reason

@@ -17,6 +17,7 @@ from capsulefs.core import fsutil
 from capsulefs.core.fsutil import FileSystemSync
 from capsulefs.moveintake import Intake
 from capsulefs.piecewriter import BUFFER, Outcome, Piece
+from helpers import HANG
 
 
 class Sink:
@@ -232,7 +233,7 @@ async def test_a_failure_to_clean_up_fails_the_move_not_the_service(tmp_path, mo
         with pytest.raises(OSError) as failed:
             await intake.settled()
         assert failed.value.errno == errno.EROFS
-        with trio.fail_after(5):
+        with trio.fail_after(HANG):
             await intake.aclose()
 
 
@@ -253,7 +254,7 @@ async def test_closing_with_a_call_ended_but_not_yet_written_removes_its_files(t
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.run)
         await intake.take(batches_of(b"".join(blobs)), [piece(tmp_path, b) for b in blobs])
-        with trio.fail_after(5):
+        with trio.fail_after(HANG):
             while len(os.listdir(tmp_path)) < len(blobs):  # made ahead of the writer
                 await trio.sleep(0.01)
             await intake.aclose()
@@ -333,7 +334,7 @@ async def test_closing_the_intake_under_a_call_stops_it_and_removes_its_piece(tm
         await nursery.start(intake.run)
         nursery.start_soon(call)
         await trio.testing.wait_all_tasks_blocked()
-        with trio.fail_after(5):
+        with trio.fail_after(HANG):
             await intake.aclose()
         pause.set()
     assert [f.errno for f in failures] == [errno.ECANCELED]
@@ -419,7 +420,7 @@ async def test_a_buffer_the_helper_may_still_read_is_never_handed_to_a_call(tmp_
         await intake.take(batches_of(first, 1 << 20), [piece(pieces_dir, first)])  # both buffers at the helper
         nursery.start_soon(next_call)
         await trio.testing.wait_all_tasks_blocked()
-        with trio.fail_after(20):
+        with trio.fail_after(HANG):
             await intake.aclose()
     assert [f.errno for f in failures] == [errno.ECANCELED]
     assert second.at == 0  # it never got a buffer
@@ -440,7 +441,7 @@ async def test_a_writer_process_that_dies_fails_the_move_and_leaves_no_piece(tmp
         await nursery.start(intake.run)
 
         async def killer() -> None:
-            with trio.fail_after(10):
+            with trio.fail_after(HANG):
                 while len(os.listdir(tmp_path)) < 2:  # it has begun the call's files
                     await trio.sleep(0.005)
             proc = intake._writers._proc  # started with the call's writer
@@ -456,7 +457,7 @@ async def test_a_writer_process_that_dies_fails_the_move_and_leaves_no_piece(tmp
         with pytest.raises(OSError) as later:
             await intake.take(batches_of(blobs[0]), [piece(tmp_path, blobs[0])])
         assert later.value.errno == errno.EIO
-        with trio.fail_after(10):
+        with trio.fail_after(HANG):
             await intake.aclose()
     assert os.listdir(tmp_path) == []
     assert sink.settled == {} and intake.inflight == set()

@@ -26,6 +26,7 @@ from capsulefs.peerlink import (
     serve_peers,
 )
 from capsulefs.peers import Peer, PeerBook
+from helpers import HANG
 
 
 @dataclass
@@ -256,7 +257,7 @@ async def test_link_dying_mid_call_is_broken_not_a_hang(tmp_path: Path) -> None:
 
 async def test_serve_peers_reports_its_port_only_once_listening(pair: Pair) -> None:
     # connecting right after start() returned must work: started() came after bind
-    with trio.fail_after(5):
+    with trio.fail_after(HANG):
         s = await trio.open_tcp_stream("127.0.0.1", pair.port)
         await s.aclose()
 
@@ -290,7 +291,7 @@ async def test_an_anonymous_link_that_says_nothing_is_closed(tmp_path: Path, nur
                                                                host="127.0.0.1", handshake_timeout=0.5,
                                                                task_status=task_status))
     tls = await _anonymous_tls(port)
-    with trio.fail_after(10):
+    with trio.fail_after(HANG):
         assert await _closed_by_server(tls)
     await tls.aclose()
 

@@ -18,6 +18,7 @@ import trio.testing
 
 from capsulefs.piecewriter import BUFFER, Piece
 from capsulefs.slabworker import ProcessWriters, SpareHelper, WriterHandle
+from helpers import HANG
 
 
 def sha(data: bytes) -> str:
@@ -135,7 +136,7 @@ async def test_a_request_larger_than_the_pipe_goes_out_while_answers_wait_to_be_
     empty = sha(b"")
     many = [Piece(empty, 0, None) for _ in range(3000)]
     async with helper(2) as writers:
-        with trio.fail_after(20):
+        with trio.fail_after(HANG):
             first = await writers.open(many)
             closed = await writers.close(first)  # its answer fills the helper's stdout
             second = await writers.open(many)  # about 250 KB into its stdin
@@ -249,7 +250,7 @@ async def test_a_helper_ignores_the_terminals_ctrl_c_and_ends_with_its_stdin() -
         assert started is not None
         # Wait until it has started (and set its signals): it answers an abandon.
         os.write(started.to_helper, b'{"op": "abandon", "w": 1}\n')
-        with trio.fail_after(10):
+        with trio.fail_after(HANG):
             while not os.read(started.from_helper, 4096).endswith(b"\n"):
                 pass  # pragma: no cover - one read gets the short answer
         started.proc.send_signal(signal.SIGINT)

@@ -13,6 +13,7 @@ import trio.testing
 import trustme
 
 from capsulefs.tlsstream import TLSStream
+from helpers import HANG
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ async def test_close_notify_reads_as_end_of_file_every_time(contexts: tuple[ssl.
     client, server = await _handshaken(contexts)
     await client.send_all(b"last words")
     await client.aclose()
-    with trio.fail_after(5):  # an end of file must not turn into a busy loop
+    with trio.fail_after(HANG):  # an end of file must not turn into a busy loop
         assert await server.receive_some(100) == b"last words"
         assert await server.receive_some(100) == b""
         assert await server.receive_some(100) == b""
@@ -106,7 +107,7 @@ async def test_a_transport_that_ends_without_close_notify_is_a_broken_link(conte
     await client.send_all(b"partial")
     await client.transport_stream.aclose()  # no close_notify
     assert await server.receive_some(100) == b"partial"
-    with trio.fail_after(5), pytest.raises(trio.BrokenResourceError) as info:
+    with trio.fail_after(HANG), pytest.raises(trio.BrokenResourceError) as info:
         await server.receive_some(100)
     assert isinstance(info.value.__cause__, ssl.SSLError)
     with pytest.raises(trio.BrokenResourceError):
@@ -148,7 +149,7 @@ async def test_a_tampered_record_breaks_the_stream(contexts: tuple[ssl.SSLContex
         nursery.start_soon(server.do_handshake)
     wire.armed = True
     await client.send_all(b"x" * 5000)
-    with trio.fail_after(5), pytest.raises(trio.BrokenResourceError) as info:
+    with trio.fail_after(HANG), pytest.raises(trio.BrokenResourceError) as info:
         await server.receive_some(10000)
     assert isinstance(info.value.__cause__, ssl.SSLError)
 
@@ -159,7 +160,7 @@ async def test_a_server_that_closes_before_sending_anything_ends_cleanly(context
     the client cannot decrypt it."""
     client, server = await _handshaken(contexts)
     await server.aclose()
-    with trio.fail_after(5):
+    with trio.fail_after(HANG):
         assert await client.receive_some(100) == b""
 
 
@@ -189,6 +190,6 @@ async def test_closing_while_a_task_waits_to_send_wakes_it_as_closed(contexts: t
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_to_send)
         await trio.testing.wait_all_tasks_blocked()
-        with trio.fail_after(5):
+        with trio.fail_after(HANG):
             await client.aclose()  # neither raises Busy nor waits on the blocked waiter
     await server.aclose()
