@@ -22,7 +22,7 @@ from capsulefs.core import format as fmt
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
 
-from helpers import wait_until
+from helpers import HANG, wait_until
 
 MACHINE = "HOSTA"
 
@@ -110,7 +110,7 @@ def test_agent_process_converses_and_stops_on_sigterm(stub, capsule: Path, tmp_p
             port.append([ev.UserMessage(text="second, call write_file")])
             wait_until(lambda: sum(r.kind == "assistant_message" for r in port.records()) >= 2, "the second reply")
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
+            assert proc.wait(timeout=HANG) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -16,7 +16,7 @@ import xattr
 
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
-from helpers import make_agent
+from helpers import HANG, make_agent
 from mount_kit import capsulefs, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -136,14 +136,14 @@ def test_sigterm_unmounts_cleanly(store: HostStore, state_dir: Path, mnt: Path) 
     make_agent(store, "alice")
     with mounted(state_dir, mnt) as proc:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=HANG) == 0
         assert not os.path.ismount(mnt)
 
 
 def test_sigint_unmounts_cleanly(store: HostStore, state_dir: Path, mnt: Path) -> None:
     with mounted(state_dir, mnt) as proc:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=HANG) == 0
         assert not os.path.ismount(mnt)
 
 
@@ -151,7 +151,7 @@ def test_capsulefs_umount(store: HostStore, state_dir: Path, mnt: Path) -> None:
     with mounted(state_dir, mnt) as proc:
         capsulefs("umount", str(mnt))
         assert not os.path.ismount(mnt)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=HANG) == 0
     assert capsulefs("umount", str(mnt), check=False).returncode == 1
 
 

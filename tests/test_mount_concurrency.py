@@ -14,7 +14,7 @@ import pytest
 
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
-from helpers import make_agent, wait_until
+from helpers import HANG, make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -45,7 +45,7 @@ def test_8_processes_x_500_appends_lose_nothing(store: HostStore, state_dir: Pat
                        check=True)
         t0 = time.monotonic()
         procs = appenders(journal, 8, 500)
-        assert [p.wait(timeout=240) for p in procs] == [0] * 8
+        assert [p.wait(timeout=2 * HANG) for p in procs] == [0] * 8
         elapsed = time.monotonic() - t0
         recs = check_chains(journal.read_bytes())
         assert len(recs) == 4001
@@ -66,7 +66,7 @@ def test_snapshot_while_appending_verifies(store: HostStore, state_dir: Path, tm
                 pass  # wait (bounded by the appender) until appends are under way
             os.mkdir(agent / ".snapshots" / "nightly")
         finally:
-            assert procs[0].wait(timeout=120) == 0
+            assert procs[0].wait(timeout=HANG) == 0
         tar = tmp_path / "nightly.tar"
         subprocess.run(["tar", "-C", str(agent / ".snapshots" / "nightly"), "-cf", str(tar), "."], check=True)
         assert capsulefs("verify", str(tar)).stdout.startswith("OK:")
@@ -113,7 +113,7 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
                 assert (m / "alice" / fmt.WORKING_MEMORY).read_text() == "m\n"
                 time.sleep(0.5)
             assert t.is_alive() and done == []
-        t.join(30)
+        t.join(HANG)
         assert done == [None]
         snap = m / "alice" / ".snapshots" / "s1"
         assert (snap / fmt.WORKING_MEMORY).read_text() == "m\n"
@@ -141,7 +141,7 @@ def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record
             listed: list[list[str]] = []
             t = threading.Thread(target=lambda: listed.append(sorted(os.listdir(m))))
             t.start()
-            t.join(3)
+            t.join(HANG)  # (the recovery waits until we let go: a hang's bound, not a speed)
             assert listed == [["alice"]], "the mount did not answer while its recovery waited"
             book.put(new_held(agent_id, 1))  # the import records the agent, then lets go
             importing.close()

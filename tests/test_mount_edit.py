@@ -9,7 +9,6 @@ import os
 import shutil
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from capsulefs.cli import main as cli_main
 from capsulefs.core import format as fmt
 from capsulefs.core.store import HostStore
-from helpers import make_agent
+from helpers import make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -312,10 +311,7 @@ def test_a_refused_truncate_fails_the_close(mnt: Path, store: HostStore) -> None
     assert store.find("alice").read(fmt.SPEC) == old  # never saved
     # The mount drops the edit at the kernel's release, which may come just
     # after close returned: then the old spec shows again.
-    deadline = time.monotonic() + 5
-    while spec.read_bytes() != old and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert spec.read_bytes() == old
+    wait_until(lambda: spec.read_bytes() == old, "the old spec to show again")
     verifies(mnt)
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from capsulefs.core.store import HostStore
 from capsulefs.readahead import READ_AHEAD_KB, mount_device
-from helpers import make_agent
+from helpers import make_agent, wait_until
 from mount_kit import mounted, needs_fuse
 
 MOUNTINFO = (
@@ -39,8 +38,5 @@ def test_a_real_mount_gets_the_readahead(store: HostStore, state_dir: Path, tmp_
     with mounted(state_dir, mnt):
         st = os.stat(mnt)
         bdi = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
-        for _ in range(200):  # x 25 ms: the daemon sets it once the kernel has its INIT answer
-            if int(bdi.read_text()) == READ_AHEAD_KB:
-                break
-            time.sleep(0.025)
-        assert int(bdi.read_text()) == READ_AHEAD_KB
+        # the daemon sets it once the kernel has its INIT answer
+        wait_until(lambda: int(bdi.read_text()) == READ_AHEAD_KB, f"the mount's readahead of {READ_AHEAD_KB} KiB")

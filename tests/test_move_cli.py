@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import CAPSULEFS, REPO, run_cli
+from helpers import HANG
 
 from capsulefs.core.holder import HolderBook, HolderState
 
@@ -38,7 +39,7 @@ def test_move_between_two_processes(tmp_path: Path) -> None:
             assert "moved to b at epoch 2" in moved.stdout
         finally:
             server.terminate()
-            server.wait(timeout=30)
+            server.wait(timeout=HANG)
     assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
     assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
     assert "walker" in run_cli("ls", state=b, check=True).stdout
@@ -69,7 +70,7 @@ def _serve(state: Path) -> tuple[subprocess.Popen, str]:
 
 def _stop(server: subprocess.Popen) -> None:
     server.terminate()
-    server.wait(timeout=30)
+    server.wait(timeout=HANG)
     assert server.stdout is not None
     server.stdout.close()
 

@@ -19,6 +19,7 @@ from google import genai
 from google.genai import types as gt
 
 from capsulefs import stubprovider
+from helpers import HANG
 from capsulefs.core.events import Event, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import ToolSpec, parse_response, render
 from render_sdk import validate_request
@@ -204,5 +205,5 @@ def test_stub_runs_as_a_program() -> None:
         assert reply.choices[0].message.content == "echo: ping"
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=HANG)
         proc.stdout.close()

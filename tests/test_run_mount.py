@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
 
-from helpers import reference_agent_spec, wait_until
+from helpers import HANG, reference_agent_spec, wait_until
 
 pytestmark = [needs_fuse]
 
@@ -170,7 +169,7 @@ def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_
             capsulefs("umount", str(mnt))
         else:
             daemon.terminate()
-        assert daemon.wait(timeout=30) == 0
+        assert daemon.wait(timeout=HANG) == 0
         assert not os.path.ismount(mnt)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -181,7 +180,9 @@ def test_stopping_the_mount_stops_its_agents_first_while_they_still_have_it(tmp_
 
 def test_a_second_signal_does_not_wait_for_a_stubborn_agent(tmp_path: Path) -> None:
     """An agent that ignores SIGTERM holds the first, graceful stop for the
-    whole grace period (5 s); a second signal kills it and unmounts now."""
+    whole grace period (5 s); a second signal kills it and unmounts now:
+    the daemon's log shows it, not the grace period's kill (timing the exit
+    against the grace period failed whenever the machine was busy)."""
     state = _script_agent(tmp_path, "mule", _STOPPING_AGENT.replace("signal.signal(signal.SIGTERM, stop)",
                                                                     "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
     mnt = tmp_path / "mnt"
@@ -189,16 +190,15 @@ def test_a_second_signal_does_not_wait_for_a_stubborn_agent(tmp_path: Path) -> N
         pid = _started(mnt / "mule")
         daemon.terminate()
         wait_until(lambda: "stopping the agents" in (state.parent / "daemon-mnt.log").read_text(), "the first signal")
-        time.sleep(0.3)
         assert os.path.ismount(mnt)  # still serving: waiting for the agent
-        t0 = time.monotonic()
         daemon.terminate()
-        assert daemon.wait(timeout=30) == 0
-        assert time.monotonic() - t0 < 3.5  # not the 5 s grace period
+        assert daemon.wait(timeout=HANG) == 0
         assert not os.path.ismount(mnt)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert "unmounting now" in (state.parent / "daemon-mnt.log").read_text()
+    log = (state.parent / "daemon-mnt.log").read_text()
+    assert "unmounting now" in log
+    assert "ignored SIGTERM" not in log  # killed by the second signal, not at the grace period's end
 
 
 def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it(tmp_path: Path) -> None:
@@ -217,11 +217,11 @@ def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it
         assert os.path.exists(runtime_path(str(state)))
         force_unmount(mnt)  # fusermount3 -u -z, from outside
         wait_until(lambda: "ignored SIGTERM" not in log.read_text() and not os.path.ismount(mnt), "the unmount")
-        time.sleep(0.5)  # the daemon is stopping the agent: up to its 5 s grace period
+        # (the daemon is stopping the agent now: up to its 5 s grace period)
         assert daemon.poll() is None
         os.kill(pid, 0)  # the agent is still there
         daemon.terminate()
-        assert daemon.wait(timeout=30) == 0
+        assert daemon.wait(timeout=HANG) == 0
     assert "already unmounting; the clean-up finishes first" in log.read_text()
     assert not os.path.exists(runtime_path(str(state)))  # its last step ran
     with pytest.raises(ProcessLookupError):
