@@ -107,12 +107,11 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
         with HolderBook(holders_dir(state_dir)).files_lock(agent_id, shared=False):  # what an append holds
             t = threading.Thread(target=snapshot)
             t.start()
-            time.sleep(0.3)
+            time.sleep(0.3)  # (the snapshot's mkdir reaches the daemon, which waits for the lock)
             for _ in range(5):  # other requests are answered while the snapshot waits
                 assert status(m / "alice")["state"] == "active"
                 assert (m / "alice" / fmt.WORKING_MEMORY).read_text() == "m\n"
-                time.sleep(0.5)
-            assert t.is_alive() and done == []
+            assert t.is_alive() and done == []  # (it waits for our lock: no timing in this)
         t.join(HANG)
         assert done == [None]
         snap = m / "alice" / ".snapshots" / "s1"
