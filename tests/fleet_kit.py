@@ -31,10 +31,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HANG
+
 ETCD = shutil.which("etcd")
 _VENV_WEED = Path(sys.executable).with_name("weed")
 WEED = str(_VENV_WEED) if _VENV_WEED.exists() else shutil.which("weed")
-READY_WITHIN = 60.0  # seconds an engine may take to answer its health check (the machine is shared)
+READY_WITHIN = HANG  # seconds an engine may take to answer its health check (the machine is shared)
 STOP_GRACE = 20.0
 # weed mini's volume server sometimes takes 25 s and more to stop (it waits on
 # its own gRPC streams); its data is thrown away, so it gets SIGKILL sooner

@@ -25,8 +25,9 @@ from capsulefs.core.fleet.errors import (
 from capsulefs.core.fleet.etcd import Compare, Delete, EventType, Put, Range, Result
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
 from fleet_kit import EtcdServer, free_ports, etcd_or_skip
+from helpers import HANG
 
-DEADLINE = 30  # seconds: bounds a hang, never paces a test
+DEADLINE = HANG  # seconds: bounds a hang, never paces a test
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from capsulefs.core.fleet.s3_wire import parse_tier_url
 from capsulefs.core.fleet.sigv4 import Credentials
 from capsulefs.fleet.s3 import BlobTier, S3Client, open_s3
 from fleet_kit import WeedServer, free_ports, weed_or_skip
+from helpers import HANG
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ async def test_a_torn_copy_on_the_tier_is_replaced(s3: S3Client, weed_server: We
     key = tier.key(digest)
     headers = [("content-length", str(len(data))), ("if-none-match", "*")]
     url, signed = s3.sign("PUT", key, [], headers, digest)
-    with trio.fail_after(30):
+    with trio.fail_after(HANG):
         stream = await trio.open_tcp_stream("127.0.0.1", url.port)
         async with stream:
             head = f"PUT {url.raw_path.decode()} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in signed)
