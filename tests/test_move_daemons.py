@@ -76,8 +76,8 @@ class Host:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.mnt.mkdir()
-        capsulefs("--state", str(self.state), "init")
-        self.host_id = capsulefs("--state", str(self.state), "id").stdout.strip()
+        said = capsulefs("--state", str(self.state), "init").stdout  # "...: initialised; host id ID"
+        self.host_id = said.split("host id ")[1].strip()  # (what `capsulefs id` prints: one process less)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return capsulefs("--state", str(self.state), *args, check=check)
