@@ -316,7 +316,11 @@ def main() -> int:
     ap.add_argument("--events", default="1000,100000,1000000", help="history lengths, comma-separated")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--no-agentfs", action="store_true", help="skip the side-by-side with AgentFS")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, one run, no AgentFS: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.events, args.runs, args.no_agentfs = "300", 1, True
     sizes = [int(x) for x in args.events.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
