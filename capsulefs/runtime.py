@@ -103,7 +103,7 @@ class AgentRuntime:
             for sha, path in scan.new_files.items():
                 # (the sandbox may have changed since the scan: never through
                 # a symlink or into a FIFO, and only the bytes the scan hashed)
-                with workspace.open_regular(path, check=check) as f:
+                with workspace.open_regular(scan.root, path, check=check) as f:
                     self.store.put_blob_stream(f, expect=sha)  # type: ignore[arg-type]
             check()  # the last point a cancel stops the commit at
             trio.from_thread.run_sync(self._record_workspace, agent_id, scan)

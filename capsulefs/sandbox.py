@@ -54,8 +54,9 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from capsulefs.core import workspace
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.fsutil import atomic_write, fsync_dir
+from capsulefs.core.fsutil import atomic_write, fsync_dir, walk_tree
 
 log = logging.getLogger(__name__)
 
@@ -211,24 +212,28 @@ def _has_account(uid: int) -> bool:
 
 def _chown_tree(top: str, ids: Ids) -> int:
     """Give ``top`` and everything in it to ``ids``, walking by file
-    descriptor and never following a symlink (the tree may be a hostile
-    earlier run's). A file with more links than the tree holds is left as
+    descriptor without recursion and never following a symlink
+    (``fsutil.walk_tree``: the tree may be a hostile earlier run's, as deep
+    as it liked). A file with more links than the tree holds is left as
     it is: its other name is outside (an earlier agent hard-linked a file of
     its uid, or a world-readable one of root's, into its workspace), and
-    giving the inode away would give the outside file with it. Returns how
-    many such files were left."""
+    giving the inode away would give the outside file with it. So is what
+    lies deeper than ``workspace.MAX_DEPTH`` levels (no snapshot makes it;
+    an earlier uid's run did) or was moved during the walk: it keeps the
+    earlier owner, which this agent's uid cannot change it as. Returns how
+    many files with links were left."""
     names: dict[tuple[int, int], int] = {}  # (dev, ino) of a file with links -> its names in the tree
     kept: set[tuple[int, int]] = set()  # those with a name outside it too
+    missed: list[str] = []  # directories not walked
 
     def walk(give: Callable[[os.stat_result], bool]) -> None:
-        for _root, dirs, files, dir_fd in os.fwalk(top, follow_symlinks=False):
-            for name in dirs + files:
-                try:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    if give(st):
-                        os.chown(name, ids.uid, ids.gid, dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    pass
+        for d in walk_tree(top, max_depth=workspace.MAX_DEPTH, onerror=lambda rel, _exc: missed.append(rel)):
+            for name, st in d.entries:
+                if give(st):
+                    try:
+                        os.chown(name, ids.uid, ids.gid, dir_fd=d.fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
 
     def count(st: os.stat_result) -> bool:  # all but files with links; count those's names
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
@@ -251,6 +256,9 @@ def _chown_tree(top: str, ids: Ids) -> int:
         walk(linked)
     if kept:
         log.warning("sandbox %s: %d file(s) with hard links outside it keep their owner", top, len(kept))
+    if missed:
+        log.warning("sandbox %s: %d directories were not given to uid %d (deeper than %d levels, unreadable or "
+                    "moved meanwhile), e.g. %.200s", top, len(missed), ids.uid, workspace.MAX_DEPTH, missed[0])
     return len(kept)
 
 

@@ -13,12 +13,21 @@ Theory of operation:
     that are not UTF-8 (a capsule's JSON cannot hold them).
   * The sandbox is hostile: the agent process made it, and a child of it
     that left the process group may still change it during the scan. So
-    the scan walks directories by file descriptor (``os.fwalk``), opens
-    each file with ``O_NOFOLLOW | O_NONBLOCK`` and hashes it only if the
-    open file is regular; :func:`open_regular` opens it the same way again
-    for the commit, which stores only bytes that hash as the scan found. A
-    file swapped for a symlink (to a host file), a FIFO or a device between
-    two steps is skipped or refused, never read, and never blocks.
+    the scan walks directories by file descriptor without recursion
+    (``fsutil.walk_tree``: each directory opened relative to its parent,
+    ``O_NOFOLLOW | O_DIRECTORY``), opens each file with
+    ``O_NOFOLLOW | O_NONBLOCK`` and hashes it only if the open file is
+    regular; :func:`open_regular` opens it the same way again for the
+    commit, one directory at a time from the sandbox, and the commit
+    stores only bytes that hash as the scan found. A file or directory
+    swapped for a symlink (to a host file), a FIFO or a device between two
+    steps is skipped or refused, never read, and never blocks.
+  * The agent may make its tree as deep as it likes; a capsule names a
+    file by a path of at most ``fmt.MAX_PATH_BYTES``. A directory in which
+    no such path fits is not entered: it is skipped and reported, like a
+    symlink, and stays in this host's sandbox only. Every path that fits
+    is synced and materialised, though with the sandbox's own path before
+    it is longer than PATH_MAX (both work relative to directory fds).
   * A directory the scan cannot list (a daemon not run as root, a directory
     the agent made unreadable) keeps its files' snapshot entries: what it
     holds is unknown, not gone.
@@ -47,7 +56,7 @@ from typing import BinaryIO
 
 from . import format as fmt
 from .errors import UnsafePathError
-from .fsutil import atomic_write, makedirs_durable, remove_tree
+from .fsutil import atomic_write_at, makedirs_beneath, makedirs_durable, open_beneath, remove_tree, walk_tree
 from .hashing import hash_stream
 
 log = logging.getLogger(__name__)
@@ -67,23 +76,38 @@ def materialize(snapshot: Mapping[str, str], read_blob: Callable[[str], Iterator
                 check: Callable[[], None] = _no_check) -> None:
     """Make ``dest`` hold exactly the snapshot's files (removing anything
     else). ``check`` is called before each file and chunk (it may raise:
-    ``dest`` is then left half-written, for the caller to remove)."""
+    ``dest`` is then left half-written, for the caller to remove). Every
+    path is checked before anything is written, and written relative to
+    its directory's fd: a workspace path may be up to 4096 bytes, which
+    with ``dest`` before it is longer than any path a system call takes."""
+    by_dir: dict[str, list[tuple[str, str]]] = {}
+    for path, sha in snapshot.items():
+        fmt.check_relpath(path, "workspace path")
+        parent, _, name = path.rpartition("/")
+        by_dir.setdefault(parent, []).append((name, sha))
     if os.path.isdir(dest):
         remove_tree(dest)
     makedirs_durable(dest, 0o755)
-    for path, sha in sorted(snapshot.items()):
-        check()
-        fmt.check_relpath(path, "workspace path")
-        target = os.path.join(dest, path)
-        makedirs_durable(os.path.dirname(target))
-        atomic_write(target, _checked(read_blob(sha), check))
+    top = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for parent in sorted(by_dir):
+            fd = makedirs_beneath(top, parent)
+            try:
+                for name, sha in sorted(by_dir[parent]):
+                    check()
+                    atomic_write_at(fd, name, _checked(read_blob(sha), check))
+            finally:
+                os.close(fd)
+    finally:
+        os.close(top)
 
 
 @dataclass(frozen=True, slots=True)
 class ScanResult:
     changes: dict[str, str | None]  # path -> new sha256, or None if deleted
-    new_files: dict[str, str]  # sha256 -> a sandbox file holding those bytes
-    skipped: list[str]  # entries that are not regular files
+    new_files: dict[str, str]  # sha256 -> the workspace path of a file holding those bytes
+    skipped: list[str]  # entries that are not regular files, or that a capsule cannot name
+    root: str = ""  # the sandbox scanned (what new_files' paths are relative to)
 
 
 #: Opening a sandbox file: never through a symlink, never waiting on a FIFO.
@@ -133,40 +157,63 @@ class CheckedReader:
         self.close()
 
 
-def open_regular(path: str, *, check: Callable[[], None] = _no_check) -> CheckedReader:
-    """Open a sandbox file the scan found, for reading: refuses (UnsafePathError)
-    anything that is not, or is no longer, a regular file, without following
-    a symlink or blocking on a FIFO. Each read first calls ``check``."""
-    fd = _open_fd(path)
+def open_regular(root: str, path: str, *, check: Callable[[], None] = _no_check) -> CheckedReader:
+    """Open the file the scan found at workspace ``path`` under the sandbox
+    ``root``, for reading: refuses (UnsafePathError) anything that is not,
+    or is no longer, a regular file, without following a symlink (on the
+    way there either: each directory is opened relative to the one before)
+    or blocking on a FIFO. Each read first calls ``check``."""
+    try:
+        fd = open_beneath(root, path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno not in _NOT_A_FILE:
+            raise
+        fd = None
+    if fd is not None and not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        fd = None
     if fd is None:
-        raise UnsafePathError(f"workspace file {path} is no longer a regular file")
+        raise UnsafePathError(f"workspace file {_shown(path)} is no longer a regular file")
+    os.set_blocking(fd, True)
     return CheckedReader(os.fdopen(fd, "rb", buffering=0), check)
+
+
+def _shown(path: str) -> str:
+    """``path`` for a log line: a deep one shortened (its ends and its length)."""
+    if len(path) <= 120:
+        return ascii(path)
+    return f"{ascii(path[:60])}...{ascii(path[-40:])} ({len(path.encode('utf-8', 'surrogateescape'))} bytes)"
+
+
+#: How deep the scan goes: a directory there can hold no file a capsule can
+#: name (a name and a '/' per level: its path would be over fmt.MAX_PATH_BYTES).
+MAX_DEPTH = fmt.MAX_PATH_BYTES // 2
 
 
 def scan(dest: str, snapshot: Mapping[str, str], *, check: Callable[[], None] = _no_check) -> ScanResult:
     """Changes of the sandbox ``dest`` relative to ``snapshot``. ``check`` is
     called before each entry and each chunk hashed (it may raise to stop)."""
-    seen: dict[str, tuple[str, str]] = {}
+    seen: dict[str, str] = {}  # workspace path -> sha256 of its bytes
     skipped: list[str] = []
+    too_long: list[str] = []  # directories in which no path a capsule can hold fits
     found: set[str] = {""}  # directories met (as directories, not links to them), "" the sandbox itself
     listed: set[str] = set()  # directories the walk listed
-    for root, dirs, files, root_fd in os.fwalk(dest):
-        top = os.path.relpath(root, dest).replace(os.sep, "/")
-        top = "" if top == "." else top
+    # (A directory it cannot list or enter is told to onerror; it is then
+    # found but not listed, which is all the scan needs to know.)
+    for d in walk_tree(dest, max_depth=MAX_DEPTH, onerror=lambda _rel, _exc: None):
+        top = d.rel
         listed.add(top)
-        for name in sorted(dirs + files):
+        prefix = f"{top}/" if top else ""
+        room = fmt.MAX_PATH_BYTES - len(prefix.encode("utf-8", "surrogateescape"))
+        for name, st in d.entries:
             check()
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, dest).replace(os.sep, "/")
-            try:
-                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # gone since the listing: deleted
-            except PermissionError:  # listed but not searchable (mode 0600): nothing in it can be read
-                listed.discard(top)
-                break
+            rel = prefix + name
             if stat.S_ISDIR(st.st_mode):
-                found.add(rel)
+                if len(name.encode("utf-8", "surrogateescape")) + 2 > room:  # (its files' paths: name/x at least)
+                    too_long.append(rel)
+                    d.dirs.remove(name)
+                else:
+                    found.add(rel)
                 continue
             if not stat.S_ISREG(st.st_mode):
                 skipped.append(rel)
@@ -177,30 +224,34 @@ def scan(dest: str, snapshot: Mapping[str, str], *, check: Callable[[], None] = 
             except (UnsafePathError, UnicodeEncodeError):
                 skipped.append(rel)
                 continue
-            fd = _open_fd(name, root_fd)
+            fd = _open_fd(name, d.fd)
             if fd is None:  # swapped for something else since the stat
                 skipped.append(rel)
                 continue
             with CheckedReader(os.fdopen(fd, "rb", buffering=0), check) as f:
                 sha, _size = hash_stream(f)  # type: ignore[arg-type]
-            seen[rel] = (sha, full)
+            seen[rel] = sha
     # A directory met but never listed could not be opened or read (EACCES
     # for a daemon not run as root): what it holds is unknown, not gone.
     unreadable = sorted(found - listed) if os.path.isdir(dest) else []
     if skipped:
         log.warning("workspace %s: skipped %d entries that are not regular files or whose names a capsule cannot hold: %s",
-                    dest, len(skipped), ", ".join(map(ascii, skipped[:5])))
+                    dest, len(skipped), ", ".join(map(_shown, skipped[:5])))
+    if too_long:
+        log.warning("workspace %s: skipped %d directories too deep for a capsule (every file in them would have a path "
+                    "over %d bytes): %s", dest, len(too_long), fmt.MAX_PATH_BYTES, ", ".join(map(_shown, too_long[:5])))
+        skipped += too_long
     if unreadable:
         log.warning("workspace %s: could not list %d directories (their files are kept as they were): %s",
-                    dest, len(unreadable), ", ".join(map(ascii, unreadable[:5])))
+                    dest, len(unreadable), ", ".join(map(_shown, unreadable[:5])))
         skipped += unreadable
     changes: dict[str, str | None] = {}
     new_files: dict[str, str] = {}
-    for rel, (sha, full) in seen.items():
+    for rel, sha in seen.items():
         if snapshot.get(rel) != sha:
             changes[rel] = sha
-            new_files.setdefault(sha, full)
+            new_files.setdefault(sha, rel)
     for rel in snapshot:
         if rel not in seen and not any(not u or rel.startswith(u + "/") for u in unreadable):
             changes[rel] = None
-    return ScanResult(changes=changes, new_files=new_files, skipped=skipped)
+    return ScanResult(changes=changes, new_files=new_files, skipped=skipped, root=dest)

@@ -65,7 +65,7 @@ class StoreHooks:
         snap = dict(self.snapshot(agent_id))
         with self.store.writing():
             for sha, path in scan.new_files.items():
-                with open(path, "rb") as f:
+                with workspace.open_regular(scan.root, path) as f:
                     self.store.put_blob_stream(f, expect=sha)
             apply_workspace_changes(snap, scan.changes)
             self.agent(agent_id).write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))

@@ -52,7 +52,7 @@ def test_a_file_swapped_during_the_scan_is_never_followed(tmp_path: Path, kind: 
             assert leaked not in result.new_files, f"scan {scans} read the host file through the workspace"
             for path in result.new_files.values():  # what the commit reads: the same file, or a refusal
                 try:
-                    with workspace.open_regular(path) as f:
+                    with workspace.open_regular(result.root, path) as f:
                         assert f.read() in (b"mine\n", b"")
                 except UnsafePathError:
                     pass
