@@ -224,10 +224,11 @@ def _chown_tree(top: str, ids: Ids) -> int:
     many files with links were left."""
     names: dict[tuple[int, int], int] = {}  # (dev, ino) of a file with links -> its names in the tree
     kept: set[tuple[int, int]] = set()  # those with a name outside it too
-    missed: list[str] = []  # directories not walked
+    missed: list[str] = []  # the first directory not walked, then one "" for each other
 
     def walk(give: Callable[[os.stat_result], bool]) -> None:
-        for d in walk_tree(top, max_depth=workspace.MAX_DEPTH, onerror=lambda rel, _exc: missed.append(rel)):
+        for d in walk_tree(top, max_depth=workspace.MAX_DEPTH,
+                           onerror=lambda rel, _exc: missed.append("" if missed else rel)):
             for name, st in d.entries:
                 if give(st):
                     try:

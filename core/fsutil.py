@@ -263,11 +263,6 @@ class WalkDir:
             d = d.parent
         return "/".join(reversed(names))
 
-    def child_rel(self, name: str) -> str:
-        """The path from the top of its entry ``name``."""
-        rel = self.rel
-        return f"{rel}/{name}" if rel else name
-
 
 def walk_tree(top: str | os.PathLike[str], *, max_depth: int = WALK_DEPTH, max_fds: int = WALK_FDS,
               onerror: Callable[[str, OSError], None] | None = None) -> Iterator[WalkDir]:
@@ -464,8 +459,9 @@ def _queue(d: WalkDir, max_depth: int, fail: Callable[[str, OSError], None]) -> 
     todo = [(name, idents[name]) for name in d.dirs if name in idents]
     d.entries, d.dirs = [], []
     if todo and d.depth >= max_depth:
+        rel = d.rel
         for name, _ident in todo:
-            fail(d.child_rel(name), TooDeep(errno.ENAMETOOLONG, f"deeper than {max_depth} levels"))
+            fail(f"{rel}/{name}" if rel else name, TooDeep(errno.ENAMETOOLONG, f"deeper than {max_depth} levels"))
         return
     todo.reverse()
     d._todo = todo
