@@ -157,7 +157,7 @@ async def test_building_a_sandbox_leaves_every_other_agent_served(
     _agent(store, "other")
     daemon, rt, mnt = _daemon(state_dir, tmp_path)
     gate = Gate()
-    monkeypatch.setattr(workspace, "atomic_write", gate.wrap(workspace.atomic_write))
+    monkeypatch.setattr(workspace, "atomic_write_at", gate.wrap(workspace.atomic_write_at))
     seen: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
