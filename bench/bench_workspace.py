@@ -85,7 +85,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--files", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: does it run (CI), not a figure")
     args = ap.parse_args()
+    if args.smoke:
+        args.files, args.rounds = 200, 1
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         ws = os.path.join(tmp, "workspace")
         build(Path(ws), args.files)
