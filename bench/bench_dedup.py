@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common import random_blobs
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 
 

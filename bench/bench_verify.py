@@ -13,8 +13,8 @@ from pathlib import Path
 
 from common import capsulefs_cmd, extract_all, pairs, random_blobs, run
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 
 

@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capsulefs.core import events as ev
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import render
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
-from capsulefs.core.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in
+from capsulefs.core.capsule.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write
-from capsulefs.core.spec import parse_spec
+from capsulefs.core.capsule.spec import parse_spec
 from capsulefs.core.store import HostStore
 
 log = logging.getLogger(__name__)

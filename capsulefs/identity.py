@@ -8,7 +8,7 @@ Rules:
   * The host id is derived, never stored: base32 (RFC 4648, upper case, no
     padding) of the sha256 of the certificate's DER bytes, 52 characters, as
     in Syncthing. It names the certificate exactly, so pinning an id pins the
-    certificate, and it fits ``capsulefs.core.format.check_host_id``.
+    certificate, and it fits ``capsulefs.core.capsule.format.check_host_id``.
   * Key and certificate live in one file because the id depends on the
     certificate: a key without its certificate would make a new certificate,
     hence a new id, and the host would silently become someone else.

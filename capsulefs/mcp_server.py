@@ -36,7 +36,7 @@ from typing import Any
 
 from capsulefs.cli.common import host_id, open_store, state_dir
 from capsulefs.cli.journal_cmds import append_events, log_line, timeline_rows
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import MemoryEdit, Note, UserMessage
 from capsulefs.core.holder import HolderBook

@@ -41,8 +41,8 @@ from typing import Any
 
 import trio
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_from_peers

@@ -44,7 +44,7 @@ from typing import Any
 
 import trio
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree

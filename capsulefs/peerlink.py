@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import trio
 
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.format import load_json
+from capsulefs.core.capsule.format import load_json
 from capsulefs.identity import Identity, host_id_from_der
 from capsulefs.peers import Peer, PeerBook, parse_address
 from capsulefs.tlsstream import TLSStream

@@ -22,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from capsulefs.core.errors import CapsuleError, ExistsError, NotFoundError
-from capsulefs.core.format import check_host_id
+from capsulefs.core.capsule.format import check_host_id
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
 from capsulefs.identity import HOST_ID_LENGTH, host_id_from_der
 

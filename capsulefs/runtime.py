@@ -39,9 +39,9 @@ from typing import Any
 
 import trio
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core import workspace
+from capsulefs.core.capsule import workspace
 from capsulefs.core.events import WorkspaceUpdate
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.live import AgentState

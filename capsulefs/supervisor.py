@@ -72,11 +72,11 @@ import trio
 
 from capsulefs import grants, keychain
 from capsulefs.sandbox import Isolation
-from capsulefs.core import format as fmt
-from capsulefs.core import workspace
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import remove_tree
-from capsulefs.core.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in, validate_spec
+from capsulefs.core.capsule.spec import SECRETS_ENV, STATUS_ENV, redact_secrets, secrets_in, validate_spec
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ import numpy as np
 from .embedders import Embedder, EmbedderSpec, select_embedder
 from .errors import FormatError
 from .events import Record, line_hash
-from .format import VECTOR_INDEX
+from .capsule.format import VECTOR_INDEX
 from .index_access import CapsuleFiles
 from .index_text import MAX_CHUNKS, BlobReader, chunk_spans, indexed_text, snippet
 from .index_vectors import (
@@ -77,7 +77,7 @@ __all__ = [
     "refresh_index",
     "search_capsule",
     "update_index",
-    # re-exported for core.capsule_merge, which imports them from here
+    # re-exported for core.capsule.merge, which imports them from here
     "dump_index",
     "parse_index",
 ]

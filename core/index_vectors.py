@@ -44,7 +44,7 @@ On-disk layout (one JSON object, keys sorted, ``digest`` first)::
                     int8 matrix (row-major), "scale": base64 of n little-endian
                     float32}; row i is data[i] * scale[i], L2 norm about 1
 
-The empty index written by :func:`capsulefs.core.format.empty_vector_index`
+The empty index written by :func:`capsulefs.core.capsule.format.empty_vector_index`
 (no digest, no rows, no embedder) is accepted as "nothing indexed yet".
 """
 
@@ -63,7 +63,7 @@ import numpy as np
 
 from .embedders import EmbedderSpec
 from .errors import FormatError
-from .format import MAX_INT, check_int, load_json
+from .capsule.format import MAX_INT, check_int, load_json
 from .fsutil import atomic_write, makedirs_durable
 from .index_text import INDEXED_KINDS
 

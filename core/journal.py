@@ -98,7 +98,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import format as fmt
+from .capsule import format as fmt
 from .errors import CapsuleError, FormatError, NotFoundError
 from .events import Event, Record, line_hash, parse_draft
 from .fsutil import fdatasync, fsync_dir, identity_probe
@@ -1018,7 +1018,7 @@ def open_agent_journal(
     new_id: Callable[[], str],
 ) -> Journal:
     """Open the journal of an agent of the host store (an ``AgentHandle``)."""
-    from .format import JOURNAL
+    from .capsule.format import JOURNAL
 
     return open_journal(
         agent.path(JOURNAL),

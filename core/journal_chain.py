@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 from .errors import FormatError
 from .events import Event, Record, UnknownEvent, line_hash
-from .format import MAX_INT, check_host_id
+from .capsule.format import MAX_INT, check_host_id
 from .journal_lines import Key, envelope
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FormatError
-from .format import MAX_INT
+from .capsule.format import MAX_INT
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from hashlib import sha256
 from typing import Any
 
 from .errors import FormatError, IntegrityError
-from .format import MAX_INT, load_json
+from .capsule.format import MAX_INT, load_json
 from .events import Record, line_hash
 
 log = logging.getLogger(__name__)

@@ -57,8 +57,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from . import format as fmt
-from .archive import FILES_WAIT
+from .capsule import format as fmt
+from .capsule.archive import FILES_WAIT
 from .blobcheck import BlobChecks
 from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .events import Event, MemoryEdit, ModelSwitch, Record
@@ -99,7 +99,7 @@ from .live_journal import JournalTail, open_appender
 from .scratch import SCRATCH_DIRS, ScratchArea
 from .live_upload import UploadArea, check_attachments, check_upload_name
 from .snapshots import Snapshots
-from .spec import parse_spec
+from .capsule.spec import parse_spec
 from .store import AgentHandle, HostStore
 
 log = logging.getLogger(__name__)

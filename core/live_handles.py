@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from . import format as fmt
+from .capsule import format as fmt
 from .blobcheck import BlobCheck
 from .errors import CapsuleError, FormatError, NotFoundError
 from .journal import parse_draft_lines

@@ -39,7 +39,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from . import format as fmt
+from .capsule import format as fmt
 from .errors import FilesBusy, FormatError
 from .events import Attachment, Event
 from .fsutil import makedirs_durable

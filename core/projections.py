@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .events import Attachment, MemoryEdit, Record, WorkspaceUpdate
 from .errors import CapsuleError
-from .format import snapshot_bytes
+from .capsule.format import snapshot_bytes
 
 log = logging.getLogger(__name__)
 

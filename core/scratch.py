@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from . import format as fmt
+from .capsule import format as fmt
 from .errors import NameTooLong, NotFoundError
 from .fsutil import atomic_write, makedirs_durable, remove_tree, subdirs
 from .live_errors import NotPermitted

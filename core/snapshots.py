@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 import secrets
 
-from . import format as fmt
-from .archive import frozen_manifest, snapshot_files
+from .capsule import format as fmt
+from .capsule.archive import frozen_manifest, snapshot_files
 from .errors import ExistsError, FormatError, NotFoundError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, subdirs
 from .store import AgentHandle

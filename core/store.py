@@ -61,7 +61,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from . import format as fmt
+from .capsule import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, remove_tree, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
@@ -74,7 +74,7 @@ from .journal_recovery import (
     recover_journal,
     replacing_journal,
 )
-from .spec import default_spec, spec_bytes
+from .capsule.spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.blobcheck import BlobCheck, Verdict
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
 from capsulefs.core.live import Attr, Handle, Kind, LiveHost, Node

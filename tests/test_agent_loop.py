@@ -14,7 +14,7 @@ import pytest
 
 from capsulefs.agent import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
 from capsulefs.core import events as ev
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal import verify_lines
 
 MACHINE = "HOSTA"

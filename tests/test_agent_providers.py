@@ -18,7 +18,7 @@ import pytest
 
 from capsulefs.agent import Agent, DirectPort, ProviderClients, Toolbox
 from capsulefs.core import events as ev
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 
 from helpers import export_and_unpack, make_agent

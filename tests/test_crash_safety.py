@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 
 WRITER = r"""

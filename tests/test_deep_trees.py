@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from capsulefs.core import archive
+from capsulefs.core.capsule import archive
 from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store import HostStore
 from capsulefs.supervisor import discard_sandbox, sandbox_root

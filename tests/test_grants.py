@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 from capsulefs import grants
-from capsulefs.core import format as fmt
-from capsulefs.core.spec import default_spec, spec_bytes
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store import HostStore
 from conftest import run_cli
 from helpers import make_agent

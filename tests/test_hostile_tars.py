@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import ImportRefused
 from capsulefs.core.store import HostStore
-from capsulefs.core.tarball import scan_tar
+from capsulefs.core.capsule.tarball import scan_tar
 
 import tar_kit
 from conftest import CAPSULEFS, REPO

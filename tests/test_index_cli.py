@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.index import recall
 from capsulefs.core.index_vectors import load_index
 from capsulefs.core.store import HostStore

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.embedders import HashedEmbedder
 from capsulefs.core.index import merge_indexes, recall, refresh_index, search_capsule, update_index
 from capsulefs.core.index_access import CapsuleFiles

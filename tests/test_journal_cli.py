@@ -16,8 +16,8 @@ import pytest
 
 from capsulefs.cli import main
 
-from capsulefs.core import format as fmt
-from capsulefs.core.archive import verify_capsule
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule.archive import verify_capsule
 from capsulefs.core.journal import split_lines, verify_lines
 from capsulefs.core.store import HostStore
 from helpers import extract_all
@@ -273,7 +273,7 @@ def test_a_snapshot_or_export_sees_an_append_whole_or_not_at_all(cli, store: Hos
     import threading
 
     from capsulefs.cli import journal_cmds
-    from capsulefs.core.archive import snapshot_files
+    from capsulefs.core.capsule.archive import snapshot_files
     from capsulefs.core.errors import FilesBusy
     from capsulefs.core.snapshots import Snapshots
 

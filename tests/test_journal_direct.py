@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import journal_ring
 from capsulefs.core.events import Note
 from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.events import Note, Record
 from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines

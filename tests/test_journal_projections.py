@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from journal_helpers import note, replicas
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import NotFoundError
 from capsulefs.core.events import MemoryEdit, ToolCall, WorkspaceUpdate
 from capsulefs.core.journal import merge

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError
 from capsulefs.core.events import Note
 from capsulefs.core.journal import (
@@ -448,7 +448,7 @@ def test_store_open_recovers_every_agent_and_remove_agent_removes_the_ring(tmp_p
 
 
 def test_installing_an_agent_drops_a_ring_left_by_its_earlier_stay(tmp_path: Path) -> None:
-    from capsulefs.core.archive import export_agent, import_tar
+    from capsulefs.core.capsule.archive import export_agent, import_tar
 
     store = HostStore.open(tmp_path / "state")
     agent = _agent(store)
@@ -466,7 +466,7 @@ def test_installing_an_agent_drops_a_ring_left_by_its_earlier_stay(tmp_path: Pat
 
 
 def test_export_replays_the_ring_first(tmp_path: Path) -> None:
-    from capsulefs.core.archive import snapshot_files
+    from capsulefs.core.capsule.archive import snapshot_files
 
     store = HostStore.open(tmp_path / "state")
     agent = _agent(store)

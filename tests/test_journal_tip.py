@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import sha256_state
 from capsulefs.core.errors import FormatError
 from capsulefs.core.events import ModelSwitch, Note

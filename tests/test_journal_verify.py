@@ -10,8 +10,8 @@ import pytest
 from helpers import export_and_unpack, make_agent
 from journal_helpers import note, replicas, retext
 
-from capsulefs.core import format as fmt
-from capsulefs.core.archive import verify_capsule
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule.archive import verify_capsule
 from capsulefs.core.journal import ChainError, check_journal_bytes, check_lines, join_lines, merge, verify_lines
 from capsulefs.core.store import HostStore
 

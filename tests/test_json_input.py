@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, SpecError, StoreError
 from capsulefs.core.events import Note, Record
 from capsulefs.core.holder import HolderRecord, HolderState
 from capsulefs.core.journal_lines import envelope, verify_lines
 from capsulefs.core.move import OfferReply
-from capsulefs.core.spec import parse_spec
+from capsulefs.core.capsule.spec import parse_spec
 from capsulefs.core.store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import HOST, export_and_unpack, make_agent
@@ -294,7 +294,7 @@ def test_a_stored_agent_is_only_its_capsules_files(store: HostStore, tmp_path: P
 ])
 def test_hostile_json_in_a_capsules_other_files_is_a_problem_named_by_verify(
         rel: str, edit: "object", words: str, store: HostStore, tmp_path: Path) -> None:
-    from capsulefs.core import archive
+    from capsulefs.core.capsule import archive
     from capsulefs.core.journal import open_agent_journal
 
     agent = make_agent(store, "alice")

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.holder import HolderBook, HolderState
 from capsulefs.core.store import HostStore
 from capsulefs.movehost import holders_dir

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xattr
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import HANG, make_agent
 from mount_kit import capsulefs, mounted, needs_fuse, status

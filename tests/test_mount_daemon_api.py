@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.events import Note
 from capsulefs.core.live import AgentState
 from capsulefs.core.live_journal import open_appender

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.cli import main as cli_main
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store import HostStore
 from helpers import make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status

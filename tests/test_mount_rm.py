@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store import HostStore
 from capsulefs.movehost import record_new_agent

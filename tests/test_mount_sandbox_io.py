@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import trio
 
-from capsulefs.core import format as fmt
-from capsulefs.core import workspace
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule import workspace
 from capsulefs.core.events import Note, Record
 from capsulefs.core.live_journal import open_appender
-from capsulefs.core.spec import default_spec, spec_bytes
+from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.daemon import Daemon
 from capsulefs.runtime import AgentRuntime

@@ -18,8 +18,8 @@ import pytest
 import trio
 from helpers import HANG, export_and_unpack, make_agent
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.events import UserMessage
 from capsulefs.core.journal import open_journal

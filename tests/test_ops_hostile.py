@@ -31,8 +31,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError
 from capsulefs.core.store import HostStore
 from capsulefs.mount.errors import ERRNO

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.events import Record
 from capsulefs.core.live_upload import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
 from capsulefs.core.store import HostStore

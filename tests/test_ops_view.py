@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.events import Record
 from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256

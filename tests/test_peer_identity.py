@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from capsulefs.core.format import check_host_id
+from capsulefs.core.capsule.format import check_host_id
 from capsulefs.identity import (
     HOST_ID_LENGTH,
     IdentityError,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.cli import main
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.events import ModelSwitch, ToolCall, UserMessage
 from capsulefs.core.journal import open_journal
 from capsulefs.core.render import INTERRUPTED
@@ -99,7 +99,7 @@ def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path
 
 
 def test_verify_names_an_attachment_whose_blob_the_capsule_lacks(alice, tmp_path, capsys) -> None:
-    from capsulefs.core.capsule import check, scan_dir
+    from capsulefs.core.capsule.verify import check, scan_dir
     from capsulefs.core.events import Attachment
 
     sha = alice.store.put_blob(b"\x89PNG picture")
@@ -132,6 +132,6 @@ def test_append_takes_an_attachment_only_for_a_blob_of_the_store_with_its_size(a
     assert rc == 0, err
     assert alice.manifest().blobs()[sha] == len(png)  # listed: gc keeps it, export carries it
     _, capsule = export_and_unpack(alice, tmp_path)
-    from capsulefs.core.capsule import check, scan_dir
+    from capsulefs.core.capsule.verify import check, scan_dir
 
     assert check(scan_dir(str(capsule)))[1] == []

@@ -8,9 +8,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
-from capsulefs.core.signing import generate_keypair
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule.signing import generate_keypair
 from capsulefs.core.store import HostStore
 
 from helpers import extract_all, make_agent

@@ -12,7 +12,7 @@ import pytest
 from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.events import Record
 from capsulefs.core.journal import verify_lines
 from capsulefs.stubprovider import serve

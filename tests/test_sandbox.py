@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from capsulefs import keychain
-from capsulefs.core.spec import default_spec
+from capsulefs.core.capsule.spec import default_spec
 from capsulefs.core.store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.sandbox import Isolation

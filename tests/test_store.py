@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError, ExistsError, NotFoundError, StoreError
 from capsulefs.core.store import HostStore
 

@@ -15,10 +15,10 @@ import trio
 import trio.testing
 
 from capsulefs import grants, keychain
-from capsulefs.core import format as fmt
-from capsulefs.core import workspace
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule import workspace
 from capsulefs.core.projections import apply_workspace_changes
-from capsulefs.core.spec import default_spec, spec_bytes
+from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.supervisor import RunState, RunStatus, Supervisor
 

@@ -12,8 +12,8 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs.core import format as fmt
-from capsulefs.core import workspace
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule import workspace
 from capsulefs.core.events import Record
 from capsulefs.core.store import HostStore
 from capsulefs.daemon import Daemon

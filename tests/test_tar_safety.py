@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import archive
+from capsulefs.core.capsule import archive
 from capsulefs.core.errors import ImportRefused
 from capsulefs.core.store import HostStore
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capsulefs.cli import main
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core import timeline
 from capsulefs.core.events import Note, ToolResult, UserMessage
 from capsulefs.core.journal import open_agent_journal

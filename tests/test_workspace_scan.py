@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core import workspace
+from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import UnsafePathError
 
 # An agent's child that escaped its process group: swaps a workspace file

@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from capsulefs import grants
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
 from capsulefs.movehost import new_agent_files, record_new_agent
-from capsulefs.core import archive, signing
+from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
-from capsulefs.core.format import Manifest
+from capsulefs.core.capsule.format import Manifest
 from capsulefs.core.holder import HolderRecord
 from capsulefs.core.live_handles import MAX_EDIT_SIZE
-from capsulefs.core.spec import default_spec, parse_spec
+from capsulefs.core.capsule.spec import default_spec, parse_spec
 
 #: Largest ``--spec`` file ``new`` reads: what the mount lets a spec.json edit grow to.
 MAX_SPEC_FILE = MAX_EDIT_SIZE

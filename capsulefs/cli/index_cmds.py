@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from capsulefs.cli.common import find_agent, shown
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.embedders import select_embedder
 from capsulefs.core.index import refresh_index, search_capsule, update_index
 from capsulefs.core.index_text import INDEXED_KINDS

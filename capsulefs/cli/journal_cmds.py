@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_dir
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.store import AgentHandle
 
 if TYPE_CHECKING:
-    from capsulefs.core.capsule_merge import Side
+    from capsulefs.core.capsule.merge import Side
     from capsulefs.core.holder import HolderBook
     from capsulefs.core.store import HostStore
     from capsulefs.core.journal import Journal
@@ -105,7 +105,7 @@ def _capsule_journal(target: str) -> bytes | None:
         with open(os.path.join(target, fmt.JOURNAL), "rb") as f:
             return f.read()
     if os.path.isfile(target):
-        from capsulefs.core.tarball import scan_tar
+        from capsulefs.core.capsule.tarball import scan_tar
 
         listing = scan_tar(target)
         if fmt.JOURNAL not in listing.contents:
@@ -335,7 +335,7 @@ def cmd_append(args: argparse.Namespace) -> int:
 
 
 def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch: str) -> "Side":
-    from capsulefs.core.capsule_merge import side_from_agent, side_from_dir, side_from_tar
+    from capsulefs.core.capsule.merge import side_from_agent, side_from_dir, side_from_tar
 
     if os.path.isdir(target):
         return side_from_dir(target)
@@ -345,7 +345,7 @@ def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from capsulefs.core.capsule_merge import merge_capsules
+    from capsulefs.core.capsule.merge import merge_capsules
 
     out = args.output
     if os.path.lexists(out):

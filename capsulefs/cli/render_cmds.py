@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 from capsulefs.cli.common import open_store
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.events import Record, ToolsOffered
 from capsulefs.core.render import PROVIDERS, ToolSpec, render
@@ -41,7 +41,7 @@ def capsule_reader(args: argparse.Namespace, target: str) -> Callable[[str], byt
 
         return from_dir
     if os.path.isfile(target):
-        from capsulefs.core.tarball import scan_tar
+        from capsulefs.core.capsule.tarball import scan_tar
 
         contents = scan_tar(target).contents
         return contents.get

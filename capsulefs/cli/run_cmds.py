@@ -8,7 +8,7 @@ import sys
 from capsulefs import grants, keychain
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import open_store, state_dir
-from capsulefs.core.spec import ENV_NAME
+from capsulefs.core.capsule.spec import ENV_NAME
 
 
 def cmd_secret_set(args: argparse.Namespace) -> int:
@@ -44,7 +44,7 @@ def cmd_secret_rm(args: argparse.Namespace) -> int:
 def _agent_id(args: argparse.Namespace) -> tuple[str, str | None]:
     """(agent id, name) of ``args.agent``: an agent here by name or id, or
     the id of one not here yet (a grant may wait for a move)."""
-    from capsulefs.core import format as fmt
+    from capsulefs.core.capsule import format as fmt
     from capsulefs.core.errors import NotFoundError
 
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ..errors import CapsuleError, FormatError
-from ..format import check_agent_id, check_host_id, check_int, check_sha256
+from ..capsule.format import check_agent_id, check_host_id, check_int, check_sha256
 from ..holder import HolderRecord, PeerView
 
 __all__ = [

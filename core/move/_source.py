@@ -11,7 +11,7 @@ import enum
 import logging
 from typing import Any
 
-from ..format import check_host_id
+from ..capsule.format import check_host_id
 from ..holder import HolderRecord, HolderState
 from ._messages import *  # noqa: F403
 from ._messages import _Answer

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import FormatError
 from ..events import Event, Reasoning
-from ..format import load_json
+from ..capsule.format import load_json
 from ._plan import ATTACH, Unit
 
 

@@ -23,12 +23,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from capsulefs.core import archive
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import archive
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.hashing import hash_file
 from capsulefs.core.store import HostStore
-from capsulefs.core.tarball import GZIP_MAGIC, ZSTD_MAGIC
+from capsulefs.core.capsule.tarball import GZIP_MAGIC, ZSTD_MAGIC
 
 from . import Target
 
@@ -65,7 +65,7 @@ def _exports() -> dict[str, bytes]:
     from helpers import export_and_unpack, make_agent  # (tests/ is on sys.path)
     from journal_helpers import Replica, note
 
-    from capsulefs.core import signing
+    from capsulefs.core.capsule import signing
 
     out: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="capsulefs-fuzz-seeds-") as tmp:

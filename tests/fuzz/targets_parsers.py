@@ -28,7 +28,7 @@ import itertools
 import json
 from pathlib import Path
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.events import AssistantMessage, Note, Record, ToolCall, UnknownEvent, UserMessage
 from capsulefs.core.holder import HolderRecord, HolderState
@@ -45,7 +45,7 @@ from capsulefs.core.journal_lines import (
     split_lines,
     verify_lines,
 )
-from capsulefs.core.spec import default_spec, parse_spec, spec_bytes
+from capsulefs.core.capsule.spec import default_spec, parse_spec, spec_bytes
 
 from . import Target
 

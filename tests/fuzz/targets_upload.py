@@ -16,7 +16,7 @@ import itertools
 import os
 from pathlib import Path
 
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.live import Kind, LiveHost, Node
 from capsulefs.core.store import HostStore

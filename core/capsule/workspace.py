@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import format as fmt
-from .errors import UnsafePathError
-from .fsutil import atomic_write_at, makedirs_beneath, makedirs_durable, open_beneath, remove_tree, walk_tree
-from .hashing import hash_stream
+from ..errors import UnsafePathError
+from ..fsutil import atomic_write_at, makedirs_beneath, makedirs_durable, open_beneath, remove_tree, walk_tree
+from ..hashing import hash_stream
 
 log = logging.getLogger(__name__)
 

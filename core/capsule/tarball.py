@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import format as fmt
-from .capsule import KEEP_BYTES, KEEP_LIMIT, Entry, Listing, Problem
-from .errors import CapsuleError, FormatError, ImportRefused, UnsafePathError
-from .fsutil import atomic_writer, makedirs_durable
+from .verify import KEEP_BYTES, KEEP_LIMIT, Entry, Listing, Problem
+from ..errors import CapsuleError, FormatError, ImportRefused, UnsafePathError
+from ..fsutil import atomic_writer, makedirs_durable
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"

@@ -22,9 +22,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import SignatureError
+from ..errors import SignatureError
 from .format import load_json_object
-from .fsutil import atomic_write
+from ..fsutil import atomic_write
 
 SIG_FORMAT = "capsule-sig/1"
 

@@ -35,10 +35,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from . import format as fmt
-from .errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from .fsutil import atomic_write, fsync_dir, makedirs_durable
-from .journal_lines import check_lines, merge_bytes, split_lines
-from .projections import has_workspace_updates, last_memory_edit, referenced_blobs, snapshot
+from ..errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
+from ..fsutil import atomic_write, fsync_dir, makedirs_durable
+from ..journal_lines import check_lines, merge_bytes, split_lines
+from ..projections import has_workspace_updates, last_memory_edit, referenced_blobs, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def side_from_dir(root: str, label: str | None = None) -> Side:
 @contextmanager
 def side_from_tar(path: str, scratch: str) -> Iterator[Side]:
     """A capsule tar, extracted into a private directory under ``scratch``."""
-    from .capsule import check
+    from .verify import check
     from .tarball import extract_into, scan_tar
 
     with tempfile.TemporaryDirectory(prefix=".merge-", dir=scratch) as tmp:
@@ -210,8 +210,8 @@ def plan_merge(a: Side, b: Side) -> Plan:
 
 
 def _merged_index(a: Side, b: Side, journal: bytes, blob_src: dict[str, Callable[[], bytes]]) -> bytes:
-    from .embedders import select_embedder
-    from .index import dump_index, merge_indexes, parse_index
+    from ..embedders import select_embedder
+    from ..index import dump_index, merge_indexes, parse_index
 
     def load(side: Side):  # type: ignore[no-untyped-def]
         data = side.files.get(fmt.VECTOR_INDEX)

@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import SpecError
+from ..errors import SpecError
 from .format import load_json
 
 SPEC_VERSION = 1

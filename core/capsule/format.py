@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from .errors import FormatError, NameTooLong, UnsafePathError
+from ..errors import FormatError, NameTooLong, UnsafePathError
 
 FORMAT = "capsule/1"
 
