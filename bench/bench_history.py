@@ -55,9 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO  # noqa: E402
 
 from capsulefs.core.capsule import format as fmt  # noqa: E402
-from capsulefs.core import timeline  # noqa: E402
-from capsulefs.core.events import Note  # noqa: E402
-from capsulefs.core.journal import open_agent_journal  # noqa: E402
+from capsulefs.core.journal import timeline  # noqa: E402
+from capsulefs.core.journal.events import Note  # noqa: E402
+from capsulefs.core.journal.file import open_agent_journal  # noqa: E402
 from capsulefs.core.live import LiveHost  # noqa: E402
 from capsulefs.core.store import AgentHandle, HostStore  # noqa: E402
 

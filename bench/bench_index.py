@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from capsulefs.core.embedders import HashedEmbedder
-from capsulefs.core.events import AssistantMessage, Record, ToolResult, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, Record, ToolResult, UserMessage
 from capsulefs.core.index import update_index
 from capsulefs.core.index_vectors import load_index, save_index
 

@@ -8,9 +8,9 @@ overwritten in place in the ring (one O_DIRECT|O_DSYNC write of the pages it
 covers, or pwrite + fdatasync where the file system has no direct I/O), and
 then acknowledged; when
 the ring is full the journal itself is fdatasynced once and the ring starts
-over (see ``capsulefs.core.journal_ring``); an append that follows
+over (see ``capsulefs.core.journal.ring``); an append that follows
 another within 2 ms finds the journal's flock still held (a lease, see
-``capsulefs.core.journal_lease``) and skips the flock and the checks. Baseline: the "conversation in a database row": SQLite in WAL mode with
+``capsulefs.core.journal.lease``) and skips the flock and the checks. Baseline: the "conversation in a database row": SQLite in WAL mode with
 ``synchronous=FULL``, one transaction (INSERT + COMMIT) per event, inserting
 the same events (their canonical lines). Target: capsulefs >= 1.0x the
 baseline's appends per second.
@@ -39,8 +39,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from capsulefs.core.events import AssistantMessage, Event, ToolCall, ToolResult, UserMessage  # noqa: E402
-from capsulefs.core.journal import open_agent_journal, open_journal, verify_lines  # noqa: E402
+from capsulefs.core.journal.events import AssistantMessage, Event, ToolCall, ToolResult, UserMessage  # noqa: E402
+from capsulefs.core.journal.file import open_agent_journal, open_journal  # noqa: E402
+from capsulefs.core.journal.lines import verify_lines  # noqa: E402
 from capsulefs.core.store import HostStore  # noqa: E402
 
 

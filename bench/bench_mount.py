@@ -31,7 +31,7 @@ from pathlib import Path
 from common import capsulefs_cmd, pairs, timed
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.events import Note
+from capsulefs.core.journal.events import Note
 from capsulefs.core.store import HostStore
 from capsulefs.movehost import record_new_agent
 

@@ -5,7 +5,7 @@ same journal's lines (``json.loads`` per line), in CPU time of this process
 (the machines here are shared and loaded: wall time swings with the load,
 CPU time much less), alternated, the median of the per-pair ratios. The
 issue's target is a ratio of at most 3. Rendering starts from parsed
-records (what core/journal.py hands over) and includes sorting them,
+records (what core/journal/file.py hands over) and includes sorting them,
 pairing, the provider's JSON and, with a budget, fitting and counting.
 Render pauses the garbage collector (see ``render._collector_paused``), so
 the ratio is also given against the parse with the collector paused.
@@ -38,7 +38,7 @@ import random
 import statistics
 import time
 
-from capsulefs.core.events import (
+from capsulefs.core.journal.events import (
     AssistantMessage,
     Attachment,
     ModelSwitch,

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from capsulefs.core import events as ev
+from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import render
 from capsulefs.core.errors import CapsuleError
@@ -219,7 +219,7 @@ class DirectPort(CapsuleDirPort):
         super().__init__(capsule_dir)
         import secrets
 
-        from capsulefs.core.journal import open_journal
+        from capsulefs.core.journal.file import open_journal
 
         self._j = open_journal(
             self.journal, machine=machine, now=time.time, new_id=lambda: secrets.token_hex(12),

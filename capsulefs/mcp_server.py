@@ -38,7 +38,7 @@ from capsulefs.cli.common import host_id, open_store, state_dir
 from capsulefs.cli.journal_cmds import append_events, log_line, timeline_rows
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.events import MemoryEdit, Note, UserMessage
+from capsulefs.core.journal.events import MemoryEdit, Note, UserMessage
 from capsulefs.core.holder import HolderBook
 from capsulefs.core.store import AgentHandle, HostStore
 
@@ -75,7 +75,7 @@ class AgentService:
     # -- reading -------------------------------------------------------------
     def timeline(self, *, kind: list[str] | None = None, since: str | None = None, until: str | None = None,
                  grep: str | None = None, failed: bool = False, tail: int = 50, raw: bool = False) -> str:
-        from capsulefs.core.timeline import Query, parse_when
+        from capsulefs.core.journal.timeline import Query, parse_when
 
         if not 1 <= tail <= MAX_EVENTS:
             raise FormatError(f"tail must be between 1 and {MAX_EVENTS}")
@@ -117,7 +117,7 @@ class AgentService:
             raise FormatError(f"{path} is not UTF-8 text ({len(data)} bytes)") from None
 
     def status(self) -> dict[str, Any]:
-        from capsulefs.core.journal_tip import journal_tip_path
+        from capsulefs.core.journal.tip import journal_tip_path
         from capsulefs.core.live_journal import JournalTail
         from capsulefs.movehost import holders_dir
 

@@ -53,7 +53,7 @@ import numpy as np
 
 from .embedders import Embedder, EmbedderSpec, select_embedder
 from .errors import FormatError
-from .events import Record, line_hash
+from .journal.events import Record, line_hash
 from .capsule.format import VECTOR_INDEX
 from .index_access import CapsuleFiles
 from .index_text import MAX_CHUNKS, BlobReader, chunk_spans, indexed_text, snippet
@@ -65,7 +65,7 @@ from .index_vectors import (
     load_index_bytes,
     parse_index,
 )
-from .journal_lines import split_lines
+from .journal.lines import split_lines
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _parse_lines(data: bytes, start: int) -> tuple[list[Record], int, int, str |
 
     Returns (records, lines seen, end of the last complete line, sha256 of
     that line). A trailing line without its newline is a torn tail (see
-    :mod:`capsulefs.core.journal`): it is left alone, not indexed. A line
+    :mod:`capsulefs.core.journal.file`): it is left alone, not indexed. A line
     that does not parse is skipped with a warning (``journal verify`` is the
     place that reports it).
     """

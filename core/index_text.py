@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable
 
 from .errors import CapsuleError
-from .events import AssistantMessage, MemoryEdit, Record, ToolCall, ToolResult, UserMessage
+from .journal.events import AssistantMessage, MemoryEdit, Record, ToolCall, ToolResult, UserMessage
 
 log = logging.getLogger(__name__)
 

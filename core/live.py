@@ -61,7 +61,7 @@ from .capsule import format as fmt
 from .capsule.archive import FILES_WAIT
 from .blobcheck import BlobChecks
 from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .events import Event, MemoryEdit, ModelSwitch, Record
+from .journal.events import Event, MemoryEdit, ModelSwitch, Record
 from .fsutil import thread_start
 from .hashing import hash_file
 from .holder import HOLDERS_DIR, agent_files_lock
@@ -74,9 +74,9 @@ from .live_errors import (
     NotPermitted,
     ReadOnly,
 )
-from .journal import Journal, parse_draft_lines
-from .journal_recovery import RECOVERY_DIR, journal_ring_path
-from .journal_tip import journal_tip_path
+from .journal.file import Journal, parse_draft_lines
+from .journal.recovery import RECOVERY_DIR, journal_ring_path
+from .journal.tip import journal_tip_path
 from .live_handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,

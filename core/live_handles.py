@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from .capsule import format as fmt
 from .blobcheck import BlobCheck
 from .errors import CapsuleError, FormatError, NotFoundError
-from .journal import parse_draft_lines
+from .journal.file import parse_draft_lines
 from .live_errors import NotPermitted, NotSupported, TooLarge
 from .render import PROVIDER_ALIASES, PROVIDERS
 

@@ -1,7 +1,7 @@
 """The journal as the mount needs it: append durably, and follow it as it grows.
 
 Rules:
-  * Appending is the canonical journal's (:mod:`capsulefs.core.journal`):
+  * Appending is the canonical journal's (:mod:`capsulefs.core.journal.file`):
     events are stamped (id, machine, seq, clock, prev, time) and written
     under its locks with one write per group, made durable by one fdatasync
     (of the agent's write-ahead ring, for the store's agents), so several
@@ -11,7 +11,7 @@ Rules:
     hashes only the new bytes, only up to the last newline (a line being
     written is not yet part of the journal), and starts over if the file
     was replaced or shrank. It starts from the journal's tip (see
-    :mod:`capsulefs.core.journal_tip`) when the tip matches the file and
+    :mod:`capsulefs.core.journal.tip`) when the tip matches the file and
     holds a running digest: then even its first look reads only the bytes
     appended since the tip. It never writes.
 """
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import FormatError
-from .events import ModelSwitch, Record
-from .journal import Journal, open_journal
-from .journal_tip import checked_tip
+from .journal.events import ModelSwitch, Record
+from .journal.file import Journal, open_journal
+from .journal.tip import checked_tip
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def open_appender(
     tip_path: str | None = None,
 ) -> Journal:
     """The journal of one agent, open for appending as ``machine`` (with its
-    write-ahead ring, if ``ring_path``: see :mod:`capsulefs.core.journal_ring`;
-    and its tip, if ``tip_path``: see :mod:`capsulefs.core.journal_tip`)."""
+    write-ahead ring, if ``ring_path``: see :mod:`capsulefs.core.journal.ring`;
+    and its tip, if ``tip_path``: see :mod:`capsulefs.core.journal.tip`)."""
     return open_journal(journal_path, machine=machine, now=lambda: now_ns() / 1e9, new_id=new_id,
                         recovery_dir=recovery_dir, create=False, ring_path=ring_path, tip_path=tip_path)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from .capsule import format as fmt
 from .errors import FilesBusy, FormatError
-from .events import Attachment, Event
+from .journal.events import Attachment, Event
 from .fsutil import makedirs_durable
 from .hashing import CHUNK
 from .live_errors import NotPermitted, TooLarge

@@ -15,7 +15,7 @@ Rules:
   * A saved state is tagged with the library's version string: a state
     saved by another OpenSSL is not resumed (:func:`resume` returns None).
   * The state is native bytes: it never leaves the host (the journal's tip,
-    see :mod:`capsulefs.core.journal_tip`, is host-local).
+    see :mod:`capsulefs.core.journal.tip`, is host-local).
 """
 
 from __future__ import annotations

@@ -13,21 +13,21 @@ Layout (``LAYOUT`` = 1), under the state directory::
                                read-only snapshots; gc keeps the blobs they list
       scratch/, uploads/,      editors' temp files, blobs being uploaded (live_upload),
       recovery/                torn journal tails
-    recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal)
+    recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal.file)
     journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable
-                               there first (see capsulefs.core.journal_ring)
+                               there first (see capsulefs.core.journal.ring)
     journal-tip/<agent_id>     the journal's tip, derived and checked before use:
                                opening reads only what came after it
-                               (see capsulefs.core.journal_tip)
+                               (see capsulefs.core.journal.tip)
     timeline/<agent_id>/       the timeline index (SQLite), derived and checked
-                               before use (see capsulefs.core.timeline)
+                               before use (see capsulefs.core.journal.timeline)
 
 Rules:
   * A blob is stored once per host however many agents use it; the agents'
     manifests list it as ``artifacts/blobs/<sha256>``.
   * Every write is atomic (``fsutil``): a crash leaves a file whole or absent.
     (Journals are appended and their rings overwritten in place; their own
-    rules, checksums and recovery are in ``journal`` and ``journal_ring``.)
+    rules, checksums and recovery are in ``journal.file`` and ``journal.ring``.)
   * Blobs are re-hashed when read for export, verify or move
     (:meth:`HostStore.iter_blob`); a corrupt blob raises CorruptBlobError with
     its path and is never handed out as good.
@@ -65,7 +65,7 @@ from .capsule import format as fmt
 from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, remove_tree, sweep_temps
 from .hashing import CHUNK, hash_file, parallel_map
-from .journal_recovery import (
+from .journal.recovery import (
     RingMismatch,
     agent_recovery_dir,
     forget_ring,
@@ -588,8 +588,8 @@ class HostStore:
 
 def _forget_derived(root: str, agent_id: str) -> None:
     """Remove what the host derived from an agent's journal: its tip and its timeline index."""
-    from .journal_tip import forget_tip, journal_tip_path  # (here: commands that only read start faster)
-    from .timeline import forget_timeline
+    from .journal.tip import forget_tip, journal_tip_path  # (here: commands that only read start faster)
+    from .journal.timeline import forget_timeline
 
     forget_tip(journal_tip_path(root, agent_id))
     forget_timeline(root, agent_id)

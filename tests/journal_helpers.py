@@ -8,8 +8,10 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from capsulefs.core.events import Event, Note, Record, UnknownEvent, canonical_json
-from capsulefs.core.journal import ChainState, Journal, join_lines, merge, open_journal
+from capsulefs.core.journal.events import Event, Note, Record, UnknownEvent, canonical_json
+from capsulefs.core.journal.chain import ChainState
+from capsulefs.core.journal.file import Journal, open_journal
+from capsulefs.core.journal.lines import join_lines, merge
 
 T0 = 1_764_684_000.0  # a fixed wall clock for stamped times
 

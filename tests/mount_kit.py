@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core.events import Record, line_hash
+from capsulefs.core.journal.events import Record, line_hash
 from helpers import HANG
 
 CAPSULEFS = str(Path(sys.executable).with_name("capsulefs"))

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from capsulefs.core.events import (
+from capsulefs.core.journal.events import (
     AssistantMessage,
     Event,
     MemoryEdit,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from capsulefs.agent import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
-from capsulefs.core import events as ev
+from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal import verify_lines
+from capsulefs.core.journal.lines import verify_lines
 
 MACHINE = "HOSTA"
 

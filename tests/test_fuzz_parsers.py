@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.journal_lines import check_journal_bytes
+from capsulefs.core.journal.lines import check_journal_bytes
 from capsulefs.core.store import HostStore
 from capsulefs.mount.ops import Operations
 from fuzz import Target

@@ -13,11 +13,25 @@ from hypothesis import strategies as st
 from journal_helpers import future_event, note, open_test_journal
 
 from capsulefs.core.errors import FormatError
-from capsulefs.core.events import (
-    AssistantMessage, Event, MemoryEdit, ModelSwitch, Note, Reasoning, Record, System, ToolCall, ToolResult,
-    UnknownEvent, UserMessage, WorkspaceUpdate, canonical_json, line_hash,
+from capsulefs.core.journal.events import (
+    AssistantMessage,
+    Event,
+    MemoryEdit,
+    ModelSwitch,
+    Note,
+    Reasoning,
+    Record,
+    System,
+    ToolCall,
+    ToolResult,
+    UnknownEvent,
+    UserMessage,
+    WorkspaceUpdate,
+    canonical_json,
+    line_hash,
 )
-from capsulefs.core.journal import TORN_SUFFIX, split_lines, verify_lines
+from capsulefs.core.journal.recovery import TORN_SUFFIX
+from capsulefs.core.journal.lines import split_lines, verify_lines
 
 
 def test_append_stamps_chain_and_clock(tmp_path: Path) -> None:
@@ -118,7 +132,7 @@ def test_drafts_are_all_or_nothing(tmp_path: Path) -> None:
 
 
 def test_a_draft_built_in_python_with_a_non_finite_number_is_refused() -> None:
-    from capsulefs.core.events import parse_draft
+    from capsulefs.core.journal.events import parse_draft
 
     for value in (float("nan"), float("inf")):
         with pytest.raises(FormatError, match="numbers must be finite"):
@@ -126,7 +140,7 @@ def test_a_draft_built_in_python_with_a_non_finite_number_is_refused() -> None:
 
 
 def test_a_drafted_model_switch_reads_back_from_control_model() -> None:
-    from capsulefs.core.events import parse_draft
+    from capsulefs.core.journal.events import parse_draft
 
     # .control/model shows "provider:model" on one line and splits a write at its first ':'
     for provider, model in [("openai:x", "gpt"), ("openai", "gpt\n5"), ("open\x00ai", "gpt"), ("openai", "\x1b[31mred")]:
@@ -173,7 +187,7 @@ def test_torn_tail_is_moved_aside_on_open(tmp_path: Path, caplog: pytest.LogCapt
     tail = b'{"clock":2,"id":"0000000000000000000000ff","kind":"note","mach'
     with open(path, "ab") as f:
         f.write(tail)
-    with caplog.at_level(logging.WARNING, logger="capsulefs.core.journal"):
+    with caplog.at_level(logging.WARNING, logger="capsulefs.core.journal.file"):
         with open_test_journal(path, recovery_dir=rec_dir) as j:
             assert path.read_bytes() == r1.line + b"\n"
             r2 = j.append(note("next"))
@@ -213,7 +227,7 @@ def _big_journal(min_bytes: int) -> list[bytes]:
     """Two machines writing in turns, with nested keys that look like the envelope."""
     from journal_helpers import fixed_now, id_source
 
-    from capsulefs.core.journal import ChainState
+    from capsulefs.core.journal.chain import ChainState
 
     state, ids, lines, size = ChainState(), id_source(5), [], 0
     while size < min_bytes:
@@ -227,7 +241,8 @@ def _big_journal(min_bytes: int) -> list[bytes]:
 
 
 def test_opening_a_big_journal_catches_up_in_bulk_exactly(tmp_path: Path) -> None:
-    from capsulefs.core.journal import BULK_CATCH_UP, ChainState
+    from capsulefs.core.journal.file import BULK_CATCH_UP
+    from capsulefs.core.journal.chain import ChainState
 
     lines = _big_journal(2 * BULK_CATCH_UP)
     path = tmp_path / "j.jsonl"
@@ -248,7 +263,7 @@ def test_opening_a_big_journal_catches_up_in_bulk_exactly(tmp_path: Path) -> Non
 
 
 def test_a_bad_line_in_a_big_journal_is_named(tmp_path: Path) -> None:
-    from capsulefs.core.journal import BULK_CATCH_UP
+    from capsulefs.core.journal.file import BULK_CATCH_UP
 
     lines = _big_journal(2 * BULK_CATCH_UP)
     lines[1000] = b"{broken"
@@ -261,7 +276,7 @@ def test_a_bad_line_in_a_big_journal_is_named(tmp_path: Path) -> None:
 def test_threads_share_group_commits_and_a_bad_event_fails_alone(tmp_path: Path) -> None:
     import threading
 
-    from capsulefs.core.events import UnknownEvent
+    from capsulefs.core.journal.events import UnknownEvent
 
     path = tmp_path / "j.jsonl"
     results: dict[int, list[str]] = {}
@@ -401,14 +416,14 @@ def test_a_stamped_line_is_the_canonical_json_of_its_record(event: Event, machin
 
 def test_every_known_kind_has_a_line_writer() -> None:
     # The fast path of the append (see Record.stamped); unknown kinds keep the generic encoder.
-    from capsulefs.core.events import KINDS, _line_writer
+    from capsulefs.core.journal.events import KINDS, _line_writer
 
     assert all(_line_writer(cls) is not None for cls in KINDS.values())
     assert _line_writer(UnknownEvent) is None
 
 
 def test_a_bad_machine_id_is_refused_before_stamping(tmp_path: Path) -> None:
-    from capsulefs.core.journal import open_journal
+    from capsulefs.core.journal.file import open_journal
 
     with open_journal(tmp_path / "j.jsonl", machine="bad host/id", now=lambda: 1.0, new_id=lambda: "0" * 24,
                       recovery_dir=tmp_path / "rec") as j:
@@ -423,7 +438,7 @@ def test_a_journal_over_2_gib_is_read_whole_at_open(tmp_path: Path) -> None:
     that took the short read for the whole file, called the partial line at
     2 GiB a torn tail, saved that fragment and cut the file there, losing
     every acknowledged line beyond it."""
-    from capsulefs.core.journal import ChainState
+    from capsulefs.core.journal.chain import ChainState
 
     disk = os.statvfs(tmp_path)
     if disk.f_bavail * disk.f_frsize < 6 << 30 or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") < 6 << 30:
@@ -452,7 +467,7 @@ def test_catching_up_in_pieces_moves_exactly_the_torn_tail(tmp_path: Path, monke
     """The catch-up reads in pieces (see the 2 GiB test): lines across a
     piece's end, and lines longer than a piece, are read whole; only the
     bytes after the file's last newline are a torn tail."""
-    import capsulefs.core.journal as J
+    import capsulefs.core.journal.file as J
 
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:
@@ -475,7 +490,7 @@ def test_torn_tails_saved_at_once_into_one_recovery_directory_are_all_kept(tmp_p
     took the same number, and the second rename replaced the first."""
     import threading
 
-    from capsulefs.core.journal import save_torn
+    from capsulefs.core.journal.recovery import save_torn
 
     def save(k: int) -> None:
         for i in range(100):
@@ -505,7 +520,7 @@ def test_a_journal_rewritten_in_place_and_grown_is_read_again(tmp_path: Path,
     Journal reads the file again (as it does when a file shrank)."""
     from journal_helpers import retext
 
-    from capsulefs.core.journal import ChainState
+    from capsulefs.core.journal.chain import ChainState
 
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:

@@ -18,7 +18,7 @@ from capsulefs.cli import main
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.archive import verify_capsule
-from capsulefs.core.journal import split_lines, verify_lines
+from capsulefs.core.journal.lines import split_lines, verify_lines
 from capsulefs.core.store import HostStore
 from helpers import extract_all
 

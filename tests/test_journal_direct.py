@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core import journal_ring
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines
-from capsulefs.core.journal_ring import HEADER, Ring
+from capsulefs.core.journal import ring as journal_ring
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_agent_journal, open_journal
+from capsulefs.core.journal.lines import split_lines, verify_lines
+from capsulefs.core.journal.ring import HEADER, Ring
 from capsulefs.core.store import AgentHandle, HostStore
 
 HOST = "host-a"

@@ -20,9 +20,11 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
-from capsulefs.core.events import Note, Record
-from capsulefs.core.journal import open_agent_journal, open_journal, split_lines, verify_lines
-from capsulefs.core import journal_lease
+from capsulefs.core.journal.events import Note, Record
+from capsulefs.core.journal.file import open_agent_journal, open_journal
+from capsulefs.core.journal.lines import split_lines, verify_lines
+from capsulefs.core.journal.lease import MAX_HOLD
+from capsulefs.core.journal import lease as journal_lease
 from capsulefs.core.store import HostStore
 
 from helpers import HANG, wait_until
@@ -105,8 +107,8 @@ def test_a_failed_append_gives_the_flock_back_at_once(tmp_path: Path) -> None:
 
 OTHER = r"""
 import fcntl, os, sys, time
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_journal
 path = sys.argv[1]
 j = open_journal(path, machine="host-b", now=lambda: 1764684000.0,
                  new_id=iter(f"{0xb:08x}{k:016x}" for k in range(1, 10**6)).__next__,
@@ -214,8 +216,8 @@ def test_a_journal_replaced_through_the_store_under_a_lease_is_followed(tmp_path
 
 FORKING = r"""
 import fcntl, os, sys, time
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_journal
 path = sys.argv[1]
 
 def free():
@@ -271,8 +273,8 @@ def test_close_and_fork_under_a_lease(tmp_path: Path) -> None:
 
 NO_THREADS = r"""
 import fcntl, os, resource, sys
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_journal
 path = sys.argv[1]
 j = open_journal(path, machine="host-a", now=lambda: 1764684000.0,
                  new_id=iter(f"{k:024x}" for k in range(1, 10**6)).__next__,

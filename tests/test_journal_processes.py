@@ -14,13 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capsulefs.core.events import Record
-from capsulefs.core.journal import split_lines, verify_lines
+from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.lines import split_lines, verify_lines
 
 CHILD = r"""
 import itertools, os, sys
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_journal
 path, machine, count, big, tag = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 ids = itertools.count(1)
 j = open_journal(path, machine=machine, now=lambda: 1764684000.0,
@@ -121,8 +121,8 @@ def test_concurrent_appenders_of_two_machines(tmp_path: Path) -> None:
 
 FORKED_CHILD = r"""
 import os, sys
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_journal
 path = sys.argv[1]
 j = open_journal(path, machine="host-a", now=lambda: 1764684000.0,
                  new_id=iter(f"{k:024x}" for k in range(1, 10**6)).__next__,

@@ -9,9 +9,9 @@ from journal_helpers import note, replicas
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import NotFoundError
-from capsulefs.core.events import MemoryEdit, ToolCall, WorkspaceUpdate
-from capsulefs.core.journal import merge
-from capsulefs.core.projections import (
+from capsulefs.core.journal.events import MemoryEdit, ToolCall, WorkspaceUpdate
+from capsulefs.core.journal.lines import merge
+from capsulefs.core.journal.projections import (
     has_workspace_updates,
     last_memory_edit,
     project,

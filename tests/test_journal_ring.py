@@ -24,16 +24,12 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError
-from capsulefs.core.events import Note
-from capsulefs.core.journal import (
-    RingMismatch,
-    open_agent_journal,
-    open_journal,
-    split_lines,
-    verify_lines,
-)
-from capsulefs.core.journal_ring import HEADER, Ring
-from capsulefs.core import journal_lease
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.recovery import RingMismatch
+from capsulefs.core.journal.file import open_agent_journal, open_journal
+from capsulefs.core.journal.lines import split_lines, verify_lines
+from capsulefs.core.journal.ring import HEADER, Ring
+from capsulefs.core.journal import lease as journal_lease
 from capsulefs.core.store import AgentHandle, HostStore
 
 from helpers import wait_until
@@ -491,8 +487,8 @@ def test_plain_journals_have_no_ring(tmp_path: Path) -> None:
 CHILD = r"""
 import itertools, os, sys
 from capsulefs.core.errors import FormatError
-from capsulefs.core.events import Note
-from capsulefs.core.journal import open_agent_journal
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.file import open_agent_journal
 from capsulefs.core.store import HostStore
 root, agent_id, count, tag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 ids = itertools.count(1)
@@ -539,7 +535,7 @@ def test_sigkill_then_power_loss_keeps_every_printed_seq(tmp_path: Path) -> None
 
 
 def _records(agent: AgentHandle):
-    from capsulefs.core.events import Record
+    from capsulefs.core.journal.events import Record
 
     return [Record.from_line(x) for x in _lines(agent)]
 
@@ -593,7 +589,7 @@ def test_threads_sharing_a_journal_write_one_record_per_group(tmp_path: Path) ->
 def test_a_stale_record_right_after_the_new_chain_is_not_replayed(tmp_path: Path) -> None:
     # Records of one size: after the ring restarts, the next slot holds a
     # whole, valid record of the previous pass, which must not join the chain.
-    from capsulefs.core.journal import replay_ring
+    from capsulefs.core.journal.recovery import replay_ring
 
     journal = tmp_path / "journal"
     line = lambda i: f"{i:04d}".encode() + b"x" * 95 + b"\n"  # noqa: E731
@@ -639,9 +635,9 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     left them undurable)."""
     import errno as _errno
 
-    import capsulefs.core.journal as J
-    import capsulefs.core.journal_recovery as JR
-    from capsulefs.core.events import Note
+    import capsulefs.core.journal.file as J
+    import capsulefs.core.journal.recovery as JR
+    from capsulefs.core.journal.events import Note
 
     path, ring = str(tmp_path / "j.jsonl"), str(tmp_path / "ring")
     ids = iter(range(10**6))

@@ -13,9 +13,10 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import sha256_state
 from capsulefs.core.errors import FormatError
-from capsulefs.core.events import ModelSwitch, Note
-from capsulefs.core.journal import Journal, verify_lines
-from capsulefs.core.journal_tip import TIP_EVERY, journal_tip_path, load_tip, parse_tip, tip_bytes
+from capsulefs.core.journal.events import ModelSwitch, Note
+from capsulefs.core.journal.file import Journal
+from capsulefs.core.journal.lines import verify_lines
+from capsulefs.core.journal.tip import TIP_EVERY, journal_tip_path, load_tip, parse_tip, tip_bytes
 from capsulefs.core.live_journal import JournalTail
 from capsulefs.core.store import HostStore
 from journal_helpers import open_test_journal
@@ -137,7 +138,7 @@ def test_a_tip_that_does_not_match_is_not_used(journal: tuple[Path, Path], spoil
         verify_lines(lines)
     tip = load_tip(str(tip_path))  # a fresh tip, that matches again
     with open(path, "rb") as f:
-        from capsulefs.core.journal_tip import mismatch
+        from capsulefs.core.journal.tip import mismatch
 
         assert tip is not None and mismatch(f.fileno(), tip, path.stat().st_size) is None
 
@@ -178,7 +179,7 @@ def test_the_mounts_follower_without_a_matching_tip_hashes_the_file(journal: tup
 
 
 def test_a_tip_in_a_store_goes_with_its_agent(store: HostStore) -> None:
-    from capsulefs.core.journal import open_agent_journal
+    from capsulefs.core.journal.file import open_agent_journal
 
     agent = store.create_agent("tipped", host_id="host-a", agent_id="ab" * 16)
     with open_agent_journal(agent, machine="host-a", now=lambda: 1.0, new_id=lambda: os.urandom(12).hex()) as j:

@@ -12,7 +12,7 @@ from journal_helpers import note, replicas, retext
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.archive import verify_capsule
-from capsulefs.core.journal import ChainError, check_journal_bytes, check_lines, join_lines, merge, verify_lines
+from capsulefs.core.journal.lines import ChainError, check_journal_bytes, check_lines, join_lines, merge, verify_lines
 from capsulefs.core.store import HostStore
 
 

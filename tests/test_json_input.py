@@ -23,9 +23,9 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, SpecError, StoreError
-from capsulefs.core.events import Note, Record
+from capsulefs.core.journal.events import Note, Record
 from capsulefs.core.holder import HolderRecord, HolderState
-from capsulefs.core.journal_lines import envelope, verify_lines
+from capsulefs.core.journal.lines import envelope, verify_lines
 from capsulefs.core.move import OfferReply
 from capsulefs.core.capsule.spec import parse_spec
 from capsulefs.core.store import HostStore
@@ -295,7 +295,7 @@ def test_a_stored_agent_is_only_its_capsules_files(store: HostStore, tmp_path: P
 def test_hostile_json_in_a_capsules_other_files_is_a_problem_named_by_verify(
         rel: str, edit: "object", words: str, store: HostStore, tmp_path: Path) -> None:
     from capsulefs.core.capsule import archive
-    from capsulefs.core.journal import open_agent_journal
+    from capsulefs.core.journal.file import open_agent_journal
 
     agent = make_agent(store, "alice")
     with open_agent_journal(agent, machine=HOST, now=lambda: 1.7e9, new_id=lambda: "0" * 24) as j:

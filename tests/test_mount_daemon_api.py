@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.events import Note
+from capsulefs.core.journal.events import Note
 from capsulefs.core.live import AgentState
 from capsulefs.core.live_journal import open_appender
 from capsulefs.core.store import HostStore

@@ -27,7 +27,7 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.events import Note, Record
+from capsulefs.core.journal.events import Note, Record
 from capsulefs.core.live_journal import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore

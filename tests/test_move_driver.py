@@ -21,8 +21,8 @@ from helpers import HANG, export_and_unpack, make_agent
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
-from capsulefs.core.events import UserMessage
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import UserMessage
+from capsulefs.core.journal.file import open_journal
 from capsulefs.core.fsutil import FileSystemSync
 from capsulefs.core.holder import HolderState, new_held
 from capsulefs import movedriver, moveservice
@@ -845,7 +845,7 @@ async def test_an_append_from_outside_the_daemon_is_whole_in_the_move_or_refused
     that starts later finds FROZEN (or the agent gone) and is refused."""
     from capsulefs.cli.journal_cmds import _refuse_unless_held
     from capsulefs.core.errors import CapsuleError
-    from capsulefs.core.events import Note
+    from capsulefs.core.journal.events import Note
 
     holders, agent_id = world.a.holders, world.agent_id
     results: list[Any] = []

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.events import Record
+from capsulefs.core.journal.events import Record
 from capsulefs.core.live_upload import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
 from capsulefs.core.store import HostStore
 from capsulefs.mount.ops import Operations

@@ -13,7 +13,7 @@ import pytest
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
-from capsulefs.core.events import Record
+from capsulefs.core.journal.events import Record
 from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
 from capsulefs.core.store import HostStore
 from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations
@@ -505,7 +505,7 @@ async def test_a_journal_write_after_a_failed_fdatasync_reopens_the_journal(
     the disk. The mount reopens it at the next write (which writes the
     ring's bytes again and syncs them) instead of failing every journal
     write of the agent until the daemon restarts."""
-    import capsulefs.core.journal as J
+    import capsulefs.core.journal.file as J
 
     j = "alice/memory/timeline_events.jsonl"
     await c.write(j, b'{"kind":"note","text":"before"}\n', append=True)

@@ -10,8 +10,8 @@ import pytest
 
 from capsulefs.cli import main
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.events import ModelSwitch, ToolCall, UserMessage
-from capsulefs.core.journal import open_journal
+from capsulefs.core.journal.events import ModelSwitch, ToolCall, UserMessage
+from capsulefs.core.journal.file import open_journal
 from capsulefs.core.render import INTERRUPTED
 from helpers import HOST, export_and_unpack, make_agent
 
@@ -100,7 +100,7 @@ def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path
 
 def test_verify_names_an_attachment_whose_blob_the_capsule_lacks(alice, tmp_path, capsys) -> None:
     from capsulefs.core.capsule.verify import check, scan_dir
-    from capsulefs.core.events import Attachment
+    from capsulefs.core.journal.events import Attachment
 
     sha = alice.store.put_blob(b"\x89PNG picture")
     with open_journal(alice.path(fmt.JOURNAL), machine=HOST, now=lambda: 1764684001.0, new_id=lambda: "f" * 24,

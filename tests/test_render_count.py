@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from capsulefs.core.events import AssistantMessage, System, ToolCall, ToolResult, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, System, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import byte_upper_bound, counter_for, counter_info, render
 from capsulefs.core.render._count import text_counter
 
@@ -90,7 +90,7 @@ def test_the_tokenizer_loads_only_when_a_budget_is_counted() -> None:
     code = ("import sys\n"
             "import capsulefs.cli\n"
             "from capsulefs.core.render import render\n"
-            "from capsulefs.core.events import UserMessage\n"
+            "from capsulefs.core.journal.events import UserMessage\n"
             "render([UserMessage(text='hi')], provider='openai-chat', model='gpt-4o')\n"
             "assert 'toktok' not in sys.modules\n"
             "render([UserMessage(text='hi')], provider='openai-chat', model='gpt-4o', budget=100)\n"

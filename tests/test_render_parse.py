@@ -14,7 +14,7 @@ from google.genai import types as gt
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from capsulefs.core.events import AssistantMessage, Reasoning, ToolCall, ToolResult, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, Reasoning, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import check_request, parse_response, render
 from render_sdk import validate_request
 

@@ -12,7 +12,15 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsulefs.core.events import AssistantMessage, ModelSwitch, Reasoning, System, ToolCall, ToolResult, UserMessage
+from capsulefs.core.journal.events import (
+    AssistantMessage,
+    ModelSwitch,
+    Reasoning,
+    System,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
 from capsulefs.core.render import (
     PROVIDERS,
     BudgetTooSmall,

@@ -11,15 +11,7 @@ import random
 
 import pytest
 
-from capsulefs.core.events import (
-    AssistantMessage,
-    ModelSwitch,
-    Note,
-    System,
-    ToolCall,
-    ToolResult,
-    UserMessage,
-)
+from capsulefs.core.journal.events import AssistantMessage, ModelSwitch, Note, System, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import (
     PROVIDERS,
     BudgetTooSmall,
@@ -550,7 +542,7 @@ def test_the_checks_and_so_the_stub_refuse_blank_texts(provider: str, body: dict
 @pytest.mark.parametrize("provider", ALL)
 def test_the_journal_s_last_tools_event_is_sent_with_the_history(provider: str) -> None:
     # No tools array was sent, and Anthropic refuses tool_use blocks without one.
-    from capsulefs.core.events import ToolsOffered
+    from capsulefs.core.journal.events import ToolsOffered
 
     grep = {"name": "grep", "description": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
     journal = [ToolsOffered(tools=[{"name": "old_tool"}]), UserMessage(text="find x"),
@@ -568,7 +560,7 @@ def test_the_journal_s_last_tools_event_is_sent_with_the_history(provider: str) 
                                    [{"name": "a", "parameters": []}], [{"name": "a", "extra": 1}], ["a"]])
 def test_a_tools_event_is_checked(tools) -> None:
     from capsulefs.core.errors import FormatError
-    from capsulefs.core.events import parse_draft
+    from capsulefs.core.journal.events import parse_draft
 
     with pytest.raises(FormatError):
         parse_draft({"kind": "tools", "tools": tools})
@@ -580,7 +572,7 @@ def test_a_tools_event_is_checked(tools) -> None:
 def _attachment_journal():
     import hashlib
 
-    from capsulefs.core.events import Attachment
+    from capsulefs.core.journal.events import Attachment
 
     png = b"\x89PNG\r\n\x1a\n" + bytes(200)
     pdf = b"%PDF-1.4 /Type /Pages /Type /Page /Type /Page %%EOF"
@@ -628,8 +620,8 @@ def test_the_budget_counts_attachments_by_the_provider_s_formula(provider: str) 
 
 def test_attachment_events_are_checked_and_their_blobs_travel() -> None:
     from capsulefs.core.errors import FormatError
-    from capsulefs.core.events import parse_draft
-    from capsulefs.core.projections import referenced_blobs
+    from capsulefs.core.journal.events import parse_draft
+    from capsulefs.core.journal.projections import referenced_blobs
 
     sha = "a" * 64
     for bad in ({"blob": "x", "media_type": "image/png", "size": 1}, {"blob": sha, "media_type": "PNG", "size": 1},
@@ -646,7 +638,7 @@ def _many(kind: str, n: int, size: int, pages: int = 0):
     (small: a render trusts the event's size, which append checked)."""
     import hashlib
 
-    from capsulefs.core.events import Attachment
+    from capsulefs.core.journal.events import Attachment
 
     journal, blobs = [], {}
     for i in range(n):

@@ -19,8 +19,8 @@ from google import genai
 from google.genai import types as gt
 
 from capsulefs import stubprovider
+from capsulefs.core.journal.events import Event, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
 from helpers import HANG
-from capsulefs.core.events import Event, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
 from capsulefs.core.render import ToolSpec, parse_response, render
 from render_sdk import validate_request
 

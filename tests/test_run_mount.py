@@ -13,8 +13,8 @@ from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.events import Record
-from capsulefs.core.journal import verify_lines
+from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.lines import verify_lines
 from capsulefs.stubprovider import serve
 
 from helpers import HANG, reference_agent_spec, wait_until

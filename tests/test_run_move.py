@@ -15,9 +15,9 @@ from helpers import reference_agent_spec
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
-from capsulefs.core.events import Record
+from capsulefs.core.journal.events import Record
 from capsulefs.core.holder import HolderState
-from capsulefs.core.journal import verify_lines
+from capsulefs.core.journal.lines import verify_lines
 from capsulefs.stubprovider import serve
 
 pytestmark = [needs_fuse]

@@ -17,7 +17,7 @@ import trio.testing
 from capsulefs import grants, keychain
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.projections import apply_workspace_changes
+from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store import AgentHandle, HostStore
 from capsulefs.supervisor import RunState, RunStatus, Supervisor

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from capsulefs.cli import main
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core import timeline
-from capsulefs.core.events import Note, ToolResult, UserMessage
-from capsulefs.core.journal import open_agent_journal
+from capsulefs.core.journal import timeline
+from capsulefs.core.journal.events import Note, ToolResult, UserMessage
+from capsulefs.core.journal.file import open_agent_journal
 from capsulefs.core.store import AgentHandle, HostStore
 from conftest import REPO
 

@@ -21,15 +21,15 @@ from capsulefs.cli import UsageError
 from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_dir
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
+from capsulefs.core.journal.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
 from capsulefs.core.store import AgentHandle
 
 if TYPE_CHECKING:
     from capsulefs.core.capsule.merge import Side
     from capsulefs.core.holder import HolderBook
     from capsulefs.core.store import HostStore
-    from capsulefs.core.journal import Journal
-    from capsulefs.core.timeline import Query
+    from capsulefs.core.journal.file import Journal
+    from capsulefs.core.journal.timeline import Query
 
 SUMMARY_CHARS = 100
 #: Most bytes ``append --stdin`` reads in all (None: ``live_handles.MAX_EDIT_SIZE``):
@@ -43,7 +43,7 @@ def new_event_id() -> str:
 
 
 def agent_journal(agent: AgentHandle, *, machine: str | None) -> "Journal":
-    from capsulefs.core.journal import open_agent_journal
+    from capsulefs.core.journal.file import open_agent_journal
 
     return open_agent_journal(agent, machine=machine, now=time.time, new_id=new_event_id)
 
@@ -85,7 +85,7 @@ def summary(rec: Record) -> str:
 
 
 def _query(args: argparse.Namespace) -> "Query":
-    from capsulefs.core.timeline import Query, parse_when
+    from capsulefs.core.journal.timeline import Query, parse_when
 
     if args.tail is not None and args.tail < 0:
         raise UsageError("--tail takes a number of events, 0 or more")
@@ -118,8 +118,8 @@ def timeline_rows(store: "HostStore", agent: AgentHandle, q: "Query") -> list[tu
     """(line number if known, line) of what ``log`` shows of an agent of the
     store: the last ones read from the end (--tail alone), the whole journal
     (no filter), or the timeline index's answer (any filter)."""
-    from capsulefs.core import timeline
-    from capsulefs.core.journal_recovery import read_journal_locked
+    from capsulefs.core.journal import timeline
+    from capsulefs.core.journal.recovery import read_journal_locked
 
     agent.recover_journal()  # a reader's replay (or, in a store it may not write, a check)
     path = agent.path(fmt.JOURNAL)
@@ -165,7 +165,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         store = open_store(args)
         rows = timeline_rows(store, store.find(args.agent), q)
     elif q.filters or q.tail is not None:
-        from capsulefs.core.timeline import scan
+        from capsulefs.core.journal.timeline import scan
 
         rows = list(scan(_whole_lines(data), q))
     else:
@@ -191,7 +191,7 @@ def _stdin_drafts(f: BinaryIO) -> list[Any]:
     input that never ends a line (``/dev/zero``) or is not JSON stops at its
     first line instead of being read whole into memory; input that goes on
     (valid lines without end) stops at MAX_STDIN_DRAFTS bytes in all."""
-    from capsulefs.core.journal import parse_draft_lines
+    from capsulefs.core.journal.file import parse_draft_lines
     from capsulefs.core.live_handles import MAX_EDIT_SIZE, MAX_PARTIAL_LINE
 
     limit = MAX_STDIN_DRAFTS if MAX_STDIN_DRAFTS is not None else MAX_EDIT_SIZE
@@ -259,7 +259,7 @@ def _check_blobs(agent: AgentHandle, events: list[Any]) -> list[str]:
 
 def _project(agent: AgentHandle, events: list[Any], blobs: list[str]) -> None:
     """Keep working_memory.md and snapshot.json equal to their projections."""
-    from capsulefs.core.projections import apply_workspace_changes
+    from capsulefs.core.journal.projections import apply_workspace_changes
 
     files: dict[str, bytes] = {}
     snap = None

@@ -77,7 +77,7 @@ def _check_snapshot(data: bytes) -> list[str]:
 
 
 def _check_journal(data: bytes) -> list[str]:
-    from ..journal_lines import check_journal_bytes  # chains, seqs, order, forks; every line parsed
+    from ..journal.lines import check_journal_bytes  # chains, seqs, order, forks; every line parsed
 
     return check_journal_bytes(data)
 
@@ -199,7 +199,7 @@ def check(listing: Listing, *, pubkey: bytes | None = None) -> tuple[fmt.Manifes
     # Every blob an attachment in the journal names is in the capsule.
     journal = listing.contents.get(fmt.JOURNAL)
     if journal is not None:
-        from ..projections import attachment_blobs
+        from ..journal.projections import attachment_blobs
 
         for sha, no in sorted(attachment_blobs(journal.split(b"\n")).items(), key=lambda x: x[1]):
             if fmt.blob_path(sha) not in manifest.files:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from ..events import Event, Reasoning
+from ..journal.events import Event, Reasoning
 from ..capsule.format import load_json
 from ._plan import ATTACH, Unit
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CapsuleError
-from ..events import (
+from ..journal.events import (
     AssistantMessage,
     Attachment,
     Event,

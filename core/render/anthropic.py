@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..events import AssistantMessage, Event, Reasoning, ToolCall
+from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import (
     IMAGES,
     MB,

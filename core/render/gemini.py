@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..events import AssistantMessage, Event, Reasoning, ToolCall
+from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import (
     IMAGES,
     MB,

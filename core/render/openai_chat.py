@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..events import AssistantMessage, Event, ToolCall
+from ..journal.events import AssistantMessage, Event, ToolCall
 from ._base import (
     IMAGES,
     MB,

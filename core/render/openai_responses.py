@@ -28,7 +28,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..events import AssistantMessage, Event, Reasoning, ToolCall
+from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import (
     IMAGES,
     MB,

@@ -30,12 +30,12 @@ from pathlib import Path
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.events import AssistantMessage, Note, Record, ToolCall, UnknownEvent, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, Note, Record, ToolCall, UnknownEvent, UserMessage
 from capsulefs.core.holder import HolderRecord, HolderState
-from capsulefs.core.journal import parse_draft_lines
-from capsulefs.core.journal_chain import ChainState
-from capsulefs.core.journal_index import Unreadable, fast_merge
-from capsulefs.core.journal_lines import (
+from capsulefs.core.journal.file import parse_draft_lines
+from capsulefs.core.journal.chain import ChainState
+from capsulefs.core.journal.envelope_index import Unreadable, fast_merge
+from capsulefs.core.journal.lines import (
     ChainError,
     check_journal_bytes,
     envelope,
@@ -215,7 +215,7 @@ def _merge(data: bytes, _scratch: Path) -> None:
     merged = merge_bytes(a, b)  # the reference's CapsuleError, when neither path accepts
     # The fast path reads envelopes, not whole lines: a line whose body is
     # broken (not JSON, a key twice) but whose envelope keys it finds once
-    # each is merged as it stands (see journal_index); callers verify first.
+    # each is merged as it stands (see core/journal/envelope_index.py); callers verify first.
     if _readable(a) and _readable(b):
         assert fast is None or fast == ref, "the fast merge accepted what the reference refuses, or differs from it"
         assert merged == ref

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capsulefs.core import timeline
-from capsulefs.core.journal_tip import EMPTY, MachineTail, Tip, parse_tip, tip_bytes
+from capsulefs.core.journal import timeline
+from capsulefs.core.journal.tip import EMPTY, MachineTail, Tip, parse_tip, tip_bytes
 
 from . import Target
 

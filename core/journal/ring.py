@@ -4,7 +4,7 @@ durable by overwriting in place, so that an fdatasync writes no metadata.
 Rules:
   * The host keeps one ring per journal, outside the capsule (the store puts
     it at ``<state>/journal-wal/<agent_id>``, see
-    :func:`capsulefs.core.journal_recovery.journal_ring_path`). A capsule
+    :func:`capsulefs.core.journal.recovery.journal_ring_path`). A capsule
     never holds one, and nothing in a capsule names one.
   * The file is created once at its final size by writing zeros, fsynced,
     and linked into place (never over an existing ring); its directory is
@@ -48,7 +48,7 @@ starts with that first header (one 40-byte pread): otherwise another process
 appended, restarted the ring, recovered or replaced the journal since, and
 the caller must checkpoint and restart at offset 0. The journal-level policy
 (when to checkpoint, how to replay a ring after a crash, what to refuse)
-lives in :mod:`capsulefs.core.journal`; the caller holds the journal's locks.
+lives in :mod:`capsulefs.core.journal.file`; the caller holds the journal's locks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from .fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, links_probe, makedirs_durable, path_identity
+from ..fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, links_probe, makedirs_durable, path_identity
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 and joined, chains verified, and the reference merge of two journals.
 
 Everything here is a pure function of bytes already in memory: no file is
-opened, nothing is stamped (:mod:`capsulefs.core.journal_chain` does that)
-and nothing is appended (:mod:`capsulefs.core.journal` does that).
+opened, nothing is stamped (:mod:`capsulefs.core.journal.chain` does that)
+and nothing is appended (:mod:`capsulefs.core.journal.file` does that).
 
 Rules:
-  * A line is canonical JSON (see :mod:`capsulefs.core.events`), so its
+  * A line is canonical JSON (see :mod:`capsulefs.core.journal.events`), so its
     sha256 is its identity. ``prev`` is the hash of the same machine's
     previous line, ``seq`` counts 1, 2, 3... per machine without gaps.
   * The file is sorted by (clock, machine, seq).
@@ -23,7 +23,7 @@ Theory of operation (verify and merge):
   hashing each distinct line once. An input whose chain does not verify is
   refused; so are two different lines with the same (machine, seq), which
   is a fork. :func:`merge_bytes` gives the same result vectorised (see
-  :mod:`capsulefs.core.journal_index`), and defers to :func:`merge` for
+  :mod:`capsulefs.core.journal.envelope_index`), and defers to :func:`merge` for
   anything it does not accept, so the errors are the reference's.
 """
 
@@ -36,8 +36,8 @@ from collections.abc import Iterable, Sequence
 from hashlib import sha256
 from typing import Any
 
-from .errors import FormatError, IntegrityError
-from .capsule.format import MAX_INT, load_json
+from ..errors import FormatError, IntegrityError
+from ..capsule.format import MAX_INT, load_json
 from .events import Record, line_hash
 
 log = logging.getLogger(__name__)
@@ -367,7 +367,7 @@ def merge_bytes(a: bytes, b: bytes) -> bytes:
     """:func:`merge` on whole journal files, vectorised (same result, same
     refusals, on inputs whose every line :func:`envelope` reads).
 
-    The fast path (:mod:`capsulefs.core.journal_index`) hands anything it
+    The fast path (:mod:`capsulefs.core.journal.envelope_index`) hands anything it
     does not accept to :func:`merge`, which raises the precise ChainError.
     It reads envelope tokens, not whole lines: a line whose body is broken
     but whose envelope keys it finds may pass it. Verify inputs first.
@@ -379,7 +379,7 @@ def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> Iterable[byt
     """:func:`merge_bytes` as pieces (the inputs may be mmaps of the journal
     files), for writing without building the whole result. Every check is
     done before this returns."""
-    from .journal_index import Unreadable, fast_merge
+    from .envelope_index import Unreadable, fast_merge
 
     try:
         return fast_merge(a, b)

@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from .errors import FormatError
-from .capsule.format import check_host_id, check_int, check_relpath, check_sha256, has_control, load_json_object
+from ..errors import FormatError
+from ..capsule.format import check_host_id, check_int, check_relpath, check_sha256, has_control, load_json_object
 
 EVENT_VERSION = 1
 ENVELOPE = ("v", "id", "machine", "seq", "clock", "prev", "time", "kind")

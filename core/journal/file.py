@@ -4,17 +4,16 @@ ordered across machines by a Lamport clock, merged by set union.
 This module owns the journal *file*: :class:`Journal` (catching up with
 other writers, group commit, appends made durable in the journal or in its
 write-ahead ring), :func:`open_journal` and :func:`open_agent_journal`. The
-rest of the journal has its own modules, whose public names are re-exported
-here (see ``__all__``):
+rest of the journal has its own modules:
 
-  * :mod:`capsulefs.core.journal_lines`: the lines as bytes (envelope,
+  * :mod:`capsulefs.core.journal.lines`: the lines as bytes (envelope,
     split and join, verify, the reference merge);
-  * :mod:`capsulefs.core.journal_chain`: stamping (``ChainState``);
-  * :mod:`capsulefs.core.journal_recovery`: replaying the ring after a
+  * :mod:`capsulefs.core.journal.chain`: stamping (``ChainState``);
+  * :mod:`capsulefs.core.journal.recovery`: replaying the ring after a
     crash, torn-tail files, replacing a journal, where rings live;
-  * :mod:`capsulefs.core.journal_ring`: the ring file itself;
-  * :mod:`capsulefs.core.journal_index`: the vectorised merge;
-  * :mod:`capsulefs.core.journal_tip`: the tip, so that opening need not
+  * :mod:`capsulefs.core.journal.ring`: the ring file itself;
+  * :mod:`capsulefs.core.journal.envelope_index`: the vectorised merge;
+  * :mod:`capsulefs.core.journal.tip`: the tip, so that opening need not
     read the history.
 
 Rules:
@@ -28,7 +27,7 @@ Rules:
     starts over at its offset 0 (full, or another process appended), the
     journal itself is fdatasynced (a checkpoint). Before a journal with a
     ring is read or appended to after a crash, the ring is replayed into it
-    (:mod:`capsulefs.core.journal_recovery`).
+    (:mod:`capsulefs.core.journal.recovery`).
   * A Journal belongs to the process that opened it: flock belongs to the
     open file description, which a forked child shares, so a child's use of
     an inherited Journal (appends, catching up) raises JournalForked; the
@@ -51,12 +50,12 @@ Theory of operation (appends):
   lseek, one write and one fdatasync, whatever the journal's length.
   If another file was renamed over the journal's path (by someone holding
   the old file's flock), the Journal follows it: nothing is appended to an
-  unlinked file. With a tip (:mod:`capsulefs.core.journal_tip`), a Journal
+  unlinked file. With a tip (:mod:`capsulefs.core.journal.tip`), a Journal
   that knows nothing yet (opening, or after a replacement) starts from the
   tip on disk when it matches the file, and writes a new one every
   ``TIP_EVERY`` bytes: opening costs the bytes after the tip, not the history.
 
-  The lease (:mod:`capsulefs.core.journal_lease`): after a commit that
+  The lease (:mod:`capsulefs.core.journal.lease`): after a commit that
   succeeded the Journal keeps the flock, for ``IDLE`` seconds after its
   last append and ``MAX_HOLD`` at most, and its next append within that
   time asks the file only its size (a writer outside the rules is still
@@ -67,7 +66,7 @@ Theory of operation (appends):
 
 Theory of operation (the write-ahead ring):
   Growing a file makes its fdatasync write the inode (the new size) after
-  the data: two dependent writes. A ring (:mod:`capsulefs.core.journal_ring`)
+  the data: two dependent writes. A ring (:mod:`capsulefs.core.journal.ring`)
   is a file of fixed size written in place, whose fdatasync writes data
   only. With one, an append writes its lines to the journal (O_APPEND, not
   synced: readers see them at once), then one record (header, checksum, the
@@ -84,7 +83,7 @@ Theory of operation (the write-ahead ring):
   full ring is a checkpoint too, so the journal is synced about once per
   ring size of events.
 
-  Recovery after a crash is :mod:`capsulefs.core.journal_recovery`'s.
+  Recovery after a crash is :mod:`capsulefs.core.journal.recovery`'s.
 """
 
 from __future__ import annotations
@@ -98,77 +97,26 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .capsule import format as fmt
-from .errors import CapsuleError, FormatError, NotFoundError
+from ..capsule import format as fmt
+from ..errors import CapsuleError, FormatError, NotFoundError
 from .events import Event, Record, line_hash, parse_draft
-from .fsutil import fdatasync, fsync_dir, identity_probe
-from .journal_chain import ChainState, Tail, format_time
-from .journal_lines import (
-    ChainError,
-    Key,
-    check_journal_bytes,
-    check_lines,
-    envelope,
-    join_lines,
-    merge,
-    merge_bytes,
-    merge_pieces,
+from ..fsutil import fdatasync, fsync_dir, identity_probe
+from .chain import ChainState, Tail
+from .lines import (
     split_lines,
-    verify_lines,
 )
-from .journal_recovery import (
-    RECOVERY_DIR,
-    TORN_SUFFIX,
-    WAL_DIR,
+from .recovery import (
     RingMismatch,
     agent_recovery_dir,
-    forget_ring,
     journal_ring_path,
-    recover_journal,
-    replacing_journal,
     replay_ring,
     save_torn,
 )
-from .journal_lease import IDLE, MAX_HOLD, keeper
-from .journal_ring import Ring
-from .journal_tip import TIP_EVERY, Tip, advance_tip, checked_tip, journal_tip_path, save_tip
+from .lease import IDLE, MAX_HOLD, keeper
+from .ring import Ring
+from .tip import TIP_EVERY, Tip, advance_tip, checked_tip, journal_tip_path, save_tip
 
-__all__ = [
-    # the journal file (this module)
-    "BULK_CATCH_UP",
-    "Journal",
-    "JournalForked",
-    "open_agent_journal",
-    "open_journal",
-    "parse_draft_lines",
-    # journal_lines
-    "ChainError",
-    "Key",
-    "check_journal_bytes",
-    "check_lines",
-    "envelope",
-    "join_lines",
-    "merge",
-    "merge_bytes",
-    "merge_pieces",
-    "split_lines",
-    "verify_lines",
-    # journal_chain
-    "ChainState",
-    "Tail",
-    "format_time",
-    # journal_recovery
-    "RECOVERY_DIR",
-    "TORN_SUFFIX",
-    "WAL_DIR",
-    "RingMismatch",
-    "agent_recovery_dir",
-    "forget_ring",
-    "journal_ring_path",
-    "recover_journal",
-    "replacing_journal",
-    "replay_ring",
-]
+__all__ = ["BULK_CATCH_UP", "Journal", "JournalForked", "open_agent_journal", "open_journal", "parse_draft_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -970,12 +918,12 @@ def open_journal(
     seconds, ``new_id`` a fresh event id (24 hex). A writer moves a torn
     tail to ``recovery_dir`` (a reader leaves it), which must lie outside the capsule so that the capsule
     still verifies. With ``ring_path`` (a file outside the capsule, see
-    :mod:`capsulefs.core.journal_ring`), appends are made durable in that
+    :mod:`capsulefs.core.journal.ring`), appends are made durable in that
     write-ahead ring, and opening first replays it into the journal if a
     crash left the journal behind; a journal that disagrees with its ring
     raises RingMismatch when opened for appending (read-only, it is logged
     and the journal is read as it is). With ``tip_path`` (a file outside the
-    capsule, see :mod:`capsulefs.core.journal_tip`), opening starts from the
+    capsule, see :mod:`capsulefs.core.journal.tip`), opening starts from the
     tip saved there if it matches the file, and reads only the bytes after
     it; the Journal writes a new tip every ``TIP_EVERY`` bytes it reads or
     appends. Use it as a context manager, or call ``close()``.
@@ -1018,7 +966,7 @@ def open_agent_journal(
     new_id: Callable[[], str],
 ) -> Journal:
     """Open the journal of an agent of the host store (an ``AgentHandle``)."""
-    from .capsule.format import JOURNAL
+    from ..capsule.format import JOURNAL
 
     return open_journal(
         agent.path(JOURNAL),

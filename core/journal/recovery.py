@@ -15,7 +15,7 @@ Rules:
     ``<state>/recovery/<agent_id>/``.
 
 Theory of operation (the ring's chain is described in
-:mod:`capsulefs.core.journal_ring`):
+:mod:`capsulefs.core.journal.ring`):
   Recovery (:func:`replay_ring`, under the journal's flock) reads the chain
   and compares it with the journal from the chain's first offset: missing
   bytes (lost by a crash, or a line cut short) are appended, the journal
@@ -41,10 +41,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import FormatError
-from .fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
-from .journal_ring import Ring
-from .journal_ring import remove as remove_ring
+from ..errors import FormatError
+from ..fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
+from .ring import Ring
+from .ring import remove as remove_ring
 
 log = logging.getLogger(__name__)
 

@@ -52,9 +52,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import CapsuleError, FormatError
+from ..errors import CapsuleError, FormatError
 from .events import line_hash
-from .fsutil import makedirs_durable
+from ..fsutil import makedirs_durable
 
 if TYPE_CHECKING:
     import sqlite3

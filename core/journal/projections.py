@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .events import Attachment, MemoryEdit, Record, WorkspaceUpdate
-from .errors import CapsuleError
-from .capsule.format import snapshot_bytes
+from ..errors import CapsuleError
+from ..capsule.format import snapshot_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A vectorised index of a journal's envelopes, and the fast merge built on it.
 
 Rules:
-  * This module is an optimisation of :func:`capsulefs.core.journal_lines.merge`,
+  * This module is an optimisation of :func:`capsulefs.core.journal.lines.merge`,
     which stays the reference: whenever the fast path finds anything it does
     not like (a line it cannot read, a chain that does not verify, a fork) it
     hands both inputs to the reference, which raises the precise error (or,
@@ -21,7 +21,7 @@ Theory of operation:
   whole buffer, keeps the lines where each occurs once, and parses their
   values in bulk (digits, the machine's host id, the prev hex). The few lines
   where a key also occurs nested are read one by one with
-  :func:`~capsulefs.core.journal_lines.envelope`. The merge then sorts the two
+  :func:`~capsulefs.core.journal.lines.envelope`. The merge then sorts the two
   inputs' keys together, and checks order, seq runs and chains with array
   comparisons; the only per-line Python work left is hashing each distinct
   line once and cutting the output.
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FormatError
-from .capsule.format import MAX_INT
+from ..errors import FormatError
+from ..capsule.format import MAX_INT
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _machine_ids(rows: np.ndarray, lines: np.ndarray) -> tuple[list[str], np.nda
 def index_journal(data: Buffer, start: int = 0, end: int | None = None) -> EnvelopeIndex:
     """Index the envelope of every line of ``data[start:end]`` (both at line
     boundaries). Raises Unreadable if a line cannot be read."""
-    from .journal_lines import envelope  # the per-line reader, for the odd lines
+    from .lines import envelope  # the per-line reader, for the odd lines
 
     if len(data) > start and data[-1:] != b"\n":
         raise Unreadable("torn tail")

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .errors import FormatError
+from ..errors import FormatError
 from .events import Event, Record, UnknownEvent, line_hash
-from .capsule.format import MAX_INT, check_host_id
-from .journal_lines import Key, envelope
+from ..capsule.format import MAX_INT, check_host_id
+from .lines import Key, envelope
 
 
 def format_time(seconds: float) -> str:
@@ -77,7 +77,7 @@ class ChainState:
     def absorb_bulk(self, data: bytes) -> bool:
         """Take many whole lines at once (vectorised); False, with nothing
         taken, if some line needs the line-by-line path (which names it)."""
-        from .journal_index import Unreadable, index_journal
+        from .envelope_index import Unreadable, index_journal
 
         try:
             ix = index_journal(data)

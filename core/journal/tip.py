@@ -13,7 +13,7 @@ Rules:
     hash and envelope (clock, machine, seq) it says, and the last of them
     ends exactly at the tip's size. Otherwise it is ignored (logged) and the
     journal is read from its start, as without a tip.
-  * What the check does not see is what a :class:`~capsulefs.core.journal.Journal`
+  * What the check does not see is what a :class:`~capsulefs.core.journal.file.Journal`
     catching up in memory does not see either: an edit in place of lines
     before the tip that leaves every machine's last line where it was.
     ``verify`` (and import, and a move's target) read every line.
@@ -42,13 +42,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import sha256_state
-from .errors import FormatError
+from .. import sha256_state
+from ..errors import FormatError
 from .events import ModelSwitch, Record, line_hash
-from .fsutil import atomic_write, makedirs_durable
+from ..fsutil import atomic_write, makedirs_durable
 
 if TYPE_CHECKING:
-    from .journal_chain import ChainState
+    from .chain import ChainState
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Tip:
 
     def chain_state(self) -> "ChainState":
         """The stamping state this tip stands for."""
-        from .journal_chain import ChainState, Tail
+        from .chain import ChainState, Tail
 
         state = ChainState()
         state.tails = {m: Tail(seq=t.seq, digest=t.digest, clock=t.clock) for m, t in self.tails.items()}
@@ -228,7 +228,7 @@ def mismatch(fd: int, tip: Tip, file_size: int) -> str | None:
         return f"it covers {tip.size} bytes, the journal has {file_size}"
     if tip.size == 0:
         return None if tip.count == 0 and not tip.tails else "it is empty but lists lines"
-    from .journal_lines import envelope  # (its grammar compiles on first import: only where tips are checked)
+    from .lines import envelope  # (its grammar compiles on first import: only where tips are checked)
 
     if tip.last is None or tip.clock != max(t.clock for t in tip.tails.values()):
         return "its clock is not its tails' greatest"
