@@ -15,7 +15,7 @@ from pathlib import Path
 from common import random_blobs
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 
 def disk_use(root: Path) -> int:

@@ -59,7 +59,7 @@ from capsulefs.core.journal import timeline  # noqa: E402
 from capsulefs.core.journal.events import Note  # noqa: E402
 from capsulefs.core.journal.file import open_agent_journal  # noqa: E402
 from capsulefs.core.live import LiveHost  # noqa: E402
-from capsulefs.core.store import AgentHandle, HostStore  # noqa: E402
+from capsulefs.core.store.host_store import AgentHandle, HostStore  # noqa: E402
 
 HOST = "BENCHHOST" + "A" * 43
 AGENT = "hist"

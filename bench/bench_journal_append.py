@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capsulefs.core.journal.events import AssistantMessage, Event, ToolCall, ToolResult, UserMessage  # noqa: E402
 from capsulefs.core.journal.file import open_agent_journal, open_journal  # noqa: E402
 from capsulefs.core.journal.lines import verify_lines  # noqa: E402
-from capsulefs.core.store import HostStore  # noqa: E402
+from capsulefs.core.store.host_store import HostStore  # noqa: E402
 
 
 #: SQLite checkpoints its WAL at 1000 pages (one page per event here) and then

@@ -32,7 +32,7 @@ from common import capsulefs_cmd, pairs, timed
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.movehost import record_new_agent
 
 HOST = "BENCHHOST"

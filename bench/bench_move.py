@@ -47,7 +47,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from capsulefs.core.capsule import format as fmt  # noqa: E402
-from capsulefs.core.holder import new_held  # noqa: E402
+from capsulefs.core.store.holder import new_held  # noqa: E402
 from capsulefs.movedriver import MoveControl, move_agent  # noqa: E402
 from capsulefs.movehost import MoveHost, NoHooks  # noqa: E402
 from capsulefs.moveservice import serve_moves  # noqa: E402

@@ -15,7 +15,7 @@ from common import capsulefs_cmd, extract_all, pairs, random_blobs, run
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 
 def build(tmp: Path, n: int, size: int) -> Path:

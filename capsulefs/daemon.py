@@ -63,10 +63,10 @@ import trio
 from capsulefs import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
-from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.live import AgentState, LiveHost
 from capsulefs.core.live_errors import ReadOnly
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
 from capsulefs.movehost import holders_dir

@@ -41,7 +41,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.capsule.spec import parse_spec
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from capsulefs.cli.journal_cmds import append_events, log_line, timeline_rows
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.journal.events import MemoryEdit, Note, UserMessage
-from capsulefs.core.holder import HolderBook
-from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.core.store.holder import HolderBook
+from capsulefs.core.store.host_store import AgentHandle, HostStore
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import trio
 
 from capsulefs.core import live_errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.movedriver import MoveControl, MoveResult, abandon_move, move_agent, resume_moves
 from capsulefs.movehost import MoveHost, record_new_agent
 from capsulefs.moveservice import MoveService, serve_moves

@@ -45,7 +45,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
 from capsulefs.identity import Identity
 from capsulefs.movehost import MoveHost, result_to_answer
 from capsulefs.moveservice import BLOBS_CALL

@@ -23,8 +23,8 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.identity import Identity, load_or_create_identity
 from capsulefs.peers import PeerBook
 

@@ -48,7 +48,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree
-from capsulefs.core.holder import HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.movehost import MoveHost, answer_to_result
 from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
 from capsulefs.moveintake import Intake

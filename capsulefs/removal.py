@@ -14,7 +14,7 @@ Rules:
     CLI asks it through the agent's ``.control/remove`` and the daemon
     removes it (``Daemon.remove``): it stops the agent's process first and
     drops it from the live mount, under the agent's move lock.
-  * The holder record stays, no longer HELD (:func:`capsulefs.core.holder.removed`):
+  * The holder record stays, no longer HELD (:func:`capsulefs.core.store.holder.removed`):
     peers asking who holds the agent learn that this host does not, the
     epoch fence for the agent's id is kept, and a restarted daemon has no
     held agent without files to start. Importing the agent again here leaves
@@ -32,11 +32,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from capsulefs import grants
-from capsulefs.core.holder import HolderBook, removed
+from capsulefs.core.store.holder import HolderBook, removed
 from capsulefs.core.live_errors import MoveBusy
 from capsulefs.core.scratch import ScratchArea
 from capsulefs.core.snapshots import Snapshots
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import discard_sandbox
 

@@ -43,7 +43,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
-from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.live import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.movehost import holders_dir

@@ -64,7 +64,7 @@ from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, No
 from .journal.events import Event, MemoryEdit, ModelSwitch, Record
 from .fsutil import thread_start
 from .hashing import hash_file
-from .holder import HOLDERS_DIR, agent_files_lock
+from .store.holder import HOLDERS_DIR, agent_files_lock
 from .live_errors import (
     AccessDenied,
     IsADirectory,
@@ -100,7 +100,7 @@ from .scratch import SCRATCH_DIRS, ScratchArea
 from .live_upload import UploadArea, check_attachments, check_upload_name
 from .snapshots import Snapshots
 from .capsule.spec import parse_spec
-from .store import AgentHandle, HostStore
+from .store.host_store import AgentHandle, HostStore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.fsutil import remove_tree
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 REPO = Path(__file__).resolve().parent.parent
 CAPSULEFS = [sys.executable, "-m", "capsulefs"]

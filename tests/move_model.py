@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from capsulefs.core import move as mv
-from capsulefs.core.holder import HolderRecord, HolderState, PeerView, learn_from_peers, new_held
+from capsulefs.core.store.holder import HolderRecord, HolderState, PeerView, learn_from_peers, new_held
 
 AGENT = "a" * 32
 BLOBS = ("1" * 64, "2" * 64, "3" * 64)

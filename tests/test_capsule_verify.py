@@ -9,7 +9,7 @@ import pytest
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 from helpers import export_and_unpack, make_agent
 

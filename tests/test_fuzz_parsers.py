@@ -27,7 +27,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.journal.lines import check_journal_bytes
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from fuzz import Target
 from fuzz.targets_parsers import TARGETS

@@ -11,7 +11,7 @@ from pathlib import Path
 from capsulefs import grants
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from conftest import run_cli
 from helpers import make_agent
 

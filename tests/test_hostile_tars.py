@@ -20,7 +20,7 @@ import zstandard
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import ImportRefused
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.capsule.tarball import scan_tar
 
 import tar_kit

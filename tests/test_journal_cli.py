@@ -19,7 +19,7 @@ from capsulefs.cli import main
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.archive import verify_capsule
 from capsulefs.core.journal.lines import split_lines, verify_lines
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from helpers import extract_all
 
 
@@ -178,7 +178,7 @@ def test_append_is_refused_unless_this_host_holds_the_agent(cli, store: HostStor
     source; appended to an agent this host may not hold, they could be
     dropped with its files. The record is checked under the agent's files
     lock and again under the journal's flock; nothing is written."""
-    from capsulefs.core.holder import HolderBook, HolderState
+    from capsulefs.core.store.holder import HolderBook, HolderState
     from capsulefs.movehost import holders_dir
 
     cli("new", "ada", check=True)

@@ -24,13 +24,13 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError
+from capsulefs.core.journal import lease as journal_lease
 from capsulefs.core.journal.events import Note
 from capsulefs.core.journal.recovery import RingMismatch
 from capsulefs.core.journal.file import open_agent_journal, open_journal
 from capsulefs.core.journal.lines import split_lines, verify_lines
 from capsulefs.core.journal.ring import HEADER, Ring
-from capsulefs.core.journal import lease as journal_lease
-from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.core.store.host_store import AgentHandle, HostStore
 
 from helpers import wait_until
 from journal_helpers import LeaseClock
@@ -489,7 +489,7 @@ import itertools, os, sys
 from capsulefs.core.errors import FormatError
 from capsulefs.core.journal.events import Note
 from capsulefs.core.journal.file import open_agent_journal
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 root, agent_id, count, tag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 ids = itertools.count(1)
 agent = HostStore.open(root).agent(agent_id)

@@ -18,7 +18,7 @@ from capsulefs.core.journal.file import Journal
 from capsulefs.core.journal.lines import verify_lines
 from capsulefs.core.journal.tip import TIP_EVERY, journal_tip_path, load_tip, parse_tip, tip_bytes
 from capsulefs.core.live_journal import JournalTail
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from journal_helpers import open_test_journal
 
 TEXT = "a note long enough that a few hundred of them pass the tip's interval " * 3

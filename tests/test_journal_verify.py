@@ -13,7 +13,7 @@ from journal_helpers import note, replicas, retext
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.archive import verify_capsule
 from capsulefs.core.journal.lines import ChainError, check_journal_bytes, check_lines, join_lines, merge, verify_lines
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 
 def _journal(n_a: int = 3, n_b: int = 3) -> list[bytes]:

@@ -24,11 +24,11 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, SpecError, StoreError
 from capsulefs.core.journal.events import Note, Record
-from capsulefs.core.holder import HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.lines import envelope, verify_lines
 from capsulefs.core.move import OfferReply
 from capsulefs.core.capsule.spec import parse_spec
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import HOST, export_and_unpack, make_agent
 from ops_kit import Client, FakeKernel, _reply, errno_of, make_live

@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.holder import HolderBook, HolderState
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.movehost import holders_dir
 from conftest import REPO, run_cli
 

@@ -15,7 +15,8 @@ import pytest
 import xattr
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
+from helpers import make_agent
 from helpers import HANG, make_agent
 from mount_kit import capsulefs, mounted, needs_fuse, status
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
+from helpers import make_agent, wait_until
 from helpers import HANG, make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 
@@ -88,7 +89,7 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
     mount serves everything else meanwhile."""
     import threading
 
-    from capsulefs.core.holder import HolderBook
+    from capsulefs.core.store.holder import HolderBook
     from capsulefs.movehost import holders_dir
 
     make_agent(store, "alice", memory="m\n")
@@ -127,7 +128,7 @@ def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record
     the agent as one whose record was lost) off its loop: the mount serves."""
     import threading
 
-    from capsulefs.core.holder import HolderBook, HolderState, new_held
+    from capsulefs.core.store.holder import HolderBook, HolderState, new_held
     from capsulefs.movehost import holders_dir
 
     make_agent(store, "alice")  # its files are in the store, its record not yet
@@ -152,7 +153,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     """The mount is up before the daemon's services are (here its recovery
     waits for an import's record): an unmount from outside then ends the
     daemon with status 0, not with a traceback."""
-    from capsulefs.core.holder import HolderBook, new_held
+    from capsulefs.core.store.holder import HolderBook, new_held
     from capsulefs.movehost import holders_dir
     from mount_kit import force_unmount
 
@@ -184,7 +185,7 @@ def test_a_restarted_daemon_shows_agents_as_their_records_say_before_its_recover
     it writable again."""
     import errno
 
-    from capsulefs.core.holder import HolderBook, HolderRecord, HolderState, new_held
+    from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held
     from capsulefs.movehost import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
@@ -226,7 +227,7 @@ def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
     all), and its status says why and what to run."""
     import errno
 
-    from capsulefs.core.holder import HolderBook, HolderState, unknown
+    from capsulefs.core.store.holder import HolderBook, HolderState, unknown
     from capsulefs.movehost import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
@@ -263,7 +264,7 @@ def test_an_agent_in_doubt_with_unsynced_sandbox_work_is_frozen_without_journali
     capsule that takes no write, and the ReadOnly took the whole daemon down
     at every start. Its sandbox now stays as it is, nothing is journaled,
     and the mount serves."""
-    from capsulefs.core.holder import HolderBook, unknown
+    from capsulefs.core.store.holder import HolderBook, unknown
     from capsulefs.movehost import holders_dir
 
     book = HolderBook(holders_dir(state_dir))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent
 from mount_kit import capsulefs, mounted, needs_fuse
 

@@ -19,7 +19,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
 from capsulefs.core.live import AgentState
 from capsulefs.core.live_journal import open_appender
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon import Daemon
 from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.holder import HolderBook, HolderRecord, HolderState
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.movehost import record_new_agent
 from helpers import HOST, make_agent, wait_until
 from mount_kit import capsulefs, mounted, needs_fuse, status

@@ -30,7 +30,7 @@ from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import Note, Record
 from capsulefs.core.live_journal import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
-from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.core.store.host_store import AgentHandle, HostStore
 from capsulefs.daemon import Daemon
 from capsulefs.runtime import AgentRuntime
 from helpers import HANG, make_agent

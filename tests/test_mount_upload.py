@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse
 

@@ -14,8 +14,8 @@ import trio.testing
 
 from capsulefs.core import live_errors as le
 from capsulefs.core.errors import FormatError, NotFoundError
-from capsulefs.core.holder import HolderBook, HolderState
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon import Daemon
 from capsulefs.identity import load_or_create_identity
 from capsulefs.mountmoves import MountMoves

@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import CAPSULEFS, REPO, run_cli
 from helpers import HANG
 
-from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState
 
 
 def test_move_between_two_processes(tmp_path: Path) -> None:

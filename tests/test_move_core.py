@@ -10,7 +10,7 @@ from move_model import AGENT, BLOBS, World
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.holder import (
+from capsulefs.core.store.holder import (
     HolderBook,
     HolderRecord,
     HolderState,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.mountmoves import CALL_TIMEOUT_ENV
 from helpers import bound
 from mount_kit import needs_fuse

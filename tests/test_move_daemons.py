@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState
 from helpers import HANG
 from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
 from mount_kit import status as agent_status

@@ -24,7 +24,7 @@ from capsulefs.core import move as mv
 from capsulefs.core.journal.events import UserMessage
 from capsulefs.core.journal.file import open_journal
 from capsulefs.core.fsutil import FileSystemSync
-from capsulefs.core.holder import HolderState, new_held
+from capsulefs.core.store.holder import HolderState, new_held
 from capsulefs import movedriver, moveservice
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost
@@ -717,7 +717,7 @@ async def test_an_abandon_before_the_point_of_no_return_rolls_back_and_is_not_ke
 
 
 def test_offline_abandon(tmp_path: Path) -> None:
-    from capsulefs.core.holder import HolderBook, HolderRecord
+    from capsulefs.core.store.holder import HolderBook, HolderRecord
 
     book = HolderBook(tmp_path)
     aid = "c" * 32

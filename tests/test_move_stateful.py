@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from capsulefs.core import move as mv
-from capsulefs.core.holder import HolderState
+from capsulefs.core.store.holder import HolderState
 
 from move_model import World
 

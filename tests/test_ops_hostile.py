@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.errors import ERRNO
 from capsulefs.mount.ops import Operations
 from helpers import make_agent

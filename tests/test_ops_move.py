@@ -18,7 +18,7 @@ import trio.testing
 from capsulefs.core import live_errors as le
 from capsulefs.core.errors import FormatError
 from capsulefs.core.live import CONTROL
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import make_agent
 from ops_kit import Client, FakeKernel, errno_of, make_live

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Record
 from capsulefs.core.live import Kind, Node
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent
 from ops_kit import make_live
 

@@ -15,7 +15,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.journal.events import Record
 from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations
 from helpers import make_agent
 from ops_kit import Client, Ctx, FakeKernel, errno_of, make_live

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.signing import generate_keypair
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 from helpers import extract_all, make_agent
 

@@ -242,7 +242,7 @@ def test_an_agent_whose_spec_breaks_the_rules_blocks_alone(tmp_path: Path, bad: 
     spec.write_text(json.dumps({"version": 1, "entrypoint": ["sleep", "600"]}))
     for name in ("one", "two"):
         capsulefs("--state", str(state), "new", name, "--spec", str(spec))
-    from capsulefs.core.store import HostStore
+    from capsulefs.core.store.host_store import HostStore
 
     store = HostStore.open(state)
     first = store.agent(min(store.agent_ids()))  # reconciled first

@@ -18,7 +18,7 @@ import trio
 
 from capsulefs import keychain
 from capsulefs.core.capsule.spec import default_spec
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.sandbox import Isolation
 from capsulefs.supervisor import RunState, Supervisor

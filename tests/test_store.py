@@ -13,7 +13,7 @@ import pytest
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError, ExistsError, NotFoundError, StoreError
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 from helpers import HOST, make_agent
 
@@ -49,7 +49,7 @@ def test_rm_frees_blobs_only_that_agent_used(store: HostStore) -> None:
 
 GC_IN_ANOTHER_PROCESS = """
 import sys
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 print(HostStore.open(sys.argv[1]).gc().removed, flush=True)
 """
 
@@ -161,7 +161,7 @@ def test_a_crash_before_the_manifest_is_written_loses_no_blob(store: HostStore, 
                                                              tmp_path: Path) -> None:
     """write_files replaces snapshot.json, then the manifest: a crash between
     the two must not leave blobs the snapshot names unlisted, for gc to take."""
-    import capsulefs.core.store as store_mod
+    import capsulefs.core.store.host_store as store_mod
 
     agent = make_agent(store, "w", workspace={"old": b"old"})
     real = store_mod.atomic_write

@@ -19,7 +19,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
-from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.core.store.host_store import AgentHandle, HostStore
 from capsulefs.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import HANG, make_agent, wait_until
@@ -235,7 +235,7 @@ DAEMON_LIKE = r"""
 import json, sys, trio
 sys.path.insert(0, sys.argv[3])
 from test_supervisor import StoreHooks
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.supervisor import Supervisor
 
 async def main():

@@ -15,7 +15,7 @@ import trio.testing
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import Record
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon import Daemon
 from capsulefs.runtime import AgentRuntime
 

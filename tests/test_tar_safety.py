@@ -11,7 +11,7 @@ import pytest
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.errors import ImportRefused
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 from helpers import export_and_unpack, files_under, make_agent
 

@@ -24,7 +24,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal import timeline
 from capsulefs.core.journal.events import Note, ToolResult, UserMessage
 from capsulefs.core.journal.file import open_agent_journal
-from capsulefs.core.store import AgentHandle, HostStore
+from capsulefs.core.store.host_store import AgentHandle, HostStore
 from conftest import REPO
 
 HOST = "TIMELINEHOST" + "A" * 40

@@ -16,7 +16,7 @@ from capsulefs.movehost import new_agent_files, record_new_agent
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
-from capsulefs.core.holder import HolderRecord
+from capsulefs.core.store.holder import HolderRecord
 from capsulefs.core.live_handles import MAX_EDIT_SIZE
 from capsulefs.core.capsule.spec import default_spec, parse_spec
 
@@ -61,7 +61,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     """Remove an agent: through the daemon serving the state directory if one
     runs (it stops the agent's process and drops it from the mount), else
     here; either way refused while the agent is in a move (capsulefs.removal)."""
-    from capsulefs.core.holder import HolderBook
+    from capsulefs.core.store.holder import HolderBook
     from capsulefs.daemon import find_daemon, holding_state, work_dir
     from capsulefs.movehost import holders_dir
     from capsulefs.removal import refuse_if_moving, remove_offline

@@ -22,12 +22,12 @@ from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.journal.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
-from capsulefs.core.store import AgentHandle
+from capsulefs.core.store.host_store import AgentHandle
 
 if TYPE_CHECKING:
     from capsulefs.core.capsule.merge import Side
-    from capsulefs.core.holder import HolderBook
-    from capsulefs.core.store import HostStore
+    from capsulefs.core.store.holder import HolderBook
+    from capsulefs.core.store.host_store import HostStore
     from capsulefs.core.journal.file import Journal
     from capsulefs.core.journal.timeline import Query
 
@@ -280,7 +280,7 @@ def _refuse_unless_held(holders: "HolderBook", agent_id: str, name: str) -> None
     """CapsuleError unless this host holds the agent and no move of it is
     under way (an agent without a record, from before holder records, may
     be written)."""
-    from capsulefs.core.holder import HolderState
+    from capsulefs.core.store.holder import HolderState
 
     rec = holders.get(agent_id)
     if rec is None or rec.state is HolderState.HELD:
@@ -302,7 +302,7 @@ def append_events(state: str, store: "HostStore", agent: AgentHandle, events: li
     any daemon, as ``capsulefs append`` does (stamped, chained, durable; all
     or none), and keep its projections current. Refused (CapsuleError)
     unless this host holds the agent and no move of it is under way."""
-    from capsulefs.core.holder import HolderBook
+    from capsulefs.core.store.holder import HolderBook
     from capsulefs.movehost import holders_dir
 
     holders = HolderBook(holders_dir(state))

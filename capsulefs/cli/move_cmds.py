@@ -30,7 +30,7 @@ import trio
 
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.holder import HolderRecord, HolderState, force_hold
+from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold
 from capsulefs.daemon import find_daemon, holding_state
 from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.movehost import MoveHost

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from capsulefs.cli.common import state_dir
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.identity import identity_path, load_identity, load_or_create_identity
 from capsulefs.peers import Peer, PeerBook, PeerBookError
 

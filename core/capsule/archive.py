@@ -29,10 +29,10 @@ from . import format as fmt
 from .verify import Problem, check, scan_dir
 from ..errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from ..fsutil import atomic_write, fsync_dir
-from ..holder import HOLDERS_DIR, agent_files_lock
+from ..store.holder import HOLDERS_DIR, agent_files_lock
 from .signing import sign_manifest
 from ..journal.recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
-from ..store import STORE_FILE, AgentHandle, HostStore
+from ..store.host_store import STORE_FILE, AgentHandle, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, check_room, extract_into, scan_tar, write_tar
 
 #: Seconds a reader of an agent's files (export, a move) waits for a

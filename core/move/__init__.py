@@ -2,7 +2,7 @@
 
 Rules:
   * At most one host runs an agent, ever. A host runs an agent only while its
-    holder record (:mod:`capsulefs.core.holder`) is HELD.
+    holder record (:mod:`capsulefs.core.store.holder`) is HELD.
   * Fencing: the target accepts an offer only for an epoch greater than the
     highest it has seen for that agent_id, whether held, retired or refused.
     Epochs are compared, never waited on; no timer decides safety.

@@ -6,7 +6,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from ..holder import HolderState
+from ..store.holder import HolderState
 from ._messages import Edge, always
 from ._source import SOURCE_TABLE, SourceState
 from ._target import TARGET_TABLE

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from ..capsule.format import check_host_id
-from ..holder import HolderRecord, HolderState
+from ..store.holder import HolderRecord, HolderState
 from ._messages import *  # noqa: F403
 from ._messages import _Answer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..capsule.format import check_agent_id, check_host_id
-from ..holder import HolderRecord, HolderState, PeerView
+from ..store.holder import HolderRecord, HolderState, PeerView
 from ._messages import *  # noqa: F403
 from ._messages import _Request
 

@@ -27,7 +27,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.hashing import hash_file
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.capsule.tarball import GZIP_MAGIC, ZSTD_MAGIC
 
 from . import Target

@@ -31,7 +31,7 @@ from pathlib import Path
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.journal.events import AssistantMessage, Note, Record, ToolCall, UnknownEvent, UserMessage
-from capsulefs.core.holder import HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.file import parse_draft_lines
 from capsulefs.core.journal.chain import ChainState
 from capsulefs.core.journal.envelope_index import Unreadable, fast_merge

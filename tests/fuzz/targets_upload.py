@@ -19,7 +19,7 @@ from pathlib import Path
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.live import Kind, LiveHost, Node
-from capsulefs.core.store import HostStore
+from capsulefs.core.store.host_store import HostStore
 
 from . import Target
 

@@ -61,11 +61,20 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from .capsule import format as fmt
-from .errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, fsync_each, makedirs_durable, path_identity, remove_tree, sweep_temps
-from .hashing import CHUNK, hash_file, parallel_map
-from .journal.recovery import (
+from ..capsule import format as fmt
+from ..errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
+from ..fsutil import (
+    TMP_PREFIX,
+    atomic_write,
+    fsync_dir,
+    fsync_each,
+    makedirs_durable,
+    path_identity,
+    remove_tree,
+    sweep_temps,
+)
+from ..hashing import CHUNK, hash_file, parallel_map
+from ..journal.recovery import (
     RingMismatch,
     agent_recovery_dir,
     forget_ring,
@@ -74,7 +83,7 @@ from .journal.recovery import (
     recover_journal,
     replacing_journal,
 )
-from .capsule.spec import default_spec, spec_bytes
+from ..capsule.spec import default_spec, spec_bytes
 
 log = logging.getLogger(__name__)
 
@@ -588,8 +597,8 @@ class HostStore:
 
 def _forget_derived(root: str, agent_id: str) -> None:
     """Remove what the host derived from an agent's journal: its tip and its timeline index."""
-    from .journal.tip import forget_tip, journal_tip_path  # (here: commands that only read start faster)
-    from .journal.timeline import forget_timeline
+    from ..journal.tip import forget_tip, journal_tip_path  # (here: commands that only read start faster)
+    from ..journal.timeline import forget_timeline
 
     forget_tip(journal_tip_path(root, agent_id))
     forget_timeline(root, agent_id)

@@ -51,9 +51,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import CapsuleError, FilesBusy, FormatError
-from .capsule.format import check_agent_id, check_host_id, check_int, load_json_object
-from .fsutil import atomic_write, makedirs_durable
+from ..errors import CapsuleError, FilesBusy, FormatError
+from ..capsule.format import check_agent_id, check_host_id, check_int, load_json_object
+from ..fsutil import atomic_write, makedirs_durable
 
 log = logging.getLogger(__name__)
 
