@@ -58,7 +58,7 @@ from capsulefs.core.capsule import format as fmt  # noqa: E402
 from capsulefs.core.journal import timeline  # noqa: E402
 from capsulefs.core.journal.events import Note  # noqa: E402
 from capsulefs.core.journal.file import open_agent_journal  # noqa: E402
-from capsulefs.core.live import LiveHost  # noqa: E402
+from capsulefs.core.view.host import LiveHost  # noqa: E402
 from capsulefs.core.store.host_store import AgentHandle, HostStore  # noqa: E402
 
 HOST = "BENCHHOST" + "A" * 43

@@ -192,7 +192,7 @@ def bench_append(tmp: Path, n: int, rounds: int) -> None:
     direct_agent = store.create_agent("b", host_id=HOST, agent_id=f"{2:032x}")
     mnt = tmp / "mnt-append"
     line = b'{"kind":"note","text":"a note of moderate length, like most events"}\n'
-    from capsulefs.core.live_journal import open_appender
+    from capsulefs.core.view.journal_tail import open_appender
 
     appender = open_appender(direct_agent.path(fmt.JOURNAL), machine=HOST, new_id=lambda: secrets.token_hex(12),
                              now_ns=time.time_ns, recovery_dir=str(tmp / "recovery"))

@@ -22,7 +22,7 @@ Rules:
     up (``$NOTIFY_SOCKET``, sd_notify's datagram protocol, no library) and
     ``STOPPING=1`` when it goes down.
 
-Theory of operation: :class:`Daemon` wires a :class:`~capsulefs.core.live.LiveHost`
+Theory of operation: :class:`Daemon` wires a :class:`~capsulefs.core.view.host.LiveHost`
 (the pure view of the store) to :class:`~capsulefs.mount.ops.Operations`
 (the pyfuse3 adapter). :meth:`Daemon.serve` mounts, calls ``task_status.started()``
 once the kernel has the mount, and returns when the mount is gone.
@@ -64,8 +64,8 @@ from capsulefs import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.holder import HolderBook, HolderState
-from capsulefs.core.live import AgentState, LiveHost
-from capsulefs.core.live_errors import ReadOnly
+from capsulefs.core.view.host import AgentState, LiveHost
+from capsulefs.core.view.errors import ReadOnly
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
@@ -76,7 +76,7 @@ from capsulefs.removal import discard_leftovers, giving_up, refuse_if_moving
 log = logging.getLogger(__name__)
 
 FSNAME = "capsulefs"
-WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.scratch, core.snapshots)
+WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.view.scratch, core.view.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
 #: On the mount's root: "PID PIDNS" (the daemon's pid, and the inode of the
@@ -333,7 +333,7 @@ class Daemon:
         for listener in self.listeners:
             await listener.on_activate(agent_id)  # type: ignore[attr-defined]
 
-    # -- the mount's remover (.control/remove; capsulefs.core.live_handles.Remover) --------
+    # -- the mount's remover (.control/remove; capsulefs.core.view.handles.Remover) --------
     async def remove(self, agent_id: str) -> None:
         """Remove the agent from this host; return once it is gone.
 

@@ -118,7 +118,7 @@ class AgentService:
 
     def status(self) -> dict[str, Any]:
         from capsulefs.core.journal.tip import journal_tip_path
-        from capsulefs.core.live_journal import JournalTail
+        from capsulefs.core.view.journal_tail import JournalTail
         from capsulefs.movehost import holders_dir
 
         agent = self.agent()

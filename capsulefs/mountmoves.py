@@ -10,7 +10,7 @@ Rules:
     it blocks its writer, never the FUSE loop.
   * A move of an agent that is already moving (by a write, or resumed after
     a restart) is refused with MoveBusy; it never queues.
-  * The outcome is mapped to the domain errors of ``core.live_errors``
+  * The outcome is mapped to the domain errors of ``core.view.errors``
     here (cause -> error type); ``mount/errors.py`` maps those to errno.
   * ``.control/status`` "move" shows phase, blobs and bytes while a move runs,
     and its outcome in words once it ended.
@@ -42,7 +42,7 @@ from typing import Any
 
 import trio
 
-from capsulefs.core import live_errors as le
+from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.movedriver import MoveControl, MoveResult, abandon_move, move_agent, resume_moves

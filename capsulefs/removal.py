@@ -7,7 +7,7 @@ Rules:
     come from the CLI without a daemon and from the daemon.
   * What the host keeps beside the capsule is removed by the class that owns
     each area, never by a path spelled here: the mount's snapshots
-    (``core.snapshots``), editors' scratch files (``core.scratch``) and the
+    (``core.view.snapshots``), editors' scratch files (``core.view.scratch``) and the
     sandbox (``capsulefs.supervisor``).
   * Without a daemon the CLI removes the agent itself
     (:func:`remove_offline`). While a daemon serves the state directory, the
@@ -33,9 +33,9 @@ from contextlib import contextmanager
 
 from capsulefs import grants
 from capsulefs.core.store.holder import HolderBook, removed
-from capsulefs.core.live_errors import MoveBusy
-from capsulefs.core.scratch import ScratchArea
-from capsulefs.core.snapshots import Snapshots
+from capsulefs.core.view.errors import MoveBusy
+from capsulefs.core.view.scratch import ScratchArea
+from capsulefs.core.view.snapshots import Snapshots
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import discard_sandbox

@@ -21,7 +21,7 @@ Rules:
   * With isolation on (the daemon runs as root), the agent processes run as
     uids of their own and must reach their capsules through the mount: it
     is mounted ``allow_other``, its root is mode 0711 and each agent's
-    directory 0700, owned by that agent's uid (see core/live.py).
+    directory 0700, owned by that agent's uid (see core/view/host.py).
 
 Theory of operation: :class:`AgentRuntime` is both a daemon listener (its
 ``on_*`` methods run inside the daemon's freeze/resume/retire/activate) and
@@ -44,7 +44,7 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
-from capsulefs.core.live import AgentState
+from capsulefs.core.view.host import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.movehost import holders_dir
 from capsulefs.supervisor import RunState, Supervisor

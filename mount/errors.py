@@ -34,7 +34,7 @@ from capsulefs.core.errors import (
     NotFoundError,
     StoreError,
 )
-from capsulefs.core.live_errors import (
+from capsulefs.core.view.errors import (
     AccessDenied,
     IsADirectory,
     MoveAbandoned,

@@ -2,7 +2,7 @@
 
 Rules:
   * Each operation logs (via :func:`capsulefs.mount.errors.fuse_op`),
-    checks its guards, calls :mod:`capsulefs.core.live`, and turns the
+    checks its guards, calls :mod:`capsulefs.core.view.host`, and turns the
     answer into pyfuse3 types. No digests, JSON or capsule rules here.
   * Names arrive as bytes and are decoded with ``surrogateescape`` so any
     name round-trips.
@@ -38,10 +38,11 @@ import pyfuse3
 import trio
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.blobcheck import BlobCheck, Verdict
+from capsulefs.core.view.blobcheck import BlobCheck, Verdict
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
-from capsulefs.core.live import Attr, Handle, Kind, LiveHost, Node
-from capsulefs.core.live_errors import NotPermitted, NotSupported
+from capsulefs.core.view.host import Attr, Kind, LiveHost, Node
+from capsulefs.core.view.handles import Handle
+from capsulefs.core.view.errors import NotPermitted, NotSupported
 
 from .errors import fuse_op
 from .inodes import InodeTable

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyfuse3
 
-from capsulefs.core.live import LiveHost
+from capsulefs.core.view.host import LiveHost
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 

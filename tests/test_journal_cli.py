@@ -275,7 +275,7 @@ def test_a_snapshot_or_export_sees_an_append_whole_or_not_at_all(cli, store: Hos
     from capsulefs.cli import journal_cmds
     from capsulefs.core.capsule.archive import snapshot_files
     from capsulefs.core.errors import FilesBusy
-    from capsulefs.core.snapshots import Snapshots
+    from capsulefs.core.view.snapshots import Snapshots
 
     cli("new", "ada", check=True)
     journal_written, go_on = threading.Event(), threading.Event()

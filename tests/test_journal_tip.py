@@ -17,7 +17,7 @@ from capsulefs.core.journal.events import ModelSwitch, Note
 from capsulefs.core.journal.file import Journal
 from capsulefs.core.journal.lines import verify_lines
 from capsulefs.core.journal.tip import TIP_EVERY, journal_tip_path, load_tip, parse_tip, tip_bytes
-from capsulefs.core.live_journal import JournalTail
+from capsulefs.core.view.journal_tail import JournalTail
 from capsulefs.core.store.host_store import HostStore
 from journal_helpers import open_test_journal
 

@@ -17,8 +17,8 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
-from capsulefs.core.live import AgentState
-from capsulefs.core.live_journal import open_appender
+from capsulefs.core.view.host import AgentState
+from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon import Daemon
 from helpers import HANG, make_agent

@@ -1,6 +1,6 @@
 """Real mounts: mmap of capsule files. Read-only files map; direct I/O files
 (the journal, control files, a file open for writing) refuse a shared map
-with ENODEV and take a private one. See ``core/live_handles.py`` for why the
+with ENODEV and take a private one. See ``core/view/handles.py`` for why the
 journal stays direct I/O, and the test below that keeps it honest."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import trio
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import Note, Record
-from capsulefs.core.live_journal import open_appender
+from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import AgentHandle, HostStore
 from capsulefs.daemon import Daemon

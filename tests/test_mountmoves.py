@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs.core import live_errors as le
+from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore

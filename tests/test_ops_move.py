@@ -15,9 +15,9 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs.core import live_errors as le
+from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError
-from capsulefs.core.live import CONTROL
+from capsulefs.core.view.host import CONTROL
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import make_agent

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Record
-from capsulefs.core.live import Kind, Node
+from capsulefs.core.view.host import Kind, Node
 from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent
 from ops_kit import make_live
@@ -77,7 +77,7 @@ def test_journal_lines_split_anywhere_append_in_order(texts: list[str], cuts: li
 def test_journal_tail_hashes_whole_lines_only(lines: list[bytes], tail: bytes, chunk: int) -> None:
     import hashlib
 
-    from capsulefs.core.live_journal import JournalTail
+    from capsulefs.core.view.journal_tail import JournalTail
 
     whole = b"".join(line + b"\n" for line in lines)
     with tempfile.TemporaryDirectory() as d:

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Record
-from capsulefs.core.live_upload import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
+from capsulefs.core.view.uploads import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
-from capsulefs.core.live import Kind, Node
+from capsulefs.core.view.host import Kind, Node
 from helpers import agent_id_for, make_agent
 from ops_kit import Client, FakeKernel, Fields, _reply, errno_of, make_live
 

@@ -14,7 +14,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.journal.events import Record
-from capsulefs.core.live import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
+from capsulefs.core.view.host import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations
 from helpers import make_agent
@@ -74,7 +74,7 @@ async def test_blobs_are_read_only_cached_and_long_lived(c: Client, store: HostS
     fi = await c.open(path)
     assert fi.keep_cache and not fi.direct_io
     await c.ops.release(fi.fh)
-    # writing it is an upload of the same bytes (live_upload): other bytes are refused at close
+    # writing it is an upload of the same bytes (uploads): other bytes are refused at close
     fi = await c.open(path, os.O_WRONLY)
     await c.ops.write(fi.fh, 0, b"other bytes")
     assert await errno_of(c.ops.flush(fi.fh)) == errno.EINVAL
@@ -477,7 +477,7 @@ def test_a_crash_after_a_large_memory_edit_is_journaled_loses_no_blob(store: Hos
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal names the edit's blob once it is appended: the manifest
     must list the blob by then, or a gc after a crash takes it."""
-    from capsulefs.core.live import LiveAgent
+    from capsulefs.core.view.host import LiveAgent
 
     agent = make_agent(store, "alice")
     live = make_live(store, tmp_path / "work")

@@ -85,7 +85,7 @@ PROVIDERS: dict[str, Provider] = {p.id: p for p in (_ANTHROPIC, _CHAT, _RESPONSE
 #: API for its reasoning models (their reasoning items go back to them).
 PROVIDER_ALIASES: dict[str, str] = {"openai": _RESPONSES.id}
 #: The largest attachment any provider takes (bytes): what an agent may
-#: upload as a blob through the mount (``core.live_upload``).
+#: upload as a blob through the mount (``core.view.uploads``).
 MAX_ATTACHMENT = max(size for p in PROVIDERS.values() for size in p.accepts.values())
 
 

@@ -8,10 +8,10 @@ Layout (``LAYOUT`` = 1), under the state directory::
                                artifacts/blobs/ (its blobs live in objects/)
     staging/<label>-<rand>/    scratch areas for import and move; swept on open
     gc.lock                    flock: shared by writers, exclusive by gc
-    mount/                     the FUSE mount's own area (see capsulefs.core.live):
+    mount/                     the FUSE mount's own area (see capsulefs.core.view.host):
       snapshots/<agent_id>/<name>/manifest.json
                                read-only snapshots; gc keeps the blobs they list
-      scratch/, uploads/,      editors' temp files, blobs being uploaded (live_upload),
+      scratch/, uploads/,      editors' temp files, blobs being uploaded (core.view.uploads),
       recovery/                torn journal tails
     recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal.file)
     journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable

@@ -11,7 +11,7 @@ Rules:
     create anew, which hides the name from the unlinking thread only), and
     ``memory/timeline_events.jsonl`` (append only, whole JSON lines). A new
     file in ``artifacts/blobs/`` named by the sha256 of its bytes adds a
-    blob (``live_upload``). All else is read-only; the capsule's shape
+    blob (``uploads``). All else is read-only; the capsule's shape
     never changes through the mount otherwise.
   * An edit of an editable file is buffered (one :class:`Edit` per file,
     shared by every descriptor writing it, like an inode's pages) and
@@ -19,7 +19,7 @@ Rules:
     file is renamed over the file. A committed working-memory edit is one
     ``memory_edit`` journal event followed by the file itself; a spec edit
     must pass ``spec.validate_spec`` or it is refused and the old spec kept.
-  * A failed write poisons its edit (``live_handles.Edit.failed``): nothing
+  * A failed write poisons its edit (``handles.Edit.failed``): nothing
     of it is committed. Times given to a mutable file are kept on the
     stored file until its content changes (:meth:`LiveAgent.set_times`);
     other capsule files refuse them, as they refuse a mode.
@@ -35,7 +35,7 @@ Rules:
 Theory of operation: the adapter (``capsulefs.mount``) turns inodes into
 :class:`Node` keys and file handles into :class:`Handle` objects, and calls
 this module for everything else. Digests are cached per file by its stat
-identity; the journal is followed incrementally (``live_journal.JournalTail``)
+identity; the journal is followed incrementally (``journal_tail.JournalTail``)
 so a manifest costs a few ``stat`` calls however long the journal grows.
 
 Concurrency: everything here is synchronous and is called from one thread
@@ -57,27 +57,19 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from .capsule import format as fmt
-from .capsule.archive import FILES_WAIT
+from ..capsule import format as fmt
+from ..capsule.archive import FILES_WAIT
 from .blobcheck import BlobChecks
-from .errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from .journal.events import Event, MemoryEdit, ModelSwitch, Record
-from .fsutil import thread_start
-from .hashing import hash_file
-from .store.holder import HOLDERS_DIR, agent_files_lock
-from .live_errors import (
-    AccessDenied,
-    IsADirectory,
-    NoAttribute,
-    NotADirectory,
-    NotEmpty,
-    NotPermitted,
-    ReadOnly,
-)
-from .journal.file import Journal, parse_draft_lines
-from .journal.recovery import RECOVERY_DIR, journal_ring_path
-from .journal.tip import journal_tip_path
-from .live_handles import (
+from ..errors import CapsuleError, CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
+from ..journal.events import Event, MemoryEdit, ModelSwitch, Record
+from ..fsutil import thread_start
+from ..hashing import hash_file
+from ..store.holder import HOLDERS_DIR, agent_files_lock
+from .errors import AccessDenied, IsADirectory, NoAttribute, NotADirectory, NotEmpty, NotPermitted, ReadOnly
+from ..journal.file import Journal, parse_draft_lines
+from ..journal.recovery import RECOVERY_DIR, journal_ring_path
+from ..journal.tip import journal_tip_path
+from .handles import (
     MOVE_UNAVAILABLE,
     BlobHandle,
     Mover,
@@ -95,12 +87,12 @@ from .live_handles import (
     check_edit_size,
     resize,
 )
-from .live_journal import JournalTail, open_appender
+from .journal_tail import JournalTail, open_appender
 from .scratch import SCRATCH_DIRS, ScratchArea
-from .live_upload import UploadArea, check_attachments, check_upload_name
+from .uploads import UploadArea, check_attachments, check_upload_name
 from .snapshots import Snapshots
-from .capsule.spec import parse_spec
-from .store.host_store import AgentHandle, HostStore
+from ..capsule.spec import parse_spec
+from ..store.host_store import AgentHandle, HostStore
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +410,7 @@ class LiveAgent:
 
     def check_blobs(self, events: Sequence[Event]) -> None:
         """FormatError unless every attachment among ``events`` names a blob
-        this agent lists, with its size (``live_upload.check_attachments``)."""
+        this agent lists, with its size (``uploads.check_attachments``)."""
         check_attachments(self.blobs, events)
 
     def append_lines(self, data: bytes) -> list[Record]:
@@ -426,7 +418,7 @@ class LiveAgent:
         return self.append(parse_draft_lines(data, "journal"))
 
     def switch_model(self, provider: str, model: str) -> Record:
-        """Switch to ``provider:model`` (as ``live_handles.parse_model_line`` reads one)."""
+        """Switch to ``provider:model`` (as ``handles.parse_model_line`` reads one)."""
         return self.append([ModelSwitch(provider=provider, model=model)])[0]
 
     def begin_edit(self, rel: str) -> Edit:
@@ -749,7 +741,7 @@ class LiveHost:
                 sha = fmt.blob_name(node.rel) or ""
                 size = self.agent(node.agent).blobs().get(sha)
                 if size is None and (pending := self.uploads.pending_size(node.agent, sha)) is not None:
-                    return Attr(False, 0o644, pending, self.now_ns())  # being uploaded (live_upload)
+                    return Attr(False, 0o644, pending, self.now_ns())  # being uploaded (uploads)
                 if size is None:
                     raise NotFoundError(f"{node.rel}: no such blob in this agent")
                 try:
@@ -1117,7 +1109,7 @@ class LiveHost:
         raise IsADirectory("is a directory")
 
     def _upload(self, agent_id: str, name: str, *, exclusive: bool) -> tuple[Node, Handle]:
-        """A new blob written through ``artifacts/blobs/<sha256>`` (``live_upload``)."""
+        """A new blob written through ``artifacts/blobs/<sha256>`` (``uploads``)."""
         sha = check_upload_name(name)
         agent = self.agent(agent_id)
         agent.check_writable()

@@ -16,7 +16,7 @@ Rules:
     direct write). The kernel refuses a shared map of a direct I/O file
     (ENODEV); a private one works.
 
-See :mod:`capsulefs.core.live` for the view that makes them.
+See :mod:`capsulefs.core.view.host` for the view that makes them.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .capsule import format as fmt
+from ..capsule import format as fmt
 from .blobcheck import BlobCheck
-from .errors import CapsuleError, FormatError, NotFoundError
-from .journal.file import parse_draft_lines
-from .live_errors import NotPermitted, NotSupported, TooLarge
-from .render import PROVIDER_ALIASES, PROVIDERS
+from ..errors import CapsuleError, FormatError, NotFoundError
+from ..journal.file import parse_draft_lines
+from .errors import NotPermitted, NotSupported, TooLarge
+from ..render import PROVIDER_ALIASES, PROVIDERS
 
 if TYPE_CHECKING:
-    from .live import LiveAgent
+    from .host import LiveAgent
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Mover(Protocol):
     """Who carries out ``.control/move`` and ``.control/abandon`` (the daemon).
 
     ``move`` returns once the agent moved and raises a domain error (see
-    ``live_errors``: MoveBusy, PeerUnreachable, MoveRefused...) if the move
+    ``view.errors``: MoveBusy, PeerUnreachable, MoveRefused...) if the move
     rolled back or was refused; ``abandon`` ends an in-doubt move."""
 
     async def move(self, agent_id: str, target: str) -> None: ...

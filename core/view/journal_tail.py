@@ -24,10 +24,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .errors import FormatError
-from .journal.events import ModelSwitch, Record
-from .journal.file import Journal, open_journal
-from .journal.tip import checked_tip
+from ..errors import FormatError
+from ..journal.events import ModelSwitch, Record
+from ..journal.file import Journal, open_journal
+from ..journal.tip import checked_tip
 
 log = logging.getLogger(__name__)
 

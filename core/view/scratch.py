@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 
-from .capsule import format as fmt
-from .errors import NameTooLong, NotFoundError
-from .fsutil import atomic_write, makedirs_durable, remove_tree, subdirs
-from .live_errors import NotPermitted
+from ..capsule import format as fmt
+from ..errors import NameTooLong, NotFoundError
+from ..fsutil import atomic_write, makedirs_durable, remove_tree, subdirs
+from .errors import NotPermitted
 
 #: Capsule directories where editors may create scratch files.
 SCRATCH_DIRS = frozenset({"memory", "environment"})

@@ -39,17 +39,17 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .capsule import format as fmt
-from .errors import FilesBusy, FormatError
-from .journal.events import Attachment, Event
-from .fsutil import makedirs_durable
-from .hashing import CHUNK
-from .live_errors import NotPermitted, TooLarge
-from .live_handles import Handle
-from .render import MAX_ATTACHMENT
+from ..capsule import format as fmt
+from ..errors import FilesBusy, FormatError
+from ..journal.events import Attachment, Event
+from ..fsutil import makedirs_durable
+from ..hashing import CHUNK
+from .errors import NotPermitted, TooLarge
+from .handles import Handle
+from ..render import MAX_ATTACHMENT
 
 if TYPE_CHECKING:
-    from .live import LiveAgent
+    from .host import LiveAgent
 
 log = logging.getLogger(__name__)
 

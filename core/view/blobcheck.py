@@ -30,8 +30,8 @@ import os
 import threading
 from enum import Enum
 
-from .errors import CorruptBlobError
-from .hashing import hash_file
+from ..errors import CorruptBlobError
+from ..hashing import hash_file
 
 log = logging.getLogger(__name__)
 

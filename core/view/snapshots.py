@@ -20,7 +20,7 @@ Rules:
     hidden, no control characters).
   * Snapshots belong to the agent's stay on this host: they go when it is
     removed or moves away, and those of an agent the store no longer has
-    (a removal cut short) go when the next mount starts (``core.live``).
+    (a removal cut short) go when the next mount starts (``core.view.host``).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from __future__ import annotations
 import os
 import secrets
 
-from .capsule import format as fmt
-from .capsule.archive import frozen_manifest, snapshot_files
-from .errors import ExistsError, FormatError, NotFoundError
-from .fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, subdirs
-from .store.host_store import AgentHandle
+from ..capsule import format as fmt
+from ..capsule.archive import frozen_manifest, snapshot_files
+from ..errors import ExistsError, FormatError, NotFoundError
+from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, subdirs
+from ..store.host_store import AgentHandle
 
 
 #: The snapshots' directory under the mount's work directory (``<state>/mount``).

@@ -1,4 +1,4 @@
-"""Errors of the live view (``live``, ``scratch``, ``snapshots``).
+"""Errors of the live view (``host``, ``scratch``, ``snapshots``).
 
 Each names one refusal a file system must be able to express; the FUSE
 adapter maps each type to exactly one errno in ``capsulefs.mount.errors``
@@ -7,7 +7,7 @@ adapter maps each type to exactly one errno in ``capsulefs.mount.errors``
 
 from __future__ import annotations
 
-from .errors import CapsuleError
+from ..errors import CapsuleError
 
 
 class NotPermitted(CapsuleError):
