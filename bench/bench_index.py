@@ -30,10 +30,10 @@ import time
 
 import numpy as np
 
-from capsulefs.core.embedders import HashedEmbedder
+from capsulefs.core.semantic.embedders import HashedEmbedder
 from capsulefs.core.journal.events import AssistantMessage, Record, ToolResult, UserMessage
-from capsulefs.core.index import update_index
-from capsulefs.core.index_vectors import load_index, save_index
+from capsulefs.core.semantic.index import update_index
+from capsulefs.core.semantic.vectors import load_index, save_index
 
 SYLLABLES = "ka lo mi ne ru ta so vi de po li ma zu be ko ri sa te no gu fa xe yo wi".split()
 
@@ -79,7 +79,7 @@ def make_journal(n: int, seed: int = 7, machine: str = "benchhost", start: int =
 
 class IVF:
     """An inverted-file partition, for comparison only (the index does not use
-    one; see core/index_vectors.py): spherical k-means on mean-centred rows into about
+    one; see core/semantic/vectors.py): spherical k-means on mean-centred rows into about
     sqrt(rows) lists, rows grouped by list, a query scans the nearest lists."""
 
     def __init__(self, matrix: np.ndarray, *, seed: int = 0, iters: int = 8, per_list: int = 32) -> None:

@@ -334,7 +334,7 @@ class Toolbox:
         return f"exit status {proc.returncode}\n{out}"
 
     def tool_recall(self, args: Mapping[str, Any]) -> str:
-        from capsulefs.core.index import search_capsule
+        from capsulefs.core.semantic.index import search_capsule
 
         query = args.get("query")
         if not isinstance(query, str) or not query:

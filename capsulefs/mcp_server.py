@@ -90,7 +90,7 @@ class AgentService:
     def search(self, query: str, k: int = 5) -> list[dict[str, Any]]:
         import dataclasses
 
-        from capsulefs.core.index import search_capsule
+        from capsulefs.core.semantic.index import search_capsule
 
         if not 1 <= k <= 100:
             raise FormatError("k must be between 1 and 100")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from capsulefs.core.embedders import EmbedderSpec, HashedEmbedder
+from capsulefs.core.semantic.embedders import EmbedderSpec, HashedEmbedder
 from capsulefs.core.journal.events import Record, event_from_fields
 
 CORPUS = Path(__file__).resolve().parent / "data" / "index_corpus.json"

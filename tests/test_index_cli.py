@@ -8,8 +8,8 @@ from pathlib import Path
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.index import recall
-from capsulefs.core.index_vectors import load_index
+from capsulefs.core.semantic.index import recall
+from capsulefs.core.semantic.vectors import load_index
 from capsulefs.core.store.host_store import HostStore
 from helpers import export_and_unpack, make_agent
 from index_helpers import corpus_records, event_id, journal_bytes

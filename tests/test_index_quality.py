@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from capsulefs.core.embedders import HashedEmbedder, SentenceTransformerEmbedder
-from capsulefs.core.index import update_index
+from capsulefs.core.semantic.embedders import HashedEmbedder, SentenceTransformerEmbedder
+from capsulefs.core.semantic.index import update_index
 from index_helpers import corpus_records, event_id, journal_bytes, load_corpus
 
 RECALL_AT_5_MIN = 0.85

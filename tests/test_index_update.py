@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.embedders import HashedEmbedder
-from capsulefs.core.index import merge_indexes, recall, refresh_index, search_capsule, update_index
-from capsulefs.core.index_access import CapsuleFiles
-from capsulefs.core.index_text import chunk_spans
-from capsulefs.core.index_vectors import dump_index, load_index, parse_index
+from capsulefs.core.semantic.embedders import HashedEmbedder
+from capsulefs.core.semantic.index import merge_indexes, recall, refresh_index, search_capsule, update_index
+from capsulefs.core.semantic.access import CapsuleFiles
+from capsulefs.core.semantic.text import chunk_spans
+from capsulefs.core.semantic.vectors import dump_index, load_index, parse_index
 from index_helpers import CountingEmbedder, Writer, corpus_records, event_id, journal_bytes, merged, same_rows
 
 

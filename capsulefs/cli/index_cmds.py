@@ -19,9 +19,9 @@ from typing import Any
 
 from capsulefs.cli.common import find_agent, shown
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.embedders import select_embedder
-from capsulefs.core.index import refresh_index, search_capsule, update_index
-from capsulefs.core.index_text import INDEXED_KINDS
+from capsulefs.core.semantic.embedders import select_embedder
+from capsulefs.core.semantic.index import refresh_index, search_capsule, update_index
+from capsulefs.core.semantic.text import INDEXED_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     capsule, save = _target(args)
     embedder = select_embedder(args.embedder)
     if args.rebuild:
-        from capsulefs.core.index_access import CapsuleFiles
-        from capsulefs.core.index_vectors import dump_index
+        from capsulefs.core.semantic.access import CapsuleFiles
+        from capsulefs.core.semantic.vectors import dump_index
 
         files = CapsuleFiles.of(capsule)
         index, report = update_index(None, files.read_journal(), embedder, blobs=files.read_blob)

@@ -467,6 +467,6 @@ def snapshot_bytes(files: Mapping[str, str]) -> bytes:
 
 
 def empty_vector_index() -> bytes:
-    """The index of an agent whose journal is empty (see capsulefs.core.index_vectors)."""
+    """The index of an agent whose journal is empty (see capsulefs.core.semantic.vectors)."""
     doc = {"format": "vector-index/1", "embedder": None, "journal": {"events": 0, "last": None}, "entries": []}
     return (json.dumps(doc, sort_keys=True) + "\n").encode()

@@ -210,8 +210,9 @@ def plan_merge(a: Side, b: Side) -> Plan:
 
 
 def _merged_index(a: Side, b: Side, journal: bytes, blob_src: dict[str, Callable[[], bytes]]) -> bytes:
-    from ..embedders import select_embedder
-    from ..index import dump_index, merge_indexes, parse_index
+    from ..semantic.embedders import select_embedder
+    from ..semantic.vectors import dump_index, parse_index
+    from ..semantic.index import merge_indexes
 
     def load(side: Side):  # type: ignore[no-untyped-def]
         data = side.files.get(fmt.VECTOR_INDEX)

@@ -31,10 +31,10 @@ Theory of operation:
     sha256 is unchanged.
 
 The parts live in their own modules:
-  * :mod:`capsulefs.core.index_text`: what is indexed and how it is chunked;
-  * :mod:`capsulefs.core.index_vectors`: :class:`VectorIndex`, its rows and
+  * :mod:`capsulefs.core.semantic.text`: what is indexed and how it is chunked;
+  * :mod:`capsulefs.core.semantic.vectors`: :class:`VectorIndex`, its rows and
     search, and the index.json file format;
-  * :mod:`capsulefs.core.index_access`: :class:`CapsuleFiles`, reading a
+  * :mod:`capsulefs.core.semantic.access`: :class:`CapsuleFiles`, reading a
     capsule directory, tar or store agent.
 This module brings an index up to date with a journal (update, merge) and
 answers queries against a capsule (refresh, search, recall).
@@ -52,20 +52,13 @@ from typing import Any
 import numpy as np
 
 from .embedders import Embedder, EmbedderSpec, select_embedder
-from .errors import FormatError
-from .journal.events import Record, line_hash
-from .capsule.format import VECTOR_INDEX
-from .index_access import CapsuleFiles
-from .index_text import MAX_CHUNKS, BlobReader, chunk_spans, indexed_text, snippet
-from .index_vectors import (
-    Entry,
-    JournalPosition,
-    VectorIndex,
-    dump_index,
-    load_index_bytes,
-    parse_index,
-)
-from .journal.lines import split_lines
+from ..errors import FormatError
+from ..journal.events import Record, line_hash
+from ..capsule.format import VECTOR_INDEX
+from .access import CapsuleFiles
+from .text import MAX_CHUNKS, BlobReader, chunk_spans, indexed_text, snippet
+from .vectors import Entry, JournalPosition, VectorIndex, dump_index, load_index_bytes
+from ..journal.lines import split_lines
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +70,6 @@ __all__ = [
     "refresh_index",
     "search_capsule",
     "update_index",
-    # re-exported for core.capsule.merge, which imports them from here
-    "dump_index",
-    "parse_index",
 ]
 
 

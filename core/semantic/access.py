@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import FormatError, IntegrityError, NotFoundError
-from .capsule.format import BLOBS_DIR, JOURNAL, VECTOR_INDEX, check_sha256
-from .fsutil import atomic_write, makedirs_durable
+from ..errors import FormatError, IntegrityError, NotFoundError
+from ..capsule.format import BLOBS_DIR, JOURNAL, VECTOR_INDEX, check_sha256
+from ..fsutil import atomic_write, makedirs_durable
 
 __all__ = ["TAR_BLOB_LIMIT", "CapsuleFiles"]
 
@@ -79,7 +79,7 @@ class CapsuleFiles:
 
     @classmethod
     def _of_tar(cls, path: str) -> "CapsuleFiles":
-        from .capsule.tarball import scan_tar
+        from ..capsule.tarball import scan_tar
 
         blobs: dict[str, bytes] = {}
 

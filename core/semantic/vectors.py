@@ -21,7 +21,7 @@ Theory of operation:
     one event collapse to its best chunk (memory chunks stay separate: each
     is its own span).
   * How the journal position is kept and checked is in
-    :mod:`capsulefs.core.index`; this module only stores it.
+    :mod:`capsulefs.core.semantic.index`; this module only stores it.
 
 On-disk layout (one JSON object, keys sorted, ``digest`` first)::
 
@@ -62,10 +62,10 @@ from typing import Any
 import numpy as np
 
 from .embedders import EmbedderSpec
-from .errors import FormatError
-from .capsule.format import MAX_INT, check_int, load_json
-from .fsutil import atomic_write, makedirs_durable
-from .index_text import INDEXED_KINDS
+from ..errors import FormatError
+from ..capsule.format import MAX_INT, check_int, load_json
+from ..fsutil import atomic_write, makedirs_durable
+from .text import INDEXED_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Entry:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JournalPosition:
-    """Which part of the journal an index covers (see Position in :mod:`capsulefs.core.index`)."""
+    """Which part of the journal an index covers (see Position in :mod:`capsulefs.core.semantic.index`)."""
 
     events: int = 0  # journal lines covered
     last: str | None = None  # sha256 of the last covered line, in file order

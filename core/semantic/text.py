@@ -23,8 +23,8 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 
-from .errors import CapsuleError
-from .journal.events import AssistantMessage, MemoryEdit, Record, ToolCall, ToolResult, UserMessage
+from ..errors import CapsuleError
+from ..journal.events import AssistantMessage, MemoryEdit, Record, ToolCall, ToolResult, UserMessage
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Text embedders for the agent's semantic index (see :mod:`capsulefs.core.index`).
+"""Text embedders for the agent's semantic index (see :mod:`capsulefs.core.semantic.index`).
 
 Rules:
   * An embedder maps texts to float32 row vectors of a fixed width, each L2
@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import CapsuleError, FormatError
+from ..errors import CapsuleError, FormatError
 
 log = logging.getLogger(__name__)
 
