@@ -33,7 +33,7 @@ from common import capsulefs_cmd, pairs, timed
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.movehost import record_new_agent
+from capsulefs.move.host import record_new_agent
 
 HOST = "BENCHHOST"
 READ_CHUNK = 1 << 20

@@ -8,7 +8,7 @@ each a ratio or a bound from issue 6:
 
 1. throughput of a move of N MiB in B blobs, against a raw TLS stream
    (same TLS settings and the same TLS layer as the peer link,
-   ``capsulefs.tlsstream.TLSStream``; same bytes, read from the same files)
+   ``capsulefs.peer.tls.TLSStream``; same bytes, read from the same files)
    sent in the same script: target >= 0.7x. For context, each round also
    times the raw stream over ``trio.SSLStream``, the layer the link used
    before (about half as fast: it hands out one 16 KiB TLS record per
@@ -48,12 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from capsulefs.core.capsule import format as fmt  # noqa: E402
 from capsulefs.core.store.holder import new_held  # noqa: E402
-from capsulefs.movedriver import MoveControl, move_agent  # noqa: E402
-from capsulefs.movehost import MoveHost, NoHooks  # noqa: E402
-from capsulefs.moveservice import serve_moves  # noqa: E402
-from capsulefs.peerlink import client_context, open_peer, server_context  # noqa: E402
-from capsulefs.peers import Peer  # noqa: E402
-from capsulefs.tlsstream import TLSStream  # noqa: E402
+from capsulefs.move.source import MoveControl, move_agent  # noqa: E402
+from capsulefs.move.host import MoveHost, NoHooks  # noqa: E402
+from capsulefs.move.target import serve_moves  # noqa: E402
+from capsulefs.peer.link import client_context, open_peer, server_context  # noqa: E402
+from capsulefs.peer.book import Peer  # noqa: E402
+from capsulefs.peer.tls import TLSStream  # noqa: E402
 
 
 class CountingStream(trio.abc.Stream):

@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from capsulefs.piecewriter import BUFFER, Piece, PieceWriter  # noqa: E402
+from capsulefs.move.pieces import BUFFER, Piece, PieceWriter  # noqa: E402
 
 def ours(d: str, blobs: list[bytes], payload: bytes) -> float:
     writer = PieceWriter([Piece(hashlib.sha256(b).hexdigest(), len(b), os.path.join(d, str(i)))

@@ -42,7 +42,7 @@ last_reply() { grep '"kind":"assistant_message"' "$1/memory/timeline_events.json
 
 say "a stub model provider on loopback (speaks Anthropic, OpenAI Chat and Responses)"
 stub_port=$(free_port)
-.venv/bin/python -I -m capsulefs.stubprovider --port "$stub_port" > "$work/stub.log" 2>&1 &
+.venv/bin/python -I -m capsulefs.testing.stub_provider --port "$stub_port" > "$work/stub.log" 2>&1 &
 pids+=($!)
 url="http://127.0.0.1:$stub_port"
 wait_for 20 "the stub provider" .venv/bin/python -c "import socket; socket.create_connection(('127.0.0.1', $stub_port)).close()"

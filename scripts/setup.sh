@@ -25,7 +25,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# As root the daemon runs each agent as a uid of its own (capsulefs/sandbox.py),
+# As root the daemon runs each agent as a uid of its own (capsulefs/agents/isolation.py),
 # and an agent running capsulefs runs this venv's interpreter: it must be
 # reachable by other users. One under /root (pyenv) is not: use Debian's then.
 others_reach() {

@@ -44,7 +44,7 @@ def _reachable_root() -> Iterator[Path]:
 @pytest.fixture
 def tmp_path(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     """As root, the supervisor runs every agent as a uid of its own
-    (capsulefs/sandbox.py), which must reach the state directory, the mount
+    (capsulefs/agents/isolation.py), which must reach the state directory, the mount
     and the test's scripts; pytest's own directories are under
     /tmp/pytest-of-root, mode 0700. So as root a test's directory is one
     every user may pass through (0711, not list), removed after the session."""

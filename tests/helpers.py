@@ -13,7 +13,7 @@ from pathlib import Path
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import AgentHandle, HostStore
-from capsulefs.movehost import record_new_agent
+from capsulefs.move.host import record_new_agent
 
 HOST = "TESTHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.agent import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
+from capsulefs.agents.reference.loop import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
 from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.lines import verify_lines
@@ -174,7 +174,7 @@ def test_a_newest_message_larger_than_the_budget_is_reported_not_sent(capsule: P
 
 # -- attachments --------------------------------------------------------------------------------
 
-#: The stub provider's endpoint for each provider (capsulefs.stubprovider).
+#: The stub provider's endpoint for each provider (capsulefs.testing.stub_provider).
 STUB_PATHS = {"anthropic": "/v1/messages", "openai-chat": "/v1/chat/completions",
               "openai-responses": "/v1/responses", "gemini": "/v1beta/models/{model}:generateContent"}
 
@@ -182,7 +182,7 @@ STUB_PATHS = {"anthropic": "/v1/messages", "openai-chat": "/v1/chat/completions"
 def stub_call(state):
     """The agent's ``call`` seam answered in process by the stub provider,
     which refuses (HTTP 400) any request that breaks the provider's rules."""
-    from capsulefs.stubprovider import handle
+    from capsulefs.testing.stub_provider import handle
 
     def call(provider: str, model: str, body: dict) -> dict:
         status, reply = handle(state, STUB_PATHS[provider].format(model=model), body)
@@ -198,7 +198,7 @@ def test_read_file_on_an_image_shows_it_to_the_model_in_the_next_request(capsule
     import base64
     import hashlib
 
-    from capsulefs.stubprovider import StubState
+    from capsulefs.testing.stub_provider import StubState
 
     ws = tmp_path / "ws"
     ws.mkdir()

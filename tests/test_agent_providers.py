@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.agent import Agent, DirectPort, ProviderClients, Toolbox
+from capsulefs.agents.reference.loop import Agent, DirectPort, ProviderClients, Toolbox
 from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.lines import verify_lines
-from capsulefs.stubprovider import serve
+from capsulefs.testing.stub_provider import serve
 
 from helpers import HANG, wait_until
 

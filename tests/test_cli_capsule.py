@@ -121,7 +121,7 @@ def test_verify_exit_code_is_1_and_lists_every_problem(cli, tmp_path: Path) -> N
 
 def _holder(state: Path, agent_id: str):
     from capsulefs.core.store.holder import HolderBook
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     return HolderBook(holders_dir(str(state))).get(agent_id)
 
@@ -210,7 +210,7 @@ def test_import_installs_under_the_agents_files_lock(cli, tmp_path: Path) -> Non
     from conftest import CAPSULEFS, REPO
 
     from capsulefs.core.store.holder import HolderBook
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     cli("new", "ada", check=True)
     agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from capsulefs import grants
+from capsulefs.agents import grants
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore

@@ -179,7 +179,7 @@ def test_append_is_refused_unless_this_host_holds_the_agent(cli, store: HostStor
     dropped with its files. The record is checked under the agent's files
     lock and again under the journal's flock; nothing is written."""
     from capsulefs.core.store.holder import HolderBook, HolderState
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     cli("new", "ada", check=True)
     agent = store.find("ada")

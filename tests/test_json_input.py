@@ -314,7 +314,7 @@ async def test_a_peer_header_with_a_key_twice_or_a_huge_number_is_a_protocol_err
 
     import trio.testing
 
-    from capsulefs.peerlink import PeerProtocolError, _Framer
+    from capsulefs.peer.link import PeerProtocolError, _Framer
 
     for head, words in [(b'{"type":"call","type":"reply"}', "key 'type' appears twice"),
                         (b'{"type":"call","id":' + HUGE + b"}", "more than 4300 digits")]:

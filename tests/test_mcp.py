@@ -16,7 +16,7 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.movehost import holders_dir
+from capsulefs.move.host import holders_dir
 from conftest import REPO, run_cli
 
 pytest.importorskip("mcp")

@@ -90,7 +90,7 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
     import threading
 
     from capsulefs.core.store.holder import HolderBook
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     make_agent(store, "alice", memory="m\n")
     agent_id = store.find("alice").agent_id
@@ -129,7 +129,7 @@ def test_a_daemon_starting_beside_an_import_serves_while_it_waits_for_its_record
     import threading
 
     from capsulefs.core.store.holder import HolderBook, HolderState, new_held
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     make_agent(store, "alice")  # its files are in the store, its record not yet
     agent_id = store.find("alice").agent_id
@@ -154,7 +154,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
     waits for an import's record): an unmount from outside then ends the
     daemon with status 0, not with a traceback."""
     from capsulefs.core.store.holder import HolderBook, new_held
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
     from mount_kit import force_unmount
 
     make_agent(store, "alice", held=False)  # its import has not recorded it yet
@@ -186,7 +186,7 @@ def test_a_restarted_daemon_shows_agents_as_their_records_say_before_its_recover
     import errno
 
     from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
     ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id
@@ -228,7 +228,7 @@ def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
     import errno
 
     from capsulefs.core.store.holder import HolderBook, HolderState, unknown
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
     ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id
@@ -265,7 +265,7 @@ def test_an_agent_in_doubt_with_unsynced_sandbox_work_is_frozen_without_journali
     at every start. Its sandbox now stays as it is, nothing is journaled,
     and the mount serves."""
     from capsulefs.core.store.holder import HolderBook, unknown
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     book = HolderBook(holders_dir(state_dir))
     ids = {name: make_agent(store, name, memory="m\n", held=name == "alice").agent_id

@@ -20,7 +20,7 @@ from capsulefs.core.journal.events import Note
 from capsulefs.core.view.host import AgentState
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon import Daemon
+from capsulefs.daemon.daemon import Daemon
 from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
 
@@ -112,7 +112,7 @@ async def test_a_signal_while_mounting_stops_the_daemon_once_it_can(store: HostS
 
     import pyfuse3
 
-    from capsulefs import daemon as daemon_mod
+    from capsulefs.daemon import daemon as daemon_mod
 
     make_agent(store, "alice")
     mnt = tmp_path / "mnt"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.readahead import READ_AHEAD_KB, mount_device
+from capsulefs.daemon.readahead import READ_AHEAD_KB, mount_device
 from helpers import make_agent, wait_until
 from mount_kit import mounted, needs_fuse
 

@@ -15,7 +15,7 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.movehost import record_new_agent
+from capsulefs.move.host import record_new_agent
 from helpers import HOST, make_agent, wait_until
 from mount_kit import capsulefs, mounted, needs_fuse, status
 
@@ -247,7 +247,7 @@ def test_one_daemon_per_state_directory_and_no_offline_rm_beside_one(store: Host
     its runtime file exists) is refused too, and removes nothing."""
     import fcntl
 
-    from capsulefs.daemon import LOCK_FILE, WORK_DIR
+    from capsulefs.daemon.daemon import LOCK_FILE, WORK_DIR
 
     make_agent(store, "alice")
     other = tmp_path / "mnt2"

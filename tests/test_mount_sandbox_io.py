@@ -31,8 +31,8 @@ from capsulefs.core.journal.events import Note, Record
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import AgentHandle, HostStore
-from capsulefs.daemon import Daemon
-from capsulefs.runtime import AgentRuntime
+from capsulefs.daemon.daemon import Daemon
+from capsulefs.agents.runtime import AgentRuntime
 from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
 

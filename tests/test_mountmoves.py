@@ -1,4 +1,4 @@
-"""The daemon's move wiring (capsulefs.mountmoves) without a kernel: the
+"""The daemon's move wiring (capsulefs.move.mount_moves) without a kernel: the
 mount's Mover called directly, against peers that are dead or silent."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon import Daemon
-from capsulefs.identity import load_or_create_identity
-from capsulefs.mountmoves import MountMoves
-from capsulefs.movehost import record_new_agent
-from capsulefs.peers import Peer, PeerBook
+from capsulefs.daemon.daemon import Daemon
+from capsulefs.peer.identity import load_or_create_identity
+from capsulefs.move.mount_moves import MountMoves
+from capsulefs.move.host import record_new_agent
+from capsulefs.peer.book import Peer, PeerBook
 from helpers import make_agent
 
 

@@ -126,7 +126,7 @@ def test_offline_move_commands_refuse_while_another_holds_the_state(tmp_path: Pa
     one (or a daemon starting) could otherwise freeze, move or hold the same
     agent from the same records twice. Here another process holds it: each
     is refused, names what it was refused, and changes no record."""
-    from capsulefs.daemon import holding_state
+    from capsulefs.daemon.daemon import holding_state
 
     a = tmp_path / "a"
     run_cli("init", state=a, check=True)
@@ -162,7 +162,7 @@ def test_the_holders_note_is_only_words(tmp_path: Path) -> None:
     cannot be written (here: its path is a directory; in life a full disk)
     does not keep anyone from holding the state."""
     from capsulefs.core.errors import CapsuleError
-    from capsulefs.daemon import HOLDER_FILE, holding_state, work_dir
+    from capsulefs.daemon.daemon import HOLDER_FILE, holding_state, work_dir
 
     state = str(tmp_path / "state")
     note = os.path.join(work_dir(state), HOLDER_FILE)

@@ -25,12 +25,12 @@ from capsulefs.core.journal.events import UserMessage
 from capsulefs.core.journal.file import open_journal
 from capsulefs.core.fsutil import FileSystemSync
 from capsulefs.core.store.holder import HolderState, new_held
-from capsulefs import movedriver, moveservice
-from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
-from capsulefs.movehost import MoveHost
-from capsulefs.moveservice import MoveService, serve_moves
-from capsulefs.peerlink import Payload, PeerBroken, open_peer
-from capsulefs.peers import Peer
+from capsulefs.move import source as move_source, target as move_target
+from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
+from capsulefs.move.host import MoveHost
+from capsulefs.move.target import MoveService, serve_moves
+from capsulefs.peer.link import Payload, PeerBroken, open_peer
+from capsulefs.peer.book import Peer
 
 
 
@@ -300,7 +300,7 @@ async def test_the_target_syncs_each_calls_pieces_and_their_adoption_through_one
             self.calls.append(("dirs", sorted(paths)))
             super().dirs(self.calls[-1][1])
 
-    monkeypatch.setattr(moveservice, "FileSystemSync", Recording)
+    monkeypatch.setattr(move_target, "FileSystemSync", Recording)
     result = await world.move()
     assert result.moved and world.check() == "b"
     [sync] = made
@@ -456,7 +456,7 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
     not the test's to decide (evicting the blobs did not do it: the first
     RWF_NOWAIT miss starts the kernel's readahead, which on a busy machine
     often completed before the same call looked at the page again)."""
-    monkeypatch.setattr(movedriver._BlobReader, "nowait", True)
+    monkeypatch.setattr(move_source._BlobReader, "nowait", True)
     objects = os.path.realpath(world.a.store.blob_file("0" * 64)).rsplit("/", 2)[0]
     loop = threading.get_ident()
     real = os.preadv
@@ -478,7 +478,7 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
         reads.append((threading.get_ident() == loop, bool(flags)))
         return n
 
-    monkeypatch.setattr(movedriver.os, "preadv", preadv)
+    monkeypatch.setattr(move_source.os, "preadv", preadv)
     result = await world.move()
     assert result.moved and world.check() == "b"
     sent = result.contents_sent - 5  # (the capsule's own files are sent from memory)
@@ -496,14 +496,14 @@ async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC while the target writes a piece: the source hears why (not a
     broken link), the move rolls back, and nothing is left staged."""
-    from capsulefs import moveservice, piecewriter
+    from capsulefs.move import pieces as piecewriter, target as move_target
 
     def full(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     # The disk error is injected in this process, so the writers run here
     # (test_moveintake fills a real file system under the writer process).
-    monkeypatch.setattr(moveservice, "INTAKE_WRITERS", "thread")
+    monkeypatch.setattr(move_target, "INTAKE_WRITERS", "thread")
     monkeypatch.setattr(piecewriter.os, "write", full)
     result = await world.move()
     assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "refused"
@@ -555,7 +555,7 @@ async def test_a_read_error_on_the_page_cache_path_is_read_again_and_reported(
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(movedriver.os, "preadv", preadv)
+    monkeypatch.setattr(move_source.os, "preadv", preadv)
     result = await world.move()
     assert result.moved and world.check() == "b"  # the plain read succeeded
 
@@ -884,9 +884,9 @@ async def test_an_append_that_never_lets_go_rolls_the_move_back(world: World, mo
     """A `capsulefs append` suspended (^Z) while it holds the agent's files
     would hang the move in its snapshot: after FILES_WAIT the move rolls
     back, says why, and the agent runs here again."""
-    import capsulefs.movedriver as movedriver
+    import capsulefs.move.source as move_source
 
-    monkeypatch.setattr(movedriver, "FILES_WAIT", 0.3)
+    monkeypatch.setattr(move_source, "FILES_WAIT", 0.3)
     with world.a.holders.files_lock(world.agent_id, shared=False):
         with trio.fail_after(HANG):
             result = await world.move()

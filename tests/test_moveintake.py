@@ -1,4 +1,4 @@
-"""The target's intake of a move (capsulefs/moveintake.py): real files, real
+"""The target's intake of a move (capsulefs/move/intake.py): real files, real
 worker threads; the batches stand in for a call's payload."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import trio.testing
 
 from capsulefs.core import fsutil
 from capsulefs.core.fsutil import FileSystemSync
-from capsulefs.moveintake import Intake
-from capsulefs.piecewriter import BUFFER, Outcome, Piece
+from capsulefs.move.intake import Intake
+from capsulefs.move.pieces import BUFFER, Outcome, Piece
 from helpers import HANG
 
 
@@ -181,7 +181,7 @@ async def test_a_write_failure_fails_every_later_call_and_verify(tmp_path, monke
     """The writer's own error (not a closed channel's, not Cancelled) is
     what the call, every later call and verify report; nothing is left
     under a piece's name. Run many times: the stages race the caller."""
-    from capsulefs import piecewriter
+    from capsulefs.move import pieces as piecewriter
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -217,7 +217,7 @@ async def test_a_failure_to_clean_up_fails_the_move_not_the_service(tmp_path, mo
     read-only): that move's intake fails and says why; the nursery that
     owns every move's intake does not see the error, and closing the
     intake still returns."""
-    from capsulefs import piecewriter
+    from capsulefs.move import pieces as piecewriter
 
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", path)
@@ -376,18 +376,18 @@ async def test_after_a_failed_slab_the_calls_later_pieces_are_not_written(tmp_pa
 
 
 SLOW_HELPER = """#!/bin/sh
-# capsulefs.slabhelper with each slab taking a second ("-I -m capsulefs.slabhelper" dropped)
+# capsulefs.move.writer_process with each slab taking a second ("-I -m capsulefs.move.writer_process" dropped)
 shift 3
 exec {python} -c '
 import sys, time
-import capsulefs.piecewriter as pw
+import capsulefs.move.pieces as pw
 write_slab = pw.PieceWriter.write_slab
 def slow(self, buffer):
     time.sleep(1.0)
     return write_slab(self, buffer)
 pw.PieceWriter.write_slab = slow
-from capsulefs import slabhelper
-slabhelper.serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+from capsulefs.move import writer_process
+writer_process.serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 ' "$@"
 """
 

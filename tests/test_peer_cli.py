@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import run_cli
 
-from capsulefs.identity import load_identity
+from capsulefs.peer.identity import load_identity
 
 
 def test_init_id_and_peers(tmp_path: Path) -> None:

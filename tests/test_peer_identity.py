@@ -13,13 +13,7 @@ import pytest
 from cryptography import x509
 
 from capsulefs.core.capsule.format import check_host_id
-from capsulefs.identity import (
-    HOST_ID_LENGTH,
-    IdentityError,
-    identity_path,
-    load_identity,
-    load_or_create_identity,
-)
+from capsulefs.peer.identity import HOST_ID_LENGTH, IdentityError, identity_path, load_identity, load_or_create_identity
 
 
 def test_create_then_load_gives_the_same_identity(tmp_path: Path) -> None:

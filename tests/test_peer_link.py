@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import trio
 
-from capsulefs.identity import Identity, load_or_create_identity
-from capsulefs.peerlink import (
+from capsulefs.peer.identity import Identity, load_or_create_identity
+from capsulefs.peer.link import (
     CallFailed,
     Payload,
     PeerBroken,
@@ -25,7 +25,7 @@ from capsulefs.peerlink import (
     open_peer,
     serve_peers,
 )
-from capsulefs.peers import Peer, PeerBook
+from capsulefs.peer.book import Peer, PeerBook
 from helpers import HANG
 
 
@@ -158,7 +158,7 @@ async def test_a_payload_read_into_buffers_over_a_plain_stream() -> None:
     bytes, and what a receive brought past the frame waits for the next."""
     import trio.testing
 
-    from capsulefs.peerlink import _Framer
+    from capsulefs.peer.link import _Framer
 
     a, b = trio.testing.memory_stream_pair()
     sender, receiver = _Framer(a, "test"), _Framer(b, "test")
@@ -181,7 +181,7 @@ async def test_a_header_nested_too_deeply_is_a_protocol_error() -> None:
 
     import trio.testing
 
-    from capsulefs.peerlink import PeerProtocolError, _Framer
+    from capsulefs.peer.link import PeerProtocolError, _Framer
 
     a, b = trio.testing.memory_stream_pair()
     head = b"[" * 100_000
@@ -265,8 +265,8 @@ async def test_serve_peers_reports_its_port_only_once_listening(pair: Pair) -> N
 async def _anonymous_tls(port: int):
     """A TLS link to the server without a client certificate: what anyone
     who can reach the port can open."""
-    from capsulefs.peerlink import client_context
-    from capsulefs.tlsstream import TLSStream
+    from capsulefs.peer.link import client_context
+    from capsulefs.peer.tls import TLSStream
 
     tls = TLSStream(await trio.open_tcp_stream("127.0.0.1", port), client_context(None))
     await tls.do_handshake()
@@ -299,7 +299,7 @@ async def test_an_anonymous_link_that_says_nothing_is_closed(tmp_path: Path, nur
 async def test_an_anonymous_link_cannot_make_the_server_buffer_a_big_header(pair: Pair) -> None:
     import struct
 
-    from capsulefs.peerlink import MAX_ANONYMOUS_HEADER
+    from capsulefs.peer.link import MAX_ANONYMOUS_HEADER
 
     tls = await _anonymous_tls(pair.port)
     await tls.send_all(struct.pack("!IQ", MAX_ANONYMOUS_HEADER + 1, 0) + b"{")

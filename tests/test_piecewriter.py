@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capsulefs import piecewriter
-from capsulefs.piecewriter import ALIGN, BUFFER, Outcome, Piece, PieceWriter
+from capsulefs.move import pieces as piecewriter
+from capsulefs.move.pieces import ALIGN, BUFFER, Outcome, Piece, PieceWriter
 
 
 def sha(data: bytes) -> str:

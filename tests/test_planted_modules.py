@@ -21,8 +21,8 @@ from helpers import reference_agent_spec
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
-from capsulefs.stubprovider import serve
-from capsulefs.supervisor import ours_isolated
+from capsulefs.testing.stub_provider import serve
+from capsulefs.agents.supervisor import ours_isolated
 
 pytestmark = [needs_fuse]
 
@@ -71,7 +71,7 @@ def test_capsulefs_entrypoints_and_setup_steps_run_isolated() -> None:
     script = os.path.join(os.path.dirname(sys.executable), "capsulefs")  # (its shebang has no -I)
     assert ours_isolated([script, "agent"])[1:] == ["-I", "-m", "capsulefs", "agent"]
     assert ours_isolated([py, "-m", "capsulefs", "agent"]) == [py, "-I", "-m", "capsulefs", "agent"]
-    assert ours_isolated(["python3", "-m", "capsulefs.stubprovider"]) == ["python3", "-I", "-m", "capsulefs.stubprovider"]
+    assert ours_isolated(["python3", "-m", "capsulefs.testing.stub_provider"]) == ["python3", "-I", "-m", "capsulefs.testing.stub_provider"]
     # The spec's own programs run as it says (-I would hide a script's own modules from it).
     assert ours_isolated([py, "agent.py"]) == [py, "agent.py"]
     assert ours_isolated([py, "-m", "capsulefsx"]) == [py, "-m", "capsulefsx"]

@@ -1,7 +1,7 @@
 """Real SDK clients against the loopback stub provider, switching providers mid-conversation.
 
 The official ``anthropic``, ``openai`` and ``google-genai`` clients send rendered bodies to
-capsulefs.stubprovider, which enforces the pairing rules and refuses any
+capsulefs.testing.stub_provider, which enforces the pairing rules and refuses any
 reasoning not signed for the requested model. Replies are parsed back into
 events and journaled; then the conversation moves to another provider and
 back, and every request along the way must be accepted.
@@ -18,7 +18,7 @@ import pytest
 from google import genai
 from google.genai import types as gt
 
-from capsulefs import stubprovider
+from capsulefs.testing import stub_provider
 from capsulefs.core.journal.events import Event, ModelSwitch, Reasoning, ToolCall, ToolResult, UserMessage
 from helpers import HANG
 from capsulefs.core.render import ToolSpec, parse_response, render
@@ -29,8 +29,8 @@ TOOLS = [ToolSpec(name="lookup", description="look a word up",
 
 
 @pytest.fixture
-def stub() -> Iterator[tuple[str, stubprovider.StubState]]:
-    with stubprovider.serve() as (url, state):
+def stub() -> Iterator[tuple[str, stub_provider.StubState]]:
+    with stub_provider.serve() as (url, state):
         yield url, state
 
 
@@ -195,7 +195,7 @@ def test_stub_runs_as_a_program() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "capsulefs.stubprovider", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "capsulefs.testing.stub_provider", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         url = proc.stdout.readline().split()[3]

@@ -15,7 +15,7 @@ from mount_kit import status as agent_status
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Record
 from capsulefs.core.journal.lines import verify_lines
-from capsulefs.stubprovider import serve
+from capsulefs.testing.stub_provider import serve
 
 from helpers import HANG, reference_agent_spec, wait_until
 
@@ -205,7 +205,7 @@ def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it
     """Unmounted from outside, the daemon stops its agents (a stubborn one
     for the whole grace period) and cleans up; a SIGTERM meanwhile is
     logged and the clean-up finishes. Before, it killed the daemon midway."""
-    from capsulefs.daemon import runtime_path
+    from capsulefs.daemon.daemon import runtime_path
     from mount_kit import force_unmount
 
     # The agent notes its SIGTERM (in its sandbox: the mount is gone by then) and goes on.

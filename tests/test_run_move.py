@@ -18,7 +18,7 @@ from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (h
 from capsulefs.core.journal.events import Record
 from capsulefs.core.store.holder import HolderState
 from capsulefs.core.journal.lines import verify_lines
-from capsulefs.stubprovider import serve
+from capsulefs.testing.stub_provider import serve
 
 pytestmark = [needs_fuse]
 

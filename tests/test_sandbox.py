@@ -1,4 +1,4 @@
-"""The sandbox as an isolation boundary (capsulefs/sandbox.py), with real
+"""The sandbox as an isolation boundary (capsulefs/agents/isolation.py), with real
 processes: as root, an agent runs as a uid of its own that cannot read the
 host's keychain or TLS key, and a run ends with everything it started, a
 process that left the process group (setsid) included."""
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from capsulefs import keychain
+from capsulefs.agents import keychain
 from capsulefs.core.capsule.spec import default_spec
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.identity import load_or_create_identity
-from capsulefs.sandbox import Isolation
-from capsulefs.supervisor import RunState, Supervisor
+from capsulefs.peer.identity import load_or_create_identity
+from capsulefs.agents.isolation import Isolation
+from capsulefs.agents.supervisor import RunState, Supervisor
 
-from capsulefs.stubprovider import serve
+from capsulefs.testing.stub_provider import serve
 from helpers import reference_agent_spec, wait_until
 from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status

@@ -1,5 +1,5 @@
-"""The writer process of a move's target (capsulefs/slabworker.py and
-capsulefs/slabhelper.py): a real helper process, real files. Requests are
+"""The writer process of a move's target (capsulefs/move/writers.py and
+capsulefs/move/writer_process.py): a real helper process, real files. Requests are
 pipelined, so these tests send several before reading any answer."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs.piecewriter import BUFFER, Piece
-from capsulefs.slabworker import ProcessWriters, SpareHelper, WriterHandle
+from capsulefs.move.pieces import BUFFER, Piece
+from capsulefs.move.writers import ProcessWriters, SpareHelper, WriterHandle
 from helpers import HANG
 
 

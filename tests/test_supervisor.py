@@ -14,13 +14,13 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs import grants, keychain
+from capsulefs.agents import grants, keychain
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import AgentHandle, HostStore
-from capsulefs.supervisor import RunState, RunStatus, Supervisor
+from capsulefs.agents.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import HANG, make_agent, wait_until
 
@@ -215,7 +215,7 @@ async def test_an_agent_unwanted_before_its_runner_ran_never_starts(store: HostS
     spec = default_spec([sys.executable, "-c", PROBE])
     agent = _agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
-    caplog.set_level(logging.INFO, logger="capsulefs.supervisor")
+    caplog.set_level(logging.INFO, logger="capsulefs.agents.supervisor")
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         for _ in range(10):
@@ -236,7 +236,7 @@ import json, sys, trio
 sys.path.insert(0, sys.argv[3])
 from test_supervisor import StoreHooks
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.supervisor import Supervisor
+from capsulefs.agents.supervisor import Supervisor
 
 async def main():
     store = HostStore.open(sys.argv[1])
@@ -496,7 +496,7 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
     half-built workspace would have been run, then synced as deletions).
     Tries back off as after crashes: each writes a workspace (on a full
     disk, filling it again), and came every 2 s."""
-    from capsulefs import supervisor as S
+    from capsulefs.agents import supervisor as S
 
     agent = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
     sha = store.put_blob(b"x\n")

@@ -16,8 +16,8 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import Record
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon import Daemon
-from capsulefs.runtime import AgentRuntime
+from capsulefs.daemon.daemon import Daemon
+from capsulefs.agents.runtime import AgentRuntime
 
 from helpers import make_agent
 

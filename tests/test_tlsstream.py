@@ -12,7 +12,7 @@ import trio
 import trio.testing
 import trustme
 
-from capsulefs.tlsstream import TLSStream
+from capsulefs.peer.tls import TLSStream
 from helpers import HANG
 
 

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from capsulefs import grants
+from capsulefs.agents import grants
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
-from capsulefs.movehost import new_agent_files, record_new_agent
+from capsulefs.move.host import new_agent_files, record_new_agent
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
@@ -60,11 +60,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     """Remove an agent: through the daemon serving the state directory if one
     runs (it stops the agent's process and drops it from the mount), else
-    here; either way refused while the agent is in a move (capsulefs.removal)."""
+    here; either way refused while the agent is in a move (capsulefs.agents.removal)."""
     from capsulefs.core.store.holder import HolderBook
-    from capsulefs.daemon import find_daemon, holding_state, work_dir
-    from capsulefs.movehost import holders_dir
-    from capsulefs.removal import refuse_if_moving, remove_offline
+    from capsulefs.daemon.daemon import find_daemon, holding_state, work_dir
+    from capsulefs.move.host import holders_dir
+    from capsulefs.agents.removal import refuse_if_moving, remove_offline
 
     state = state_dir(args)
     store = open_store(args)

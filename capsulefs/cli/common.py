@@ -17,7 +17,7 @@ def state_dir(args: argparse.Namespace) -> str:
 
 
 def open_store(args: argparse.Namespace) -> HostStore:
-    from capsulefs import grants
+    from capsulefs.agents import grants
 
     store = HostStore.open(state_dir(args))
     grants.ensure(state_dir(args), store)  # (before this command adds an agent: see grants)
@@ -25,7 +25,7 @@ def open_store(args: argparse.Namespace) -> HostStore:
 
 
 def host_id(args: argparse.Namespace) -> str:
-    from capsulefs.identity import load_or_create_identity
+    from capsulefs.peer.identity import load_or_create_identity
 
     return load_or_create_identity(state_dir(args)).host_id
 

@@ -46,7 +46,7 @@ def _credentials(args: argparse.Namespace) -> tuple[str, str, str | None]:
     access, secret = os.environ.get(ACCESS_KEY), os.environ.get(SECRET_KEY)
     if access and secret:
         return access, secret, os.environ.get(SESSION_TOKEN) or None
-    from capsulefs import keychain
+    from capsulefs.agents import keychain
 
     try:
         found = keychain.fetch(state_dir(args), [ACCESS_KEY, SECRET_KEY])

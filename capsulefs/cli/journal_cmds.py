@@ -303,7 +303,7 @@ def append_events(state: str, store: "HostStore", agent: AgentHandle, events: li
     or none), and keep its projections current. Refused (CapsuleError)
     unless this host holds the agent and no move of it is under way."""
     from capsulefs.core.store.holder import HolderBook
-    from capsulefs.movehost import holders_dir
+    from capsulefs.move.host import holders_dir
 
     holders = HolderBook(holders_dir(state))
     # The holder record is checked under the agent's files lock: a move of

@@ -1,5 +1,5 @@
 """``capsulefs mcp AGENT``: serve one agent to MCP clients over stdio
-(see :mod:`capsulefs.mcp_server`, which needs the ``mcp`` extra)."""
+(see :mod:`capsulefs.cli.mcp_server`, which needs the ``mcp`` extra)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from capsulefs.cli import UsageError
 
 def cmd_mcp(args: argparse.Namespace) -> int:
     try:
-        from capsulefs import mcp_server
+        from capsulefs.cli import mcp_server
     except ImportError as exc:
         raise UsageError(f"capsulefs mcp needs the mcp package: pip install 'capsulefs[mcp]' ({exc})") from None
     return mcp_server.serve(args)

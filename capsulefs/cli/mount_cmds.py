@@ -77,7 +77,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
-    from capsulefs.daemon import holding_state
+    from capsulefs.daemon.daemon import holding_state
 
     # One daemon per state directory, for its whole life: a second would run
     # every agent a second time on this host.
@@ -88,7 +88,7 @@ def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
 def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
     import trio
 
-    from capsulefs.daemon import Daemon
+    from capsulefs.daemon.daemon import Daemon
 
     opts = [o for o in (args.o or "").split(",") if o]
     ignored = [o for o in opts if o not in FUSE_OPTIONS]
@@ -96,11 +96,11 @@ def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
         log.info("ignoring mount options %s (for mount(8) or systemd)", ",".join(ignored))
     daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in opts)
     if not args.no_run:
-        from capsulefs.runtime import AgentRuntime
+        from capsulefs.agents.runtime import AgentRuntime
 
         AgentRuntime.attach(daemon)
-    from capsulefs.mountmoves import MountMoves
-    from capsulefs.peers import parse_address
+    from capsulefs.move.mount_moves import MountMoves
+    from capsulefs.peer.book import parse_address
 
     # After the runtime: moves may activate agents, which the runtime then starts.
     MountMoves.attach(daemon, listen=parse_address(args.listen, listen=True) if args.listen else None)
@@ -215,7 +215,7 @@ def _daemon_pid(mnt: str) -> int | None:
     trusted only for a process of our pid namespace that belongs to the
     mount's owner: nobody can have another user's process signalled. The
     pidfd keeps the answer from naming a reused pid by the time we signal."""
-    from capsulefs.daemon import PID_XATTR
+    from capsulefs.daemon.daemon import PID_XATTR
 
     try:
         asked = subprocess.run([sys.executable, "-I", "-S", "-c", _ASK, mnt, PID_XATTR],

@@ -31,11 +31,11 @@ import trio
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold
-from capsulefs.daemon import find_daemon, holding_state
-from capsulefs.movedriver import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
-from capsulefs.movehost import MoveHost
-from capsulefs.moveservice import serve_moves
-from capsulefs.peers import DEFAULT_PORT, parse_address
+from capsulefs.daemon.daemon import find_daemon, holding_state
+from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
+from capsulefs.move.host import MoveHost
+from capsulefs.move.target import serve_moves
+from capsulefs.peer.book import DEFAULT_PORT, parse_address
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import argparse
 
 from capsulefs.cli.common import state_dir
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.identity import identity_path, load_identity, load_or_create_identity
-from capsulefs.peers import Peer, PeerBook, PeerBookError
+from capsulefs.peer.identity import identity_path, load_identity, load_or_create_identity
+from capsulefs.peer.book import Peer, PeerBook, PeerBookError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from capsulefs import grants, keychain
+from capsulefs.agents import grants, keychain
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import open_store, state_dir
 from capsulefs.core.capsule.spec import ENV_NAME
@@ -89,9 +89,9 @@ def cmd_secret_grants(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from capsulefs import agent
+    from capsulefs.agents.reference.loop import main
 
-    return agent.main(args)
+    return main(args)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -163,7 +163,7 @@ def import_tar(
     agent's files go into the store and left once they are there (or their
     install failed): the caller records who holds the agent inside it,
     under the agent's files lock, so that nobody sees its files without that
-    record (see ``capsulefs.movehost.new_agent_files``)."""
+    record (see ``capsulefs.move.host.new_agent_files``)."""
     if not os.path.isfile(tar_path):
         raise NotFoundError(f"{tar_path}: no such file")
     with store.staging("import") as area:

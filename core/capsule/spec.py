@@ -34,7 +34,7 @@ SPEC_VERSION = 1
 #: secrets it gave an agent process, comma-separated: the reference agent
 #: keeps them from its tools (see :func:`redact_secrets`).
 SECRETS_ENV = "CAPSULE_SECRETS"
-#: The file a running agent reports its problem in, for .control/status (capsulefs.supervisor).
+#: The file a running agent reports its problem in, for .control/status (capsulefs.agents.supervisor).
 STATUS_ENV = "CAPSULE_STATUS"
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names of env variables and secrets

@@ -10,7 +10,7 @@ Rules:
     from the request.
   * Incoming content lands in a staging area of the store (``move-*``):
     ``content/<sha256>`` for every piece. Each move has an intake
-    (:mod:`capsulefs.moveintake`): a ``blobs`` call hands its payload to
+    (:mod:`capsulefs.move.intake`): a ``blobs`` call hands its payload to
     the intake's writer (hashing, ``O_DIRECT`` writes, in a worker thread)
     and answers once the bytes have arrived; the writer and the settler
     (fsync, adoption of the blobs into ``objects/``) finish them while the
@@ -49,12 +49,12 @@ from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree
 from capsulefs.core.store.holder import HolderRecord, HolderState
-from capsulefs.movehost import MoveHost, answer_to_result
-from capsulefs.peerlink import CallFailed, Payload, PeerHandler, serve_peers
-from capsulefs.moveintake import Intake
-from capsulefs.slabworker import SpareHelper
-from capsulefs.piecewriter import Outcome, Piece
-from capsulefs.peers import DEFAULT_PORT, Peer
+from capsulefs.move.host import MoveHost, answer_to_result
+from capsulefs.peer.link import CallFailed, Payload, PeerHandler, serve_peers
+from capsulefs.move.intake import Intake
+from capsulefs.move.writers import SpareHelper
+from capsulefs.move.pieces import Outcome, Piece
+from capsulefs.peer.book import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ class MoveService:
             async with self.host.lock(agent_id):
                 rec = self.record(agent_id)
                 if rec is None or rec.state in (HolderState.FROZEN, HolderState.COMMITTING):
-                    continue  # the source side resumes these (movedriver.resume_moves)
+                    continue  # the source side resumes these (capsulefs.move.source.resume_moves)
                 if rec.state is HolderState.HELD and agent_id not in present:
                     # Held, but its files are gone (removed by a capsulefs that
                     # kept the record HELD): nothing to start.
@@ -481,8 +481,8 @@ class ServingMoves:
     service: MoveService
 
 
-FEED_DEPTH = 2  # slabs (piecewriter.BUFFER bytes each) received ahead of the writer
-INTAKE_WRITERS = "process"  # where a move's pieces are hashed and written (capsulefs/slabworker.py)
+FEED_DEPTH = 2  # slabs (pieces.BUFFER bytes each) received ahead of the writer
+INTAKE_WRITERS = "process"  # where a move's pieces are hashed and written (capsulefs/move/writers.py)
 
 
 async def serve_moves(

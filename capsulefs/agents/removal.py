@@ -8,7 +8,7 @@ Rules:
   * What the host keeps beside the capsule is removed by the class that owns
     each area, never by a path spelled here: the mount's snapshots
     (``core.view.snapshots``), editors' scratch files (``core.view.scratch``) and the
-    sandbox (``capsulefs.supervisor``).
+    sandbox (``capsulefs.agents.supervisor``).
   * Without a daemon the CLI removes the agent itself
     (:func:`remove_offline`). While a daemon serves the state directory, the
     CLI asks it through the agent's ``.control/remove`` and the daemon
@@ -19,7 +19,7 @@ Rules:
     epoch fence for the agent's id is kept, and a restarted daemon has no
     held agent without files to start. Importing the agent again here leaves
     it in doubt until ``capsulefs move AGENT --learn`` has asked the peers
-    (``movehost.record_new_agent``): another host may have taken it meanwhile.
+    (``move.host.record_new_agent``): another host may have taken it meanwhile.
 
 Theory of operation: both paths end in :func:`discard_leftovers` after the
 store forgot the agent; blobs are left to the store's ``gc`` (the CLI runs
@@ -31,14 +31,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from capsulefs import grants
+from capsulefs.agents import grants
 from capsulefs.core.store.holder import HolderBook, removed
 from capsulefs.core.view.errors import MoveBusy
 from capsulefs.core.view.scratch import ScratchArea
 from capsulefs.core.view.snapshots import Snapshots
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.movehost import holders_dir
-from capsulefs.supervisor import discard_sandbox
+from capsulefs.move.host import holders_dir
+from capsulefs.agents.supervisor import discard_sandbox
 
 __all__ = ["discard_leftovers", "giving_up", "refuse_if_moving", "remove_offline"]
 

@@ -1,9 +1,9 @@
-"""The helper process of a move's target (see capsulefs/slabworker.py): it
+"""The helper process of a move's target (see capsulefs/move/writers.py): it
 hashes and writes the slabs the daemon's event loop decrypted into shared
 memory. Imports nothing but the standard library and the piece writer, so
 that it starts in a few tens of milliseconds.
 
-Run as ``python -I -m capsulefs.slabhelper FD COUNT BUFFER``: FD is the shared
+Run as ``python -I -m capsulefs.move.writer_process FD COUNT BUFFER``: FD is the shared
 memory file of COUNT buffers of BUFFER bytes. Requests on stdin, one JSON
 object per line; one reply per request, in order, on stdout:
   * ``{"op": "open", "w": ID, "pieces": [[sha256, size, path|null], ...]}``:
@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Any
 
-from capsulefs.piecewriter import Piece, PieceWriter
+from capsulefs.move.pieces import Piece, PieceWriter
 
 __all__ = ["serve"]
 

@@ -2,10 +2,10 @@
 worker threads, or in a helper process of its own.
 
 Rules:
-  * Both run :class:`~capsulefs.piecewriter.PieceWriter` s, one per
+  * Both run :class:`~capsulefs.move.pieces.PieceWriter` s, one per
     ``blobs`` call, the same way: open (the call's files are created ahead
     in a thread), one slab at a time from a buffer of the slab pool, then
-    close (the outcomes) or abandon. The intake (``moveintake.Intake``)
+    close (the outcomes) or abandon. The intake (``intake.Intake``)
     drives either through the same calls and does not know which it has.
   * A slab written and a writer closed are answered by a :class:`Ticket`,
     awaited apart from the request: the intake sends the next requests
@@ -16,7 +16,7 @@ Rules:
     in a trio worker thread.
   * :class:`ProcessWriters`: the pool is one shared memory file (memfd);
     the event loop decrypts a slab into it and a helper process
-    (``python -I -m capsulefs.slabhelper``) hashes and writes it from the same
+    (``python -I -m capsulefs.move.writer_process``) hashes and writes it from the same
     pages. Why: in one process the worker threads keep retaking the GIL
     from the event loop, which gives it up on every TLS record it decrypts;
     measured on the 2-core VM of docs/move.md, a move's transfer ran at
@@ -52,7 +52,7 @@ from typing import Any
 
 import trio
 
-from capsulefs.piecewriter import BUFFER, Outcome, Piece, PieceWriter, Segment, layout, remove_files
+from capsulefs.move.pieces import BUFFER, Outcome, Piece, PieceWriter, Segment, layout, remove_files
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def _start_helper(count: int, python: str) -> _Started:
         # and the helper runs as root), nor what PYTHON* variables name. It
         # ends when its stdin does, which this process's death closes too.
         proc = subprocess.Popen(
-            [python, "-I", "-m", "capsulefs.slabhelper", str(fd), str(count), str(BUFFER)],
+            [python, "-I", "-m", "capsulefs.move.writer_process", str(fd), str(count), str(BUFFER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], cwd="/")
     except BaseException:
         shared.close()

@@ -3,9 +3,9 @@ go after they have been received.
 
 Rules:
   * Two stages, in order: the *writer* hashes and writes the pieces of
-    each call (:class:`~capsulefs.piecewriter.PieceWriter`, one slab at a
+    each call (:class:`~capsulefs.move.pieces.PieceWriter`, one slab at a
     time, with another thread creating the call's files ahead of it, in
-    the writers of ``capsulefs.slabworker``). One task sends it each slab
+    the writers of ``capsulefs.move.writers``). One task sends it each slab
     and each call's close as they come; another (the *reaper*) takes the
     answers in that order, gives each slab's buffer back and passes each
     closed call on. Then the *settler* makes the pieces that hashed to their names durable (with
@@ -48,8 +48,8 @@ from typing import Protocol
 import trio
 
 from capsulefs.core.fsutil import FileSystemSync, fsync_each
-from capsulefs.piecewriter import Outcome, Piece, remove_files
-from capsulefs.slabworker import ProcessWriters, SpareHelper, ThreadWriters, Ticket, WriterHandle
+from capsulefs.move.pieces import Outcome, Piece, remove_files
+from capsulefs.move.writers import ProcessWriters, SpareHelper, ThreadWriters, Ticket, WriterHandle
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ __all__ = ["Intake"]
 
 
 class Source(Protocol):
-    """Where a call's payload comes from (``peerlink.Payload``)."""
+    """Where a call's payload comes from (``capsulefs.peer.link.Payload``)."""
 
     async def readinto(self, buffer: memoryview) -> None: ...
 

@@ -119,7 +119,7 @@ class AgentService:
     def status(self) -> dict[str, Any]:
         from capsulefs.core.journal.tip import journal_tip_path
         from capsulefs.core.view.journal_tail import JournalTail
-        from capsulefs.movehost import holders_dir
+        from capsulefs.move.host import holders_dir
 
         agent = self.agent()
         manifest = agent.manifest()

@@ -46,8 +46,8 @@ from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.view.host import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
-from capsulefs.movehost import holders_dir
-from capsulefs.supervisor import RunState, Supervisor
+from capsulefs.move.host import holders_dir
+from capsulefs.agents.supervisor import RunState, Supervisor
 
 log = logging.getLogger(__name__)
 

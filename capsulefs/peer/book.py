@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from capsulefs.core.errors import CapsuleError, ExistsError, NotFoundError
 from capsulefs.core.capsule.format import check_host_id
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
-from capsulefs.identity import HOST_ID_LENGTH, host_id_from_der
+from capsulefs.peer.identity import HOST_ID_LENGTH, host_id_from_der
 
 __all__ = ["DEFAULT_PORT", "Peer", "PeerBook", "PeerBookError", "parse_address"]
 

@@ -45,11 +45,11 @@ import trio
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
-from capsulefs.movedriver import MoveControl, MoveResult, abandon_move, move_agent, resume_moves
-from capsulefs.movehost import MoveHost, record_new_agent
-from capsulefs.moveservice import MoveService, serve_moves
-from capsulefs.peerlink import PeerError
-from capsulefs.peers import Peer, PeerBookError
+from capsulefs.move.source import MoveControl, MoveResult, abandon_move, move_agent, resume_moves
+from capsulefs.move.host import MoveHost, record_new_agent
+from capsulefs.move.target import MoveService, serve_moves
+from capsulefs.peer.link import PeerError
+from capsulefs.peer.book import Peer, PeerBookError
 
 log = logging.getLogger(__name__)
 

@@ -28,15 +28,15 @@ Theory of operation: :class:`Daemon` wires a :class:`~capsulefs.core.view.host.L
 once the kernel has the mount, and returns when the mount is gone.
 
 The move driver (same process, same trio loop) uses the daemon as its
-``AgentHooks`` (capsulefs.movehost): ``await freeze/resume/retire/prepare/activate(agent_id)``,
+``AgentHooks`` (capsulefs.move.host): ``await freeze/resume/retire/prepare/activate(agent_id)``,
 plus :meth:`Daemon.set_move_progress` for ``.control/status``. Each takes
-effect for the next FUSE request. ``capsulefs.mountmoves.MountMoves`` is that
+effect for the next FUSE request. ``capsulefs.move.mount_moves.MountMoves`` is that
 driver (a service, and the mount's ``.control/move``).
 
 The daemon is also the mount's remover (``.control/remove``, which
 ``capsulefs rm`` writes while a daemon serves): :meth:`Daemon.remove` hides
 the agent as a retire does, has the listeners stop its process, removes it
-from the store and the areas beside it (capsulefs.removal), all inside
+from the store and the areas beside it (capsulefs.agents.removal), all inside
 :attr:`Daemon.move_guard` so that no move of it runs meanwhile.
 
 While mounted the daemon keeps a runtime file, ``STATE/mount/daemon.json``
@@ -60,18 +60,18 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 import pyfuse3
 import trio
 
-from capsulefs import grants
+from capsulefs.agents import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.view.host import AgentState, LiveHost
 from capsulefs.core.view.errors import ReadOnly
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.identity import load_or_create_identity
+from capsulefs.peer.identity import load_or_create_identity
 from capsulefs.mount.ops import Operations
-from capsulefs.movehost import holders_dir
-from capsulefs.readahead import tune_read_ahead
-from capsulefs.removal import discard_leftovers, giving_up, refuse_if_moving
+from capsulefs.move.host import holders_dir
+from capsulefs.daemon.readahead import tune_read_ahead
+from capsulefs.agents.removal import discard_leftovers, giving_up, refuse_if_moving
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class Daemon:
                              f"daemon stopped) finds who holds it")
         return out
 
-    # -- the move driver's API (capsulefs.movehost.AgentHooks) ----------------------
+    # -- the move driver's API (capsulefs.move.host.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:
         """Every write to the agent fails with EROFS from now on. Requests run
         one at a time on this loop, so none is half-done when this returns:

@@ -22,7 +22,7 @@ Rules:
 Theory of operation: a stdlib ``ThreadingHTTPServer``; :func:`serve` runs it
 in a daemon thread and is a context manager yielding the base URL, so a test
 or the reference agent's demo can use it without any event loop. Run it on
-its own with ``python -m capsulefs.stubprovider --port N``.
+its own with ``python -m capsulefs.testing.stub_provider --port N``.
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def serve(port: int = 0, state: StubState | None = None) -> Iterator[tuple[str, 
     """Run the stub on 127.0.0.1 in a thread; yield (base URL, state); stop on exit."""
     state = state or StubState()
     server = _Server(port, state)
-    thread = threading.Thread(target=server.serve_forever, name="stubprovider", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="stub_provider", daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", state
@@ -364,10 +364,10 @@ def serve(port: int = 0, state: StubState | None = None) -> Iterator[tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capsulefs.stubprovider", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m capsulefs.testing.stub_provider", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (default 8765)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="stubprovider: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="stub_provider: %(message)s")
     server = _Server(args.port, StubState())
     print(f"stub provider on http://127.0.0.1:{server.server_address[1]} "
           "(Anthropic: base_url=URL; OpenAI: base_url=URL/v1)", flush=True)

@@ -46,12 +46,12 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
-from capsulefs.identity import Identity
-from capsulefs.movehost import MoveHost, result_to_answer
-from capsulefs.moveservice import BLOBS_CALL
+from capsulefs.peer.identity import Identity
+from capsulefs.move.host import MoveHost, result_to_answer
+from capsulefs.move.target import BLOBS_CALL
 from capsulefs.nursery import first_failure
-from capsulefs.peerlink import PeerConnection, PeerError, PeerRefused, PeerUnreachable, RemoteError, open_peer
-from capsulefs.peers import Peer
+from capsulefs.peer.link import PeerConnection, PeerError, PeerRefused, PeerUnreachable, RemoteError, open_peer
+from capsulefs.peer.book import Peer
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class _Driver:
         """Send the pieces' bytes into ``out`` while the caller's task
         encrypts and sends the chunks before: from the page cache on the
         event loop, from the disk in a worker thread."""
-        with out:  # closed without a checkpoint (see _write_pieces in moveservice)
+        with out:  # closed without a checkpoint (see _write_pieces in capsulefs.move.target)
             try:
                 for sha in shas:
                     if sha in self.files:

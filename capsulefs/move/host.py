@@ -25,8 +25,8 @@ from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
 from capsulefs.core.store.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.identity import Identity, load_or_create_identity
-from capsulefs.peers import PeerBook
+from capsulefs.peer.identity import Identity, load_or_create_identity
+from capsulefs.peer.book import PeerBook
 
 __all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "new_agent_files",
            "record_new_agent", "result_to_answer"]

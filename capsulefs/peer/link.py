@@ -42,9 +42,9 @@ import trio
 
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule.format import load_json
-from capsulefs.identity import Identity, host_id_from_der
-from capsulefs.peers import Peer, PeerBook, parse_address
-from capsulefs.tlsstream import TLSStream
+from capsulefs.peer.identity import Identity, host_id_from_der
+from capsulefs.peer.book import Peer, PeerBook, parse_address
+from capsulefs.peer.tls import TLSStream
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ Rules:
   * A run ends with its process: once it exits (crashed, finished or
     stopped), what is left of its process group (tools it started) is killed.
   * As root, the agent's processes run as a uid of its own, in a cgroup of
-    their own, and cannot read the state directory (capsulefs/sandbox.py);
+    their own, and cannot read the state directory (capsulefs/agents/isolation.py);
     a run ends with that cgroup, so a process that left the process group
     goes too. Not root: isolation is off, and the status says so.
   * A running agent says how its steps go in one small file it writes,
@@ -70,8 +70,8 @@ from typing import Any, Protocol
 
 import trio
 
-from capsulefs import grants, keychain
-from capsulefs.sandbox import Isolation
+from capsulefs.agents import grants, keychain
+from capsulefs.agents.isolation import Isolation
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
@@ -347,7 +347,7 @@ class Supervisor:
                  clock: Callable[[], float] = time.monotonic, isolation: Isolation | None = None) -> None:
         self.state_dir = state_dir
         #: How agents are kept from the daemon's files and each other
-        #: (detected: on as root; see capsulefs/sandbox.py).
+        #: (detected: on as root; see capsulefs/agents/isolation.py).
         self.isolation = isolation if isolation is not None else Isolation.detect(state_dir)
         #: A run that lasted this long (by ``clock``, real time: the wall of
         #: the agent's own work, not trio's) was healthy: the restart after
