@@ -27,7 +27,7 @@ from capsulefs.testing.stub_provider import serve
 from helpers import reference_agent_spec, wait_until
 from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
-from test_supervisor import StoreHooks, _agent_with_spec, _wait_for
+from supervisor_kit import StoreHooks, agent_with_spec, wait_for
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0,
@@ -58,13 +58,13 @@ async def test_an_agent_cannot_read_the_keychain_or_the_host_key(store: HostStor
     keychain.store_secret(store.root, "API_TOKEN", SECRET)
     spec = default_spec([sys.executable, "-c", SNOOP, store.root])
     spec["secrets"] = ["API_TOKEN"]  # (the run gets it in its env, as it should; not the keychain's file)
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     hooks = StoreHooks(store, str(tmp_path / "mnt"))
     sup = Supervisor(store.root, hooks)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.FINISHED, "the agent to finish")
+        await wait_for(lambda: sup.status(agent.agent_id).state is RunState.FINISHED, "the agent to finish")
         await sup.unwant(agent.agent_id)  # (syncs its workspace into the capsule)
         nursery.cancel_scope.cancel()
     loot = json.loads((Path(sup.sandbox(agent.agent_id)) / "loot.json").read_text())
@@ -110,7 +110,7 @@ def _alive(pid: int) -> bool:
 
 @needs_root
 async def test_a_process_that_left_the_process_group_dies_with_its_agent(store: HostStore, tmp_path: Path) -> None:
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", ESCAPER]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", ESCAPER]))
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path / "mnt")), grace=1.0)
     if sup.isolation.cgroups is None:
         pytest.skip(f"no writable cgroup v2 here: {sup.isolation.why_no_cgroup}")
@@ -120,7 +120,7 @@ async def test_a_process_that_left_the_process_group_dies_with_its_agent(store: 
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.serve)
             sup.want(agent.agent_id)
-            await _wait_for(lambda: pid_file.exists() and pid_file.stat().st_size > 0, "the escaper to start")
+            await wait_for(lambda: pid_file.exists() and pid_file.stat().st_size > 0, "the escaper to start")
             escaper = int(pid_file.read_text())
             leader = sup.status(agent.agent_id).pid
             assert os.getpgid(escaper) != leader and _alive(escaper)

@@ -23,6 +23,7 @@ from capsulefs.core.store.host_store import AgentHandle, HostStore
 from capsulefs.agents.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import HANG, make_agent, wait_until
+from supervisor_kit import StoreHooks, agent_with_spec, wait_for
 
 PROBE = r"""
 import json, os, signal, sys, time
@@ -40,47 +41,6 @@ while True:
 """
 
 
-class StoreHooks:
-    def __init__(self, store: HostStore, capsule_root: str) -> None:
-        self.store, self.capsule_root = store, capsule_root
-        self.commits: list[workspace.ScanResult] = []
-
-    def agent(self, agent_id: str) -> AgentHandle:
-        return self.store.agent(agent_id)
-
-    def spec(self, agent_id: str):
-        return json.loads(self.agent(agent_id).read(fmt.SPEC))
-
-    def snapshot(self, agent_id: str):
-        return fmt.parse_snapshot(self.agent(agent_id).read(fmt.SNAPSHOT))
-
-    def read_blob(self, sha: str):
-        return self.store.iter_blob(sha)
-
-    def capsule_dir(self, agent_id: str) -> str:
-        return os.path.join(self.capsule_root, self.agent(agent_id).name)
-
-    def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
-        self.commits.append(scan)
-        snap = dict(self.snapshot(agent_id))
-        with self.store.writing():
-            for sha, path in scan.new_files.items():
-                with workspace.open_regular(scan.root, path) as f:
-                    self.store.put_blob_stream(f, expect=sha)
-            apply_workspace_changes(snap, scan.changes)
-            self.agent(agent_id).write_files({fmt.SNAPSHOT: fmt.snapshot_bytes(snap)}, add_blobs=set(scan.new_files))
-
-
-def _agent_with_spec(store: HostStore, spec: dict, *, granted: bool = True) -> AgentHandle:
-    """An agent with ``spec``, granted the secrets it asks for (as by
-    'capsulefs new --spec') unless ``granted`` is false."""
-    agent = make_agent(store, "runner", workspace={"notes/todo.txt": b"write tests\n"})
-    agent.write_files({fmt.SPEC: spec_bytes(spec)})
-    if granted and spec.get("secrets"):
-        grants.grant(store.root, agent.agent_id, spec["secrets"])
-    return agent
-
-
 def _home(sup: Supervisor, agent_id: str) -> str:
     """The agent's HOME: a directory of its own beside its workspace when it
     runs isolated (as root), else the sandbox's directory (as before)."""
@@ -89,30 +49,12 @@ def _home(sup: Supervisor, agent_id: str) -> str:
     return os.path.dirname(sup.sandbox(agent_id))
 
 
-async def _wait_for(predicate, what: str, limit: float = HANG) -> None:
-    """Poll ``predicate`` until true, or fail after ``limit`` real seconds
-    (a bound on a hang: what is awaited is often a real process, which
-    trio's clock, virtual under MockClock, knows nothing of).
-
-    The supervisor builds and syncs sandboxes in worker threads; while one
-    works, no deadline of this wait is pending, so the autojump clock does
-    not run ahead of it (a thread's real milliseconds are not virtual minutes)."""
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if trio.testing.active_thread_count():
-            await trio.testing.wait_all_threads_completed()
-            continue
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await trio.sleep(0.01)
-
-
 async def _serve_and_start(sup: Supervisor, nursery: trio.Nursery, agent_id: str) -> int:
     """Serve ``sup`` in ``nursery``, run the agent, wait for its probe; its pid."""
     await nursery.start(sup.serve)
     sup.want(agent_id)
     probe = Path(sup.sandbox(agent_id)) / "probe.json"
-    await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
+    await wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent process to start")
     return sup.status(agent_id).pid
 
 
@@ -120,7 +62,7 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["env"] = {"GREETING": "hello"}
     spec["secrets"] = ["API_TOKEN"]
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
     hooks = StoreHooks(store, str(tmp_path / "mnt"))
     sup = Supervisor(store.root, hooks, grace=5)
@@ -128,8 +70,8 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
         probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
-        await _wait_for(probe.exists, "the agent process to start")
-        await _wait_for(lambda: probe.stat().st_size > 0, "probe output")
+        await wait_for(probe.exists, "the agent process to start")
+        await wait_for(lambda: probe.stat().st_size > 0, "probe output")
         seen = json.loads(probe.read_text())
         assert sup.status(agent.agent_id).state is RunState.RUNNING
         pid = sup.status(agent.agent_id).pid
@@ -162,7 +104,7 @@ async def test_crash_is_restarted_with_backoff(store: HostStore, tmp_path: Path,
 
 async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStore, tmp_path: Path, caplog) -> None:
     spec = default_spec([sys.executable, "-c", PROBE, "stubborn"])
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=0.5)
     async with trio.open_nursery() as nursery:
         pid = await _serve_and_start(sup, nursery, agent.agent_id)
@@ -175,7 +117,7 @@ async def test_stubborn_process_is_killed_after_the_grace_period(store: HostStor
 
 async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore, tmp_path: Path) -> None:
     spec = default_spec([sys.executable, "-c", PROBE])
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
     async with trio.open_nursery() as nursery:
         pid = await _serve_and_start(sup, nursery, agent.agent_id)
@@ -197,7 +139,7 @@ async def test_an_agent_wanted_just_before_stop_all_never_starts(store: HostStor
     # (trio shuffles each batch of runnable tasks: which of the runner and
     # the stop runs first varies, so try it many times.)
     spec = default_spec([sys.executable, "-c", PROBE])
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     for _ in range(24):
         sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
         async with trio.open_nursery() as nursery:
@@ -213,7 +155,7 @@ async def test_an_agent_wanted_just_before_stop_all_never_starts(store: HostStor
 async def test_an_agent_unwanted_before_its_runner_ran_never_starts(store: HostStore, tmp_path: Path, caplog) -> None:
     # A freeze (a move) or a removal right after the reconcile loop wanted it.
     spec = default_spec([sys.executable, "-c", PROBE])
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=10 * HANG)
     caplog.set_level(logging.INFO, logger="capsulefs.agents.supervisor")
     async with trio.open_nursery() as nursery:
@@ -266,7 +208,7 @@ def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostSto
     import subprocess
 
     spec = default_spec([sys.executable, "-c", PROBE])
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     tests_dir = str(Path(__file__).parent)
     with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
                           stdout=subprocess.PIPE, text=True) as daemon:
@@ -308,7 +250,7 @@ def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(s
     import signal
     import subprocess
 
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", FORKING_AGENT]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", FORKING_AGENT]))
     tests_dir = str(Path(__file__).parent)
     with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
                           stdout=subprocess.PIPE, text=True) as daemon:
@@ -346,16 +288,16 @@ async def test_the_tools_of_an_agent_that_exits_go_with_it(store: HostStore, tmp
     runs: before, the tool was left running, outside any supervision (the
     restart's new process group replaced it in the pid file, and the
     daemon's stop never reached it); now it goes with its agent."""
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", CRASHING_FORKER]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", CRASHING_FORKER]))
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     sandbox = Path(sup.sandbox(agent.agent_id))
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.serve)
             sup.want(agent.agent_id)
-            await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the agent to crash")
+            await wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the agent to crash")
             [tool] = [int(p.read_text()) for p in sandbox.glob("child-*.pid")]
-            await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
+            await wait_for(lambda: not os.path.exists(f"/proc/{tool}")
                             or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go")
             nursery.cancel_scope.cancel()
     finally:
@@ -372,7 +314,7 @@ async def _blocked(store: HostStore, tmp_path: Path, nursery: trio.Nursery, agen
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     await nursery.start(sup.serve)
     sup.want(agent_id)
-    await _wait_for(lambda: sup.status(agent_id).state is RunState.BLOCKED, "blocked state")
+    await wait_for(lambda: sup.status(agent_id).state is RunState.BLOCKED, "blocked state")
     return sup
 
 
@@ -385,7 +327,7 @@ async def test_a_missing_secret_blocks_the_start_until_it_is_set(
     at every try."""
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["secrets"] = ["API_TOKEN"]
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     async with trio.open_nursery() as nursery:
         sup = await _blocked(store, tmp_path, nursery, agent.agent_id)
         assert "API_TOKEN" in sup.status(agent.agent_id).detail
@@ -393,7 +335,7 @@ async def test_a_missing_secret_blocks_the_start_until_it_is_set(
         await trio.sleep(600)
         assert not os.path.exists(Path(sup.sandbox(agent.agent_id)) / "probe.json")
         keychain.store_secret(store.root, "API_TOKEN", "now-set")
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start")
+        await wait_for(lambda: sup.status(agent.agent_id).state is RunState.RUNNING, "the agent to start")
         nursery.cancel_scope.cancel()
     assert caplog.text.count("not started") == 1
 
@@ -405,7 +347,7 @@ async def test_a_secret_the_host_did_not_grant_is_never_given(store: HostStore, 
     it starts without a restart, and a revoke keeps the next start from it."""
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["secrets"] = ["API_TOKEN", "DEPLOY_KEY"]
-    agent = _agent_with_spec(store, spec, granted=False)
+    agent = agent_with_spec(store, spec, granted=False)
     keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
     keychain.store_secret(store.root, "DEPLOY_KEY", "d3pl0y-value")
     grants.grant(store.root, agent.agent_id, ["API_TOKEN"])
@@ -418,7 +360,7 @@ async def test_a_secret_the_host_did_not_grant_is_never_given(store: HostStore, 
         probe = Path(sup.sandbox(agent.agent_id)) / "probe.json"
         assert not probe.exists()
         grants.grant(store.root, agent.agent_id, ["DEPLOY_KEY"])
-        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent to start")
+        await wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the agent to start")
         assert json.loads(probe.read_text())["env"]["DEPLOY_KEY"] == "d3pl0y-value"
         nursery.cancel_scope.cancel()
     assert grants.revoke(store.root, agent.agent_id, ["DEPLOY_KEY"]) == ["API_TOKEN"]
@@ -429,12 +371,12 @@ async def test_a_secret_the_host_did_not_grant_is_never_given(store: HostStore, 
 async def test_the_status_of_a_crashed_agent_names_no_dead_pid(store: HostStore, tmp_path: Path, autojump_clock) -> None:
     """Waiting to restart, the status showed the pid of the process that had
     exited (a pid the system may give to another process)."""
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", "import sys; sys.exit(3)"]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", "import sys; sys.exit(3)"]))
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the crash")
+        await wait_for(lambda: sup.status(agent.agent_id).last_exit == 3, "the crash")
         st = sup.status(agent.agent_id)
         assert (st.state, st.pid) == (RunState.BACKOFF, None)
         nursery.cancel_scope.cancel()
@@ -465,12 +407,12 @@ async def test_a_crash_after_a_healthy_run_waits_the_first_delay_again(
 async def _failed(store: HostStore, tmp_path: Path, spec: dict, *, starts: int = 1, healthy: float = 60.0) -> RunStatus:
     """A copy of the status of an agent of ``spec`` once ``starts`` of its
     starts have failed (it waits to try again)."""
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), healthy=healthy)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).restarts >= starts, "failed starts")
+        await wait_for(lambda: sup.status(agent.agent_id).restarts >= starts, "failed starts")
         st = copy.copy(sup.status(agent.agent_id))
         nursery.cancel_scope.cancel()
     assert st.state is RunState.BACKOFF
@@ -498,7 +440,7 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
     disk, filling it again), and came every 2 s."""
     from capsulefs.agents import supervisor as S
 
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
     sha = store.put_blob(b"x\n")
     with store.writing():
         agent.write_files({fmt.SNAPSHOT: fmt.snapshot_bytes({"a": sha, "a/b": sha})}, add_blobs={sha})
@@ -513,9 +455,9 @@ async def test_a_sandbox_that_cannot_be_built_blocks_the_agent_not_the_daemon(
         # thread, and the autojump clock may jump ahead while one works: so
         # the time of the eighth try is a lower bound.)
         t0 = trio.current_time()
-        await _wait_for(lambda: len(tries) >= 8, "eight tries")
+        await wait_for(lambda: len(tries) >= 8, "eight tries")
         assert trio.current_time() - t0 >= 1 + 2 + 4 + 8 + 16 + 32 + 60 - 1
-        await _wait_for(lambda: sup.status(agent.agent_id).detail.endswith("trying again in 60 s"), "the last backoff")
+        await wait_for(lambda: sup.status(agent.agent_id).detail.endswith("trying again in 60 s"), "the last backoff")
         nursery.cancel_scope.cancel()
 
 
@@ -525,7 +467,7 @@ async def test_stopping_an_agent_during_setup_leaves_nothing_of_it_running(store
     started ran on, outside any supervision."""
     spec = default_spec([sys.executable, "-c", PROBE])
     spec["setup"] = [["sh", "-c", "sleep 300 & echo $! > setup-tool.pid; echo started; wait"]]
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)), grace=1.0)
     tool_pid = Path(sup.sandbox(agent.agent_id)) / "setup-tool.pid"
     tool = None
@@ -533,12 +475,12 @@ async def test_stopping_an_agent_during_setup_leaves_nothing_of_it_running(store
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.serve)
             sup.want(agent.agent_id)
-            await _wait_for(lambda: tool_pid.exists() and tool_pid.read_text().strip(), "the setup step's tool")
+            await wait_for(lambda: tool_pid.exists() and tool_pid.read_text().strip(), "the setup step's tool")
             tool = int(tool_pid.read_text())
             assert sup.status(agent.agent_id).state is RunState.BUILDING
             with trio.fail_after(HANG):
                 await sup.unwant(agent.agent_id, sync=False)
-            await _wait_for(lambda: not os.path.exists(f"/proc/{tool}")
+            await wait_for(lambda: not os.path.exists(f"/proc/{tool}")
                             or Path(f"/proc/{tool}/stat").read_text().split()[2] == "Z", "the tool to go")
             nursery.cancel_scope.cancel()
     finally:
@@ -561,7 +503,7 @@ async def test_freezing_an_agent_not_run_by_this_daemon_still_syncs_its_sandbox(
     not run since: its spec's entrypoint was set to null, say). Before, a
     freeze found no process and synced nothing, so a move carried the old
     snapshot and the retire then discarded the sandbox with the work."""
-    agent = _agent_with_spec(store, default_spec(None))
+    agent = agent_with_spec(store, default_spec(None))
     hooks = StoreHooks(store, str(tmp_path))
     sup = Supervisor(store.root, hooks)
     sandbox = sup.sandbox(agent.agent_id)
@@ -590,7 +532,7 @@ async def test_a_failed_setup_step_never_shows_a_secret_in_status_or_log(store: 
 async def test_the_agent_process_is_told_which_env_names_are_secrets(store: HostStore, tmp_path: Path) -> None:
     spec = default_spec([sys.executable, "-c", PROBE.replace('"HOME")', '"HOME", "CAPSULE_SECRETS")')])
     spec["secrets"] = ["API_TOKEN"]
-    agent = _agent_with_spec(store, spec)
+    agent = agent_with_spec(store, spec)
     keychain.store_secret(store.root, "API_TOKEN", "s3cr3t-value")
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
@@ -612,16 +554,16 @@ async def test_a_malformed_spec_blocks_its_agent_and_nothing_else(store: HostSto
     spec = {**default_spec([sys.executable, "-c", PROBE]), **bad}
     agent = make_agent(store, "broken", workspace={})
     agent.write_files({fmt.SPEC: json.dumps(spec).encode()})
-    good = _agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
+    good = agent_with_spec(store, default_spec([sys.executable, "-c", PROBE]))
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path)))
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "the broken agent to be blocked")
+        await wait_for(lambda: sup.status(agent.agent_id).state is RunState.BLOCKED, "the broken agent to be blocked")
         assert "spec" in sup.status(agent.agent_id).detail
         sup.want(good.agent_id)
         probe = Path(sup.sandbox(good.agent_id)) / "probe.json"
-        await _wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the other agent to run")
+        await wait_for(lambda: probe.exists() and probe.stat().st_size > 0, "the other agent to run")
         nursery.cancel_scope.cancel()
 
 
@@ -644,7 +586,7 @@ while True:
 
 @pytest.mark.parametrize("how", ["file", "link"])
 async def test_a_running_agent_s_reported_problem_is_in_its_status(store: HostStore, tmp_path: Path, how: str) -> None:
-    agent = _agent_with_spec(store, default_spec([sys.executable, "-c", REPORTER, how]))
+    agent = agent_with_spec(store, default_spec([sys.executable, "-c", REPORTER, how]))
     sup = Supervisor(store.root, StoreHooks(store, str(tmp_path / "mnt")), grace=5)
     async with trio.open_nursery() as nursery:
         await _serve_and_start(sup, nursery, agent.agent_id)
