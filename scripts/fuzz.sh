@@ -3,7 +3,7 @@
 # for SECONDS in all (default 600, shared equally), then inputs/s, distinct
 # exceptions that are not CapsuleError, leftovers in staging/, peak RSS and the
 # load average. Extra arguments go to the harness, e.g. --only archive, --save DIR.
-# Exit 1 if anything was found. CI runs a short pass instead (tests/test_fuzz.py).
+# Exit 1 if anything was found. CI runs a short pass instead (tests/fuzz/test_fuzz.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-600}

@@ -1,4 +1,9 @@
-"""Fixtures shared by every test tier.
+"""Fixtures shared by every test tier, and the tiers themselves.
+
+Each test lives in the folder of its tier, and the marker of the tier's name
+selects it (``pytest -m unit``, ``-m "not daemons"``); see :data:`TIERS`.
+A real-mount test is marked ``fuse`` too: every one in ``tests/mount/``, by
+its folder; elsewhere, by its module's ``pytestmark``.
 
 An unexpected warning fails a test (pyproject: filterwarnings = error), as
 in S3QL. Tests that log at ERROR without declaring it fail too: a test that
@@ -94,3 +99,29 @@ def _no_error_logs(caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequ
     errors = [r for r in caplog.get_records("call") if r.levelno >= 40]
     if errors:
         pytest.fail("unexpected error log: " + "; ".join(r.getMessage() for r in errors))
+
+
+#: The test tiers: a folder of tests/ each, and the marker that selects it.
+TIERS = {
+    "unit": "pure code: no state directory, process, socket or mount",
+    "ops": "one host's state directory on disk: store, journals, Operations without a kernel, "
+           "the CLI and agent processes, no mount",
+    "mount": "real FUSE mounts (needs /dev/fuse and root)",
+    "daemons": "several real daemons or peers over TLS: moves, the peer link, the fleet engines",
+    "fuzz": "the fuzz targets' short CI pass",
+}
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from mount_kit import needs_fuse
+
+    for item in items:
+        rel = item.path.resolve().relative_to(TESTS)
+        tier = rel.parts[0] if len(rel.parts) > 1 else ""
+        if tier not in TIERS:
+            raise pytest.UsageError(f"tests/{rel}: every test lives in the folder of its tier ({', '.join(TIERS)})")
+        item.add_marker(tier)
+        if tier == "mount":
+            item.add_marker(pytest.mark.fuse)
+            item.add_marker(needs_fuse)

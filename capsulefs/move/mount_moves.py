@@ -22,12 +22,12 @@ The test seam ``CAPSULEFS_TEST_CRASH_AT=<side>:<state>`` (test-only, read once
 at daemon start) makes the daemon ``os._exit(137)`` right after it durably
 wrote that holder state: source:frozen, source:committing, source:retired,
 source:held (rolled back), target:offered, target:verified, target:prepared,
-target:held (activated, before the reply). tests/test_move_daemons.py uses it
+target:held (activated, before the reply). tests/daemons/test_move_daemons.py uses it
 to kill a real daemon at each phase of a move.
 
 The test seam ``CAPSULEFS_TEST_CALL_TIMEOUT=SECONDS`` (test-only, read once at
 daemon start) replaces the 120 s a move's call may take before it is a
-timeout, so tests/test_move_daemon_errors.py can see ETIMEDOUT quickly.
+timeout, so tests/daemons/test_move_daemon_errors.py can see ETIMEDOUT quickly.
 """
 
 from __future__ import annotations

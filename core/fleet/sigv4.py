@@ -13,7 +13,7 @@ Rules:
     everything else %XX upper case) and sorted.
   * :class:`Credentials` never shows its secret in a repr.
 
-Checked against AWS's published vectors (tests/test_fleet_sigv4.py): the
+Checked against AWS's published vectors (tests/unit/test_fleet_sigv4.py): the
 SigV4 test suite's get-vanilla cases and the S3 API reference's examples.
 """
 

@@ -11,7 +11,7 @@ Rules:
   * A target's module is ``tests/fuzz/targets_<area>.py`` and defines
     ``TARGETS: list[Target]``; :func:`all_targets` finds every one.
 
-The CI pass (tests/test_fuzz.py) runs each target briefly; scripts/fuzz.sh
+The CI pass (tests/fuzz/test_fuzz.py) runs each target briefly; scripts/fuzz.sh
 runs a long pass and reports inputs/s, distinct foreign exceptions and peak
 memory.
 """

@@ -2,7 +2,7 @@
 
 Run from tests/: ``python -m fuzz.harness --seconds 600`` (scripts/fuzz.sh),
 or ``--inputs N``, ``--only archive.verify``; ``--save DIR`` keeps each
-finding's first input. tests/test_fuzz.py runs a short pass of every target.
+finding's first input. tests/fuzz/test_fuzz.py runs a short pass of every target.
 
 Theory of operation: each target's seeds, plus every input it has accepted
 so far, form its pool. An input is one to four mutations of a pool entry:

@@ -165,7 +165,7 @@ def test_only_the_mounting_user_and_root_write_control_files(store: HostStore, s
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c"]
     try:
         # (--no-run: with agents run isolated, as root, the mount keeps every
-        # agent's directory to its own uid; tests/test_sandbox.py checks that)
+        # agent's directory to its own uid; tests/mount/test_sandbox.py checks that)
         with mounted(state_dir, mnt, "--allow-other", "--no-run"):
             ctl = mnt / "alice" / ".control"
             read = subprocess.run([*nobody, f"cat {ctl / 'status'}"], capture_output=True, text=True)

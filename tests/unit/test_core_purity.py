@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parent.parent / "core"
+CORE = Path(__file__).resolve().parents[2] / "core"
 FORBIDDEN = {"trio", "pyfuse3", "socket", "ssl", "subprocess"}
 
 

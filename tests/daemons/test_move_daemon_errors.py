@@ -39,7 +39,7 @@ from helpers import bound
 from mount_kit import needs_fuse
 from test_move_daemons import Host, hosts, make_agent, verify_on, write_move  # noqa: F401 (hosts: a fixture)
 
-pytestmark = needs_fuse
+pytestmark = [pytest.mark.fuse, needs_fuse]
 
 
 def big_memory(h: Host, agent: str, size: int) -> tuple[bytes, str]:

@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 from helpers import reference_agent_spec
+import pytest
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
 from capsulefs.testing.stub_provider import serve
 from capsulefs.agents.supervisor import ours_isolated
 
-pytestmark = [needs_fuse]
+pytestmark = [pytest.mark.fuse, needs_fuse]
 
 PLANTED = ("json", "concurrent", "capsulefs")
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from helpers import reference_agent_spec
+import pytest
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
@@ -20,7 +21,7 @@ from capsulefs.core.store.holder import HolderState
 from capsulefs.core.journal.lines import verify_lines
 from capsulefs.testing.stub_provider import serve
 
-pytestmark = [needs_fuse]
+pytestmark = [pytest.mark.fuse, needs_fuse]
 
 
 def _records(h: Host, name: str) -> list[Record]:

@@ -17,7 +17,7 @@ from mount_kit import CAPSULEFS, MOUNT_POLLS, capsulefs, force_unmount, needs_fu
 from helpers import HANG, make_agent, wait_until
 from mount_kit import CAPSULEFS, capsulefs, force_unmount, needs_fuse
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "contrib" / "mount.fuse.capsulefs"
 UMOUNT_HELPER = REPO / "contrib" / "umount.fuse.capsulefs"
 UNIT = REPO / "contrib" / "systemd" / "capsulefs.service"

@@ -2,7 +2,7 @@
 
 The mover is a fake: these tests check the adapter's part only (input
 checks, the errno of each outcome, waiting without holding up other
-requests, mkdir's holder hook). Real moves: tests/test_move_daemons.py.
+requests, mkdir's holder hook). Real moves: tests/daemons/test_move_daemons.py.
 """
 
 from __future__ import annotations

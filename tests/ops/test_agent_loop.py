@@ -1,7 +1,7 @@
 """The reference agent's loop over a real journal, tools in a real sandbox.
 
 The provider is scripted here at the one seam the loop has for it (``call``);
-tests/test_agent_providers.py drives the same loop through the official SDKs
+tests/ops/test_agent_providers.py drives the same loop through the official SDKs
 against stub servers on loopback.
 """
 

@@ -30,7 +30,7 @@ from helpers import HANG
 from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
 from mount_kit import status as agent_status
 
-pytestmark = needs_fuse
+pytestmark = [pytest.mark.fuse, needs_fuse]
 
 POLL = 0.05
 WAIT = HANG  # seconds any one condition may take to come true (a bound on a hang)

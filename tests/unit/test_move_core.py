@@ -22,7 +22,7 @@ from capsulefs.core.store.holder import (
 )
 
 A, B, C = "A" * 52, "B" * 52, "C" * 52
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "move.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "move.md"
 
 
 def pump(w: World, until=lambda: False, limit: int = 100) -> None:

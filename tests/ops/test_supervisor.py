@@ -209,7 +209,7 @@ def test_agents_die_with_a_killed_daemon_and_leftovers_are_reaped(store: HostSto
 
     spec = default_spec([sys.executable, "-c", PROBE])
     agent = agent_with_spec(store, spec)
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])  # (its kits)
     with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
                           stdout=subprocess.PIPE, text=True) as daemon:
         pid = int(daemon.stdout.readline())
@@ -251,7 +251,7 @@ def test_a_restarted_daemon_reaps_the_tools_of_an_agent_its_killed_daemon_left(s
     import subprocess
 
     agent = agent_with_spec(store, default_spec([sys.executable, "-c", FORKING_AGENT]))
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])  # (its kits)
     with subprocess.Popen([sys.executable, "-c", DAEMON_LIKE, store.root, agent.agent_id, tests_dir],
                           stdout=subprocess.PIPE, text=True) as daemon:
         leader = int(daemon.stdout.readline())
