@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pyfuse3
 
 from capsulefs.core.errors import NotFoundError
-from capsulefs.core.view.host import ROOT, Node
+from capsulefs.core.view.nodes import ROOT, Node
 
 
 class InodeTable:

@@ -40,7 +40,8 @@ import trio
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.view.blobcheck import BlobCheck, Verdict
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
-from capsulefs.core.view.host import Attr, Kind, LiveHost, Node
+from capsulefs.core.view.nodes import Attr, Kind, Node
+from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.handles import Handle
 from capsulefs.core.view.errors import NotPermitted, NotSupported
 

@@ -44,7 +44,7 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
-from capsulefs.core.view.host import AgentState
+from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.move.host import holders_dir
 from capsulefs.agents.supervisor import RunState, Supervisor

@@ -17,7 +17,7 @@ from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
 from capsulefs.core.store.holder import HolderRecord
-from capsulefs.core.view.handles import MAX_EDIT_SIZE
+from capsulefs.core.view.edit import MAX_EDIT_SIZE
 from capsulefs.core.capsule.spec import default_spec, parse_spec
 
 #: Largest ``--spec`` file ``new`` reads: what the mount lets a spec.json edit grow to.

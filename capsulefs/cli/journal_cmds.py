@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from capsulefs.core.journal.timeline import Query
 
 SUMMARY_CHARS = 100
-#: Most bytes ``append --stdin`` reads in all (None: ``handles.MAX_EDIT_SIZE``):
+#: Most bytes ``append --stdin`` reads in all (None: ``view.edit.MAX_EDIT_SIZE``):
 #: its drafts are appended all or none, so they are held in memory until the
 #: input ends (as big as a ``new --spec`` file or a working_memory.md edit may be).
 MAX_STDIN_DRAFTS: int | None = None
@@ -192,7 +192,8 @@ def _stdin_drafts(f: BinaryIO) -> list[Any]:
     first line instead of being read whole into memory; input that goes on
     (valid lines without end) stops at MAX_STDIN_DRAFTS bytes in all."""
     from capsulefs.core.journal.file import parse_draft_lines
-    from capsulefs.core.view.handles import MAX_EDIT_SIZE, MAX_PARTIAL_LINE
+    from capsulefs.core.view.edit import MAX_EDIT_SIZE
+    from capsulefs.core.view.handles import MAX_PARTIAL_LINE
 
     limit = MAX_STDIN_DRAFTS if MAX_STDIN_DRAFTS is not None else MAX_EDIT_SIZE
     events: list[Any] = []

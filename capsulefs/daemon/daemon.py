@@ -64,7 +64,8 @@ from capsulefs.agents import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.holder import HolderBook, HolderState
-from capsulefs.core.view.host import AgentState, LiveHost
+from capsulefs.core.view.nodes import AgentState
+from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.errors import ReadOnly
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import load_or_create_identity
@@ -333,7 +334,7 @@ class Daemon:
         for listener in self.listeners:
             await listener.on_activate(agent_id)  # type: ignore[attr-defined]
 
-    # -- the mount's remover (.control/remove; capsulefs.core.view.handles.Remover) --------
+    # -- the mount's remover (.control/remove; capsulefs.core.view.control.Remover) --------
     async def remove(self, agent_id: str) -> None:
         """Remove the agent from this host; return once it is gone.
 

@@ -16,61 +16,27 @@ Rules:
     direct write). The kernel refuses a shared map of a direct I/O file
     (ENODEV); a private one works.
 
-See :mod:`capsulefs.core.view.host` for the view that makes them.
+Control files' handles are in ``control``; see :mod:`capsulefs.core.view.host` for the view that makes them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from ..capsule import format as fmt
-from .blobcheck import BlobCheck
 from ..errors import CapsuleError, FormatError, NotFoundError
 from ..journal.file import parse_draft_lines
-from .errors import NotPermitted, NotSupported, TooLarge
-from ..render import PROVIDER_ALIASES, PROVIDERS
-
-if TYPE_CHECKING:
-    from .host import LiveAgent
+from .agent import LiveAgent
+from .blobcheck import BlobCheck
+from .edit import check_edit_size, resize
+from .errors import NotPermitted, TooLarge
 
 log = logging.getLogger(__name__)
 
 #: Longest journal line a handle takes (it holds an incomplete one while waiting for its newline).
 MAX_PARTIAL_LINE = 16 << 20
 _TOO_LONG = f"a journal line is longer than {MAX_PARTIAL_LINE >> 20} MiB: nothing of it is appended"
-#: Largest working_memory.md or spec.json a write or truncate may make: the
-#: file being edited is held in the daemon's memory until it is committed.
-MAX_EDIT_SIZE = 64 << 20
-MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
-REMOVE_UNAVAILABLE = "removing agents through this mount is not available (.control/remove is reserved)"
-#: Longest line accepted by ``.control/model``, ``.control/move``, ``.control/abandon`` and ``.control/remove``.
-MAX_CONTROL_LINE = 1024
-
-
-class Mover(Protocol):
-    """Who carries out ``.control/move`` and ``.control/abandon`` (the daemon).
-
-    ``move`` returns once the agent moved and raises a domain error (see
-    ``view.errors``: MoveBusy, PeerUnreachable, MoveRefused...) if the move
-    rolled back or was refused; ``abandon`` ends an in-doubt move."""
-
-    async def move(self, agent_id: str, target: str) -> None: ...
-
-    async def abandon(self, agent_id: str, why: str) -> None: ...
-
-
-class Remover(Protocol):
-    """Who carries out ``.control/remove`` (the daemon).
-
-    ``remove`` returns once the agent is gone from this host (its process
-    stopped, its files and the areas beside them removed) and raises a
-    domain error if it was refused: MoveBusy while a move of it is under
-    way, ReadOnly in failsafe, NotFoundError if it is gone already."""
-
-    async def remove(self, agent_id: str) -> None: ...
 
 
 class Handle:
@@ -266,35 +232,6 @@ class JournalHandle(Handle):
         raise NotPermitted("the journal is append-only: it cannot be truncated")
 
 
-@dataclass(slots=True)
-class Edit:
-    """An editable file being written: its bytes as writers see them.
-
-    ``dirty``: changed since the last commit; ``written``: by a write (not
-    only a truncate). ``detached``: the file was replaced (renamed over)
-    while open; like writers of an unlinked inode, its writers go on
-    writing bytes that nobody will see and nothing commits. ``fresh``: a
-    file created anew after an unlink, not committed yet; it takes the
-    capsule's mode at its commit, so mode changes until then are accepted
-    (``install`` copies under mode 0600, ``mv`` sets the source's mode).
-    ``failed``: a write to it failed (too large, read-only...); the bytes
-    are not what any writer meant, so the edit is detached and poisoned:
-    its writes, truncates and fsyncs fail with that error, nothing of it is
-    committed, and the file stays as it was (the next open starts anew);
-    a close fails too if bytes written before the failure were dropped
-    (``dropped``)."""
-
-    data: bytearray
-    dirty: bool = False
-    written: bool = False
-    writers: int = 0
-    detached: bool = False
-    fresh: bool = False
-    failed: CapsuleError | None = None
-    dropped: bool = False
-    times: tuple[int, int] | None = None  # (atime, mtime) set after the last write: applied at its commit
-
-
 class EditHandle(Handle):
     """working_memory.md or spec.json, open for reading or writing.
 
@@ -404,146 +341,10 @@ class EditHandle(Handle):
             self.agent.end_edit(self.rel, self.edit)
 
 
-class ModelHandle(Handle):
-    """.control/model: reads ``provider:model``; a write switches the model."""
-
-    direct_io = True
-
-    def __init__(self, agent: "LiveAgent", writable: bool) -> None:
-        self.agent = agent
-        self.writable = writable
-        self.data = agent.model_bytes()
-
-    def read(self, offset: int, size: int) -> bytes:
-        return self.data[offset: offset + size]
-
-    def write(self, offset: int, data: bytes) -> int:
-        # One short line, whole: a long write comes in pieces, none of which may switch the model.
-        self.agent.switch_model(*parse_model_line(bytes(data)))
-        return len(data)
-
-    def truncate(self, size: int) -> None:
-        pass  # `echo x > model` truncates first; the write that follows is what counts
-
-
-class MoveHandle(Handle):
-    """.control/move (a peer's name or host id: move the agent there) and
-    .control/abandon (a reason: end an in-doubt move here). A write blocks
-    until the mover is done; its outcome is the write's error."""
-
-    direct_io = True
-
-    def __init__(self, agent: "LiveAgent", what: str, mover: Mover | None) -> None:
-        self.agent = agent
-        self.what = what  # "move" or "abandon"
-        self.mover = mover
-
-    def read(self, offset: int, size: int) -> bytes:
-        return b""
-
-    def write(self, offset: int, data: bytes) -> int:
-        raise NotSupported(MOVE_UNAVAILABLE)
-
-    async def write_async(self, offset: int, data: bytes) -> int:
-        if self.mover is None:
-            raise NotSupported(MOVE_UNAVAILABLE)
-        line = control_line(bytes(data), f".control/{self.what}")
-        if self.what == "move":
-            await self.mover.move(self.agent.agent_id, line)
-        else:
-            await self.mover.abandon(self.agent.agent_id, line)
-        return len(data)
-
-    def truncate(self, size: int) -> None:
-        pass  # `echo x > move` truncates first; the write that follows is what counts
-
-
-class RemoveHandle(Handle):
-    """.control/remove: the agent's id, exactly, removes the agent from this
-    host. Anything else (its name, ``yes``, an empty line) is refused with
-    FormatError and removes nothing, so a stray write cannot delete an agent.
-    A write blocks until the remover is done; its outcome is the write's error."""
-
-    direct_io = True
-
-    def __init__(self, agent: "LiveAgent", remover: Remover | None) -> None:
-        self.agent = agent
-        self.remover = remover
-
-    def read(self, offset: int, size: int) -> bytes:
-        return b""
-
-    def write(self, offset: int, data: bytes) -> int:
-        raise NotSupported(REMOVE_UNAVAILABLE)
-
-    async def write_async(self, offset: int, data: bytes) -> int:
-        if self.remover is None:
-            raise NotSupported(REMOVE_UNAVAILABLE)
-        check_removal(bytes(data), self.agent.agent_id)
-        await self.remover.remove(self.agent.agent_id)
-        return len(data)
-
-    def truncate(self, size: int) -> None:
-        pass  # `echo ID > remove` truncates first; the write that follows is what counts
-
-
-def control_line(data: bytes, what: str, *, example: str = "laptop", strip: bool = True) -> str:
-    """The one line of text a control file write may carry, or FormatError:
-    UTF-8 without control characters (C0, DEL, C1), one trailing newline
-    allowed (as ``echo`` writes). ``strip``: spaces around it and a CRLF
-    line end are dropped (a peer's name, a model); else they are part of
-    the text."""
-    if len(data) > MAX_CONTROL_LINE:
-        raise FormatError(f"{what}: write one line of at most {MAX_CONTROL_LINE} bytes")
+def truncate_new(handle: Handle) -> None:
+    """O_TRUNC of a file just opened: the handle is closed again if refused."""
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise FormatError(f"{what}: not UTF-8 text") from None
-    text = text[:-1] if text.endswith("\n") else text
-    if strip and text.endswith("\r"):  # (a CRLF line end)
-        text = text[:-1]
-    if not text.strip(" ") or any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text):  # (another newline is one)
-        raise FormatError(f"{what}: write exactly one non-empty line (e.g. `echo {example} > {what}`)")
-    return text.strip(" ") if strip else text
-
-
-def parse_model_line(data: bytes) -> tuple[str, str]:
-    """What a write to ``.control/model`` switches to: (provider id, model), or
-    FormatError. The provider must be one the renderers know, or a short
-    name for one (``render.PROVIDER_ALIASES``): the agent could never answer
-    for another."""
-    line = control_line(data, ".control/model", example="anthropic:claude-sonnet-4-5")
-    provider, sep, model = line.partition(":")
-    provider, model = provider.strip(" "), model.strip(" ")
-    if not sep or not provider or not model:
-        raise FormatError(f"model {line[:80]!r} is not provider:model (e.g. anthropic:claude-sonnet-4-5)")
-    provider = PROVIDER_ALIASES.get(provider, provider)
-    if provider not in PROVIDERS:
-        known = ", ".join(sorted(PROVIDERS)) + "; " + ", ".join(f"{a} means {p}" for a, p in
-                                                              sorted(PROVIDER_ALIASES.items()))
-        raise FormatError(f"unknown provider {provider[:80]!r} in .control/model; known: {known}")
-    return provider, model
-
-
-def check_removal(data: bytes, agent_id: str) -> None:
-    """FormatError unless a write to ``.control/remove`` is exactly ``agent_id``
-    (with at most the newline ``echo`` adds): a stray write removes nothing."""
-    token = control_line(data, ".control/remove", example="AGENT_ID", strip=False)
-    if token != agent_id:
-        raise FormatError(f".control/remove: {token[:64]!r} is not this agent's id; write exactly its id, "
-                          f"nothing around it (\"agent_id\" in .control/status) to remove it")
-
-
-def check_edit_size(rel: str, size: int, now: int = 0) -> None:
-    """TooLarge if ``rel`` would grow from ``now`` bytes to ``size``, beyond MAX_EDIT_SIZE."""
-    if size > max(now, MAX_EDIT_SIZE):
-        raise TooLarge(f"{rel} may not grow beyond {MAX_EDIT_SIZE >> 20} MiB")
-
-
-def resize(buf: bytearray, size: int, rel: str) -> None:
-    """Cut or zero-extend ``buf`` (the edit of ``rel``) to ``size`` bytes, like ftruncate."""
-    check_edit_size(rel, size, len(buf))
-    if size < len(buf):
-        del buf[size:]
-    else:
-        buf.extend(b"\0" * (size - len(buf)))
+        handle.truncate(0)
+    except BaseException:
+        handle.release()
+        raise

@@ -20,7 +20,7 @@ Rules:
     any provider takes; a write or truncate beyond is TooLarge), and an
     agent has at most :data:`MAX_OPEN_UPLOADS` open at once (FilesBusy).
   * An ``attachment`` event appended through the mount must name a blob the
-    agent's manifest lists, with its size (:func:`check_attachments`): one
+    agent's manifest lists, with its size (``agent.check_attachments``): one
     stored through ``artifacts/blobs/`` or held already.
 
 Theory of operation: writes are hashed as they arrive while they come in
@@ -36,20 +36,15 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from ..capsule import format as fmt
 from ..errors import FilesBusy, FormatError
-from ..journal.events import Attachment, Event
 from ..fsutil import makedirs_durable
 from ..hashing import CHUNK
 from .errors import NotPermitted, TooLarge
+from .agent import LiveAgent
 from .handles import Handle
 from ..render import MAX_ATTACHMENT
-
-if TYPE_CHECKING:
-    from .host import LiveAgent
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +64,6 @@ def check_upload_name(name: str) -> str:
     return name
 
 
-def check_attachments(listed: Callable[[], Mapping[str, int]], events: Sequence[Event]) -> None:
-    """FormatError unless every attachment event names a blob in ``listed()``
-    (sha256 -> size: the agent's manifest, read only if there is one) and
-    gives its size."""
-    blobs: Mapping[str, int] | None = None
-    for ev in events:
-        if type(ev) is not Attachment:
-            continue
-        blobs = listed() if blobs is None else blobs
-        size = blobs.get(ev.blob)
-        if size is None:
-            raise FormatError(f"attachment {ev.blob}: this agent has no such blob; write the file to "
-                              f"{fmt.BLOBS_DIR}/<its sha256> first")
-        if size != ev.size:
-            raise FormatError(f"attachment {ev.blob}: size {ev.size} but the blob has {size} bytes")
 
 
 class UploadArea:
@@ -99,7 +79,7 @@ class UploadArea:
     def under(cls, work_dir: str) -> "UploadArea":
         return cls(os.path.join(work_dir, SUBDIR))
 
-    def open(self, agent: "LiveAgent", sha256: str) -> "UploadHandle":
+    def open(self, agent: LiveAgent, sha256: str) -> "UploadHandle":
         mine = self._open.setdefault(agent.agent_id, [])
         if len(mine) >= MAX_OPEN_UPLOADS:
             raise FilesBusy(f"{fmt.BLOBS_DIR}/: agent {agent.agent_id} has {len(mine)} uploads open; "
@@ -129,7 +109,7 @@ class UploadHandle(Handle):
 
     direct_io = True  # bytes not yet verified never sit in the page cache
 
-    def __init__(self, agent: "LiveAgent", area: UploadArea, sha256: str, fd: int, path: str) -> None:
+    def __init__(self, agent: LiveAgent, area: UploadArea, sha256: str, fd: int, path: str) -> None:
         self.agent = agent
         self.area = area
         self.sha256 = sha256

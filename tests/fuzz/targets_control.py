@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capsulefs.core.journal.events import ModelSwitch
-from capsulefs.core.view.handles import MAX_CONTROL_LINE, check_removal, control_line, parse_model_line
+from capsulefs.core.view.control import MAX_CONTROL_LINE, check_removal, control_line, parse_model_line
 from capsulefs.core.render import PROVIDER_ALIASES, PROVIDERS
 
 from . import Target

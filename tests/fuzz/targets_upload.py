@@ -18,7 +18,8 @@ from pathlib import Path
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.view.host import Kind, LiveHost, Node
+from capsulefs.core.view.nodes import Kind, Node
+from capsulefs.core.view.host import LiveHost
 from capsulefs.core.store.host_store import HostStore
 
 from . import Target

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.view.handles import MAX_CONTROL_LINE
+from capsulefs.core.view.control import MAX_CONTROL_LINE
 from fuzz import Target, all_targets
 from fuzz.targets_control import AGENT_ID, TARGETS
 

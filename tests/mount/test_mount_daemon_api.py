@@ -17,7 +17,7 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
-from capsulefs.core.view.host import AgentState
+from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon.daemon import Daemon

@@ -17,7 +17,7 @@ import trio.testing
 
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError
-from capsulefs.core.view.host import CONTROL
+from capsulefs.core.view.nodes import CONTROL
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import make_agent

@@ -20,7 +20,7 @@ from capsulefs.core.journal.events import Record
 from capsulefs.core.view.uploads import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
-from capsulefs.core.view.host import Kind, Node
+from capsulefs.core.view.nodes import Kind, Node
 from helpers import agent_id_for, make_agent
 from ops_kit import Client, FakeKernel, Fields, _reply, errno_of, make_live
 

@@ -14,7 +14,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
 from capsulefs.core.journal.events import Record
-from capsulefs.core.view.host import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
+from capsulefs.core.view.nodes import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations
 from helpers import make_agent
@@ -477,7 +477,7 @@ def test_a_crash_after_a_large_memory_edit_is_journaled_loses_no_blob(store: Hos
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal names the edit's blob once it is appended: the manifest
     must list the blob by then, or a gc after a crash takes it."""
-    from capsulefs.core.view.host import LiveAgent
+    from capsulefs.core.view.agent import LiveAgent
 
     agent = make_agent(store, "alice")
     live = make_live(store, tmp_path / "work")
