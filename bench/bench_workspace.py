@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common import pairs
 
-from capsulefs.core import workspace
+from capsulefs.core.capsule import workspace
 from capsulefs.core.fsutil import walk_tree
 from capsulefs.core.hashing import hash_stream
 

@@ -54,7 +54,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from capsulefs.core import workspace
+from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write, fsync_dir, walk_tree
 

@@ -16,7 +16,6 @@ import xattr
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import HostStore
-from helpers import make_agent
 from helpers import HANG, make_agent
 from mount_kit import capsulefs, mounted, needs_fuse, status
 

@@ -12,8 +12,6 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import HostStore
-from helpers import make_agent
-from mount_kit import CAPSULEFS, MOUNT_POLLS, capsulefs, force_unmount, needs_fuse
 from helpers import HANG, make_agent, wait_until
 from mount_kit import CAPSULEFS, capsulefs, force_unmount, needs_fuse
 

@@ -16,7 +16,6 @@ import pytest
 from capsulefs.cli import main as cli_main
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import HostStore
-from helpers import make_agent
 from helpers import make_agent, wait_until
 from mount_kit import capsulefs, check_chains, mounted, needs_fuse, status
 

@@ -18,7 +18,7 @@ WRITER = r"""
 import hashlib, os, sys
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.core import format as fmt
+from capsulefs.core.capsule import format as fmt
 
 root, seed = sys.argv[1], int(sys.argv[2])
 store = HostStore.open(os.path.join(root, "state"))

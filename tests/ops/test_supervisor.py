@@ -176,7 +176,7 @@ def autojump_clock() -> trio.testing.MockClock:
 DAEMON_LIKE = r"""
 import json, sys, trio
 sys.path.insert(0, sys.argv[3])
-from test_supervisor import StoreHooks
+from supervisor_kit import StoreHooks
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.agents.supervisor import Supervisor
 

@@ -22,7 +22,7 @@ def test_every_benchmark_is_here() -> None:
     assert len(BENCHES) >= 9, BENCHES  # (a glob that finds nothing would test nothing)
 
 
-@pytest.mark.parametrize("bench", BENCHES)
+@pytest.mark.parametrize("bench", [pytest.param(b, marks=pytest.mark.fuse) if b in NEEDS_MOUNT else b for b in BENCHES])
 def test_a_benchmark_runs_at_tiny_sizes(bench: str, tmp_path: Path) -> None:
     argv = [sys.executable, str(REPO / "bench" / bench), "--smoke"]
     if bench in NEEDS_MOUNT:

@@ -21,18 +21,18 @@ from pathlib import Path
 import pytest
 import trio
 
-from capsulefs.core import format as fmt
-from capsulefs.core import workspace
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule import workspace
 from capsulefs.core.fsutil import TooDeep, open_beneath, walk_tree
-from capsulefs.core.spec import default_spec, spec_bytes
-from capsulefs.core.store import HostStore
-from capsulefs.daemon import Daemon
-from capsulefs.runtime import AgentRuntime
-from capsulefs.sandbox import Isolation
-from capsulefs.supervisor import RunState, Supervisor
+from capsulefs.core.capsule.spec import default_spec, spec_bytes
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.daemon.daemon import Daemon
+from capsulefs.agents.runtime import AgentRuntime
+from capsulefs.agents.isolation import Isolation
+from capsulefs.agents.supervisor import RunState, Supervisor
 
 from helpers import make_agent
-from test_supervisor import StoreHooks, _wait_for
+from supervisor_kit import StoreHooks, wait_for
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a tree to an agent's uid needs root")
 
@@ -228,7 +228,7 @@ async def test_a_workspace_2000_deep_is_synced_and_built_again(store: HostStore,
         workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
         put(sandbox, DEEP_FILE, b"deep\n")
         put(sandbox, TOO_DEEP_FILE, b"too deep\n")
-        with caplog.at_level(logging.WARNING, logger="capsulefs.core.workspace"):
+        with caplog.at_level(logging.WARNING, logger="capsulefs.core.capsule.workspace"):
             scan = await rt.supervisor.sync_workspace(agent.agent_id)
         assert scan is not None and list(scan.changes) == [DEEP_FILE]
         assert scan.skipped == [TOO_DEEP_DIR]
@@ -258,7 +258,7 @@ def test_a_workspace_2000_deep_is_given_to_the_agent(tmp_path: Path, caplog: pyt
     home = Path(iso.home(agent_id))
     home.mkdir()
     put(home, "d/" * 2100 + "f", b"x")
-    with caplog.at_level(logging.WARNING, logger="capsulefs.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="capsulefs.agents.isolation"):
         ids = iso.prepare(agent_id, str(ws), reach=[])
     assert owners(ws, DEEP_FILE) == {ids.uid}
     assert owners(home, "d/" * workspace.MAX_DEPTH + "d") == {ids.uid}
@@ -310,7 +310,7 @@ async def test_the_freeze_of_a_running_agent_with_a_2000_deep_workspace(store: H
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.serve)
         sup.want(agent.agent_id)
-        await _wait_for(lambda: ready.exists() and ready.stat().st_size > 0 or sup.status(agent.agent_id).state
+        await wait_for(lambda: ready.exists() and ready.stat().st_size > 0 or sup.status(agent.agent_id).state
                         in (RunState.BLOCKED, RunState.FINISHED), "the agent to write its deep files")
         assert sup.status(agent.agent_id).state is RunState.RUNNING, sup.status(agent.agent_id).detail
         await sup.freeze(agent.agent_id)
