@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +58,44 @@ class BlobData:
 IMAGE_TOKENS = 1600
 PDF_PAGE_TOKENS = 3000
 
+#: OpenAI counts an image by model (its vision guide). The full-size models
+#: stay under IMAGE_TOKENS (tiles: 85 + 170 x 8 = 1,445; gpt-4.1's 32-px
+#: patches: 1,536 at most). The small ones multiply: gpt-4.1-mini 1,536 x
+#: 1.62, o4-mini x 1.72, gpt-4.1-nano x 2.46 (3,779), and gpt-4o-mini counts
+#: 2,833 + 5,667 a tile (8 tiles at most: 48,169). A model not named here
+#: is taken for a small one: the largest patch bound, never less.
+OPENAI_FULL_SIZE = ("gpt-4o", "chatgpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3")
+OPENAI_SMALL_IMAGE_TOKENS = 3779  # ceil(1536 x 2.46)
+GPT_4O_MINI_IMAGE_TOKENS = 2833 + 8 * 5667
 
-def attachment_tokens(media_type: str, size: int, pages: int | None) -> int:
+
+def openai_image_tokens(model: str) -> int:
+    """An upper bound of what one image costs ``model`` (see above)."""
+    name = model.lower().rsplit("/", 1)[-1]
+    if name.startswith("gpt-4o-mini"):
+        return GPT_4O_MINI_IMAGE_TOKENS
+    if "mini" in name or "nano" in name or not name.startswith(OPENAI_FULL_SIZE):
+        return OPENAI_SMALL_IMAGE_TOKENS
+    return IMAGE_TOKENS
+
+
+#: Anthropic counts an image as its pixels / 750, resized to about 1.15
+#: megapixels (IMAGE_TOKENS at most), but Claude Opus 4.7 takes images up to
+#: 3.75 megapixels: 5,000 tokens; taken for every model of 4.7 and later.
+ANTHROPIC_HIGH_RES = re.compile(r"claude-(?:opus|sonnet|haiku)-(?:4-(?:[7-9]|\d\d)|[5-9]|\d\d)\b")
+ANTHROPIC_HIGH_RES_IMAGE_TOKENS = 5000
+
+
+def anthropic_image_tokens(model: str) -> int:
+    """An upper bound of what one image costs ``model`` (see above)."""
+    return ANTHROPIC_HIGH_RES_IMAGE_TOKENS if ANTHROPIC_HIGH_RES.search(model) else IMAGE_TOKENS
+
+
+def attachment_tokens(media_type: str, size: int, pages: int | None, *, image: int = IMAGE_TOKENS) -> int:
+    """An upper bound of an attachment's tokens: ``image`` for an image (the
+    provider's bound for the model), PDF_PAGE_TOKENS a page for a PDF."""
     if media_type.startswith("image/"):
-        return IMAGE_TOKENS
+        return image
     if media_type == "application/pdf":
         return PDF_PAGE_TOKENS * max(1, pages or 1) if pages is not None else max(PDF_PAGE_TOKENS, size)
     return size  # text: never more tokens than bytes

@@ -34,6 +34,7 @@ from ._base import (
     RequestLimits,
     ToolSpec,
     attachment_note,
+    anthropic_image_tokens,
     attachment_tokens,
     verbatim,
 )
@@ -66,7 +67,7 @@ class Anthropic(Provider):
                 block = {"type": "tool_use", "id": item[1], "name": item[2], "input": dict(item[3])}
                 side = "assistant"
             elif tag == ATTACH:
-                block = self._attachment(item)
+                block = self._attachment(item, model)
                 side = "user"
             elif tag == RESULT:
                 output = item[3] if item[3].strip() else NO_OUTPUT
@@ -92,13 +93,14 @@ class Anthropic(Provider):
                 content.append(block)
         return messages
 
-    def _attachment(self, item: tuple) -> dict[str, Any]:
+    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
             return {"type": "text", "text": attachment_note(ev, why)}
         source = {"type": "base64", "media_type": ev.media_type,
-                  "data": BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages))}
+                  "data": BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages,
+                                                              image=anthropic_image_tokens(model)))}
         return {"type": "image" if ev.media_type in IMAGES else "document", "source": source}
 
     def body(self, items, *, model, system, tools, max_output):

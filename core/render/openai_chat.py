@@ -32,6 +32,7 @@ from ._base import (
     args_json,
     attachment_note,
     attachment_tokens,
+    openai_image_tokens,
     error_text,
 )
 from ._plan import ATTACH, CALL, RESULT, TEXT, USER
@@ -45,12 +46,13 @@ class OpenAIChat(Provider):
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, item: tuple) -> dict[str, Any]:
+    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
             return {"type": "text", "text": attachment_note(ev, why)}
-        data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
+        tokens = attachment_tokens(ev.media_type, ev.size, pages, image=openai_image_tokens(model))
+        data = BlobData(ev.blob, tokens, f"data:{ev.media_type};base64,")
         if ev.media_type in IMAGES:
             return {"type": "image_url", "image_url": {"url": data}}
         return {"type": "file", "file": {"filename": ev.name or "document.pdf", "file_data": data}}
@@ -93,7 +95,7 @@ class OpenAIChat(Provider):
                     messages.append({"role": "user", "content": item[1]})
             elif tag == ATTACH:  # a user message of parts (tool messages take text only)
                 flush()
-                messages.append({"role": "user", "content": [self._attachment(item)]})
+                messages.append({"role": "user", "content": [self._attachment(item, model)]})
             # THINK: never sent to Chat Completions
         flush()
         return messages

@@ -41,6 +41,7 @@ from ._base import (
     args_json,
     attachment_note,
     attachment_tokens,
+    openai_image_tokens,
     error_text,
     verbatim,
 )
@@ -58,12 +59,13 @@ class OpenAIResponses(Provider):
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, item: tuple) -> dict[str, Any]:
+    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
             return {"type": "input_text", "text": attachment_note(ev, why)}
-        data = BlobData(ev.blob, attachment_tokens(ev.media_type, ev.size, pages), f"data:{ev.media_type};base64,")
+        tokens = attachment_tokens(ev.media_type, ev.size, pages, image=openai_image_tokens(model))
+        data = BlobData(ev.blob, tokens, f"data:{ev.media_type};base64,")
         if ev.media_type in IMAGES:
             return {"type": "input_image", "image_url": data, "detail": "auto"}
         return {"type": "input_file", "filename": ev.name or "document.pdf", "file_data": data}
@@ -79,7 +81,7 @@ class OpenAIResponses(Provider):
                 if item[1].strip():
                     out.append({"type": "message", "role": "assistant", "content": item[1]})
             elif tag == ATTACH:
-                out.append({"type": "message", "role": "user", "content": [self._attachment(item)]})
+                out.append({"type": "message", "role": "user", "content": [self._attachment(item, model)]})
             elif tag == CALL:
                 out.append({"type": "function_call", "call_id": item[1], "name": item[2],
                             "arguments": args_json(item[3])})

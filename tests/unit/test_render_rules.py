@@ -618,6 +618,26 @@ def test_the_budget_counts_attachments_by_the_provider_s_formula(provider: str) 
         render(journal, provider=provider, model="gpt-4o")
 
 
+@pytest.mark.parametrize(("provider", "model", "per_image"), [
+    ("openai-chat", "gpt-4o", 1600), ("openai-responses", "gpt-4.1", 1600), ("openai-chat", "gpt-5", 1600),
+    ("openai-chat", "gpt-4.1-mini", 3779), ("openai-responses", "gpt-4.1-nano-2025-04-14", 3779),
+    ("openai-responses", "o4-mini", 3779), ("openai-chat", "some-new-model", 3779),
+    ("openai-chat", "gpt-4o-mini", 2833 + 8 * 5667), ("openai-responses", "openai/gpt-4o-mini", 2833 + 8 * 5667),
+    ("anthropic", "claude-sonnet-4-5", 1600), ("anthropic", "claude-opus-4-7", 5000),
+    ("anthropic", "claude-opus-5", 5000), ("gemini", "gemini-2.5-pro", 1600)])
+def test_an_image_counts_the_model_s_own_upper_bound(provider: str, model: str, per_image: int) -> None:
+    """The budget is never over the real count: an image costs what the
+    model's provider documents at most for it (OpenAI's small models multiply
+    their patches, gpt-4o-mini counts 5,667 a tile, Claude Opus 4.7 takes
+    3.75 megapixels), not one figure for every model."""
+    journal, blobs = _attachment_journal()
+    image_only = [journal[0], journal[1]]
+    out = render(image_only, provider=provider, model=model, budget=100_000, read_blob=blobs.__getitem__)
+    without = render(image_only[1:], provider=provider, model=model, budget=100_000)
+    extra = out.tokens - without.tokens
+    assert per_image <= extra < per_image + 100  # the image's bound and its part's few tokens of JSON
+
+
 def test_attachment_events_are_checked_and_their_blobs_travel() -> None:
     from capsulefs.core.errors import FormatError
     from capsulefs.core.journal.events import parse_draft
