@@ -34,22 +34,17 @@ from capsulefs.core.errors import (
     NotFoundError,
     StoreError,
 )
+from capsulefs.core.move.cause import Cause
 from capsulefs.core.view.errors import (
     AccessDenied,
     IsADirectory,
-    MoveAbandoned,
     MoveBusy,
-    MoveCorrupt,
-    MoveRefused,
-    MoveStale,
-    MoveTimedOut,
+    MoveFailed,
     NoAttribute,
     NotADirectory,
     NotEmpty,
     NotPermitted,
     NotSupported,
-    PeerConnectionRefused,
-    PeerUnreachable,
     ReadOnly,
     TooLarge,
 )
@@ -76,13 +71,16 @@ ERRNO: dict[type[CapsuleError], int] = {
     FilesBusy: errno.EBUSY,  # a snapshot while a `capsulefs append` holds the agent's files
     # How a move asked for through .control/move ended (docs/move.md):
     MoveBusy: errno.EBUSY,
-    PeerUnreachable: errno.EHOSTUNREACH,
-    PeerConnectionRefused: errno.ECONNREFUSED,
-    MoveRefused: errno.EPERM,
-    MoveStale: errno.EEXIST,
-    MoveCorrupt: errno.EIO,
-    MoveTimedOut: errno.ETIMEDOUT,
-    MoveAbandoned: errno.ECANCELED,
+}
+#: A failed move's cause -> errno (docs/move.md, "Errors of .control/move").
+MOVE_ERRNO: dict[Cause, int] = {
+    Cause.REFUSED: errno.EPERM,
+    Cause.STALE: errno.EEXIST,
+    Cause.CORRUPT: errno.EIO,
+    Cause.UNREACHABLE: errno.EHOSTUNREACH,
+    Cause.CONNECTION_REFUSED: errno.ECONNREFUSED,
+    Cause.TIMEOUT: errno.ETIMEDOUT,
+    Cause.ABANDONED: errno.ECANCELED,
 }
 QUIET = frozenset({errno.ENOENT, errno.ENODATA, errno.EEXIST})
 #: Refusals that editors and copy tools provoke as a matter of course (vim
@@ -94,6 +92,8 @@ def errno_for(exc: BaseException) -> int | None:
     """The errno of a domain error, or None if it is an internal error."""
     if isinstance(exc, StoreError):
         return None
+    if isinstance(exc, MoveFailed):
+        return MOVE_ERRNO.get(exc.cause, errno.EPERM)
     for cls in type(exc).__mro__:
         if cls in ERRNO:
             return ERRNO[cls]

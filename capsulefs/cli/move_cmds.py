@@ -217,7 +217,8 @@ def _offline(args: argparse.Namespace, host: MoveHost) -> int:
         print(f"{agent_id}: moved to {peer.name} at epoch {result.epoch} "
               f"({result.contents_sent} pieces, {result.bytes_sent / 2**20:.1f} MiB on the link)")
         return 0
-    print(f"{agent_id}: not moved: {result.state.value}: {result.reason}", file=sys.stderr)
+    print(f"{agent_id}: not moved: {result.state.value} ({result.cause.value}: {result.cause.meaning}): {result.reason}",
+          file=sys.stderr)
     return 1
 
 

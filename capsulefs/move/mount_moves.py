@@ -10,8 +10,9 @@ Rules:
     it blocks its writer, never the FUSE loop.
   * A move of an agent that is already moving (by a write, or resumed after
     a restart) is refused with MoveBusy; it never queues.
-  * The outcome is mapped to the domain errors of ``core.view.errors``
-    here (cause -> error type); ``mount/errors.py`` maps those to errno.
+  * A failed move raises ``core.view.errors.MoveFailed`` carrying its
+    :class:`~capsulefs.core.move.cause.Cause`; ``mount/errors.py`` maps the
+    cause to an errno (MOVE_ERRNO), in one table.
   * ``.control/status`` "move" shows phase, blobs and bytes while a move runs,
     and its outcome in words once it ended.
   * It is the daemon's ``move_guard``: removing an agent (``Daemon.remove``)
@@ -42,6 +43,7 @@ from typing import Any
 
 import trio
 
+from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
@@ -57,17 +59,6 @@ __all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "MountMoves"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
 CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
-
-#: MoveResult.cause -> the domain error a failed ``.control/move`` write raises.
-_ERRORS: dict[str, type[Exception]] = {
-    "refused": le.MoveRefused,
-    "stale": le.MoveStale,
-    "corrupt": le.MoveCorrupt,
-    "unreachable": le.PeerUnreachable,
-    "connection-refused": le.PeerConnectionRefused,
-    "timeout": le.MoveTimedOut,
-    "abandoned": le.MoveAbandoned,
-}
 
 _SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
 _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
@@ -221,7 +212,7 @@ class MountMoves:
 
     def _report(self, agent_id: str, r: MoveResult) -> None:
         self._set(agent_id, {"available": True, "phase": "idle", "target": r.target, "blobs_sent": r.contents_sent,
-                             "bytes_sent": r.bytes_sent, "outcome": r.state.value, "cause": r.cause,
+                             "bytes_sent": r.bytes_sent, "outcome": r.state.value, "cause": r.cause.value,
                              "epoch": r.epoch, "detail": r.reason})
 
     # -- the daemon's move guard ------------------------------------------------------
@@ -257,7 +248,7 @@ class MountMoves:
         rec = self.host.holders.get(agent_id)
         if rec is None or not rec.runnable:
             state = "no holder record" if rec is None else f"{rec.state.value} at epoch {rec.epoch}"
-            raise le.MoveRefused(f"agent {agent_id} is not held here ({state}): it cannot move")
+            raise le.MoveFailed(Cause.REFUSED, f"agent {agent_id} is not held here ({state}): it cannot move")
         control = self._control(agent_id, peer.name)
         self._running[agent_id] = _Running(control, peer.name)
         self._set(agent_id, {"available": True, "phase": "freezing", "target": peer.name, "blobs_sent": 0,
@@ -283,13 +274,13 @@ class MountMoves:
         if isinstance(outcome, BaseException):
             self._set(agent_id, {"available": True, "phase": "idle", "target": peer.name, "outcome": "failed",
                                  "detail": str(outcome)})
-            raise le.MoveRefused(f"the move of {agent_id} to {peer.name} did not start: {outcome}")
+            raise le.MoveFailed(Cause.REFUSED, f"the move of {agent_id} to {peer.name} did not start: {outcome}")
         self._report(agent_id, outcome)
         if outcome.moved:
             log.info("moved %s to %s at epoch %d", agent_id, peer.name, outcome.epoch)
             return
-        error = _ERRORS.get(outcome.cause, le.MoveRefused)
-        raise error(f"the move of {agent_id} to {peer.name} ended {outcome.state.value}: {outcome.reason}")
+        raise le.MoveFailed(outcome.cause, f"the move of {agent_id} to {peer.name} ended {outcome.state.value} "
+                                           f"({outcome.cause.value}: {outcome.cause.meaning}): {outcome.reason}")
 
     async def abandon(self, agent_id: str, why: str) -> None:
         running = self._running.get(agent_id)

@@ -89,25 +89,11 @@ class MoveResult:
     reason: str  # the record's note: why it ended so
     bytes_sent: int  # on the wire, framing and TLS payload included
     contents_sent: int  # blobs and capsule files the target lacked
-    cause: str = ""  # why it ended so, in one word: see CAUSES
+    cause: mv.Cause = mv.Cause.REFUSED  # why it ended so: core/move/cause.py
 
     @property
     def moved(self) -> bool:
         return self.state is mv.SourceState.DONE
-
-
-#: MoveResult.cause: what ended the move, for callers that must tell
-#: failures apart (the mount maps each to an errno, docs/move.md).
-CAUSES = {
-    "moved": "the agent is active on the target",
-    "refused": "the target refused (the offer, the prepare, or decided never; or it refused our identity)",
-    "stale": "the target has seen a newer epoch: another host may hold the agent",
-    "corrupt": "content arrived corrupt at the target, or could not be read here",
-    "unreachable": "the target could not be reached, or the link broke",
-    "connection-refused": "nothing listens at the target's address",
-    "timeout": "the target did not answer in time",
-    "abandoned": "an operator abandoned the move",
-}
 
 
 class _BlobReader:
@@ -199,6 +185,7 @@ class _Driver:
         self.status_asked = 0
         self.last_event: object | None = None  # the last event fed to the machine
         self.link_error: Exception | None = None  # the last call's failure, if it failed
+        self.failed_here = False  # the agent could not be read or frozen here (Cause.CORRUPT)
 
     # -- connection ---------------------------------------------------------------
     async def _conn(self) -> PeerConnection:
@@ -370,7 +357,7 @@ class _Driver:
         if exc is None:
             return reply
         log.error("move of %s: %s; the target refused it", self.m.agent_id, exc)
-        self.link_error = exc
+        self.link_error, self.failed_here = exc, True
         return mv.IoFailure(reason=f"reading the agent here: {exc}")
 
     # -- snapshot ---------------------------------------------------------------------
@@ -403,36 +390,36 @@ class _Driver:
             self.last_event = event
         return self.m.handle(event)
 
-    def cause(self) -> str:
+    def cause(self) -> mv.Cause:
         """MoveResult.cause, from the final state and the event that led there."""
         ev = self.last_event
         match self.m.state:
             case mv.SourceState.DONE:
-                return "moved"
+                return mv.Cause.MOVED
             case mv.SourceState.STALE:
-                return "stale"
+                return mv.Cause.STALE
             case mv.SourceState.ABANDONED:
-                return "abandoned"
+                return mv.Cause.ABANDONED
         match ev:
             case mv.OperatorAbandon():
-                return "abandoned"
+                return mv.Cause.ABANDONED
             case mv.Timeout():
-                return "timeout"
+                return mv.Cause.TIMEOUT
             case mv.IoFailure() if isinstance(self.link_error, RemoteError):
-                return "refused"  # the target ran the call and could not do it (e.g. its disk is full)
+                return mv.Cause.REFUSED  # the target ran the call and could not do it (e.g. its disk is full)
             case mv.IoFailure() if isinstance(self.link_error, PeerRefused):
-                return "refused"
+                return mv.Cause.REFUSED
             case mv.IoFailure() if isinstance(self.link_error, PeerUnreachable):
-                return "connection-refused" if _connection_refused(self.link_error) else "unreachable"
-            case mv.IoFailure() if ev.reason.startswith("reading the agent here"):
-                return "corrupt"
+                return mv.Cause.CONNECTION_REFUSED if _connection_refused(self.link_error) else mv.Cause.UNREACHABLE
+            case mv.IoFailure() if self.failed_here:
+                return mv.Cause.CORRUPT
             case mv.IoFailure() if isinstance(self.link_error, CorruptBlobError):
-                return "corrupt"
+                return mv.Cause.CORRUPT
             case mv.IoFailure():
-                return "unreachable"
+                return mv.Cause.UNREACHABLE
             case mv.BlobReply() | mv.VerifyReply():
-                return "corrupt"
-        return "refused"  # a refused offer or prepare, or the target decided never
+                return mv.Cause.CORRUPT
+        return mv.Cause.REFUSED  # a refused offer or prepare, or the target decided never
 
     async def run(self, first: object) -> None:
         try:
@@ -457,6 +444,7 @@ class _Driver:
                         queue = deque([c2 for c2 in queue if isinstance(c2, mv.Persist)])
                         queue.extend([_Local(reason=str(exc))])
                 case _Local():
+                    self.failed_here = True
                     queue.extend(self._feed(mv.IoFailure(reason=f"reading the agent here: {c.reason}")))
                 case mv.Persist(record=rec):
                     self.host.holders.put(rec)

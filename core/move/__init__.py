@@ -38,6 +38,7 @@ whose guard holds fires. :func:`describe` renders them for docs/move.md.
 """
 
 from ._describe import describe, update_doc
+from .cause import MEANING, Cause
 from ._messages import *  # noqa: F403
 from ._messages import __all__ as _message_names
 from ._source import SOURCE_TABLE, TERMINAL_SOURCE_STATES, SourceMachine, SourceState
@@ -45,6 +46,8 @@ from ._target import TARGET_TABLE, TargetMachine
 
 __all__ = [
     *_message_names,
+    "MEANING",
+    "Cause",
     "SOURCE_TABLE",
     "TARGET_TABLE",
     "TERMINAL_SOURCE_STATES",

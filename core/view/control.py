@@ -27,7 +27,7 @@ class Mover(Protocol):
     """Who carries out ``.control/move`` and ``.control/abandon`` (the daemon).
 
     ``move`` returns once the agent moved and raises a domain error (see
-    ``view.errors``: MoveBusy, PeerUnreachable, MoveRefused...) if the move
+    ``view.errors``: MoveBusy, or MoveFailed with its Cause) if the move
     rolled back or was refused; ``abandon`` ends an in-doubt move."""
 
     async def move(self, agent_id: str, target: str) -> None: ...

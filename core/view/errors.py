@@ -8,6 +8,7 @@ adapter maps each type to exactly one errno in ``capsulefs.mount.errors``
 from __future__ import annotations
 
 from ..errors import CapsuleError
+from ..move.cause import Cause
 
 
 class NotPermitted(CapsuleError):
@@ -53,30 +54,10 @@ class MoveBusy(CapsuleError):
     """A move of this agent is already under way here [EBUSY]."""
 
 
-class PeerUnreachable(CapsuleError):
-    """The target could not be reached, or the link to it broke [EHOSTUNREACH]."""
+class MoveFailed(CapsuleError):
+    """A move asked for through ``.control/move`` ended without moving the
+    agent; ``cause`` says why (``mount/errors.py`` maps it to an errno)."""
 
-
-class PeerConnectionRefused(PeerUnreachable):
-    """Nothing listens at the target's address [ECONNREFUSED]."""
-
-
-class MoveRefused(CapsuleError):
-    """The target refused the move (it holds the agent, a name clash, a
-    failed prepare, or it decided "never") [EPERM]."""
-
-
-class MoveStale(CapsuleError):
-    """The target has seen a newer epoch: another host may hold the agent [EEXIST]."""
-
-
-class MoveCorrupt(CapsuleError):
-    """Content arrived corrupt at the target, or could not be read here [EIO]."""
-
-
-class MoveTimedOut(CapsuleError):
-    """The target did not answer in time; the move rolled back [ETIMEDOUT]."""
-
-
-class MoveAbandoned(CapsuleError):
-    """An operator abandoned the move [ECANCELED]."""
+    def __init__(self, cause: Cause, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause

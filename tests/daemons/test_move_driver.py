@@ -397,7 +397,7 @@ async def test_corrupted_chunk_rolls_back(world: World) -> None:
 async def test_a_piece_damaged_on_the_way_is_not_blamed_on_the_source(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.target.corrupt_next_blob = True
     result = await world.move()
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.CORRUPT
     assert "corrupt blob" not in result.reason, "the source's copy is whole: the source must not be named"
     assert "the target refused it" not in caplog.text
 
@@ -417,7 +417,7 @@ async def test_a_blob_rotten_at_the_source_is_named_by_its_path(world: World, ca
     os.chmod(path, 0o644)
     Path(path).write_bytes(bytes(data))  # bit rot: same size
     result = await world.move()
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.CORRUPT
     assert "corrupt blob" in result.reason  # the record's note is cut short: the log names the path
     assert f"corrupt blob {path}" in caplog.text
     assert world.check() == "a"
@@ -437,7 +437,7 @@ async def test_a_blob_whose_size_changed_at_the_source_fails_before_its_bytes_go
         Path(path).write_bytes(data[:-10] if change == "truncated" else data + b"extra")
         why = f"{len(data) - 10 if change == 'truncated' else len(data) + 5} bytes, the manifest says {len(data)}"
     result = await world.move()
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.CORRUPT
     assert "corrupt blob" in result.reason  # the record's note is cut short: the log names the path
     assert f"corrupt blob {path}: {why}" in caplog.text
     assert world.check() == "a"
@@ -506,7 +506,7 @@ async def test_a_target_whose_disk_fills_mid_transfer_says_so_and_rolls_back(
     monkeypatch.setattr(move_target, "INTAKE_WRITERS", "thread")
     monkeypatch.setattr(piecewriter.os, "write", full)
     result = await world.move()
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "refused"
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.REFUSED
     assert "No space left on device" in result.reason
     assert world.check() == "a"
 
@@ -530,7 +530,7 @@ async def test_a_blob_removed_from_the_targets_store_before_verify_is_reported(
     monkeypatch.setattr(world.service_b, "_check", check)
     result = await world.move()
     assert removed
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "corrupt"  # at verify, not later
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.CORRUPT  # at verify, not later
     assert "missing or corrupt" in result.reason
     assert world.check() == "a"
 
@@ -711,7 +711,7 @@ async def test_an_abandon_before_the_point_of_no_return_rolls_back_and_is_not_ke
     control.on_progress = on_progress
     result = await world.move(control=control)
     assert world.check() is not None  # one holder, never two
-    assert result.state is mv.SourceState.ROLLED_BACK and result.cause == "abandoned"
+    assert result.state is mv.SourceState.ROLLED_BACK and result.cause is mv.Cause.ABANDONED
     assert "activate" not in world.target.inner.served
     assert world.check() == "a"
 

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderState
@@ -53,8 +54,9 @@ async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[Mount
     mm, agent_id = wired
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
-        with pytest.raises(le.PeerConnectionRefused, match="rolled_back"):
+        with pytest.raises(le.MoveFailed, match="rolled_back") as failed:
             await mm.move(agent_id, "dead")
+        assert failed.value.cause is Cause.CONNECTION_REFUSED
         nursery.cancel_scope.cancel()
     assert HolderBook(state_dir / "holders").get(agent_id).state is HolderState.HELD
     move = mm.daemon.live.agent(agent_id).status()["move"]
@@ -71,8 +73,9 @@ async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[Moun
         await nursery.start(mm.serve)
         await trio.testing.wait_all_tasks_blocked()  # the start-up resume has finished
         await trio.sleep(0.05)
-        with pytest.raises(le.PeerConnectionRefused, match="rolled_back"):
+        with pytest.raises(le.MoveFailed, match="rolled_back") as failed:
             await mm.move(agent_id, "dead")
+        assert failed.value.cause is Cause.CONNECTION_REFUSED
         nursery.cancel_scope.cancel()
 
 

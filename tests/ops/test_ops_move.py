@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError
 from capsulefs.core.view.nodes import CONTROL
@@ -80,18 +81,27 @@ async def test_an_unknown_peer_is_einval(c: Client, mover: FakeMover) -> None:
 
 
 @pytest.mark.parametrize(("error", "code"), [
-    (le.MoveBusy, errno.EBUSY),
-    (le.PeerUnreachable, errno.EHOSTUNREACH),
-    (le.PeerConnectionRefused, errno.ECONNREFUSED),
-    (le.MoveRefused, errno.EPERM),
-    (le.MoveStale, errno.EEXIST),
-    (le.MoveCorrupt, errno.EIO),
-    (le.MoveTimedOut, errno.ETIMEDOUT),
-    (le.MoveAbandoned, errno.ECANCELED),
+    (le.MoveBusy("why"), errno.EBUSY),
+    (le.MoveFailed(Cause.UNREACHABLE, "why"), errno.EHOSTUNREACH),
+    (le.MoveFailed(Cause.CONNECTION_REFUSED, "why"), errno.ECONNREFUSED),
+    (le.MoveFailed(Cause.REFUSED, "why"), errno.EPERM),
+    (le.MoveFailed(Cause.STALE, "why"), errno.EEXIST),
+    (le.MoveFailed(Cause.CORRUPT, "why"), errno.EIO),
+    (le.MoveFailed(Cause.TIMEOUT, "why"), errno.ETIMEDOUT),
+    (le.MoveFailed(Cause.ABANDONED, "why"), errno.ECANCELED),
 ])
-async def test_each_outcome_has_its_errno(c: Client, mover: FakeMover, error: type[Exception], code: int) -> None:
-    mover.fail = error("why")
+async def test_each_outcome_has_its_errno(c: Client, mover: FakeMover, error: Exception, code: int) -> None:
+    mover.fail = error
     assert await errno_of(c.write(MOVE, b"laptop\n")) == code
+
+
+def test_every_cause_has_its_errno_and_its_meaning() -> None:
+    """One vocabulary: each face's table names every cause a failed move can have."""
+    from capsulefs.core.move.cause import MEANING
+    from capsulefs.mount.errors import MOVE_ERRNO
+
+    assert set(MEANING) == set(Cause)
+    assert set(MOVE_ERRNO) == set(Cause) - {Cause.MOVED}
 
 
 async def test_a_waiting_move_holds_up_no_other_request(c: Client, mover: FakeMover) -> None:
