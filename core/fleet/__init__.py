@@ -1,4 +1,6 @@
-"""The fleet engines, sans-IO: etcd's v3 JSON gateway, AWS SigV4, S3 replies.
+"""The fleet mode, sans-IO: etcd's v3 JSON gateway, AWS SigV4, S3 replies, and the
+directory as the holder authority (``directory``: records, the move's Txns and
+their judgement) with its lease timing (``lease``).
 
 Rules:
   * Nothing here does I/O or reads a clock: requests are built into plain

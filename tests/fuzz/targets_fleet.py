@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.fleet import etcd
+from capsulefs.core.fleet import directory, etcd
 from capsulefs.core.fleet.s3_wire import error_for, parse_list_v2, parse_tier_url
 
 from . import Target
@@ -60,6 +60,20 @@ def _s3_error_seeds() -> list[bytes]:
 def _url_seeds() -> list[bytes]:
     return [b"http://127.0.0.1:8333/bucket", b"https://s3.example.com/my.bucket/fleet/eu",
             b"http://[::1]:9000/b-1/", b"etcd://127.0.0.1:2379,[::1]:2380"]
+
+
+def _record_seeds() -> list[bytes]:
+    return [directory.AgentEntry(host_id="h-1", epoch=7).encode(),
+            directory.HostEntry(host_id="h-1", address="10.0.0.1:7000").encode(),
+            b'{"epoch":1,"format":"fleet-agent/1","host_id":"h","state":"removed"}']
+
+
+def _run_records(data: bytes, scratch: Path) -> None:
+    try:
+        directory.decode_agent(data)
+    except CapsuleError:
+        pass
+    directory.decode_host(data)
 
 
 def _run_range(data: bytes, scratch: Path) -> None:
@@ -119,4 +133,5 @@ TARGETS = [
     Target("fleet-s3-list", _list_seeds, _run_list),
     Target("fleet-s3-error", _s3_error_seeds, _run_s3_error),
     Target("fleet-addresses", _url_seeds, _run_urls),
+    Target("fleet-directory-records", _record_seeds, _run_records),
 ]
