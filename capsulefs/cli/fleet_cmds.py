@@ -1,4 +1,5 @@
-"""The fleet mode's commands: check-blobs (the conformance check of a blob tier).
+"""The fleet mode's commands: check-blobs (the conformance check of a blob tier),
+ls and hosts (what the directory says).
 
 httpx and the engine clients are imported inside the commands, so the rest
 of the CLI does not pay for them.
@@ -16,6 +17,8 @@ from capsulefs.cli.common import state_dir
 
 if TYPE_CHECKING:
     from capsulefs.fleet.blobcheck import Report
+    from capsulefs.core.fleet.directory import Layout
+    from capsulefs.fleet.directory import AgentRow, HostRow
 
 ACCESS_KEY = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -40,6 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--writers", type=int, default=8, help="racing writers (default 8)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take (default 30)")
     p.set_defaults(func=cmd_check_blobs)
+    for name, func, what in (
+        ("ls", cmd_ls, "every agent in the directory: its holder, epoch, state, and whether the holder's lease lives"),
+        ("hosts", cmd_hosts, "every host with a live lease: its address, lease time left and agents held"),
+    ):
+        p = fsub.add_parser(name, help=what, description=what + ". Exit 1 if a record in the directory "
+                            "does not parse (it is listed, with the problem).")
+        p.add_argument("--directory", required=True, metavar="etcd://HOST:PORT[,...]", help="the directory (etcd)")
+        p.add_argument("--prefix", default="/capsulefs/", help="the fleet's key prefix in etcd (default /capsulefs/)")
+        p.add_argument("--json", action="store_true", help="one JSON object per line")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds one request may take (default 10)")
+        p.set_defaults(func=func)
 
 
 def _credentials(args: argparse.Namespace) -> tuple[str, str, str | None]:
@@ -87,3 +101,86 @@ def cmd_check_blobs(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(f"capsulefs: error: the blob tier fails: {', '.join(report.failed)}", file=sys.stderr)
     return 1
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    from capsulefs.core.fleet.directory import Layout
+
+    try:
+        return Layout(args.prefix.encode("utf-8"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _read(args: argparse.Namespace, hosts: bool) -> tuple[list[AgentRow], list[HostRow]]:
+    import trio
+
+    from capsulefs.fleet.directory import read_agents, read_hosts
+    from capsulefs.fleet.etcd import open_etcd
+
+    layout = _layout(args)
+
+    async def run() -> tuple[list[AgentRow], list[HostRow]]:
+        async with open_etcd(args.directory, timeout=args.timeout) as etcd:
+            agents = await read_agents(etcd, layout)
+            return agents, (await read_hosts(etcd, layout, agents=agents) if hosts else [])
+
+    return trio.run(run)
+
+
+def _table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _bad(problems: list[str]) -> int:
+    if not problems:
+        return 0
+    sys.stdout.flush()
+    print(f"capsulefs: error: {len(problems)} record(s) in the directory do not parse; the first: {problems[0]}",
+          file=sys.stderr)
+    return 1
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import json
+
+    agents, _ = _read(args, hosts=False)
+    if args.json:
+        for a in agents:
+            e = a.entry
+            print(json.dumps({"agent_id": a.agent_id, "holder": e and e.host_id, "epoch": e and e.epoch,
+                              "state": e.state.value if e else "unreadable", "holder_alive": a.holder_alive,
+                              "problem": a.problem}))
+    else:
+        rows = [["AGENT", "HOLDER", "EPOCH", "STATE", "HOLDER'S LEASE"]]
+        for a in agents:
+            if a.entry is None:
+                rows.append([a.agent_id, "-", "-", "unreadable", a.problem])
+            else:
+                rows.append([a.agent_id, a.entry.host_id, str(a.entry.epoch), a.entry.state.value,
+                             "alive" if a.holder_alive else "gone"])
+        _table(rows)
+    return _bad([f"{a.agent_id}: {a.problem}" for a in agents if a.entry is None])
+
+
+def cmd_hosts(args: argparse.Namespace) -> int:
+    import json
+
+    agents, hosts = _read(args, hosts=True)
+    if args.json:
+        for h in hosts:
+            print(json.dumps({"host_id": h.host_id, "address": h.entry and h.entry.address, "lease_ttl": h.lease_ttl,
+                              "agents": h.agents, "problem": h.problem}))
+    else:
+        rows = [["HOST", "ADDRESS", "LEASE LEFT", "AGENTS"]]
+        for h in hosts:
+            if h.entry is None:
+                rows.append([h.host_id, "unreadable", h.problem, "-"])
+            else:
+                rows.append([h.host_id, h.entry.address, "gone" if h.lease_ttl is None else f"{h.lease_ttl}s",
+                             str(h.agents)])
+        _table(rows)
+    return _bad([f"host {h.host_id}: {h.problem}" for h in hosts if h.entry is None]
+                + [f"{a.agent_id}: {a.problem}" for a in agents if a.entry is None])

@@ -1,6 +1,6 @@
 """The directory as the holder authority: records, the commit and fence Txns
 and their judgement, evaluated by the simulated etcd (the same Compare/Put/
-Range values the etcd client sends; tests/daemons/test_fleet_directory.py
+Range values the etcd client sends; tests/daemons/test_fleet_directory_etcd.py
 runs them against a real etcd)."""
 
 from __future__ import annotations
