@@ -51,13 +51,19 @@ def atomic_writer(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[B
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     tmp = _tmp_name(directory)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except OSError as exc:  # named by the path asked for: the temp name means nothing to the caller
+        raise OSError(exc.errno, exc.strerror, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, path) from None
     except BaseException:
         try:
             os.unlink(tmp)

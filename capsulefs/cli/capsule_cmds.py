@@ -207,7 +207,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="export an agent to a capsule tar")
     p.add_argument("agent", help="agent name or id")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.tar, FILE.tar.gz or FILE.tar.zst")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.tar, FILE.tar.gz (.tgz) or FILE.tar.zst; any other name is refused")
     p.add_argument("--sign", metavar="KEYFILE", help="sign the manifest with this Ed25519 private key")
     p.set_defaults(func=cmd_export)
 

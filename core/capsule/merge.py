@@ -236,7 +236,9 @@ def write_plan(plan: Plan, dest: str, *, mtime: int) -> None:
     """Write the merged capsule at ``dest``: a tar if its name says so, else a directory."""
     if os.path.lexists(dest):
         raise MergeRefused(f"{dest} already exists; merge writes a new capsule")
-    if dest.lower().endswith((".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.zstd")):
+    from .tarball import tar_kind
+
+    if tar_kind(dest) is not None:
         _write_tar(plan, dest, mtime=mtime)
     else:
         _write_dir(plan, dest)

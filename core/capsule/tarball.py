@@ -449,20 +449,36 @@ class Member:
     open: Callable[[], BinaryIO]
 
 
+#: The names export and merge write a tar to, by their ending (any case), and
+#: the compression each ending says. Any other name is refused (a .zip named
+#: file that holds a tar would mislead whoever opens it).
+TAR_SUFFIXES = {".tar": "plain", ".tar.gz": "gzip", ".tgz": "gzip", ".tar.zst": "zstd", ".tar.zstd": "zstd"}
+
+
+def tar_kind(path: str) -> str | None:
+    """The compression a tar named ``path`` is written with, or None if the
+    name is no tar name of :data:`TAR_SUFFIXES`."""
+    lower = os.path.basename(path).lower()
+    for suffix, kind in TAR_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return kind
+    return None
+
+
 def _compressor_for(path: str) -> str:
-    lower = path.lower()
-    if lower.endswith((".zst", ".zstd")):
-        return "zstd"
-    if lower.endswith((".gz", ".tgz")):
-        return "gzip"
-    return "plain"
+    kind = tar_kind(path)
+    if kind is None:
+        raise CapsuleError(f"{path}: not a tar name; name it FILE.tar, FILE.tar.gz (or .tgz) or FILE.tar.zst")
+    return kind
 
 
 def write_tar(dest: str, members: Iterable[Member], *, mtime: int) -> None:
     """Atomically write a capsule tar at ``dest`` from ``members`` (in order).
 
     Directories are emitted as needed. If reading any member fails (e.g. a
-    corrupt blob), nothing is left at ``dest``.
+    corrupt blob), nothing is left at ``dest``. The compression is the one
+    its name says (:data:`TAR_SUFFIXES`); another name is refused before
+    anything is written.
     """
     kind = _compressor_for(dest)
     with atomic_writer(dest) as out, ExitStack() as stack:

@@ -49,6 +49,33 @@ def test_errors_are_one_clear_line_without_traceback(cli, tmp_path: Path) -> Non
         assert len(lines) == 1 and words in lines[0], (argv, proc.stderr)
 
 
+def test_export_names_the_path_given_and_writes_only_tar_names(cli, tmp_path: Path) -> None:
+    """A missing directory is named as the user wrote it (not the export's
+    temp file); a name whose ending is no tar form export writes (.zip...)
+    is refused in one line and nothing is written; each tar form is what
+    its name says (tar, gzip, zstd)."""
+    cli("new", "ada", check=True)
+    missing = tmp_path / "missing" / "dir" / "x.tar"
+    proc = cli("export", "ada", "-o", str(missing))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"capsulefs: error: No such file or directory: {missing}"
+    for name in ("x.zip", "x.tar.bz2", "x.gz", "x"):
+        proc = cli("export", "ada", "-o", str(tmp_path / name))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, name
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{tmp_path / name}: not a tar name" in lines[0] and ".tar.zst" in lines[0], lines
+    assert not list(tmp_path.glob("x*")) and not (tmp_path / "missing").exists()  # nothing written
+    magic = {"x.tar": None, "x.TAR.GZ": b"\x1f\x8b", "x.tgz": b"\x1f\x8b", "x.tar.zst": b"\x28\xb5\x2f\xfd"}
+    for name, head in magic.items():
+        cli("export", "ada", "-o", str(tmp_path / name), check=True)
+        data = (tmp_path / name).read_bytes()
+        if head is None:
+            assert data[257:262] == b"ustar", name  # a plain tar's header
+        else:
+            assert data.startswith(head), name
+        assert cli("verify", str(tmp_path / name)).returncode == 0, name
+
+
 def test_spec_with_secret_value_is_refused_by_new(cli, tmp_path: Path) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text('{"version": 1, "entrypoint": ["true"], "env": {"GITHUB_TOKEN": "ghp_x"}}')
