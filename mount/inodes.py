@@ -41,6 +41,10 @@ class InodeTable:
         """The inode of ``node`` if the kernel knows it, without a reference."""
         return self._by_node.get(node)
 
+    def lookups(self, ino: int) -> int:
+        """The kernel's lookup count of ``ino`` (0 for the root, never forgotten)."""
+        return self._count.get(ino, 0)
+
     def all_of(self, node: Node) -> list[int]:
         """Every inode standing for ``node`` (after renames there may be several)."""
         return sorted(self._all.get(node, ()))

@@ -40,7 +40,7 @@ import trio
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.view.blobcheck import BlobCheck, Verdict
 from capsulefs.core.errors import CorruptBlobError, NotFoundError
-from capsulefs.core.view.nodes import Attr, Kind, Node
+from capsulefs.core.view.nodes import Attr, Kind, Node, parent_dir
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.handles import Handle
 from capsulefs.core.view.errors import NotPermitted, NotSupported
@@ -244,10 +244,21 @@ class Operations(pyfuse3.Operations):
     # -- directories -------------------------------------------------------------
     @fuse_op
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        entries = self.live.listdir(self.inodes.node(inode))
+        node = self.inodes.node(inode)
+        entries = self.live.listdir(node)
         fh = self._fh()
-        self._dirs[fh] = entries
+        self._dirs[fh] = [*self._dots(inode, node), *entries]
         return fh
+
+    def _dots(self, inode: int, node: Node) -> list[tuple[str, Node]]:
+        """``.`` and ``..``: listed first, as a directory of any file system
+        lists them. The parent's inode is one the kernel knows (it holds the
+        path to this directory); at the root ``..`` is the root itself."""
+        dots = [(".", node)]
+        parent = parent_dir(node)
+        if self.inodes.peek(parent) is not None:
+            dots.append(("..", parent))
+        return dots
 
     @fuse_op
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -258,9 +269,13 @@ class Operations(pyfuse3.Operations):
                 attr = self.live.attr(node)
             except (NotFoundError, FileNotFoundError):
                 continue  # gone since opendir: skip it, as a real directory would
-            ino = self.inodes.ref(node)
+            dot = name in (".", "..")  # the kernel takes no reference for these (readdirplus)
+            ino = self.inodes.peek(node) if dot else self.inodes.ref(node)
+            if ino is None:
+                continue
             if not self._readdir_reply(token, os.fsencode(name), self._entry(ino, attr, node), i + 1):
-                self.inodes.forget(ino, 1)
+                if not dot:
+                    self.inodes.forget(ino, 1)
                 return
 
     @fuse_op

@@ -97,7 +97,7 @@ class Client:
         token: list[tuple[str, Any]] = []
         await self.ops.readdir(fh, 0, token)  # type: ignore[arg-type]
         await self.ops.releasedir(fh)
-        return [n for n, _ in token]
+        return [n for n, _ in token if n not in (".", "..")]  # as os.listdir
 
     async def open(self, path: str, flags: int = os.O_RDONLY, ctx: Ctx | None = None) -> pyfuse3.FileInfo:
         return await self.ops.open(await self.lookup(path), flags, ctx or self.ctx)

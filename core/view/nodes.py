@@ -56,6 +56,24 @@ class Node:
 ROOT = Node(Kind.ROOT)
 
 
+def parent_dir(node: Node) -> Node:
+    """The directory that holds the directory ``node`` (what its ``..`` is);
+    the root is its own."""
+    up = node.rel.rpartition("/")[0]
+    match node.kind:
+        case Kind.ROOT | Kind.AGENT:
+            return ROOT
+        case Kind.CONTROL | Kind.SNAPSHOTS:
+            return Node(Kind.AGENT, node.agent)
+        case Kind.DIR:
+            return Node(Kind.DIR, node.agent, up) if up else Node(Kind.AGENT, node.agent)
+        case Kind.SNAPSHOT:
+            return Node(Kind.SNAPSHOTS, node.agent)
+        case Kind.SNAP_DIR:
+            return Node(Kind.SNAP_DIR, node.agent, up, node.snap) if up else Node(Kind.SNAPSHOT, node.agent, "", node.snap)
+    raise ValueError(f"{node} is no directory")
+
+
 @dataclass(frozen=True, slots=True)
 class Attr:
     is_dir: bool

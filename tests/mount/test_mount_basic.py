@@ -55,6 +55,18 @@ def test_hidden_dirs_absent_from_readdir(store: HostStore, state_dir: Path, mnt:
         assert shown["state"] == "active" and shown["name"] == "alice"
 
 
+def test_ls_la_shows_dot_and_dotdot_with_their_inodes(store: HostStore, state_dir: Path, mnt: Path) -> None:
+    make_agent(store, "alice")
+    with mounted(state_dir, mnt):
+        for d in (mnt / "alice", mnt / "alice" / "memory", mnt / "alice" / ".control"):
+            la = subprocess.run(["ls", "-la", str(d)], capture_output=True, text=True, check=True).stdout
+            names = [line.split()[-1] for line in la.splitlines()[1:]]
+            assert names[:2] == [".", ".."], la
+            ai = subprocess.run(["ls", "-ai1", str(d)], capture_output=True, text=True, check=True).stdout
+            inos = {name: int(ino) for ino, name in (line.split() for line in ai.splitlines())}
+            assert inos["."] == os.stat(d).st_ino and inos[".."] == os.stat(d.parent).st_ino, (d, ai)
+
+
 def test_xattrs_with_getfattr_and_the_xattr_package(store: HostStore, state_dir: Path, mnt: Path) -> None:
     agent = make_agent(store, "alice")
     with mounted(state_dir, mnt):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,27 @@ async def test_hidden_dirs_are_reachable_but_not_listed(c: Client) -> None:
     assert SNAPSHOTS not in await c.listdir("alice")
     assert await c.listdir(f"alice/{CONTROL}") == ["abandon", "model", "move", "remove", "status"]
     assert await c.listdir(f"alice/{SNAPSHOTS}") == []
+
+
+async def test_every_directory_lists_dot_and_dotdot_with_their_inodes(c: Client) -> None:
+    """``.`` is the directory, ``..`` the one that holds it (the root's own
+    at the root), listed first; they take no lookup reference (the kernel
+    takes none for them in readdirplus), so they never need a forget."""
+    root = 1
+    cases = {"": root, "alice": root, "alice/memory": "alice", "alice/artifacts/blobs": "alice/artifacts",
+             f"alice/{CONTROL}": "alice", f"alice/{SNAPSHOTS}": "alice"}
+    for path, up in cases.items():
+        here = await c.lookup(path)
+        parent = up if isinstance(up, int) else await c.lookup(up)
+        counts = c.ops.inodes.lookups(here), c.ops.inodes.lookups(parent)
+        fh = await c.ops.opendir(here, c.ctx)
+        token: list[tuple[str, Any]] = []
+        await c.ops.readdir(fh, 0, token)  # type: ignore[arg-type]
+        await c.ops.releasedir(fh)
+        entries = [(n, a.st_ino) for n, a in token]
+        assert entries[:2] == [(".", here), ("..", parent)], path
+        assert not {".", ".."} & {n for n, _ in entries[2:]}, path
+        assert (c.ops.inodes.lookups(here), c.ops.inodes.lookups(parent)) == counts, path
 
 
 async def test_agent_dir_is_a_capsule_that_verifies(c: Client, tmp_path: Path) -> None:
