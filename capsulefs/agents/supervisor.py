@@ -72,6 +72,7 @@ import trio
 
 from capsulefs.agents import grants, keychain
 from capsulefs.agents.isolation import Isolation
+from capsulefs.core import metrics
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
@@ -566,6 +567,7 @@ class Supervisor:
                         r.status.detail = f"{why}; restarting in {backoff:.0f} s"
                         log.warning("agent %s: %s", r.agent_id, r.status.detail)
                     r.status.restarts += 1
+                    metrics.AGENT_RESTARTS.inc()
                     r.status.next_start_in = backoff
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX)

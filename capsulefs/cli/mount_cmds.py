@@ -76,6 +76,16 @@ def _configure_logging(args: argparse.Namespace) -> None:
     handler.setLevel(min(level, logging.INFO))
 
 
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.1 <= value <= 86400:  # (nan too)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0.1 to 86400")
+    return value
+
+
 def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
     from capsulefs.daemon.daemon import holding_state
 
@@ -104,6 +114,10 @@ def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
 
     # After the runtime: moves may activate agents, which the runtime then starts.
     MountMoves.attach(daemon, listen=parse_address(args.listen, listen=True) if args.listen else None)
+    if args.metrics_file:
+        from capsulefs.daemon.metrics_file import MetricsFile
+
+        daemon.services.append(MetricsFile(daemon.live, args.metrics_file, args.metrics_interval).serve)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -124,6 +138,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if os.path.abspath(args.mountpoint) in fuse_mounts():
         print(f"capsulefs: error: {args.mountpoint} is already mounted", file=sys.stderr)
         return 1
+    if args.metrics_file:
+        from capsulefs.daemon.metrics_file import check_metrics_file
+
+        why = check_metrics_file(args.metrics_file)
+        if why is not None:
+            print(f"capsulefs: error: {why}", file=sys.stderr)
+            return 1
     if args.background:
         return _background(args)
     _configure_logging(args)
@@ -268,6 +289,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-file", metavar="FILE", help="log here instead of stderr")
     p.add_argument("--debug", action="store_true", help="log every request")
     p.add_argument("--no-run", action="store_true", help="serve the files only: run no agent processes")
+    p.add_argument("--metrics-file", metavar="PATH",
+                   help="write the metrics (as MNT/.control/metrics) to PATH atomically, for node_exporter's "
+                        "textfile collector (name it *.prom)")
+    p.add_argument("--metrics-interval", metavar="SECONDS", type=_interval, default=15.0,
+                   help="seconds between writes of --metrics-file (default 15)")
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="answer peers' moves there (port 0: any free port, written to STATE/mount/daemon.json); "
                         "without it this host moves agents out but accepts none")

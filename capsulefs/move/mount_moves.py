@@ -43,6 +43,7 @@ from typing import Any
 
 import trio
 
+from capsulefs.core import metrics
 from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
@@ -138,6 +139,7 @@ class MountMoves:
         self.retry_pause = retry_pause
         self.port: int | None = None  # bound, once serving
         self._running: dict[str, _Running] = {}
+        self._timers: dict[str, metrics.PhaseTimer] = {}  # each move's phases, for the metrics
         self._nursery: trio.Nursery | None = None
 
     @classmethod
@@ -203,17 +205,30 @@ class MountMoves:
         except NotFoundError:
             pass  # retired meanwhile
 
-    def _control(self, agent_id: str, target: str = "") -> MoveControl:
+    def _control(self, agent_id: str, target: str = "", *, phase: str | None = None) -> MoveControl:
+        timer = self._timers[agent_id] = metrics.PhaseTimer(metrics.MOVE_PHASE_SECONDS)
+        if phase is not None:
+            timer.enter(phase)
+
         def on_progress(phase: str, done: int, total: int, nbytes: int) -> None:
+            timer.enter(phase.replace(" ", "_"))
             self._set(agent_id, {"available": True, "phase": phase, "target": target, "blobs_sent": done,
                                  "blobs_total": total, "bytes_sent": nbytes, "outcome": None})
 
         return MoveControl(on_progress=on_progress)
 
     def _report(self, agent_id: str, r: MoveResult) -> None:
+        self._ended(agent_id, r.state.value, r.cause.value)
+        metrics.MOVE_BYTES.inc("sent", by=r.bytes_sent)
         self._set(agent_id, {"available": True, "phase": "idle", "target": r.target, "blobs_sent": r.contents_sent,
                              "bytes_sent": r.bytes_sent, "outcome": r.state.value, "cause": r.cause.value,
                              "epoch": r.epoch, "detail": r.reason})
+
+    def _ended(self, agent_id: str, outcome: str, cause: str) -> None:
+        timer = self._timers.pop(agent_id, None)
+        if timer is not None:
+            timer.end()
+        metrics.MOVES.inc(outcome, cause)
 
     # -- the daemon's move guard ------------------------------------------------------
     @asynccontextmanager
@@ -249,7 +264,7 @@ class MountMoves:
         if rec is None or not rec.runnable:
             state = "no holder record" if rec is None else f"{rec.state.value} at epoch {rec.epoch}"
             raise le.MoveFailed(Cause.REFUSED, f"agent {agent_id} is not held here ({state}): it cannot move")
-        control = self._control(agent_id, peer.name)
+        control = self._control(agent_id, peer.name, phase="freezing")
         self._running[agent_id] = _Running(control, peer.name)
         self._set(agent_id, {"available": True, "phase": "freezing", "target": peer.name, "blobs_sent": 0,
                              "bytes_sent": 0, "outcome": None})
@@ -272,6 +287,7 @@ class MountMoves:
         await done.wait()
         outcome = box[0]
         if isinstance(outcome, BaseException):
+            self._ended(agent_id, "failed", Cause.REFUSED.value)
             self._set(agent_id, {"available": True, "phase": "idle", "target": peer.name, "outcome": "failed",
                                  "detail": str(outcome)})
             raise le.MoveFailed(Cause.REFUSED, f"the move of {agent_id} to {peer.name} did not start: {outcome}")

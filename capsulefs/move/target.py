@@ -45,6 +45,7 @@ from typing import Any
 import trio
 
 from capsulefs.core.capsule import format as fmt
+from capsulefs.core import metrics
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree
@@ -192,6 +193,7 @@ class MoveService:
                     writing.add(sha)
                 plan.append(Piece(sha, size, inc.content(sha) if keep else None))
             await inc.intake.take(payload, plan)
+            metrics.MOVE_BYTES.inc("received", by=payload.size)
         results = []
         for sha, _ in pieces:
             # Arrived whole for an open move (a piece already here counts too);
@@ -250,6 +252,7 @@ class MoveService:
                     await self._install(agent_id, e)
                 case mv.ActivateAgent():
                     await self.host.hooks.activate(agent_id)
+                    metrics.MOVES_IN.inc()
                 case mv.Reply(answer=a):
                     answer = a
                 case _:

@@ -61,6 +61,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from .. import metrics
 from ..capsule import format as fmt
 from ..errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from ..fsutil import (
@@ -364,6 +365,7 @@ class HostStore:
             return  # quarantined (or collected) meanwhile
         fsync_dir(os.path.dirname(path))
         fsync_dir(pen)
+        metrics.BLOB_QUARANTINES.inc()
         log.error("blob %s is damaged (%s): moved to %s; putting its bytes again (importing an export that has "
                   "them, or moving an agent that has them here) repairs the store", path, why, dest)
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from .. import metrics
 from ..capsule import format as fmt
 from ..capsule.spec import parse_spec
 from ..errors import CapsuleError, FormatError, NotFoundError
@@ -36,6 +37,13 @@ log = logging.getLogger(__name__)
 #: larger memory is stored as a blob and the event names it.
 INLINE_MEMORY_LIMIT = 64 * 1024
 MOVE_UNAVAILABLE = "moving agents is not available on this mount (.control/move is reserved)"
+
+
+def counted(records: list[Record]) -> list[Record]:
+    """``records``, appended through the view, counted in the metrics."""
+    for rec in records:
+        metrics.EVENTS_APPENDED.inc(rec.kind)
+    return records
 
 
 def check_attachments(listed: Callable[[], Mapping[str, int]], events: Sequence[Event]) -> None:
@@ -303,9 +311,10 @@ class LiveAgent:
         self.check_writable()
         self.check_blobs(events)
         try:
-            return self.journal().append_many(events)
+            records = self.journal().append_many(events)
         finally:
             self.host.changed(self.agent_id, fmt.JOURNAL)
+        return counted(records)
 
     def check_blobs(self, events: Sequence[Event]) -> None:
         """FormatError unless every attachment among ``events`` names a blob
@@ -392,6 +401,7 @@ class LiveAgent:
         if text is None:  # the spec
             self.handle.write_files({rel: data})
             self.host.changed(self.agent_id, rel)
+            metrics.EDITS.inc(os.path.basename(rel))
             log.info("agent %s: spec updated (%d bytes)", self.agent_id, len(data))
             return
         if data == self.handle.read(rel):
@@ -407,6 +417,7 @@ class LiveAgent:
                 self.append([MemoryEdit(blob=sha)])
                 self.handle.write_files({rel: data}, add_blobs=[sha])
         self.host.changed(self.agent_id, rel)
+        metrics.EDITS.inc(os.path.basename(rel))
         log.info("agent %s: working memory edited (%d bytes)", self.agent_id, len(data))
 
     def check_writable(self) -> None:

@@ -21,7 +21,7 @@ from .tree import Tree
 class Attributes(Tree):
     def attr(self, node: Node) -> Attr:
         a = self._attr(node)
-        if self.agent_owner is None:
+        if self.agent_owner is None or node.kind in (Kind.HOST_CONTROL, Kind.HOST_CONTROL_FILE):
             return a
         if node.kind is Kind.ROOT:
             return replace(a, perm=0o711)  # (agents pass through to their own; none lists the others)
@@ -34,8 +34,10 @@ class Attributes(Tree):
 
     def _attr(self, node: Node) -> Attr:
         match node.kind:
-            case Kind.ROOT:
+            case Kind.ROOT | Kind.HOST_CONTROL:
                 return Attr(True, 0o755, 0, os.stat(self.store.agents_dir).st_mtime_ns)
+            case Kind.HOST_CONTROL_FILE:  # (metrics: rendered when read; its size as of now)
+                return Attr(False, 0o444, len(self.metrics_bytes()), self.now_ns())
             case Kind.AGENT | Kind.DIR | Kind.CONTROL | Kind.SNAPSHOTS:
                 a = self.agent(node.agent)
                 a.stored_manifest()

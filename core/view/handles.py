@@ -27,7 +27,7 @@ import os
 from ..capsule import format as fmt
 from ..errors import CapsuleError, FormatError, NotFoundError
 from ..journal.file import parse_draft_lines
-from .agent import LiveAgent
+from .agent import LiveAgent, counted
 from .blobcheck import BlobCheck
 from .edit import check_edit_size, resize
 from .errors import NotPermitted, TooLarge
@@ -204,7 +204,7 @@ class JournalHandle(Handle):
         if end:
             events = parse_draft_lines(buf[:end], "journal")
             self.agent.check_blobs(events)  # an attachment names a blob this agent has
-            self.agent.journal().append_many(events)
+            counted(self.agent.journal().append_many(events))
         self.partial = buf[end:]
         return len(data)
 

@@ -113,6 +113,10 @@ class LiveHost(Changes):
                 if node.rel == "remove":
                     return RemoveHandle(a, self.remover)
                 return MoveHandle(a, node.rel, self.mover)
+            case Kind.HOST_CONTROL_FILE:
+                if write:
+                    raise NotPermitted(f".control/{node.rel} is read-only")
+                return BytesHandle(self.metrics_bytes(), direct_io=True)
             case Kind.SNAP_FILE:
                 if write:
                     raise ReadOnly("snapshots are read-only")

@@ -14,6 +14,7 @@ from ..capsule import format as fmt
 CONTROL = ".control"
 SNAPSHOTS = ".snapshots"
 CONTROL_FILES = ("abandon", "model", "move", "remove", "status")
+HOST_CONTROL_FILES = ("metrics",)  # MNT/.control/: about the host, not one agent
 EDITABLE = frozenset({fmt.WORKING_MEMORY, fmt.SPEC})
 XATTR_SHA256 = "user.capsule.sha256"
 XATTR_AGENT_ID = "user.capsule.agent_id"
@@ -34,9 +35,12 @@ class Kind(Enum):
     SNAPSHOT = "snapshot"  # .snapshots/<snap>/ (a capsule's top)
     SNAP_DIR = "snap_dir"  # a directory inside a snapshot (rel)
     SNAP_FILE = "snap_file"  # a file inside a snapshot (rel), blobs included
+    HOST_CONTROL = "host_control"  # MNT/.control/ (the root's, hidden like an agent's)
+    HOST_CONTROL_FILE = "host_control_file"  # MNT/.control/<rel>: metrics
 
 
-DIR_KINDS = frozenset({Kind.ROOT, Kind.AGENT, Kind.DIR, Kind.CONTROL, Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_DIR})
+DIR_KINDS = frozenset({Kind.ROOT, Kind.AGENT, Kind.DIR, Kind.CONTROL, Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_DIR,
+                       Kind.HOST_CONTROL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,7 @@ def parent_dir(node: Node) -> Node:
     the root is its own."""
     up = node.rel.rpartition("/")[0]
     match node.kind:
-        case Kind.ROOT | Kind.AGENT:
+        case Kind.ROOT | Kind.AGENT | Kind.HOST_CONTROL:
             return ROOT
         case Kind.CONTROL | Kind.SNAPSHOTS:
             return Node(Kind.AGENT, node.agent)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import metrics
 from ..capsule import format as fmt
 from ..errors import NotFoundError, StoreError
 from ..fsutil import thread_start
@@ -22,7 +23,7 @@ from .agent import LiveAgent
 from .blobcheck import BlobChecks
 from .control import Mover, Remover
 from .errors import NotADirectory, ReadOnly
-from .nodes import CONTROL, CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
+from .nodes import CONTROL, CONTROL_FILES, HOST_CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
 from .scratch import ScratchArea
 from .snapshots import Snapshots
 from .uploads import UploadArea
@@ -112,7 +113,30 @@ class Tree:
         self.last_error = reason
         if self.failsafe is None:
             self.failsafe = reason
+            metrics.FAILSAFE_ENTERED.inc()
             log.error("the mount is now read-only (failsafe) after an internal error: %s", reason)
+
+    def metrics_bytes(self) -> bytes:
+        """``MNT/.control/metrics``: the process's series (``core.metrics``),
+        with the gauges of this view set as of now."""
+        shown: dict[str, float] = {s.value: 0 for s in (AgentState.ACTIVE, AgentState.FROZEN)}
+        processes: dict[tuple[str, ...], float] = {}
+        run = self.status_sections.get("run")
+        for agent_id in self.names(strict=False).values():
+            state = self.state(agent_id).value
+            shown[state] = shown.get(state, 0) + 1
+            try:
+                section = run(agent_id) if run is not None else None
+            except Exception:  # (a read of the metrics must never fail, nor flip the mount to failsafe)
+                log.exception("agent %s: its run status could not be read for the metrics", agent_id)
+                section = None
+            if isinstance(section, dict) and isinstance(section.get("state"), str):
+                key = (section["state"],)
+                processes[key] = processes.get(key, 0) + 1
+        metrics.AGENTS.replace({(state,): n for state, n in shown.items()})
+        metrics.AGENT_PROCESSES.replace(processes)
+        metrics.FAILSAFE.set(1 if self.failsafe is not None else 0)
+        return metrics.REGISTRY.render()
 
     def changed(self, agent_id: str, rel: str) -> None:
         self.on_change(agent_id, rel)
@@ -188,6 +212,8 @@ class Tree:
                 return self.agent(node.agent).tree().get(node.rel, {})
             case Kind.CONTROL:
                 return {n: Node(Kind.CONTROL_FILE, node.agent, n) for n in CONTROL_FILES}
+            case Kind.HOST_CONTROL:
+                return {n: Node(Kind.HOST_CONTROL_FILE, "", n) for n in HOST_CONTROL_FILES}
             case Kind.SNAPSHOTS:
                 return {n: Node(Kind.SNAPSHOT, node.agent, "", n) for n in self.snapshots.names(node.agent)}
             case Kind.SNAPSHOT | Kind.SNAP_DIR:
@@ -201,6 +227,8 @@ class Tree:
     def lookup(self, parent: Node, name: str, pid: int | None = None) -> Node:
         """The node ``name`` in ``parent`` names, as thread ``pid`` sees it
         (an editable file it unlinked is gone for it; None: for no one)."""
+        if parent.kind is Kind.ROOT and name == CONTROL:
+            return Node(Kind.HOST_CONTROL)
         if parent.kind is Kind.AGENT and name in (CONTROL, SNAPSHOTS):
             self.agent(parent.agent).stored_manifest()  # the agent still exists
             return Node(Kind.CONTROL if name == CONTROL else Kind.SNAPSHOTS, parent.agent)

@@ -29,6 +29,7 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from helpers import HANG
 from mount_kit import CAPSULEFS, capsulefs, check_chains, needs_fuse
 from mount_kit import status as agent_status
+from prom_kit import parse, value
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -216,6 +217,36 @@ def test_echo_moves_an_agent_between_two_mounts(hosts: tuple[Host, Host], tmp_pa
     with open(b.mnt / "walker" / "memory" / "timeline_events.jsonl", "a") as f:  # writable on B
         f.write(json.dumps({"kind": "user_message", "text": "hello 5"}) + "\n")
     verify_on(b, "walker", tmp_path, 6)
+    a.stop()
+    b.stop()
+
+
+def test_a_move_shows_in_both_hosts_metrics(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """MNT/.control/metrics on each side: the source counts a move done, the
+    bytes it sent and each phase's time; the target counts an agent moved
+    in and the bytes it received; the agent is active on the target only."""
+    a, b = hosts
+    a.start()
+    b.start()
+    make_agent(a)
+    before_a, before_b = parse((a.mnt / ".control" / "metrics").read_bytes()), \
+        parse((b.mnt / ".control" / "metrics").read_bytes())
+    assert write_move(a.mnt, "walker", "b\n") == 0
+    after_a, after_b = parse((a.mnt / ".control" / "metrics").read_bytes()), \
+        parse((b.mnt / ".control" / "metrics").read_bytes())
+
+    def moved(before: dict, after: dict, name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved(before_a, after_a, "capsulefs_moves_total", outcome="done", cause="moved") == 1
+    assert moved(before_a, after_a, "capsulefs_move_bytes_total", direction="sent") > 0
+    for phase in ("freezing", "offer", "verify", "prepare", "activate"):
+        assert moved(before_a, after_a, "capsulefs_move_phase_seconds_count", phase=phase) == 1, phase
+    assert value(after_a, "capsulefs_agents", state="active") == 0
+    assert moved(before_b, after_b, "capsulefs_moves_in_total") == 1
+    assert moved(before_b, after_b, "capsulefs_move_bytes_total", direction="received") > 0
+    assert value(after_b, "capsulefs_agents", state="active") == 1
+    assert moved(before_b, after_b, "capsulefs_moves_total", outcome="done", cause="moved") == 0
     a.stop()
     b.stop()
 

@@ -79,6 +79,21 @@ async def test_every_directory_lists_dot_and_dotdot_with_their_inodes(c: Client)
         assert (c.ops.inodes.lookups(here), c.ops.inodes.lookups(parent)) == counts, path
 
 
+async def test_the_roots_control_holds_only_the_metrics_read_only(c: Client) -> None:
+    """MNT/.control/: hidden from the root's listing, reachable by name, one
+    read-only file; nothing can be made, removed or renamed in it."""
+    assert await c.listdir("") == ["alice"]
+    assert await c.listdir(CONTROL) == ["metrics"]
+    assert (await c.read(f"{CONTROL}/metrics")).startswith(b"# HELP capsulefs_")
+    st = await c.stat(f"{CONTROL}/metrics")
+    assert st.st_mode & 0o777 == 0o444
+    for attempt in (c.write(f"{CONTROL}/metrics", b"x\n"), c.unlink(f"{CONTROL}/metrics"),
+                    c.rename(f"{CONTROL}/metrics", f"{CONTROL}/m2"), c.create(f"{CONTROL}/new", b""),
+                    c.mkdir(f"{CONTROL}/d"), c.rmdir(CONTROL)):
+        assert await errno_of(attempt) in (errno.EPERM, errno.ENOTEMPTY)
+    assert await c.listdir(CONTROL) == ["metrics"]
+
+
 async def test_agent_dir_is_a_capsule_that_verifies(c: Client, tmp_path: Path) -> None:
     await c.copy_tree("alice", tmp_path / "copy")
     manifest, problems = archive.verify_capsule(str(tmp_path / "copy"))
