@@ -291,8 +291,8 @@ AGENT_RESTARTS = REGISTRY.counter("capsulefs_agent_restarts_total",
 EVENTS_APPENDED = REGISTRY.counter("capsulefs_journal_events_appended_total",
                                    "Journal events this daemon appended (writes to the journal through the mount, "
                                    "memory edits, model switches, workspace commits), by kind.", ["kind"])
-EDITS = REGISTRY.counter("capsulefs_edits_total", "Edits of working memory or the spec committed through the "
-                         "mount, by file.", ["file"])
+EDITS = REGISTRY.counter("capsulefs_edits_total", "Edits of working memory, the spec or the semantic index "
+                         "committed through the mount, by file.", ["file"])
 FAILSAFE = REGISTRY.gauge("capsulefs_failsafe", "1 while the mount is read-only after an internal fault (failsafe).")
 FAILSAFE_ENTERED = REGISTRY.counter("capsulefs_failsafe_entered_total",
                                     "Times the mount went read-only after an internal fault.")
@@ -311,5 +311,5 @@ MOVE_PHASE_SECONDS = REGISTRY.histogram("capsulefs_move_phase_seconds", "Seconds
                                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800))
 for _direction in ("sent", "received"):
     MOVE_BYTES.touch(_direction)
-for _file in ("working_memory.md", "spec.json"):
+for _file in ("working_memory.md", "spec.json", "index.json"):
     EDITS.touch(_file)

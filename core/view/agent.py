@@ -387,6 +387,11 @@ class LiveAgent:
         if rel == fmt.SPEC:
             parse_spec(data)
             return None
+        if rel == fmt.VECTOR_INDEX:  # derived data, checked as its readers check it (they rebuild what is stale)
+            from ..semantic.vectors import parse_index
+
+            parse_index(data)
+            return None
         if rel != fmt.WORKING_MEMORY:
             raise NotPermitted(f"{rel} is not editable")
         try:
@@ -398,11 +403,11 @@ class LiveAgent:
         """Commit a new version of an editable file (validated first)."""
         text = self.check_edit(rel, data)
         self.unlinked.pop(rel, None)  # a new version: there for everyone again
-        if text is None:  # the spec
+        if text is None:  # the spec, the semantic index: no event
             self.handle.write_files({rel: data})
             self.host.changed(self.agent_id, rel)
             metrics.EDITS.inc(os.path.basename(rel))
-            log.info("agent %s: spec updated (%d bytes)", self.agent_id, len(data))
+            log.info("agent %s: %s updated (%d bytes)", self.agent_id, rel, len(data))
             return
         if data == self.handle.read(rel):
             return  # nothing changed: no event

@@ -22,8 +22,9 @@ from ..errors import NameTooLong, NotFoundError
 from ..fsutil import atomic_write, makedirs_durable, remove_tree, subdirs
 from .errors import NotPermitted
 
-#: Capsule directories where editors may create scratch files.
-SCRATCH_DIRS = frozenset({"memory", "environment"})
+#: Capsule directories where editors may create scratch files (and where an
+#: atomic writer of index.json puts its temp file).
+SCRATCH_DIRS = frozenset({"memory", "environment", "memory/vector_index"})
 
 
 def check_name(name: str) -> str:

@@ -537,3 +537,30 @@ def test_times_of_working_memory_are_kept_and_read_only_files_refuse_them(mnt: P
         sh = subprocess.run(["touch", "-d", "2001-02-03", str(path)], capture_output=True, text=True)
         assert sh.returncode != 0 and "Operation not permitted" in sh.stderr, path
     verifies(mnt)
+
+
+def test_recall_saves_the_semantic_index_through_the_mount(mnt: Path, tmp_path: Path) -> None:
+    """The reference agent's recall, on its capsule directory in the mount,
+    brings the index up to date and saves it: a temp file in
+    memory/vector_index/ renamed over index.json, checked as an index, listed
+    by the manifest; a file that is no index is EINVAL and changes nothing."""
+    from capsulefs.agents.reference.loop import Toolbox
+    from capsulefs.core.semantic.vectors import parse_index
+
+    with open(mnt / fmt.JOURNAL, "a") as f:
+        f.write(json.dumps({"kind": "user_message", "text": "The staging database lives on port 5433."}) + "\n")
+        f.write(json.dumps({"kind": "user_message", "text": "Lunch is at noon on Fridays."}) + "\n")
+    ids = [r.id for r in check_chains((mnt / fmt.JOURNAL).read_bytes())]
+    (tmp_path / "ws").mkdir()
+    out = Toolbox(str(tmp_path / "ws"), str(mnt)).run("recall", {"query": "which port does staging use", "k": 1})
+    assert "5433" in out
+    data = (mnt / fmt.VECTOR_INDEX).read_bytes()
+    assert {e.event for e in parse_index(data).entries} == set(ids)
+    listed = json.loads((mnt / "manifest.json").read_bytes())["files"][fmt.VECTOR_INDEX]
+    assert listed["sha256"] == hashlib.sha256(data).hexdigest()
+    assert os.listdir(mnt / "memory" / "vector_index") == ["index.json"]  # no temp file left
+    verifies(mnt)
+    with pytest.raises(OSError) as refused:
+        (mnt / fmt.VECTOR_INDEX).write_bytes(b'{"format":"something else"}\n')
+    assert refused.value.errno == errno.EINVAL
+    assert (mnt / fmt.VECTOR_INDEX).read_bytes() == data

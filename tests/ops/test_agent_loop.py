@@ -16,6 +16,7 @@ from capsulefs.agents.reference.loop import Agent, DirectPort, Toolbox, ToolErro
 from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.lines import verify_lines
+from capsulefs.core.semantic.vectors import parse_index
 
 MACHINE = "HOSTA"
 
@@ -125,6 +126,8 @@ def test_recall_tool_finds_the_agents_own_history(capsule: Path, tmp_path: Path)
     (capsule / fmt.VECTOR_INDEX).write_bytes(fmt.empty_vector_index())
     out = Toolbox(str(tmp_path), str(capsule)).run("recall", {"query": "which port does the staging database use", "k": 1})
     assert "5433" in out and "user_message" in out
+    saved = parse_index((capsule / fmt.VECTOR_INDEX).read_bytes())  # the index it brought up to date is kept
+    assert {e.event for e in saved.entries} == {r.id for r in port.records()}, saved.entries
 
 
 def test_tool_results_never_carry_the_runs_secrets(capsule: Path, tmp_path: Path, monkeypatch) -> None:

@@ -340,7 +340,11 @@ class Toolbox:
         if not isinstance(query, str) or not query:
             raise ToolError("query must be a non-empty string")
         k = int(args.get("k") or 5)
-        hits = search_capsule(self.capsule_dir, query, k, save=False)
+        try:  # the index brought up to date is saved (atomically, through the mount), so the next start has it
+            hits = search_capsule(self.capsule_dir, query, k, save=True)
+        except OSError as exc:  # (frozen by a move, read-only, or larger than the mount takes): searched unsaved
+            log.warning("recall: the semantic index could not be saved (%s); searching without saving", exc)
+            hits = search_capsule(self.capsule_dir, query, k, save=False)
         return "\n".join(f"[{h.kind} {h.event} {h.time}] {h.snippet}" for h in hits) or "no matches"
 
 
