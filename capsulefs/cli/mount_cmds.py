@@ -18,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from capsulefs.cli.common import state_dir
+from capsulefs.core.errors import CapsuleError
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +87,18 @@ def _interval(text: str) -> float:
     return value
 
 
-def _run_daemon(args: argparse.Namespace, ready_fd: int | None = None) -> int:
+def _run_daemon(args: argparse.Namespace, on_ready: Callable[[bool], None] | None = None) -> int:
+    """Run the daemon until it unmounts; ``on_ready`` is told once whether
+    the mount came up."""
     from capsulefs.daemon.daemon import holding_state
 
     # One daemon per state directory, for its whole life: a second would run
     # every agent a second time on this host.
     with holding_state(state_dir(args), doing=f"mounting it on {args.mountpoint}"):
-        return _serve(args, ready_fd)
+        return _serve(args, on_ready)
 
 
-def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
+def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) -> int:
     import trio
 
     from capsulefs.daemon.daemon import Daemon
@@ -122,10 +125,8 @@ def _serve(args: argparse.Namespace, ready_fd: int | None) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             up = await nursery.start(daemon.serve)
-            if ready_fd is not None:
-                if up:
-                    os.write(ready_fd, b"1")
-                os.close(ready_fd)  # (without "1": the mount ended while starting)
+            if on_ready is not None:
+                on_ready(bool(up))
 
     trio.run(main)
     return 0
@@ -151,35 +152,92 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return _run_daemon(args)
 
 
+#: Where ``mount --background`` logs without ``--log-file`` (under the state
+#: directory, as contrib/mount.fuse.capsulefs does): a daemon with no
+#: terminal must leave its reasons somewhere a person can find them.
+BACKGROUND_LOG = os.path.join("mount", "daemon.log")
+#: The first byte the background daemon writes to its parent: mounted, or
+#: failed (then one line of why follows).
+_MOUNTED, _FAILED = b"1", b"0"
+
+
+def _failure_line(exc: BaseException) -> str:
+    """Why the daemon could not mount, in one line: the message of a domain
+    or OS error (the first one of an exception group), else the exception's
+    type and message."""
+    exc = _leaf(exc)
+    if isinstance(exc, CapsuleError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
+        text = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:1000] or type(exc).__name__
+
+
 def _background(args: argparse.Namespace) -> int:
-    """Fork the daemon off; return 0 once it has mounted, 1 if it failed."""
+    """Fork the daemon off; return 0 once it has mounted, 1 (after one line
+    on stderr saying why, and naming the daemon's log) if it failed."""
+    if not args.log_file:
+        args.log_file = os.path.join(state_dir(args), BACKGROUND_LOG)
+    args.log_file = os.path.abspath(args.log_file)
+    try:  # (here, while a terminal can still be told)
+        os.makedirs(os.path.dirname(args.log_file), exist_ok=True)
+        with open(args.log_file, "ab"):
+            pass
+    except OSError as exc:
+        raise CapsuleError(f"cannot write the daemon's log {args.log_file}: {exc.strerror or exc}") from None
     r, w = os.pipe()
     pid = os.fork()
     if pid:
         os.close(w)
         with os.fdopen(r, "rb") as f:
-            ok = f.read(1) == b"1"
-        if not ok:
-            print(f"capsulefs: error: the daemon failed to mount {args.mountpoint} (see its log)", file=sys.stderr)
-            return 1
-        return 0
-    # The daemon: a new session, no terminal, logging to its file (or stderr).
+            answer = f.read(4096)
+        if answer[:1] == _MOUNTED:
+            return 0
+        why = answer[1:].decode(errors="replace").strip() or "the daemon exited before mounting"
+        print(f"capsulefs: error: cannot mount {args.mountpoint}: {why} (the daemon's log: {args.log_file})",
+              file=sys.stderr)
+        return 1
+    # The daemon: a new session, no terminal, logging to its file.
     os.close(r)
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    if args.log_file:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
     os.close(devnull)
-    _configure_logging(args)
+    told = False
+
+    def tell(up: bool) -> None:
+        nonlocal told
+        told = True
+        try:
+            os.write(w, _MOUNTED if up else _FAILED + b"the mount ended while starting")
+        finally:
+            os.close(w)
+
     code = 1
     try:
-        code = _run_daemon(args, ready_fd=w)
-    except BaseException:  # the parent reads EOF and reports the failure
-        log.exception("the daemon failed")
+        _configure_logging(args)
+        code = _run_daemon(args, on_ready=tell)
+    except BaseException as exc:  # the parent prints the reason
+        if isinstance(_leaf(exc), (CapsuleError, OSError)):
+            log.error("the daemon failed: %s", _failure_line(exc))
+        else:
+            log.exception("the daemon failed")
+        if not told:
+            try:
+                os.write(w, _FAILED + _failure_line(exc).encode(errors="replace"))
+            except OSError:
+                pass  # (the parent is gone)
     finally:
         os._exit(code)
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
