@@ -16,8 +16,9 @@ Rules:
     which no other request interleaves with, lists them, journals the event
     and writes the snapshot. A cancel stops it before that step, or not at all.
   * ``.control/status`` gains a "run" section: the process state, pid,
-    restarts, last exit, in words why it does not run, and whether it runs
-    isolated ("isolation").
+    restarts, last exit, in words why it does not run, whether it runs
+    isolated ("isolation"), and why it does not answer ("last_error",
+    capsulefs/agents/reports.py).
   * With isolation on (the daemon runs as root), the agent processes run as
     uids of their own and must reach their capsules through the mount: it
     is mounted ``allow_other``, its root is mode 0711 and each agent's
@@ -142,6 +143,8 @@ class AgentRuntime:
         problem = self.supervisor.agent_problem(agent_id)
         if problem is not None:
             st["problem"] = problem
+        failure = self.supervisor.last_error(agent_id)
+        st["last_error"] = failure.as_json(agent_id) if failure is not None else None
         ok, why = self.runnable(agent_id)
         if not ok and st["state"] in ("stopped", "frozen"):
             st["detail"] = why

@@ -38,10 +38,13 @@ Rules:
     goes too. Not root: isolation is off, and the status says so.
   * A running agent says how its steps go in one small file it writes,
     ``$CAPSULE_STATUS`` (in its HOME: ``agent-status.json``, ``{"problem":
-    text}``, removed once a step succeeds); the status shows it as
-    ``problem``. The file is the agent's, so it is read as hostile: not
-    followed if a link, only a regular file of the agent's own uid, 4 KiB
-    at most, one line of text kept. It is removed before each start.
+    text, ...}``, removed once a step succeeds); the status shows it as
+    ``problem`` and ``last_error`` (capsulefs/agents/reports.py, which reads
+    it as hostile). It is removed before each start. What the daemon sees
+    fail (no start, a setup step, a crash) is ``last_error`` too.
+  * The agent process's stdout and stderr are a pipe the daemon reads into
+    the agent's log (capsulefs/agents/agent_log.py), with the daemon's own
+    lines about the run; a crash's last lines are in ``last_error``.
   * A crash (non-zero exit) is followed by a restart with exponential
     backoff, visible in the status. An exit with status 0 means the agent
     finished; it is not restarted until wanted again.
@@ -59,7 +62,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -71,7 +73,9 @@ from typing import Any, Protocol
 import trio
 
 from capsulefs.agents import grants, keychain
+from capsulefs.agents.agent_log import AgentLog, last_lines, pump_output
 from capsulefs.agents.isolation import Isolation
+from capsulefs.agents.reports import AGENT_STATUS, Failure, fix_for, read_agent_report
 from capsulefs.core import metrics
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
@@ -90,10 +94,7 @@ BASE_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "TZ")
 #: holds ``workspace/``, the running process's ``pid`` file and ``setup.log``.
 SANDBOXES_DIR = "sandboxes"
 SETUP_LOG = "setup.log"  # beside workspace/: the output of the last build's setup steps
-#: The environment variable naming the file a running agent reports its
-#: problem in, and that file's name in its HOME (see the module rules).
-AGENT_STATUS = "agent-status.json"
-AGENT_STATUS_MAX = 4096
+CRASH_LINES = 5  # lines of its log a crash's last_error shows
 
 
 def sandbox_root(state_dir: str) -> str:
@@ -117,25 +118,8 @@ def read_agent_problem(path: str, owner: int) -> str | None:
     """The ``problem`` an agent wrote to its status file, as one line of at
     most 500 characters; None if there is none or the file is not one to
     trust (a link, not a regular file, another owner, too big, not JSON)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_size > AGENT_STATUS_MAX:
-            return None
-        data = os.read(fd, AGENT_STATUS_MAX + 1)
-    finally:
-        os.close(fd)
-    try:
-        doc = fmt.load_json(data, AGENT_STATUS)
-    except CapsuleError:
-        return None
-    problem = doc.get("problem") if isinstance(doc, dict) else None
-    if not isinstance(problem, str) or not problem.strip():
-        return None
-    return " ".join("".join(c if c.isprintable() else " " for c in problem).split())[:500]
+    report = read_agent_report(path, owner)
+    return report.what if report is not None else None
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -320,6 +304,7 @@ class RunStatus:
     last_exit: int | None = None
     detail: str = ""  # words for .control/status
     next_start_in: float | None = None
+    failure: Failure | None = None  # the daemon's last failure of this agent (reports.py)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -340,6 +325,7 @@ class _Runner:
     cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
     process: Child | None = None
     done: trio.Event = field(default_factory=trio.Event)
+    log: AgentLog | None = None
 
 
 class Supervisor:
@@ -406,9 +392,33 @@ class Supervisor:
         r = self._runners.get(agent_id)
         if r is None or r.status.state is not RunState.RUNNING:
             return None
+        report = self.agent_report(agent_id)
+        return report.what if report is not None else None
+
+    def agent_report(self, agent_id: str) -> Failure | None:
+        """The failure the running agent reported (see reports.py), or None."""
+        r = self._runners.get(agent_id)
+        if r is None or r.status.state is not RunState.RUNNING:
+            return None
         home = self.isolation.home(agent_id) if self.isolation.enabled else os.path.join(self.sandbox_root, agent_id)
         owner = self.isolation.ids_for(agent_id).uid if self.isolation.enabled else os.getuid()
-        return read_agent_problem(os.path.join(home, AGENT_STATUS), owner)
+        return read_agent_report(os.path.join(home, AGENT_STATUS), owner)
+
+    def last_error(self, agent_id: str) -> Failure | None:
+        """Why the agent does not answer, if it says or the daemon saw: what
+        the running agent reports, else the daemon's last failure while it
+        does not run because of it (blocked, or waiting to restart)."""
+        report = self.agent_report(agent_id)
+        if report is not None:
+            return report
+        st = self.status(agent_id)
+        return st.failure if st.state in (RunState.BLOCKED, RunState.BACKOFF) else None
+
+    def _failed(self, r: _Runner, what: str, *, retry_in: float | None, fix: str | None = None,
+                output: tuple[str, ...] = ()) -> None:
+        now = time.time()
+        r.status.failure = Failure(what=what, at=now, retry_at=None if retry_in is None else now + retry_in,
+                                   fix=fix, output=output)
 
     def _pidfile(self, agent_id: str) -> str:
         return os.path.join(self.sandbox_root, agent_id, "pid")
@@ -457,7 +467,7 @@ class Supervisor:
         r = self._runners.get(agent_id)
         if r is not None and not r.done.is_set():
             return
-        r = _Runner(agent_id)
+        r = _Runner(agent_id, log=AgentLog(self.state_dir, agent_id))
         self._runners[agent_id] = r
         self._nursery.start_soon(self._run, r)
 
@@ -532,8 +542,11 @@ class Supervisor:
                     except (CapsuleError, OSError) as exc:  # (OSError: a snapshot whose paths collide, a full disk)
                         if r.status.state is not RunState.BLOCKED or not r.status.detail.startswith(str(exc)):
                             log.warning("agent %s not started: %s", r.agent_id, exc)
+                            self._note(r, f"not started: {exc}")
                         r.status.state, r.status.detail = RunState.BLOCKED, str(exc)
                         r.status.pid = None
+                        wait = backoff if isinstance(exc, SandboxBuildError) else BLOCKED_RETRY
+                        self._failed(r, f"not started: {exc}", retry_in=wait, fix=fix_for(exc, r.agent_id))
                         if isinstance(exc, SandboxBuildError):
                             # Building costs a whole workspace of writes (on a
                             # full disk, filling it again): back off as after a crash.
@@ -549,22 +562,32 @@ class Supervisor:
                     r.status.state, r.status.detail = RunState.BUILDING, "running setup steps"
                     if not await self._setup(r, setup, env, cwd):
                         r.status.state = RunState.BACKOFF
+                        self._failed(r, r.status.detail, retry_in=backoff)
+                        self._note(r, f"{r.status.detail}; restarting in {backoff:.0f} s")
                     else:
                         began = self._clock()
                         code = await self._run_process(r, argv, env, cwd)
                         if self._clock() - began >= self.healthy:
                             backoff = BACKOFF_FIRST
                         r.status.pid = None  # (gone: its pid may be another process's soon)
+                        output: tuple[str, ...] = ()
                         if code is None:  # it could not start: the detail says why
                             why = r.status.detail
                         else:
                             r.status.last_exit = code
+                            self._note(r, f"exited with status {code}")
                             if code == 0:
                                 r.status.state, r.status.detail = RunState.FINISHED, "the entrypoint exited with status 0"
                                 return
                             why = f"the entrypoint exited with status {code}"
+                            output = tuple(line.partition(" ")[2] for line in last_lines(r.log.path, CRASH_LINES)
+                                           if not line.partition(" ")[2].startswith("capsulefs: ")) if r.log else ()
                         r.status.state = RunState.BACKOFF
                         r.status.detail = f"{why}; restarting in {backoff:.0f} s"
+                        if output:
+                            r.status.detail = f"{why}: {output[-1][:200]}; restarting in {backoff:.0f} s"
+                        self._failed(r, why, retry_in=backoff, output=output)
+                        self._note(r, f"restarting in {backoff:.0f} s")
                         log.warning("agent %s: %s", r.agent_id, r.status.detail)
                     r.status.restarts += 1
                     metrics.AGENT_RESTARTS.inc()
@@ -662,8 +685,38 @@ class Supervisor:
         the status' detail) if it could not start."""
         return await self._run_child(r, argv, env, cwd, what=f"the entrypoint {argv[0]}", agent=True)
 
+    def _note(self, r: _Runner, text: str) -> None:
+        """A line of the daemon's in the agent's log (never failing a run)."""
+        if r.log is not None:
+            try:
+                r.log.note(text)
+            except OSError as exc:
+                log.warning("agent %s: cannot write its log %s: %s", r.agent_id, r.log.path, exc)
+
     async def _run_child(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str, *, what: str,
                          agent: bool = False, output: int | None = None) -> int | None:
+        if agent and r.log is not None:
+            read_end, output = os.pipe2(os.O_CLOEXEC)  # (the child's stdout and stderr: the agent's log)
+            try:
+                async with trio.open_nursery() as nursery:
+                    pumped = trio.Event()
+                    nursery.start_soon(pump_output, trio.lowlevel.FdStream(read_end), r.log, pumped)
+                    try:
+                        return await self._start_and_wait(r, argv, env, cwd, what=what, agent=agent, output=output)
+                    finally:
+                        os.close(output)
+                        # What the process wrote before it exited is in the
+                        # pipe; a tool it left holding the pipe open (that
+                        # left its group and cgroup) does not hold the run.
+                        with trio.move_on_after(1.0, shield=True):
+                            await pumped.wait()
+                        nursery.cancel_scope.cancel()
+            finally:
+                r.log.flush()
+        return await self._start_and_wait(r, argv, env, cwd, what=what, agent=agent, output=output)
+
+    async def _start_and_wait(self, r: _Runner, argv: list[str], env: dict[str, str], cwd: str, *, what: str,
+                              agent: bool, output: int | None) -> int | None:
         iso, kill_rest = self.isolation, None
         try:
             if iso.cgroups is not None:
@@ -686,6 +739,7 @@ class Supervisor:
             r.status.state, r.status.pid = RunState.RUNNING, proc.pid
             r.status.detail = "running"
             log.info("agent %s started as pid %d", r.agent_id, proc.pid)
+            self._note(r, f"started as pid {proc.pid}: {' '.join(argv)}")
         try:
             return await proc.wait()
         finally:

@@ -25,9 +25,10 @@ Rules:
   * Tools cannot reach outside the sandbox: paths are resolved and checked.
   * A step that fails (no model chosen, the provider down or refusing, the
     newest message too large for the budget) is reported in one place,
-    :meth:`Agent.report`: logged, and written to ``$CAPSULE_STATUS``, which
-    the daemon shows in ``.control/status`` as ``run.problem`` until a step
-    succeeds. The model is never called with a request that lacks the
+    :meth:`Agent.report`: logged, and written to ``$CAPSULE_STATUS`` with
+    when, the next retry and the command that fixes it where there is one
+    (:func:`fix_for`), which the daemon shows in ``.control/status`` as
+    ``run.problem`` and ``run.last_error`` until a step succeeds. The model is never called with a request that lacks the
     newest message.
   * ``read_file`` on an image or a PDF (told by its first bytes, never its
     name) attaches it: the bytes are stored as a blob of the capsule
@@ -46,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -416,6 +418,36 @@ class ProviderClients:
         return reply.model_dump(mode="json", exclude_none=True, by_alias=True)
 
 
+# -- what fixes a failed step --------------------------------------------------------------------------
+
+#: The prefix of each provider's SDK variables (``..._API_KEY``, ``..._BASE_URL``).
+_VARS = {"anthropic": "ANTHROPIC", "openai-chat": "OPENAI", "openai-responses": "OPENAI", "gemini": "GEMINI"}
+EXAMPLE_MODEL = "anthropic:claude-sonnet-4-5"
+
+
+def fix_for(exc: BaseException, provider: str | None, *, capsule_dir: str, agent_id: str) -> str | None:
+    """The one command that fixes a failed step, where there is one: a model
+    to choose, a key to set and grant, an endpoint to correct."""
+    text = str(exc).lower()
+    name = type(exc).__name__
+    model_file = os.path.join(capsule_dir, ".control", "model")
+    if provider is None or provider not in _VARS:  # no model chosen, or one no SDK here calls
+        if "no model chosen" in text or "provider" in text:
+            return f"echo {EXAMPLE_MODEL} > {shlex.quote(model_file)}"  # (any of _VARS' providers)
+        return None
+    var = _VARS[provider]
+    spec = os.path.join(capsule_dir, "environment", "spec.json")
+    if name in ("AuthenticationError", "PermissionDeniedError") or "api_key" in text or "api key" in text \
+            or "authentication" in text:
+        return f"capsulefs secret set {var}_API_KEY && capsulefs secret grant {agent_id} {var}_API_KEY"
+    if name in ("APIConnectionError", "APITimeoutError", "ConnectError", "ConnectTimeout") or "connect" in text:
+        now = os.environ.get(f"{var}_BASE_URL") or "unset: the provider's public endpoint"
+        return f"set {var}_BASE_URL in the env of {spec} to an address this host reaches (now {now})"
+    if name == "NotFoundError" or "not found" in text or "model" in text and "does not exist" in text:
+        return f"echo {provider}:MODEL > {shlex.quote(model_file)}"
+    return None
+
+
 # -- the loop ------------------------------------------------------------------------------------------
 
 
@@ -423,31 +455,37 @@ class Agent:
     def __init__(self, port: JournalPort, tools: Toolbox, *,
                  call: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None,
                  default_target: tuple[str, str] | None = None, budget: int | None = None,
-                 status_file: str | None = None) -> None:
+                 status_file: str | None = None, capsule_dir: str = "AGENT", agent_id: str = "AGENT") -> None:
         self.port, self.tools = port, tools
         self.call = call if call is not None else ProviderClients()
         self.default_target = default_target
         self.budget = budget
         self.status_file = status_file
         self.problem: str | None = None  # the last step's failure, None once a step succeeded
+        self.capsule_dir, self.agent_id = capsule_dir, agent_id  # (for the commands a report names)
+        self.provider: str | None = None  # the provider of the step under way
         self.stopping = False
 
-    def report(self, problem: str | None) -> None:
+    def report(self, problem: str | None, *, retry_in: float | None = None, fix: str | None = None) -> None:
         """Say how the last step went: the one place a step's failure is
         reported (logged, and written to the status file the daemon shows
-        as ``run.problem``); None clears it once a step succeeds."""
-        if problem == self.problem:
+        as ``run.problem`` and ``run.last_error``: what, when, the next
+        retry, the fix); None clears it once a step succeeds."""
+        if problem is None and self.problem is None:
             return
+        if problem != self.problem and problem is not None:
+            log.error("step failed: %s%s", problem, f" (fix: {fix})" if fix else "")
         self.problem = problem
-        if problem is not None:
-            log.error("step failed: %s", problem)
         if self.status_file is None:
             return
         try:
             if problem is None:
                 os.unlink(self.status_file)
             else:
-                atomic_write(self.status_file, json.dumps({"problem": problem}).encode(), mode=0o600)
+                now = time.time()
+                doc = {"problem": problem, "at": now, "fix": fix,
+                       "retry_at": None if retry_in is None else now + retry_in}
+                atomic_write(self.status_file, json.dumps(doc).encode(), mode=0o600)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -471,6 +509,7 @@ class Agent:
         if target is None:
             raise CapsuleError("no model chosen: write provider:model to .control/model")
         provider, model = target
+        self.provider = provider
         if offered_tools(records) != TOOL_DEFS:  # the journal says what the requests offer
             self.port.append([ev.ToolsOffered(tools=TOOL_DEFS)])
             records = self.port.records()
@@ -500,13 +539,16 @@ class Agent:
             raise ToolError(f"cannot attach {name}: {exc.strerror or exc}") from None
         return ev.Attachment(blob=sha, media_type=media_type, size=len(data), name=name, call_id=call_id)
 
-    def attempt(self) -> bool | None:
-        """One :meth:`step`, its outcome reported (:meth:`report`): True if
-        it did something, False if there was nothing to do, None if it failed."""
+    def attempt(self, retry_in: float | None = None) -> bool | None:
+        """One :meth:`step`, its outcome reported (:meth:`report`, with the
+        wait before the next try): True if it did something, False if there
+        was nothing to do, None if it failed."""
+        self.provider = None
         try:
             stepped = self.step()
         except Exception as exc:  # noqa: BLE001 - the loop must survive any provider failure
-            self.report(str(exc))
+            self.report(str(exc) or type(exc).__name__, retry_in=retry_in,
+                        fix=fix_for(exc, self.provider, capsule_dir=self.capsule_dir, agent_id=self.agent_id))
             return None
         if stepped:
             self.report(None)
@@ -520,7 +562,7 @@ class Agent:
         backoff = 1.0
         while not self.stopping:
             size = self.port.size()
-            stepped = self.attempt()
+            stepped = self.attempt(retry_in=backoff)
             if stepped:
                 backoff = 1.0
                 continue
@@ -544,7 +586,8 @@ def main(args: Any = None) -> int:
     target = tuple(default.split(":", 1)) if default and ":" in default else None
     budget = int(os.environ["CAPSULE_BUDGET"]) if os.environ.get("CAPSULE_BUDGET") else None
     agent = Agent(port, Toolbox(os.getcwd(), capsule_dir), default_target=target, budget=budget,  # type: ignore[arg-type]
-                  status_file=os.environ.get(STATUS_ENV) or None)
+                  status_file=os.environ.get(STATUS_ENV) or None, capsule_dir=capsule_dir,
+                  agent_id=os.environ.get("CAPSULE_AGENT_ID") or "AGENT")
 
     def stop(_sig: int, _frame: object) -> None:
         agent.stopping = True

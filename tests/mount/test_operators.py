@@ -1,0 +1,115 @@
+"""What an operator sees of a running agent that does not answer, and how
+they steer it, without a remount: its log, its last error in
+``.control/status``, ``capsulefs status`` and ``capsulefs logs``."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import status as agent_status
+
+from capsulefs.core.journal.events import Record
+from capsulefs.testing.stub_provider import serve
+
+from helpers import reference_agent_spec, wait_until
+
+pytestmark = [needs_fuse]
+
+
+def _say(agent_dir: Path, text: str) -> None:
+    with open(agent_dir / "memory" / "timeline_events.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "user_message", "text": text}) + "\n")
+
+
+def _replies(agent_dir: Path) -> list[str]:
+    data = (agent_dir / "memory" / "timeline_events.jsonl").read_bytes()
+    return [r.event.text for r in map(Record.from_line, data.splitlines()) if r.kind == "assistant_message"]
+
+
+def _host_status(state: Path) -> dict[str, dict]:
+    return {row["name"]: row for row in json.loads(capsulefs("--state", str(state), "status", "--json").stdout)}
+
+
+def test_a_failed_step_is_in_the_status_with_its_fix_and_in_the_log(tmp_path: Path) -> None:
+    """No model chosen: the agent stays up, and its status says what failed,
+    when, the next retry, and the command that fixes it; that command fixes
+    it. The log has the agent's own words, with or without a daemon."""
+    state = tmp_path / "state"
+    with serve() as (url, _stub):
+        spec = reference_agent_spec(tmp_path / "spec.json", url)
+        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
+        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt):
+            agent = mnt / "pilot"
+            wait_until(lambda: agent_status(agent)["run"]["state"] == "running", "the agent process to run")
+            _say(agent, "hello")
+            wait_until(lambda: agent_status(agent)["run"]["last_error"], "the failed step in the status")
+            err = agent_status(agent)["run"]["last_error"]
+            assert "no model chosen" in err["what"]
+            assert err["at"] and err["next_retry"] and err["next_retry"] >= err["at"]
+            assert err["by"] == "agent" and err["log"] == f"capsulefs logs {agent_status(agent)['agent_id']}"
+            assert err["fix"].startswith("echo ") and err["fix"].endswith(f"> {agent}/.control/model")
+
+            row = _host_status(state)["pilot"]
+            assert row["source"] == "daemon" and row["run"] == "running" and row["state"] == "active"
+            assert "no model chosen" in row["last_error"]["what"] and row["last_event"]
+            table = capsulefs("--state", str(state), "status").stdout
+            assert table.splitlines()[0].split()[:3] == ["NAME", "STATE", "EPOCH"]
+            assert "no model chosen" in table and "fix: echo" in table
+
+            logs = capsulefs("--state", str(state), "logs", "pilot").stdout
+            assert "step failed: no model chosen" in logs
+            assert "capsulefs: started as pid" in logs  # the daemon's own line
+
+            # The fix, as the status gives it, is a command that works.
+            subprocess.run(err["fix"], shell=True, check=True)
+            wait_until(lambda: _replies(agent), "the reply once a model is chosen")
+            wait_until(lambda: agent_status(agent)["run"]["last_error"] is None, "the error to clear")
+            model = agent_status(agent)["provider"] + ":" + agent_status(agent)["model"]
+        # Without a daemon: from the store.
+        row = _host_status(state)["pilot"]
+        assert row["source"] == "store" and row["model"] == model and row["last_event"]
+        assert row["run"] == "not running (no daemon)"
+        assert "step failed: no model chosen" in capsulefs("--state", str(state), "logs", "pilot", "-n", "1000").stdout
+
+
+def test_a_crash_shows_the_last_lines_of_its_log(tmp_path: Path) -> None:
+    """Any agent program, not only the reference agent: one that exits
+    non-zero shows its last output in ``run.last_error``; its log keeps
+    its bytes as text only (a terminal escape is written as \\x1b)."""
+    state = tmp_path / "state"
+    spec = tmp_path / "spec.json"
+    script = 'printf "loading\\n\\033[31mboom: cannot open config.yaml\\n" >&2; exit 3'
+    spec.write_text(json.dumps({"version": 1, "entrypoint": ["sh", "-c", script]}))
+    capsulefs("--state", str(state), "new", "crashy", "--spec", str(spec))
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt):
+        agent = mnt / "crashy"
+        wait_until(lambda: (agent_status(agent)["run"]["last_error"] or {}).get("output"), "the crash in the status")
+        st = agent_status(agent)["run"]
+        err = st["last_error"]
+        assert err["what"] == "the entrypoint exited with status 3" and err["by"] == "daemon"
+        assert err["output"][-1].endswith("boom: cannot open config.yaml")
+        assert "\\x1b[31m" in err["output"][-1] and "\x1b" not in json.dumps(err)
+        assert err["next_retry"] is not None
+        assert "boom: cannot open config.yaml" in st["detail"]
+        assert "the entrypoint exited with status 3" in _host_status(state)["crashy"]["last_error"]["what"]
+    logs = capsulefs("--state", str(state), "logs", "crashy").stdout
+    assert "loading" in logs and "\\x1b[31mboom" in logs and "\x1b" not in logs
+    assert "capsulefs: exited with status 3" in logs
+
+
+def test_logs_of_an_agent_that_never_ran_say_so(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    capsulefs("--state", str(state), "new", "idle")
+    proc = capsulefs("--state", str(state), "logs", "idle")
+    assert proc.stdout == "" and "no log on this host yet" in proc.stderr
+    proc = capsulefs("--state", str(state), "logs", "nobody", check=False)
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
+    assert shlex.split(capsulefs("--state", str(state), "status").stdout.splitlines()[1])[0] == "idle"
