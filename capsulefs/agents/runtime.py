@@ -48,6 +48,7 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.move.host import holders_dir
+from capsulefs.agents.steering import Steering
 from capsulefs.agents.supervisor import RunState, Supervisor
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class AgentRuntime:
             rt.supervisor.isolation.on_new_owner = daemon.ops.owner_changed
         daemon.listeners.append(rt)
         daemon.services.append(rt.serve)
+        daemon.services.append(Steering(rt, daemon.state_dir).serve)  # (spec and grant changes: restarts)
         daemon.live.status_sections["run"] = rt.run_status
         return rt
 

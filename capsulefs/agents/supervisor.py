@@ -45,6 +45,9 @@ Rules:
   * The agent process's stdout and stderr are a pipe the daemon reads into
     the agent's log (capsulefs/agents/agent_log.py), with the daemon's own
     lines about the run; a crash's last lines are in ``last_error``.
+  * A change of the spec or of its grants restarts a running agent at its
+    next step boundary (:meth:`Supervisor.restart`, asked by
+    capsulefs/agents/steering.py): at once, not counted as a crash.
   * A crash (non-zero exit) is followed by a restart with exponential
     backoff, visible in the status. An exit with status 0 means the agent
     finished; it is not restarted until wanted again.
@@ -76,6 +79,7 @@ from capsulefs.agents import grants, keychain
 from capsulefs.agents.agent_log import AgentLog, last_lines, pump_output
 from capsulefs.agents.isolation import Isolation
 from capsulefs.agents.reports import AGENT_STATUS, Failure, fix_for, read_agent_report
+from capsulefs.agents.steering import spec_digest
 from capsulefs.core import metrics
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
@@ -305,6 +309,8 @@ class RunStatus:
     detail: str = ""  # words for .control/status
     next_start_in: float | None = None
     failure: Failure | None = None  # the daemon's last failure of this agent (reports.py)
+    spec_digest: str | None = None  # of the spec the run started from (steering.py)
+    secrets: list[str] = field(default_factory=list)  # the secret names it was given
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -313,6 +319,7 @@ class RunStatus:
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "detail": self.detail,
+            "spec": {"digest": self.spec_digest, "secrets": self.secrets} if self.spec_digest else None,
         }
 
 
@@ -326,6 +333,7 @@ class _Runner:
     process: Child | None = None
     done: trio.Event = field(default_factory=trio.Event)
     log: AgentLog | None = None
+    restart_why: str | None = None  # a restart was asked (restart()): why
 
 
 class Supervisor:
@@ -471,6 +479,39 @@ class Supervisor:
         self._runners[agent_id] = r
         self._nursery.start_soon(self._run, r)
 
+    def running_specs(self) -> list[tuple[str, str, list[str]]]:
+        """(agent id, spec digest, secret names) of every running agent's run
+        that no restart was asked of yet."""
+        return [(r.agent_id, r.status.spec_digest, list(r.status.secrets)) for r in self._runners.values()
+                if r.status.state is RunState.RUNNING and r.restart_why is None and r.status.spec_digest]
+
+    def restart(self, agent_id: str, why: str) -> bool:
+        """Stop the running agent at a step boundary (SIGTERM, the grace
+        period, SIGKILL) and start it again at once, from its spec as it is
+        then; False if it does not run."""
+        r = self._runners.get(agent_id)
+        if r is None or r.done.is_set() or r.process is None or r.status.state is not RunState.RUNNING \
+                or self._nursery is None:
+            return False
+        if r.restart_why is None:
+            r.restart_why = why
+            r.status.detail = f"restarting at its next step boundary: {why}"
+            self._note(r, r.status.detail)
+            self._nursery.start_soon(self._terminate, r, r.process)
+        return True
+
+    async def _terminate(self, r: _Runner, proc: Child) -> None:
+        """SIGTERM, the grace period, SIGKILL; the run's task reaps it and
+        cleans up after it (as for a crash)."""
+        if proc.returncode is not None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        with trio.move_on_after(self.grace):
+            await proc.wait()
+        if proc.returncode is None:
+            log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
+            _signal_group(proc.pid, signal.SIGKILL)
+
     async def unwant(self, agent_id: str, *, sync: bool = True) -> None:
         """Stop the agent at a step boundary; with ``sync``, commit its
         workspace (also one this daemon never ran: an earlier one's work)."""
@@ -570,6 +611,14 @@ class Supervisor:
                         if self._clock() - began >= self.healthy:
                             backoff = BACKOFF_FIRST
                         r.status.pid = None  # (gone: its pid may be another process's soon)
+                        if r.restart_why is not None and code is not None:  # asked: not a crash, no backoff
+                            r.status.last_exit = code
+                            self._note(r, f"exited with status {code}; starting again: {r.restart_why}")
+                            r.restart_why = None
+                            r.status.restarts += 1
+                            await trio.lowlevel.checkpoint()
+                            continue
+                        r.restart_why = None
                         output: tuple[str, ...] = ()
                         if code is None:  # it could not start: the detail says why
                             why = r.status.detail
@@ -612,6 +661,7 @@ class Supervisor:
             return None, {}, "", []
         grants.check(self.state_dir, r.agent_id, spec.get("secrets", []))  # (a spec only asks)
         secrets = keychain.fetch(self.state_dir, spec.get("secrets", []))
+        r.status.spec_digest, r.status.secrets = spec_digest(spec), sorted(secrets)
         cwd = self.sandbox(r.agent_id)
         # (under the sandbox lock: never into a sandbox a sync is still
         # scanning or a discard is still removing)

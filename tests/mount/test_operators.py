@@ -113,3 +113,70 @@ def test_logs_of_an_agent_that_never_ran_say_so(tmp_path: Path) -> None:
     proc = capsulefs("--state", str(state), "logs", "nobody", check=False)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
     assert shlex.split(capsulefs("--state", str(state), "status").stdout.splitlines()[1])[0] == "idle"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    data = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().partition("=")[::2] for item in data.split(b"\0") if item)
+
+
+def test_a_spec_edit_and_a_grant_reach_the_running_agent_without_a_remount(tmp_path: Path) -> None:
+    """Edit spec.json through the mount (a new endpoint variable and a new
+    secret): the agent restarts at its next step boundary (journaled, the
+    new spec digest in its status), is blocked until the secret is set and
+    granted, then runs with the new environment. Revoking the grant stops it
+    again. No remount."""
+    from capsulefs.agents.steering import spec_digest
+
+    state = tmp_path / "state"
+    with serve() as (url, _stub):
+        spec = reference_agent_spec(tmp_path / "spec.json", url)
+        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
+        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt):
+            agent = mnt / "pilot"
+            wait_until(lambda: agent_status(agent)["run"]["state"] == "running", "the agent process to run")
+            run = agent_status(agent)["run"]
+            old_pid, old_digest = run["pid"], run["spec"]["digest"]
+            assert old_digest == spec_digest(json.loads((agent / "environment" / "spec.json").read_bytes()))
+            assert run["spec"]["secrets"] == ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"]
+
+            edited = json.loads((agent / "environment" / "spec.json").read_bytes())
+            edited["env"]["EXTRA_SETTING"] = "on"
+            edited["secrets"].append("NEW_TOKEN")
+            (agent / "environment" / "spec.json").write_text(json.dumps(edited))
+            new_digest = spec_digest(edited)
+
+            def blocked_for_the_grant() -> bool:
+                run = agent_status(agent)["run"]
+                return run["state"] == "blocked" and "capsulefs secret grant" in run["detail"]
+
+            wait_until(blocked_for_the_grant, "the restarted agent to wait for its new secret's grant")
+            err = agent_status(agent)["run"]["last_error"]
+            assert "NEW_TOKEN" in err["what"] and err["fix"].startswith("capsulefs secret grant ")
+            notes = [r.event.text for r in map(Record.from_line, (agent / "memory" / "timeline_events.jsonl")
+                                                .read_bytes().splitlines()) if r.kind == "note"]
+            assert any("its spec changed" in n and old_digest in n and new_digest in n for n in notes), notes
+
+            capsulefs("--state", str(state), "secret", "set", "NEW_TOKEN", input="tok-123\n")
+            capsulefs("--state", str(state), "secret", "grant", "pilot", "NEW_TOKEN")
+
+            def running_anew() -> bool:
+                run = agent_status(agent)["run"]
+                return run["state"] == "running" and run["pid"] != old_pid
+
+            wait_until(running_anew, "the agent to run with its new spec")
+            run = agent_status(agent)["run"]
+            assert run["spec"] == {"digest": new_digest,
+                                   "secrets": ["ANTHROPIC_API_KEY", "NEW_TOKEN", "OPENAI_API_KEY"]}
+            env = _environ(run["pid"])
+            assert env["EXTRA_SETTING"] == "on" and env["NEW_TOKEN"] == "tok-123"
+            logs = capsulefs("--state", str(state), "logs", "pilot", "-n", "1000").stdout
+            assert "restarting at its next step boundary: its spec changed" in logs
+            assert "starting again: its spec changed" in logs
+
+            # Revoked: the run that has it stops at its next step boundary, and waits for a grant.
+            capsulefs("--state", str(state), "secret", "revoke", "pilot", "NEW_TOKEN")
+            wait_until(blocked_for_the_grant, "the agent to stop once its secret is revoked")
