@@ -81,6 +81,10 @@ class AgentLog:
         if not lines:
             return
         data = "".join(f"{stamp()} {line}\n" for line in lines).encode()
+        if len(data) > self.max_bytes:  # (more than a whole file at once: its last whole lines)
+            data = data[-self.max_bytes:]
+            data = data[data.find(b"\n") + 1:] if b"\n" in data[:-1] else data.decode(errors="ignore").encode()
+        os.makedirs(os.path.dirname(self.dir), mode=0o700, exist_ok=True)  # (logs/: the daemon's alone)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         try:
             size = os.path.getsize(self.path)
@@ -90,7 +94,7 @@ class AgentLog:
             self._rotate()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data[: self.max_bytes])
+            os.write(fd, data)
         finally:
             os.close(fd)
 

@@ -32,12 +32,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from capsulefs.agents import grants
+from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store.holder import HolderBook, removed
 from capsulefs.core.view.errors import MoveBusy
 from capsulefs.core.view.scratch import ScratchArea
 from capsulefs.core.view.snapshots import Snapshots
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import holders_dir
+from capsulefs.agents.agent_log import log_dir
 from capsulefs.agents.supervisor import discard_sandbox
 
 __all__ = ["discard_leftovers", "giving_up", "refuse_if_moving", "remove_offline"]
@@ -73,11 +75,12 @@ def giving_up(state_dir: str, agent_id: str) -> Iterator[None]:
 def discard_leftovers(state_dir: str, work_dir: str, agent_id: str) -> None:
     """After the store forgot the agent: remove what the host kept beside its
     capsule: its snapshots and scratch files (under the mount's ``work_dir``),
-    its sandbox and its secret grants."""
+    its sandbox, its secret grants and its process's log."""
     Snapshots.under(work_dir).remove_agent(agent_id)
     ScratchArea.under(work_dir).remove_agent(agent_id)
     discard_sandbox(state_dir, agent_id)
     grants.revoke(state_dir, agent_id)
+    remove_tree(log_dir(state_dir, agent_id), ignore_errors=True)
 
 
 def remove_offline(state_dir: str, work_dir: str, store: HostStore, holders: HolderBook, agent_id: str) -> None:

@@ -140,6 +140,7 @@ def test_rm_stops_the_running_entrypoint(state_dir: Path, mnt: Path, tmp_path: P
         pid = run("runner")["pid"]
         wait_until(lambda: len(_agent_processes(ids["runner"])) == 2, "the entrypoint and its child")
         assert (state_dir / "sandboxes" / ids["runner"] / "workspace").is_dir()
+        assert (state_dir / "logs" / ids["runner"] / "agent.log").is_file()
 
         out = _rm(state_dir, "runner")
         assert out.returncode == 0, out.stderr
@@ -148,6 +149,7 @@ def test_rm_stops_the_running_entrypoint(state_dir: Path, mnt: Path, tmp_path: P
             os.kill(pid, 0)
         assert _agent_processes(ids["runner"]) == []  # its child too: the whole group
         assert not (state_dir / "sandboxes" / ids["runner"]).exists()
+        assert not (state_dir / "logs" / ids["runner"]).exists()  # its log goes with it
         assert os.listdir(mnt) == ["bystander"] and _ls(state_dir) == ["bystander"]
         assert run("bystander")["state"] == "running"
 
