@@ -629,8 +629,7 @@ class Supervisor:
                                 r.status.state, r.status.detail = RunState.FINISHED, "the entrypoint exited with status 0"
                                 return
                             why = f"the entrypoint exited with status {code}"
-                            output = tuple(line.partition(" ")[2] for line in last_lines(r.log.path, CRASH_LINES)
-                                           if not line.partition(" ")[2].startswith("capsulefs: ")) if r.log else ()
+                            output = self._last_output(r, secrets_in(env))
                         r.status.state = RunState.BACKOFF
                         r.status.detail = f"{why}; restarting in {backoff:.0f} s"
                         if output:
@@ -734,6 +733,15 @@ class Supervisor:
         """Run the agent's process; its exit status, or None (the reason in
         the status' detail) if it could not start."""
         return await self._run_child(r, argv, env, cwd, what=f"the entrypoint {argv[0]}", agent=True)
+
+    def _last_output(self, r: _Runner, secrets: Mapping[str, str]) -> tuple[str, ...]:
+        """The last lines the process wrote (its log's, not the daemon's
+        own), without the run's secret values, as a setup step's output."""
+        if r.log is None:
+            return ()
+        texts = [line.partition(" ")[2] for line in last_lines(r.log.path, 4 * CRASH_LINES)]
+        mine = [redact_secrets(t, secrets) for t in texts if not t.startswith("capsulefs: ")]
+        return tuple(mine[-CRASH_LINES:])
 
     def _note(self, r: _Runner, text: str) -> None:
         """A line of the daemon's in the agent's log (never failing a run)."""

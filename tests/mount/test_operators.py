@@ -85,9 +85,11 @@ def test_a_crash_shows_the_last_lines_of_its_log(tmp_path: Path) -> None:
     its bytes as text only (a terminal escape is written as \\x1b)."""
     state = tmp_path / "state"
     spec = tmp_path / "spec.json"
-    script = 'printf "loading\\n\\033[31mboom: cannot open config.yaml\\n" >&2; exit 3'
-    spec.write_text(json.dumps({"version": 1, "entrypoint": ["sh", "-c", script]}))
+    script = ('echo "token is $CRASH_TOKEN"; printf "loading\\n\\033[31mboom: cannot open config.yaml\\n" >&2; '
+              'exit 3')
+    spec.write_text(json.dumps({"version": 1, "entrypoint": ["sh", "-c", script], "secrets": ["CRASH_TOKEN"]}))
     capsulefs("--state", str(state), "new", "crashy", "--spec", str(spec))
+    capsulefs("--state", str(state), "secret", "set", "CRASH_TOKEN", input="hunter2-value\n")
     mnt = tmp_path / "mnt"
     with mounted(state, mnt):
         agent = mnt / "crashy"
@@ -98,6 +100,7 @@ def test_a_crash_shows_the_last_lines_of_its_log(tmp_path: Path) -> None:
         assert err["output"][-1].endswith("boom: cannot open config.yaml")
         assert "\\x1b[31m" in err["output"][-1] and "\x1b" not in json.dumps(err)
         assert err["next_retry"] is not None
+        assert "token is [secret CRASH_TOKEN]" in err["output"] and "hunter2" not in json.dumps(st)
         assert "boom: cannot open config.yaml" in st["detail"]
         assert "the entrypoint exited with status 3" in _host_status(state)["crashy"]["last_error"]["what"]
     logs = capsulefs("--state", str(state), "logs", "crashy").stdout
