@@ -143,14 +143,25 @@ async def pump_output(stream: trio.lowlevel.FdStream, agent_log: AgentLog, done:
         done.set()
 
 
-def tail(state_dir: str, agent_id: str, n: int) -> list[str]:
-    """The last ``n`` lines of the agent's log (across its rotated files)."""
+def tail(state_dir: str, agent_id: str, n: int) -> tuple[list[str], tuple[int, int] | None]:
+    """The last ``n`` lines of the agent's log (across its rotated files),
+    and where the reading ended: (inode, offset) of ``agent.log``, or None
+    if there is none (for :func:`follow`)."""
     last: deque[str] = deque(maxlen=max(n, 0))
+    end = None
     for path in log_files(state_dir, agent_id):
-        with open(path, "rb") as f:
-            for line in f:
-                last.append(line.decode(errors="replace").rstrip("\n"))
-    return list(last)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue  # (rotated away meanwhile)
+        with f:
+            data = f.read()
+            if path.endswith(LOG_NAME):
+                data = data[: data.rfind(b"\n") + 1]  # (a line still being written: follow prints it)
+                end = (os.fstat(f.fileno()).st_ino, len(data))
+        for line in data.splitlines():
+            last.append(line.decode(errors="replace"))
+    return list(last), end
 
 
 def last_lines(path: str, n: int, *, limit: int = 64 * 1024) -> list[str]:
@@ -164,9 +175,10 @@ def last_lines(path: str, n: int, *, limit: int = 64 * 1024) -> list[str]:
     return [line for line in lines if line.strip()][-n:] if n > 0 else []
 
 
-def follow(path: str, *, poll: float = 0.2) -> Iterator[str]:
-    """Lines appended to ``path`` from now on, across rotations (a new
-    file at the path is read from its start). Never ends."""
+def follow(path: str, start: tuple[int, int] | None = None, *, poll: float = 0.2) -> Iterator[str]:
+    """Lines written to ``path`` after ``start`` ((inode, offset), as
+    :func:`tail` gives it; None: from its end now), across rotations: a new
+    file at the path is read from its start. Never ends."""
     f = None
     ino = None
     pending = b""
@@ -174,12 +186,15 @@ def follow(path: str, *, poll: float = 0.2) -> Iterator[str]:
         if f is None:
             try:
                 f = open(path, "rb")
-                st = os.fstat(f.fileno())
-                ino = st.st_ino
-                f.seek(0, os.SEEK_END)
             except FileNotFoundError:
+                start = (-1, 0)  # (the file that comes is all new)
                 time.sleep(poll)
                 continue
+            ino = os.fstat(f.fileno()).st_ino
+            if start is None:
+                f.seek(0, os.SEEK_END)
+            elif start[0] == ino:
+                f.seek(start[1])
         chunk = f.read()
         if chunk:
             pending += chunk
@@ -193,8 +208,6 @@ def follow(path: str, *, poll: float = 0.2) -> Iterator[str]:
             moved = False
         if moved:  # rotated: what was left in the old file was read above; the new one from its start
             f.close()
-            f = open(path, "rb")
-            ino = os.fstat(f.fileno()).st_ino
-            pending = b""
+            f, start, pending = None, (-1, 0), b""
             continue
         time.sleep(poll)

@@ -134,7 +134,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise CapsuleError("-n must be 0 or more")
     agent = find_agent(args, args.agent)
     state = state_dir(args)
-    lines = agent_log.tail(state, agent.agent_id, args.n)
+    lines, end = agent_log.tail(state, agent.agent_id, args.n)
     if not lines and not args.follow and not agent_log.log_files(state, agent.agent_id):
         print(f"capsulefs: agent {agent.name} has no log on this host yet (its process never ran here)",
               file=sys.stderr)
@@ -144,7 +144,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.follow:
         sys.stdout.flush()
         path = os.path.join(agent_log.log_dir(state, agent.agent_id), agent_log.LOG_NAME)
-        for line in agent_log.follow(path):
+        for line in agent_log.follow(path, end if end is not None else (-1, 0)):
             print(line, flush=True)
     return 0
 
