@@ -182,32 +182,36 @@ def follow(path: str, start: tuple[int, int] | None = None, *, poll: float = 0.2
     f = None
     ino = None
     pending = b""
-    while True:
-        if f is None:
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:
-                start = (-1, 0)  # (the file that comes is all new)
-                time.sleep(poll)
+    try:
+        while True:
+            if f is None:
+                try:
+                    f = open(path, "rb")
+                except FileNotFoundError:
+                    start = (-1, 0)  # (the file that comes is all new)
+                    time.sleep(poll)
+                    continue
+                ino = os.fstat(f.fileno()).st_ino
+                if start is None:
+                    f.seek(0, os.SEEK_END)
+                elif start[0] == ino:
+                    f.seek(start[1])
+            chunk = f.read()
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line.decode(errors="replace")
                 continue
-            ino = os.fstat(f.fileno()).st_ino
-            if start is None:
-                f.seek(0, os.SEEK_END)
-            elif start[0] == ino:
-                f.seek(start[1])
-        chunk = f.read()
-        if chunk:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line.decode(errors="replace")
-            continue
-        try:
-            moved = os.stat(path).st_ino != ino
-        except FileNotFoundError:
-            moved = False
-        if moved:  # rotated: what was left in the old file was read above; the new one from its start
+            try:
+                moved = os.stat(path).st_ino != ino
+            except FileNotFoundError:
+                moved = False
+            if moved:  # rotated: what was left in the old file was read above; the new one from its start
+                f.close()
+                f, start, pending = None, (-1, 0), b""
+                continue
+            time.sleep(poll)
+    finally:
+        if f is not None:
             f.close()
-            f, start, pending = None, (-1, 0), b""
-            continue
-        time.sleep(poll)

@@ -83,3 +83,4 @@ def test_follow_starts_where_tail_ended(tmp_path: Path) -> None:
     assert next(following).endswith(" two")
     log.feed(b"three\n")
     assert next(following).endswith(" three")
+    following.close()
