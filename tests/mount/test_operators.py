@@ -93,8 +93,17 @@ def test_a_crash_shows_the_last_lines_of_its_log(tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
     with mounted(state, mnt):
         agent = mnt / "crashy"
-        wait_until(lambda: (agent_status(agent)["run"]["last_error"] or {}).get("output"), "the crash in the status")
-        st = agent_status(agent)["run"]
+        seen: dict = {}
+
+        def crashed() -> bool:  # (one status read: the agent restarts after its backoff, and runs again)
+            st = agent_status(agent)["run"]
+            out = (st.get("last_error") or {}).get("output") or []
+            if out and out[-1].endswith("boom: cannot open config.yaml"):
+                seen.update(st)
+            return bool(seen)
+
+        wait_until(crashed, "the crash in the status")
+        st = seen
         err = st["last_error"]
         assert err["what"] == "the entrypoint exited with status 3" and err["by"] == "daemon"
         assert err["output"][-1].endswith("boom: cannot open config.yaml")
@@ -102,7 +111,9 @@ def test_a_crash_shows_the_last_lines_of_its_log(tmp_path: Path) -> None:
         assert err["next_retry"] is not None
         assert "token is [secret CRASH_TOKEN]" in err["output"] and "hunter2" not in json.dumps(st)
         assert "boom: cannot open config.yaml" in st["detail"]
-        assert "the entrypoint exited with status 3" in _host_status(state)["crashy"]["last_error"]["what"]
+        wait_until(lambda: "the entrypoint exited with status 3" in
+                   ((_host_status(state)["crashy"].get("last_error") or {}).get("what") or ""),
+                   "the crash in capsulefs status")
     logs = capsulefs("--state", str(state), "logs", "crashy").stdout
     assert "loading" in logs and "\\x1b[31mboom" in logs and "\x1b" not in logs
     assert "capsulefs: exited with status 3" in logs
