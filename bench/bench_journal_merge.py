@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from journal_data import diverged_pair  # noqa: E402
 
-from capsulefs.core.journal.lines import join_lines, merge_pieces, split_lines, verify_lines  # noqa: E402
+from capsulefs.core.journal.envelope_index import merge_pieces  # noqa: E402
+from capsulefs.core.journal.lines import join_lines, split_lines, verify_lines  # noqa: E402
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

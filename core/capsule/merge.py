@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from . import format as fmt
 from ..errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from ..fsutil import atomic_write, fsync_dir, makedirs_durable
-from ..journal.lines import check_lines, merge_bytes, split_lines
+from ..journal.envelope_index import merge_bytes
+from ..journal.lines import check_lines, split_lines
 from ..journal.projections import has_workspace_updates, last_memory_edit, referenced_blobs, snapshot
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import hashlib
 import logging
 import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..capsule.format import MAX_INT
+from .lines import envelope, join_lines, merge, split_lines
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ def _machine_ids(rows: np.ndarray, lines: np.ndarray) -> tuple[list[str], np.nda
 def index_journal(data: Buffer, start: int = 0, end: int | None = None) -> EnvelopeIndex:
     """Index the envelope of every line of ``data[start:end]`` (both at line
     boundaries). Raises Unreadable if a line cannot be read."""
-    from .lines import envelope  # the per-line reader, for the odd lines
-
     if len(data) > start and data[-1:] != b"\n":
         raise Unreadable("torn tail")
     buf = np.frombuffer(data, dtype=np.uint8)[start:]  # windows may look past ``end``
@@ -429,3 +428,27 @@ def _pieces(a: Buffer, b: Buffer, p: int, run_b: np.ndarray, lo: np.ndarray, hi:
     for k in range(0, len(lo), _CHUNK // 4):
         runs = zip(run_b[k : k + _CHUNK // 4].tolist(), lo[k : k + _CHUNK // 4].tolist(), hi[k : k + _CHUNK // 4].tolist())
         yield b"".join([src[s][x:y] for s, x, y in runs])
+
+
+def merge_bytes(a: bytes, b: bytes) -> bytes:
+    """:func:`~capsulefs.core.journal.lines.merge` on whole journal files,
+    vectorised (same result, same refusals, on inputs whose every line
+    :func:`~capsulefs.core.journal.lines.envelope` reads).
+
+    The fast path (:func:`fast_merge`) hands anything it does not accept to
+    the reference merge, which raises the precise ChainError.
+    It reads envelope tokens, not whole lines: a line whose body is broken
+    but whose envelope keys it finds may pass it. Verify inputs first.
+    """
+    return b"".join(merge_pieces(a, b))
+
+
+def merge_pieces(a: Buffer, b: Buffer) -> Iterable[bytes | memoryview]:
+    """:func:`merge_bytes` as pieces (the inputs may be mmaps of the journal
+    files), for writing without building the whole result. Every check is
+    done before this returns."""
+    try:
+        return fast_merge(a, b)
+    except Unreadable as exc:
+        log.debug("fast merge declined (%s); using the reference merge", exc)
+    return [join_lines(merge(split_lines(bytes(a), "journal A"), split_lines(bytes(b), "journal B")))]

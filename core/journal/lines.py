@@ -22,15 +22,14 @@ Theory of operation (verify and merge):
   seq runs, merges the two sorted inputs, and checks the union's chains by
   hashing each distinct line once. An input whose chain does not verify is
   refused; so are two different lines with the same (machine, seq), which
-  is a fork. :func:`merge_bytes` gives the same result vectorised (see
-  :mod:`capsulefs.core.journal.envelope_index`), and defers to :func:`merge` for
-  anything it does not accept, so the errors are the reference's.
+  is a fork. :func:`capsulefs.core.journal.envelope_index.merge_bytes` gives the same
+  result vectorised, and defers to :func:`merge` for anything it does not
+  accept, so the errors are the reference's.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import re
 from collections.abc import Iterable, Sequence
 from hashlib import sha256
@@ -361,28 +360,3 @@ def _union_error(a: Sequence[bytes], b: Sequence[bytes], msg: str) -> ChainError
         if found:
             return ChainError(f"merge refused: input {which} does not verify", found)
     return ChainError("merge refused", [msg])
-
-
-def merge_bytes(a: bytes, b: bytes) -> bytes:
-    """:func:`merge` on whole journal files, vectorised (same result, same
-    refusals, on inputs whose every line :func:`envelope` reads).
-
-    The fast path (:mod:`capsulefs.core.journal.envelope_index`) hands anything it
-    does not accept to :func:`merge`, which raises the precise ChainError.
-    It reads envelope tokens, not whole lines: a line whose body is broken
-    but whose envelope keys it finds may pass it. Verify inputs first.
-    """
-    return b"".join(merge_pieces(a, b))
-
-
-def merge_pieces(a: "bytes | mmap.mmap", b: "bytes | mmap.mmap") -> Iterable[bytes | memoryview]:
-    """:func:`merge_bytes` as pieces (the inputs may be mmaps of the journal
-    files), for writing without building the whole result. Every check is
-    done before this returns."""
-    from .envelope_index import Unreadable, fast_merge
-
-    try:
-        return fast_merge(a, b)
-    except Unreadable as exc:
-        log.debug("fast merge declined (%s); using the reference merge", exc)
-    return [join_lines(merge(split_lines(bytes(a), "journal A"), split_lines(bytes(b), "journal B")))]

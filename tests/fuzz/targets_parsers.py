@@ -34,14 +34,13 @@ from capsulefs.core.journal.events import AssistantMessage, Note, Record, ToolCa
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.file import parse_draft_lines
 from capsulefs.core.journal.chain import ChainState
-from capsulefs.core.journal.envelope_index import Unreadable, fast_merge
+from capsulefs.core.journal.envelope_index import Unreadable, fast_merge, merge_bytes
 from capsulefs.core.journal.lines import (
     ChainError,
     check_journal_bytes,
     envelope,
     join_lines,
     merge,
-    merge_bytes,
     split_lines,
     verify_lines,
 )

@@ -13,9 +13,9 @@ from journal_helpers import Replica, future_event, note, replicas, retext
 
 from capsulefs.core.errors import FormatError
 from capsulefs.core.journal.events import AssistantMessage, Event, MemoryEdit, ToolCall, UserMessage
-from capsulefs.core.journal.lines import ChainError, join_lines, merge, merge_bytes, verify_lines
+from capsulefs.core.journal.lines import ChainError, join_lines, merge, verify_lines
 from capsulefs.core.journal.chain import ChainState
-from capsulefs.core.journal.envelope_index import Unreadable, fast_merge, index_journal, index_parallel
+from capsulefs.core.journal.envelope_index import Unreadable, fast_merge, index_journal, index_parallel, merge_bytes
 
 EVENTS = st.one_of(
     st.builds(note, st.text(max_size=30)),
