@@ -2,7 +2,7 @@
 
 The graph is read from the sources with :mod:`ast` (nothing is imported): a
 node per module of ``capsulefs`` (``capsulefs/``, ``core/`` as
-``capsulefs.core``, ``mount/`` as ``capsulefs.mount``), an edge from a module
+``capsulefs.core``, ``mount/`` as ``capsulefs.mount``: ``package_kit.modules``), an edge from a module
 to each module of the package it imports. ``from pkg import name`` is an edge
 to ``pkg.name`` when that is a module, else to ``pkg``; an import of a module
 is an edge to that module only, not to the packages above it.
@@ -24,22 +24,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-ROOTS = {"capsulefs": REPO / "capsulefs", "capsulefs.core": REPO / "core", "capsulefs.mount": REPO / "mount"}
+from package_kit import modules
 
 Graph = dict[str, set[str]]
-
-
-def modules() -> dict[str, Path]:
-    """Every module of the package by its dotted name."""
-    found: dict[str, Path] = {}
-    for package, folder in ROOTS.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join((package, *parts))] = path
-    return found
 
 
 def _is_type_checking(node: ast.If) -> bool:
