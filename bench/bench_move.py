@@ -95,7 +95,7 @@ def make_source(root: Path, mib: int, nblobs: int) -> tuple[MoveHost, str, list[
     size = (mib << 20) // nblobs
     shas = []
     with host.store.writing():
-        for i in range(nblobs):
+        for _ in range(nblobs):
             shas.append(host.store.put_blob(os.urandom(size)))
     agent = host.store.create_agent("bench", host_id=host.me, agent_id="b" * 32)
     snap = {f"data/{i:04d}": sha for i, sha in enumerate(shas)}

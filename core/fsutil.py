@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from .hashing import parallel_map
 
@@ -507,7 +507,7 @@ _STX_INO = 32  # offsetof(struct statx, stx_ino)
 _STX_DEV = 136  # offsetof(struct statx, stx_dev_major); stx_dev_minor follows
 
 
-def _libc(name: str, argtypes: Callable[[object], list[object]]):  # pragma: no cover - depends on the C library
+def _libc(name: str, argtypes: Callable[[Any], list[Any]]):  # pragma: no cover - depends on the C library
     """(ctypes, the C library's function ``name`` returning int, with the
     argument types ``argtypes(ctypes)``), or None where it has none."""
     try:

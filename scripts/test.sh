@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# ruff and mypy first (CAPSULEFS_LINT=0 skips them: tests/ops/test_scripts.py,
+# which runs this script for its mount check only).
+if [ "${CAPSULEFS_LINT:-1}" != 0 ]; then
+    bash scripts/lint.sh
+fi
 
 # Every test directory and mount point of this run is under run_root
 # (tests/conftest.py reads CAPSULEFS_TEST_ROOT), and so is pytest's basetemp.

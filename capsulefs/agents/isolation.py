@@ -351,7 +351,7 @@ class Isolation:
 
     def announce(self) -> None:
         """Say once, in the log, what isolation this daemon gives its agents."""
-        if not self.enabled:
+        if self.uids is None:  # (not enabled)
             log.warning("sandbox isolation is off (%s): agent processes run as uid %d and can read %s, "
                         "its keychain and TLS key included", self.why_off, os.getuid(), self.state_dir)
             return

@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from functools import partial
 
 import trio

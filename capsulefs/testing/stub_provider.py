@@ -202,7 +202,8 @@ def _responses(state: StubState, body: Mapping[str, Any]) -> dict[str, Any]:
             break
         results.insert(0, str(item["output"]))
     last = items[-1]
-    text_in = last.get("content") if last.get("role") == "user" and isinstance(last.get("content"), str) else ""
+    content = last.get("content")
+    text_in = content if last.get("role") == "user" and isinstance(content, str) else ""
     tools = [t["name"] for t in body["tools"]] if body.get("tools") else None
     text, calls = _decide(Ask(results=results, text=text_in, tools=tools))
     n = state.next_id()
@@ -337,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("stub: " + format, *args)
+        log.debug("stub: " + format, *args)  # noqa: G003 (format is the format string)
 
 
 class _Server(ThreadingHTTPServer):

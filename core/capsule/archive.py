@@ -19,11 +19,11 @@ Theory of operation:
 from __future__ import annotations
 
 import hashlib
+import functools
 import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import BinaryIO
 
 from . import format as fmt
 from .verify import Problem, check, scan_dir
@@ -136,13 +136,13 @@ def export_members(agent: AgentHandle, *, sign_key: bytes | None = None) -> Iter
         yield Member(fmt.SIGNATURE, len(sig), lambda: io.BytesIO(sig))
     for rel in sorted(files):
         data = files[rel]
-        yield Member(rel, len(data), lambda d=data: io.BytesIO(d))  # type: ignore[misc]
+        yield Member(rel, len(data), functools.partial(io.BytesIO, data))
     store = agent.store
     for sha, size in sorted(manifest.blobs().items()):
         path = store.blob_file(sha)
         if not os.path.exists(path):
             raise NotFoundError(f"blob {sha} of agent {agent.agent_id} is missing from the store ({path})")
-        yield Member(fmt.blob_path(sha), size, lambda p=path, s=sha, n=size: _VerifiedBlob(p, s, n))  # type: ignore[misc]
+        yield Member(fmt.blob_path(sha), size, functools.partial(_VerifiedBlob, path, sha, size))  # type: ignore[arg-type]  # read as a BinaryIO
 
 
 def export_agent(agent: AgentHandle, dest: str, *, mtime: int, sign_key: bytes | None = None) -> None:

@@ -88,7 +88,7 @@ MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
 
 
-def is_sha256(value: object) -> bool:
+def is_sha256(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
 
 
@@ -105,7 +105,7 @@ def is_agent_id(value: object) -> TypeGuard[str]:
 def check_agent_id(value: object) -> str:
     if not is_agent_id(value):
         raise FormatError(f"agent_id {value!r} is not 32 lowercase hex digits")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_host_id(value: object) -> str:
@@ -279,7 +279,7 @@ class Manifest:
             if not isinstance(entry, dict):
                 raise FormatError(f"{MANIFEST}: entry for {path!r} must be an object")
             try:
-                entries[path] = FileEntry(sha256=entry.get("sha256"), size=entry.get("size"))
+                entries[path] = FileEntry(sha256=entry.get("sha256"), size=entry.get("size"))  # type: ignore[arg-type]  # FileEntry checks them
             except FormatError as exc:
                 raise FormatError(f"{MANIFEST}: {path!r}: {exc}") from None
         extra = {k: v for k, v in doc.items() if k not in ("format", "agent_id", "name", "holder", "files")}
@@ -468,5 +468,5 @@ def snapshot_bytes(files: Mapping[str, str]) -> bytes:
 
 def empty_vector_index() -> bytes:
     """The index of an agent whose journal is empty (see capsulefs.core.semantic.vectors)."""
-    doc = {"format": "vector-index/1", "embedder": None, "journal": {"events": 0, "last": None}, "entries": []}
+    doc: dict[str, Any] = {"format": "vector-index/1", "embedder": None, "journal": {"events": 0, "last": None}, "entries": []}
     return (json.dumps(doc, sort_keys=True) + "\n").encode()

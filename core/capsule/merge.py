@@ -26,6 +26,7 @@ planned as plain files plus blob names, checked, then written.
 from __future__ import annotations
 
 import hashlib
+import functools
 import io
 import logging
 import os
@@ -151,7 +152,7 @@ def plan_merge(a: Side, b: Side) -> Plan:
     blob_src: dict[str, Callable[[], bytes]] = {}
     for side in (b, a):  # A's copy is read when both have it
         for sha in side.blobs:
-            blob_src[sha] = lambda s=side, h=sha: _read_verified(s.blob_path(h), h)
+            blob_src[sha] = functools.partial(_read_verified, side.blob_path(sha), sha)
 
     files: dict[str, bytes] = {}
     for rel in sorted(set(a.files) | set(b.files)):
@@ -253,7 +254,7 @@ def _write_tar(plan: Plan, dest: str, *, mtime: int) -> None:
         yield Member(fmt.MANIFEST, len(raw), lambda: io.BytesIO(raw))
         for rel in sorted(plan.files):
             data = plan.files[rel]
-            yield Member(rel, len(data), lambda d=data: io.BytesIO(d))  # type: ignore[misc]
+            yield Member(rel, len(data), functools.partial(io.BytesIO, data))
         for sha, read in plan.blobs.items():
             size = plan.manifest.files[fmt.blob_path(sha)].size
             yield Member(fmt.blob_path(sha), size, lambda r=read: io.BytesIO(r()))  # type: ignore[misc]

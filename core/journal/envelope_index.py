@@ -175,7 +175,8 @@ def index_journal(data: Buffer, start: int = 0, end: int | None = None) -> Envel
     scan = len(buf) if end is None else end - start
     # One pass over the bytes, in blocks small enough for the allocator to
     # reuse (fresh memory costs page faults): newlines and key tokens.
-    newlines, found = [], {key: [] for key in _KEYS}
+    newlines: list[np.ndarray] = []
+    found: dict[bytes, list[np.ndarray]] = {key: [] for key in _KEYS}
     for lo in range(0, scan, _BLOCK):
         block = buf[lo : min(lo + _BLOCK, scan)]
         newlines.append(np.flatnonzero(block == _NL) + lo)
@@ -417,9 +418,9 @@ def fast_merge(a: Buffer, b: Buffer) -> Iterator[bytes | memoryview]:
     first_row = tail_row[brk]
     last_row = tail_row[np.append(np.flatnonzero(brk)[1:] - 1, len(tail_row) - 1)]
     run_b = tail_b[brk]
-    lo = _pick(run_b, first_row, ia.starts, ib.starts)
-    hi = _pick(run_b, last_row, ia.ends, ib.ends) + 1
-    return _pieces(a, b, p, run_b, lo, hi)
+    starts = _pick(run_b, first_row, ia.starts, ib.starts)
+    ends = _pick(run_b, last_row, ia.ends, ib.ends) + 1
+    return _pieces(a, b, p, run_b, starts, ends)
 
 
 def _pieces(a: Buffer, b: Buffer, p: int, run_b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Iterator[bytes | memoryview]:

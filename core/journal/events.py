@@ -113,7 +113,7 @@ class Event:
     def payload(self) -> dict[str, Any]:
         """The kind's own fields as JSON (without the envelope)."""
         out: dict[str, Any] = {}
-        for name, optional in _payload_fields(type(self)):
+        for name, optional in _payload_fields(type(self)):  # type: ignore[arg-type]  # a class is hashable
             value = getattr(self, name)
             if value is None and optional:
                 continue  # optional fields are omitted when unset
@@ -142,7 +142,7 @@ def _line_writer(cls: type) -> Any:
     dataclasses makes its methods."""
     if cls is UnknownEvent or not issubclass(cls, Event) or cls.payload is not Event.payload:
         return None
-    payload = _payload_fields(cls)
+    payload = _payload_fields(cls)  # type: ignore[arg-type]  # a class is hashable
     if any(name in ENVELOPE or not name.isidentifier() for name, _ in payload):
         return None
     # The line is one f-string in which each member starts with its comma
@@ -528,7 +528,7 @@ class Record:
             raise FormatError(f"event id {id!r} is not 8-64 lowercase hex digits")
         if not isinstance(event, Event):
             raise FormatError(f"cannot stamp {type(event).__name__}: not an event")
-        write = _line_writer(type(event))
+        write = _line_writer(type(event))  # type: ignore[arg-type]  # a class is hashable
         if write is not None:  # (the common case: a kind of this version)
             line = write(event, id, machine, seq, clock, prev, time)
         else:

@@ -286,10 +286,10 @@ def replay_ring(fd: int, path: str, ring_path: str, recovery_dir: str, *, persis
             import numpy as np  # (here only: readers of a journal load no numpy)
 
             got = np.frombuffer(have, np.uint8, offset=k)
-            vouched = np.frombuffer(want, np.uint8, count=len(have), offset=0)[k:]
-            if not bool(np.all((got == vouched) | (got == 0))):
-                first = k + int(np.argmax((got != vouched) & (got != 0)))
-                raise refuse(f"they differ at journal byte {start + first}")
+            ours = np.frombuffer(want, np.uint8, count=len(have), offset=0)[k:]
+            if not bool(np.all((got == ours) | (got == 0))):
+                differs = k + int(np.argmax((got != ours) & (got != 0)))
+                raise refuse(f"they differ at journal byte {start + differs}")
             cut = start + k
             rest = os.pread(fd, size - cut, cut)
             dest = save_torn(recovery_dir, path, rest)

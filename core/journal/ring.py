@@ -290,7 +290,7 @@ class Ring:
         ring was reset. :meth:`scan`'s chain is a prefix of it. Cheap: for
         the common check that the journal holds every byte already."""
         buf = os.pread(self._fd, self.size, 0)
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         unpack, size, pos, first, nxt = HEADER.unpack_from, HEADER.size, 0, None, -1
         view = memoryview(buf)
         while pos + size <= len(buf):

@@ -464,7 +464,7 @@ CREATE VIRTUAL TABLE IF NOT EXISTS words USING fts5(text, content='', tokenize='
 
 class Position(NamedTuple):
     size: int  # journal bytes covered
-    count: int  # lines covered
+    lines: int  # lines covered (stored as "count")
     last: str  # sha256 of the line ending at ``size`` ('' when empty)
 
 
@@ -525,7 +525,7 @@ class TimelineIndex:
         if pos.size < 0 or pos.size > snap.size:
             return False
         if pos.size == 0:
-            return pos.count == 0
+            return pos.lines == 0
         want = BLOCK
         while True:
             lo = max(0, pos.size - 1 - want)
@@ -561,14 +561,14 @@ class TimelineIndex:
                                 "what was appended since", (snap.size - pos.size) >> 20, self.journal_path)
                 pos = self._add(db, snap, pos)
             db.executemany("INSERT OR REPLACE INTO meta VALUES(?, ?)",
-                           (("size", pos.size), ("count", pos.count), ("last", pos.last)))
+                           (("size", pos.size), ("count", pos.lines), ("last", pos.last)))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
 
     def _add(self, db: "sqlite3.Connection", snap: Snapshot, pos: Position) -> Position:
-        at, no, last = pos.size, pos.count, pos.last
+        at, no, last = pos.size, pos.lines, pos.last
         while at < snap.size:
             data = snap.read(at, min(PIECE, snap.size - at))
             end = data.rfind(b"\n") + 1
@@ -577,7 +577,7 @@ class TimelineIndex:
                 end = data.find(b"\n") + 1
                 data = data[:end]
             data = data[:end]
-            rows = []
+            rows: list[tuple[int, int, int, int | None, str, int, int]] = []
             texts = []
             start = 0
             stop = False
@@ -612,7 +612,8 @@ class TimelineIndex:
 
     def candidates(self, db: "sqlite3.Connection", q: Query, *, newest_first: bool) -> Iterator[tuple[int, int, int]]:
         """(no, at, len) of the lines the index says may match ``q``."""
-        where, args = ["1"], []
+        where: list[str] = ["1"]
+        args: list[object] = []
         if q.kinds:
             where.append(f"kind IN ({', '.join('?' * len(q.kinds))})")
             args += list(q.kinds)

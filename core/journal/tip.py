@@ -328,10 +328,10 @@ def advance_tip(fd: int, old: Tip | None, state: "ChainState", size: int) -> Tip
         end = len(data)
         while want and end > 0:
             start = data.rfind(b"\n", 0, end - 1) + 1
-            machine = want.pop(line_hash(data[start : end - 1]), None)
-            if machine is not None:
-                t = state.tails[machine]
-                tails[machine] = MachineTail(seq=t.seq, digest=t.digest, clock=t.clock, at=offset + start)
+            found = want.pop(line_hash(data[start : end - 1]), None)
+            if found is not None:
+                t = state.tails[found]
+                tails[found] = MachineTail(seq=t.seq, digest=t.digest, clock=t.clock, at=offset + start)
             end = start
         if not want and model is not None:
             break

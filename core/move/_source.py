@@ -206,10 +206,6 @@ def _s_ack_last(m: SourceMachine, ev: BlobReply) -> list[Command]:
     return [m._send(Call.VERIFY)]
 
 
-def nothing(_m: object, _ev: object) -> list[Command]:
-    return []
-
-
 def _ok(_m: object, ev: Any) -> bool:
     return bool(ev.ok)
 

@@ -106,7 +106,10 @@ def text_counter(encoding: str) -> Callable[[str], int] | None:
             tokenizer = getattr(toktok, "_encoding", None)
             one = getattr(tokenizer(encoding), "count", None) if tokenizer is not None else None
             if one is None:  # only the public, batched call: slower per string, same counts
-                _ENCODERS[encoding] = lambda s, enc=encoding: toktok.batch_count([s], enc, threads=1)[0]
+                def count(s: str, enc: str = encoding) -> int:
+                    return int(toktok.batch_count([s], enc, threads=1)[0])
+
+                _ENCODERS[encoding] = count
             else:
                 _ENCODERS[encoding] = one
     return _ENCODERS[encoding]

@@ -143,13 +143,15 @@ def _events(journal: Iterable[Record | Event]) -> list[tuple[Event, str | None]]
     """(event, time) pairs in journal order. Records are sorted by (clock, machine, seq)."""
     entries = list(journal)
     if entries and isinstance(entries[0], Record):
-        if any(not isinstance(r, Record) for r in entries):
+        records = [r for r in entries if isinstance(r, Record)]
+        if len(records) != len(entries):
             raise RenderError("a journal is a list of records or a list of events, not both")
-        entries.sort(key=lambda r: (r.clock, r.machine, r.seq))
-        return [(r.event, r.time) for r in entries]
-    if any(not isinstance(e, Event) for e in entries):
+        records.sort(key=lambda r: (r.clock, r.machine, r.seq))
+        return [(r.event, r.time) for r in records]
+    events = [e for e in entries if isinstance(e, Event)]
+    if len(events) != len(entries):
         raise RenderError("a journal is a list of records or a list of events, not both")
-    return [(e, None) for e in entries]
+    return [(e, None) for e in events]
 
 
 def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult], dict[int, str]]:
@@ -168,6 +170,7 @@ def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult],
     open_calls: dict[str, list[int]] = {}  # call id -> indices of its calls still unanswered
     early: list[int] = []  # results whose id no call before them had
     stray: dict[int, str] = {}
+    ev: Any  # dispatched on its exact type, t (mypy does not narrow ``t is ToolCall``)
     for i, (ev, _) in enumerate(pairs):
         t = type(ev)
         if t is ToolCall:
@@ -222,6 +225,7 @@ def plan(journal: Iterable[Record | Event], pages: Callable[[str], int | None] |
         pending.clear()
         step = None
 
+    ev: Any  # dispatched on its exact type, t (mypy does not narrow ``t is ToolCall``)
     for index, (ev, when) in enumerate(pairs):
         t = type(ev)
         if t is Attachment:

@@ -161,7 +161,7 @@ class Anthropic(Provider):
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
             if not blocks:
                 problems.append(f"{where}: empty content")
-            answered = [b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"]
+            answered = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
             if role == "user":
                 if sorted(answered) != sorted(open_calls):
                     problems.append(f"{where}: tool results {sorted(answered)} do not answer "
@@ -173,7 +173,7 @@ class Anthropic(Provider):
             else:
                 if answered:
                     problems.append(f"{where}: tool_result in an assistant message")
-                open_calls = [b.get("id") for b in blocks if b.get("type") == "tool_use"]
+                open_calls = [str(b.get("id")) for b in blocks if b.get("type") == "tool_use"]
                 for cid in open_calls:
                     if cid in seen:
                         problems.append(f"{where}: tool_use id {cid!r} used twice")

@@ -32,7 +32,6 @@ from typing import Any
 
 from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
 from ._base import (
-    IMAGES,
     MB,
     MB10,
     BlobData,

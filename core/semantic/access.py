@@ -57,10 +57,11 @@ class CapsuleFiles:
         else:
             raise TypeError(f"not a capsule directory, tar or agent handle: {capsule!r}")
         index_path = at(VECTOR_INDEX)
-        if callable(getattr(capsule, "write_files", None)):
+        write_files = getattr(capsule, "write_files", None)
+        if callable(write_files):
 
             def write(data: bytes) -> None:
-                capsule.write_files({VECTOR_INDEX: data})
+                write_files({VECTOR_INDEX: data})
 
         else:
 

@@ -219,7 +219,7 @@ class HashedEmbedder:
             signs = np.where(pairs >> np.uint64(63), 1.0, -1.0)
             idx_parts.append((pairs % np.uint64(self._dims)).astype(np.int64))
             val_parts.append(signs * self.BIGRAM_WEIGHT * (1.0 + np.log(counts)))
-        vec = np.bincount(np.concatenate(idx_parts), weights=np.concatenate(val_parts), minlength=self._dims)
+        vec: np.ndarray = np.bincount(np.concatenate(idx_parts), weights=np.concatenate(val_parts), minlength=self._dims)
         norm = float(np.linalg.norm(vec))
         if norm > 0:
             vec /= norm

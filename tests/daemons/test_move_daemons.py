@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys

@@ -239,7 +239,7 @@ async def test_unreachable_peer(pair: Pair) -> None:
 async def test_link_dying_mid_call_is_broken_not_a_hang(tmp_path: Path) -> None:
     a = load_or_create_identity(tmp_path / "a")
     b = load_or_create_identity(tmp_path / "b")
-    book_a, book_b = PeerBook(tmp_path / "a"), PeerBook(tmp_path / "b")
+    book_b = PeerBook(tmp_path / "b")
     book_b.add(Peer(name="a", address="127.0.0.1:1", host_id=a.host_id))
     handler = Recorder(hang=trio.Event())
     async with trio.open_nursery() as server:

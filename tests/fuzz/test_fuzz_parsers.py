@@ -17,7 +17,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -17,7 +17,7 @@ from capsulefs.core.semantic.embedders import HashedEmbedder
 from capsulefs.core.semantic.index import merge_indexes, recall, refresh_index, search_capsule, update_index
 from capsulefs.core.semantic.access import CapsuleFiles
 from capsulefs.core.semantic.text import chunk_spans
-from capsulefs.core.semantic.vectors import dump_index, load_index, parse_index
+from capsulefs.core.semantic.vectors import dump_index, load_index
 from index_helpers import CountingEmbedder, Writer, corpus_records, event_id, journal_bytes, merged, same_rows
 
 

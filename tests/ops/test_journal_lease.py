@@ -24,7 +24,6 @@ from capsulefs.core.journal import lease as journal_lease
 from capsulefs.core.journal.events import Note, Record
 from capsulefs.core.journal.file import open_agent_journal, open_journal
 from capsulefs.core.journal.lines import split_lines, verify_lines
-from capsulefs.core.journal.lease import MAX_HOLD
 from capsulefs.core.store.host_store import HostStore
 
 from helpers import HANG, wait_until

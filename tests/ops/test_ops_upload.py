@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Record
-from capsulefs.core.view.uploads import MAX_OPEN_UPLOADS, MAX_UPLOAD, SUBDIR
+from capsulefs.core.view.uploads import MAX_OPEN_UPLOADS, MAX_UPLOAD
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from capsulefs.core.view.nodes import Kind, Node
@@ -108,7 +108,7 @@ async def test_bytes_that_do_not_hash_to_the_name_are_refused_and_leave_nothing(
 
 async def test_a_blob_the_store_has_is_not_rewritten_and_needs_its_bytes(
         c: Client, store: HostStore) -> None:
-    other = make_agent(store, "bob", workspace={"pic.png": PNG})  # the store has it, for bob
+    make_agent(store, "bob", workspace={"pic.png": PNG})  # the store has it, for bob
     ino = os.stat(store.blob_file(SHA)).st_ino
     # naming it is not enough: alice gets it only by writing its bytes
     assert await upload(c, SHA, b"guess") == errno.EINVAL

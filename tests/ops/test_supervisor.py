@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,8 @@ import trio.testing
 from capsulefs.agents import grants, keychain
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.journal.projections import apply_workspace_changes
-from capsulefs.core.capsule.spec import default_spec, spec_bytes
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.capsule.spec import default_spec
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.agents.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import HANG, make_agent, wait_until

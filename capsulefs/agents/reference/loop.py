@@ -105,7 +105,7 @@ TOOLS = (
 
 
 #: The tools as the journal's ``tools`` event records them.
-TOOL_DEFS = [{"name": t.name, "description": t.description, "parameters": dict(t.parameters)} for t in TOOLS]
+TOOL_DEFS: list[Mapping[str, Any]] = [{"name": t.name, "description": t.description, "parameters": dict(t.parameters)} for t in TOOLS]
 
 
 # -- what to do next (pure) ---------------------------------------------------------
