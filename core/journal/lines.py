@@ -3,7 +3,7 @@ and joined, chains verified, and the reference merge of two journals.
 
 Everything here is a pure function of bytes already in memory: no file is
 opened, nothing is stamped (:mod:`capsulefs.core.journal.chain` does that)
-and nothing is appended (:mod:`capsulefs.core.journal.file` does that).
+and nothing is appended (:mod:`capsulefs.core.journal.append` does that).
 
 Rules:
   * A line is canonical JSON (see :mod:`capsulefs.core.journal.events`), so its

@@ -48,7 +48,7 @@ starts with that first header (one 40-byte pread): otherwise another process
 appended, restarted the ring, recovered or replaced the journal since, and
 the caller must checkpoint and restart at offset 0. The journal-level policy
 (when to checkpoint, how to replay a ring after a crash, what to refuse)
-lives in :mod:`capsulefs.core.journal.file`; the caller holds the journal's locks.
+lives in :mod:`capsulefs.core.journal.append`; the caller holds the journal's locks.
 """
 
 from __future__ import annotations

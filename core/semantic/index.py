@@ -105,7 +105,7 @@ def _parse_lines(data: bytes, start: int) -> tuple[list[Record], int, int, str |
 
     Returns (records, lines seen, end of the last complete line, sha256 of
     that line). A trailing line without its newline is a torn tail (see
-    :mod:`capsulefs.core.journal.file`): it is left alone, not indexed. A line
+    :mod:`capsulefs.core.journal.follow`): it is left alone, not indexed. A line
     that does not parse is skipped with a warning (``journal verify`` is the
     place that reports it).
     """

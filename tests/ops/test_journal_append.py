@@ -187,7 +187,7 @@ def test_torn_tail_is_moved_aside_on_open(tmp_path: Path, caplog: pytest.LogCapt
     tail = b'{"clock":2,"id":"0000000000000000000000ff","kind":"note","mach'
     with open(path, "ab") as f:
         f.write(tail)
-    with caplog.at_level(logging.WARNING, logger="capsulefs.core.journal.file"):
+    with caplog.at_level(logging.WARNING, logger="capsulefs.core.journal.follow"):
         with open_test_journal(path, recovery_dir=rec_dir) as j:
             assert path.read_bytes() == r1.line + b"\n"
             r2 = j.append(note("next"))
@@ -241,7 +241,7 @@ def _big_journal(min_bytes: int) -> list[bytes]:
 
 
 def test_opening_a_big_journal_catches_up_in_bulk_exactly(tmp_path: Path) -> None:
-    from capsulefs.core.journal.file import BULK_CATCH_UP
+    from capsulefs.core.journal.follow import BULK_CATCH_UP
     from capsulefs.core.journal.chain import ChainState
 
     lines = _big_journal(2 * BULK_CATCH_UP)
@@ -263,7 +263,7 @@ def test_opening_a_big_journal_catches_up_in_bulk_exactly(tmp_path: Path) -> Non
 
 
 def test_a_bad_line_in_a_big_journal_is_named(tmp_path: Path) -> None:
-    from capsulefs.core.journal.file import BULK_CATCH_UP
+    from capsulefs.core.journal.follow import BULK_CATCH_UP
 
     lines = _big_journal(2 * BULK_CATCH_UP)
     lines[1000] = b"{broken"
@@ -467,7 +467,7 @@ def test_catching_up_in_pieces_moves_exactly_the_torn_tail(tmp_path: Path, monke
     """The catch-up reads in pieces (see the 2 GiB test): lines across a
     piece's end, and lines longer than a piece, are read whole; only the
     bytes after the file's last newline are a torn tail."""
-    import capsulefs.core.journal.file as J
+    import capsulefs.core.journal.follow as J
 
     path = tmp_path / "j.jsonl"
     with open_test_journal(path) as j:

@@ -635,6 +635,7 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     left them undurable)."""
     import errno as _errno
 
+    import capsulefs.core.journal.append as JA
     import capsulefs.core.journal.file as J
     import capsulefs.core.journal.recovery as JR
     from capsulefs.core.journal.events import Note
@@ -649,7 +650,7 @@ def test_a_failed_fdatasync_stops_appends_until_reopened(tmp_path, monkeypatch, 
     def failing(fd: int) -> None:
         raise OSError(_errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(J, "fdatasync", failing)
+    monkeypatch.setattr(JA, "fdatasync", failing)
     j._ring.forget()  # the next append must checkpoint the journal itself: that fdatasync fails
     with pytest.raises(OSError):
         j.append(Note(text="lost"))

@@ -542,7 +542,7 @@ async def test_a_journal_write_after_a_failed_fdatasync_reopens_the_journal(
     the disk. The mount reopens it at the next write (which writes the
     ring's bytes again and syncs them) instead of failing every journal
     write of the agent until the daemon restarts."""
-    import capsulefs.core.journal.file as J
+    import capsulefs.core.journal.append as J
 
     j = "alice/memory/timeline_events.jsonl"
     await c.write(j, b'{"kind":"note","text":"before"}\n', append=True)
