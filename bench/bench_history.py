@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO  # noqa: E402
 
 from capsulefs.core.capsule import format as fmt  # noqa: E402
-from capsulefs.core.journal import timeline  # noqa: E402
+from capsulefs.core.journal import query, timeline  # noqa: E402
 from capsulefs.core.journal.events import Note  # noqa: E402
 from capsulefs.core.journal.file import open_agent_journal  # noqa: E402
 from capsulefs.core.view.host import LiveHost  # noqa: E402
@@ -204,7 +204,7 @@ def in_process(state: Path, n: int, runs: int) -> dict[str, float]:
     index = timeline.TimelineIndex(os.path.join(timeline.timeline_dir(str(state), agent.agent_id),
                                                 timeline.INDEX_NAME), agent.path(fmt.JOURNAL))
 
-    def ask(q: timeline.Query, expect: Callable[[int], bool] = lambda k: True) -> Callable[[], None]:
+    def ask(q: query.Query, expect: Callable[[int], bool] = lambda k: True) -> Callable[[], None]:
         def go() -> None:
             snap = timeline.open_snapshot(agent.path(fmt.JOURNAL))
             try:
@@ -215,15 +215,15 @@ def in_process(state: Path, n: int, runs: int) -> dict[str, float]:
         return go
 
     t = time.perf_counter()
-    ask(timeline.Query(kinds=("note",), tail=1))()
+    ask(query.Query(kinds=("note",), tail=1))()
     out["timeline index: build"] = (time.perf_counter() - t) * 1000
     hour = (T0 + n // 2) * 1000
-    out["query: --failed --tail 100"] = median_ms(ask(timeline.Query(failed=True, tail=100)), runs)
-    out["query: --kind model_switch"] = median_ms(ask(timeline.Query(kinds=("model_switch",))), runs)
+    out["query: --failed --tail 100"] = median_ms(ask(query.Query(failed=True, tail=100)), runs)
+    out["query: --kind model_switch"] = median_ms(ask(query.Query(kinds=("model_switch",))), runs)
     out["query: 1-hour window, tool calls"] = median_ms(
-        ask(timeline.Query(kinds=("tool_call",), since_ms=hour, until_ms=hour + 3_600_000)), runs)
+        ask(query.Query(kinds=("tool_call",), since_ms=hour, until_ms=hour + 3_600_000)), runs)
     out["query: --grep 'command 4\\d+ failed' --tail 10"] = median_ms(
-        ask(timeline.Query(grep=r"command 4\d+ failed", tail=10)), runs)
+        ask(query.Query(grep=r"command 4\d+ failed", tail=10)), runs)
     return out
 
 

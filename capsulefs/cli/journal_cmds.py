@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from capsulefs.core.store.holder import HolderBook
     from capsulefs.core.store.host_store import HostStore
     from capsulefs.core.journal.file import Journal
-    from capsulefs.core.journal.timeline import Query
+    from capsulefs.core.journal.query import Query
 
 SUMMARY_CHARS = 100
 #: Most bytes ``append --stdin`` reads in all (None: ``view.edit.MAX_EDIT_SIZE``):
@@ -85,7 +85,7 @@ def summary(rec: Record) -> str:
 
 
 def _query(args: argparse.Namespace) -> "Query":
-    from capsulefs.core.journal.timeline import Query, parse_when
+    from capsulefs.core.journal.query import Query, parse_when
 
     if args.tail is not None and args.tail < 0:
         raise UsageError("--tail takes a number of events, 0 or more")

@@ -75,7 +75,7 @@ class AgentService:
     # -- reading -------------------------------------------------------------
     def timeline(self, *, kind: list[str] | None = None, since: str | None = None, until: str | None = None,
                  grep: str | None = None, failed: bool = False, tail: int = 50, raw: bool = False) -> str:
-        from capsulefs.core.journal.timeline import Query, parse_when
+        from capsulefs.core.journal.query import Query, parse_when
 
         if not 1 <= tail <= MAX_EVENTS:
             raise FormatError(f"tail must be between 1 and {MAX_EVENTS}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capsulefs.core.journal import timeline
+from capsulefs.core.journal import query
 from capsulefs.core.journal.tip import EMPTY, MachineTail, Tip, parse_tip, tip_bytes
 
 from . import Target
@@ -31,13 +31,13 @@ def _run_tip_body(data: bytes, scratch: Path) -> None:
 
 
 def _run_when(data: bytes, scratch: Path) -> None:
-    timeline.parse_when(data.decode("utf-8", "replace"), now=1_796_200_000.0)
+    query.parse_when(data.decode("utf-8", "replace"), now=1_796_200_000.0)
 
 
 def _run_grep(data: bytes, scratch: Path) -> None:
     pattern = data.decode("utf-8", "replace")
-    timeline.fts_query(timeline.required_literals(pattern))  # never raises: no literal, no prefilter
-    matcher = timeline.Matcher(timeline.Query(grep=pattern))  # QueryError if bad
+    query.fts_query(query.required_literals(pattern))  # never raises: no literal, no prefilter
+    matcher = query.Matcher(query.Query(grep=pattern))  # QueryError if bad
     matcher.matches({"kind": "note", "text": "x" * 200 + " hello world"})  # QueryTooSlow past its budget
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from capsulefs.cli import main
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal import timeline
+from capsulefs.core.journal import query, timeline
 from capsulefs.core.journal.events import Note, ToolResult, UserMessage
 from capsulefs.core.journal.file import open_agent_journal
 from capsulefs.core.store.host_store import AgentHandle, HostStore
@@ -85,7 +85,7 @@ def _expect(agent: AgentHandle, keep) -> list[str]:  # type: ignore[no-untyped-d
 
 
 def _ms(doc: dict) -> int:
-    ms = timeline.event_ms(doc["time"])
+    ms = query.event_ms(doc["time"])
     assert ms is not None
     return ms
 
@@ -96,11 +96,11 @@ def test_log_answers_each_filter_as_a_scan_of_the_journal_would(cli, agent: Agen
         (["--kind", "note"], lambda d: d["kind"] == "note"),
         (["--kind", "note", "--kind", "user_message"], lambda d: d["kind"] in ("note", "user_message")),
         (["--since", "2026-12-02T00:00:00Z", "--until", "2026-12-02T01:00:00Z"],
-         lambda d: timeline.parse_when("2026-12-02T00:00:00Z") <= _ms(d) < timeline.parse_when("2026-12-02T01:00:00Z")),
+         lambda d: query.parse_when("2026-12-02T00:00:00Z") <= _ms(d) < query.parse_when("2026-12-02T01:00:00Z")),
         (["--grep", r"build 1\d\d failed"], lambda d: d["kind"] == "tool_result" and d["content"].startswith("error: build 1")
          and len(d["content"].split()[2]) == 3),
         (["--grep", "deploy(ment|er)", "--kind", "note", "--since", "2026-12-01"],
-         lambda d: d["kind"] == "note" and _ms(d) >= timeline.parse_when("2026-12-01")),
+         lambda d: d["kind"] == "note" and _ms(d) >= query.parse_when("2026-12-01")),
         (["--failed", "--tail", "3"], None),
     ]
     for args, keep in cases:
@@ -127,19 +127,19 @@ def test_the_index_follows_appends_with_the_new_lines_only(agent: AgentHandle, s
     index = timeline.TimelineIndex(os.path.join(timeline.timeline_dir(store.root, agent.agent_id),
                                                 timeline.INDEX_NAME), agent.path(fmt.JOURNAL))
 
-    def ask(q: timeline.Query) -> list[tuple[int, bytes]]:
+    def ask(q: query.Query) -> list[tuple[int, bytes]]:
         snap = timeline.open_snapshot(agent.path(fmt.JOURNAL))
         try:
             return timeline.query_index(index, snap, q)
         finally:
             os.close(snap.fd)
 
-    before = ask(timeline.Query(kinds=("note",)))
+    before = ask(query.Query(kinds=("note",)))
     assert index.added == len(_lines(agent))  # (built from empty)
     with open_agent_journal(agent, machine=HOST, now=time.time, new_id=lambda: os.urandom(12).hex()) as j:
         j.append(Note(text="a late note"))
         j.append(UserMessage(text="hi"))
-    after = ask(timeline.Query(kinds=("note",)))
+    after = ask(query.Query(kinds=("note",)))
     assert not index.rebuilt and index.added == 2
     assert after[:-1] == before and after[-1][1].endswith(b'"text":"a late note","time":' + after[-1][1].split(b'"time":')[1])
     assert [no for no, _ in after] == [no for no, line in enumerate(_lines(agent), 1) if b'"kind":"note"' in line]
@@ -198,7 +198,7 @@ def test_a_costly_pattern_is_stopped_at_its_budget(cli, store: HostStore, monkey
     a = store.create_agent("slow", host_id=HOST, agent_id="d" * 32)
     with open_agent_journal(a, machine=HOST, now=time.time, new_id=lambda: os.urandom(12).hex()) as j:
         j.append_many([Note(text="x" * 3000) for _ in range(3)])
-    monkeypatch.setattr(timeline, "GREP_SECONDS", 0.2)
+    monkeypatch.setattr(query, "GREP_SECONDS", 0.2)
     t = time.monotonic()
     p = cli("log", "slow", "--grep", "(x+x+)+y", check=False)
     assert p.returncode == 1 and "took more than 0.2 s" in p.stderr
@@ -225,18 +225,18 @@ def test_log_of_a_capsule_directory_filters_without_an_index(cli, agent: AgentHa
 
 def test_times_as_users_write_them() -> None:
     now = 1_796_200_000.0  # 2026-12-02T...
-    assert timeline.parse_when("2h", now) == int((now - 7200) * 1000)
-    assert timeline.parse_when("2026-12-02T10:00:00Z") == calendar.timegm((2026, 12, 2, 10, 0, 0)) * 1000
-    assert timeline.parse_when("2026-12-02T10:00Z") == timeline.parse_when("2026-12-02 10:00:00+00:00")
-    assert timeline.parse_when("2026-12-02T11:00+01:00") == timeline.parse_when("2026-12-02T10:00Z")
-    today = timeline.parse_when("today", now)
+    assert query.parse_when("2h", now) == int((now - 7200) * 1000)
+    assert query.parse_when("2026-12-02T10:00:00Z") == calendar.timegm((2026, 12, 2, 10, 0, 0)) * 1000
+    assert query.parse_when("2026-12-02T10:00Z") == query.parse_when("2026-12-02 10:00:00+00:00")
+    assert query.parse_when("2026-12-02T11:00+01:00") == query.parse_when("2026-12-02T10:00Z")
+    today = query.parse_when("today", now)
     assert today <= now * 1000 < today + 25 * 3600 * 1000
-    assert 23 * 3600 * 1000 <= today - timeline.parse_when("yesterday", now) <= 25 * 3600 * 1000  # (a DST day)
-    assert timeline.parse_when("09:30", now) == timeline.parse_when(
+    assert 23 * 3600 * 1000 <= today - query.parse_when("yesterday", now) <= 25 * 3600 * 1000  # (a DST day)
+    assert query.parse_when("09:30", now) == query.parse_when(
         time.strftime("%Y-%m-%dT09:30", time.localtime(now)))
     for bad in ("", "soon", "2026-13-01", "25:00", "2026-12-02T10:00:00ZZ", "1y", "9" * 50, "12:3"):
-        with pytest.raises(timeline.QueryError):
-            timeline.parse_when(bad, now)
+        with pytest.raises(query.QueryError):
+            query.parse_when(bad, now)
 
 
 _PIECES = st.sampled_from(["abc", "fail", "ed", "x", "é", "hello", "  ", "\n", "Err"])
@@ -253,7 +253,7 @@ def test_the_trigram_prefilter_keeps_every_match(texts: list[str], pattern: str)
     db = sqlite3.connect(":memory:")
     db.execute("CREATE VIRTUAL TABLE words USING fts5(text, content='', tokenize='trigram', detail=none)")
     db.executemany("INSERT INTO words(rowid, text) VALUES(?, ?)", list(enumerate(texts, 1)))
-    fts = timeline.fts_query(timeline.required_literals(pattern))
+    fts = query.fts_query(query.required_literals(pattern))
     kept = {r for (r,) in db.execute("SELECT rowid FROM words WHERE words MATCH ?", (fts,))} if fts else None
     for no, text in enumerate(texts, 1):
         if regex.search(pattern, text, regex.VERSION0) and kept is not None:
