@@ -31,7 +31,8 @@ import time
 import numpy as np
 
 from capsulefs.core.semantic.embedders import HashedEmbedder
-from capsulefs.core.journal.events import AssistantMessage, Record, ToolResult, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, ToolResult, UserMessage
+from capsulefs.core.journal.record import Record
 from capsulefs.core.semantic.index import update_index
 from capsulefs.core.semantic.vectors import load_index, save_index
 

@@ -44,12 +44,12 @@ from capsulefs.core.journal.events import (
     ModelSwitch,
     Note,
     Reasoning,
-    Record,
     System,
     ToolCall,
     ToolResult,
     UserMessage,
 )
+from capsulefs.core.journal.record import Record
 from capsulefs.core.render import PROVIDERS, counter_info, render
 from capsulefs.core.render._count import text_counter
 

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from capsulefs.core.semantic.embedders import EmbedderSpec, HashedEmbedder
-from capsulefs.core.journal.events import Record, event_from_fields
+from capsulefs.core.journal.events import event_from_fields
+from capsulefs.core.journal.record import Record
 
 CORPUS = Path(__file__).resolve().parent / "data" / "index_corpus.json"
 

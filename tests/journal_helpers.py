@@ -8,7 +8,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from capsulefs.core.journal.events import Event, Note, Record, UnknownEvent, canonical_json
+from capsulefs.core.journal.events import Event, Note, UnknownEvent, canonical_json
+from capsulefs.core.journal.record import Record
 from capsulefs.core.journal.chain import ChainState
 from capsulefs.core.journal.file import Journal, open_journal
 from capsulefs.core.journal.lines import join_lines, merge

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.core.journal.events import Record, line_hash
+from capsulefs.core.journal.events import line_hash
+from capsulefs.core.journal.record import Record
 from helpers import HANG
 
 CAPSULEFS = str(Path(sys.executable).with_name("capsulefs"))

@@ -13,13 +13,13 @@ from capsulefs.core.journal.events import (
     ModelSwitch,
     Note,
     Reasoning,
-    Record,
     System,
     ToolCall,
     ToolResult,
     ToolsOffered,
     UserMessage,
 )
+from capsulefs.core.journal.record import Record
 
 MACHINE = "host-a"
 

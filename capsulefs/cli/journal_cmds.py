@@ -21,7 +21,8 @@ from capsulefs.cli import UsageError
 from capsulefs.cli.common import host_id, now_seconds, open_store, shown, state_dir
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.journal.events import Attachment, MemoryEdit, Record, WorkspaceUpdate, parse_draft
+from capsulefs.core.journal.events import Attachment, MemoryEdit, WorkspaceUpdate, parse_draft
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.host_store import AgentHandle
 
 if TYPE_CHECKING:

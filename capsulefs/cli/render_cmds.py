@@ -20,7 +20,8 @@ from collections.abc import Callable
 from capsulefs.cli.common import open_store
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
-from capsulefs.core.journal.events import Record, ToolsOffered
+from capsulefs.core.journal.events import ToolsOffered
+from capsulefs.core.journal.record import Record
 from capsulefs.core.render import PROVIDERS, ToolSpec, render
 
 MAX_TOOLS_FILE = 1 << 20

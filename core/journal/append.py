@@ -47,7 +47,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 from ..fsutil import fdatasync
-from .events import Event, Record
+from .events import Event
+from .record import Record
 from .follow import Follower
 from .recovery import replay_ring
 from .ring import Ring

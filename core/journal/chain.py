@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from ..errors import FormatError
-from .events import Event, Record, UnknownEvent, line_hash
+from .events import Event, UnknownEvent, line_hash
+from .record import Record
 from ..capsule.format import MAX_INT, check_host_id
 from .lines import Key, envelope
 

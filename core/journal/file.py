@@ -39,7 +39,8 @@ from ..errors import FormatError
 from ..fsutil import fsync_dir
 from .append import Appender
 from .chain import Tail
-from .events import Event, Record, parse_draft
+from .events import Event, parse_draft
+from .record import Record
 from .lines import split_lines
 from .recovery import RingMismatch, agent_recovery_dir, journal_ring_path
 from .tip import journal_tip_path

@@ -37,7 +37,8 @@ from typing import Any
 
 from ..errors import FormatError, IntegrityError
 from ..capsule.format import MAX_INT, load_json
-from .events import Record, line_hash
+from .events import line_hash
+from .record import Record
 
 log = logging.getLogger(__name__)
 

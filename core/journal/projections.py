@@ -25,7 +25,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .events import Attachment, MemoryEdit, Record, WorkspaceUpdate
+from .events import Attachment, MemoryEdit, WorkspaceUpdate
+from .record import Record
 from ..errors import CapsuleError
 from ..capsule.format import snapshot_bytes
 

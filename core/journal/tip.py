@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from .. import sha256_state
 from ..errors import FormatError
-from .events import ModelSwitch, Record, line_hash
+from .events import ModelSwitch, line_hash
+from .record import Record
 from ..fsutil import atomic_write, makedirs_durable
 
 if TYPE_CHECKING:

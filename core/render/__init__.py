@@ -44,7 +44,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..journal.events import Event, Record
+from ..journal.events import Event
+from ..journal.record import Record
 from ._base import Provider, ToolSpec, resolve, sniff_media_type
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter, per_render
 from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, fit, plan

@@ -48,13 +48,13 @@ from ..journal.events import (
     Event,
     ModelSwitch,
     Reasoning,
-    Record,
     System,
     ToolCall,
     ToolResult,
     ToolsOffered,
     UserMessage,
 )
+from ..journal.record import Record
 
 # Item tags. An item is a tuple whose first element is one of these.
 USER = 0  # (USER, text)

@@ -53,7 +53,8 @@ import numpy as np
 
 from .embedders import Embedder, EmbedderSpec, select_embedder
 from ..errors import FormatError
-from ..journal.events import Record, line_hash
+from ..journal.events import line_hash
+from ..journal.record import Record
 from ..capsule.format import VECTOR_INDEX
 from .access import CapsuleFiles
 from .text import MAX_CHUNKS, BlobReader, chunk_spans, indexed_text, snippet

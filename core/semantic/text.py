@@ -24,7 +24,8 @@ import re
 from collections.abc import Callable, Iterable
 
 from ..errors import CapsuleError
-from ..journal.events import AssistantMessage, MemoryEdit, Record, ToolCall, ToolResult, UserMessage
+from ..journal.events import AssistantMessage, MemoryEdit, ToolCall, ToolResult, UserMessage
+from ..journal.record import Record
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from ..capsule import format as fmt
 from ..capsule.spec import parse_spec
 from ..errors import CapsuleError, FormatError, NotFoundError
 from ..hashing import hash_file
-from ..journal.events import Attachment, Event, MemoryEdit, ModelSwitch, Record
+from ..journal.events import Attachment, Event, MemoryEdit, ModelSwitch
+from ..journal.record import Record
 from ..journal.file import Journal, parse_draft_lines
 from ..journal.recovery import RECOVERY_DIR, journal_ring_path
 from ..journal.tip import journal_tip_path

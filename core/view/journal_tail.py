@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import FormatError
-from ..journal.events import ModelSwitch, Record
+from ..journal.events import ModelSwitch
+from ..journal.record import Record
 from ..journal.file import Journal, open_journal
 from ..journal.tip import checked_tip
 

@@ -16,7 +16,7 @@ import pytest
 from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.holder import HolderState
 from capsulefs.core.journal.lines import verify_lines
 from capsulefs.testing.stub_provider import serve

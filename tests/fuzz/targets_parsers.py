@@ -30,7 +30,8 @@ from pathlib import Path
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.journal.events import AssistantMessage, Note, Record, ToolCall, UnknownEvent, UserMessage
+from capsulefs.core.journal.events import AssistantMessage, Note, ToolCall, UnknownEvent, UserMessage
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.file import parse_draft_lines
 from capsulefs.core.journal.chain import ChainState

@@ -27,7 +27,8 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.journal.events import Note, Record
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.record import Record
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import AgentHandle, HostStore

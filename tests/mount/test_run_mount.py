@@ -13,7 +13,7 @@ from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.journal.lines import verify_lines
 from capsulefs.testing.stub_provider import serve
 

@@ -20,7 +20,6 @@ from capsulefs.core.journal.events import (
     ModelSwitch,
     Note,
     Reasoning,
-    Record,
     System,
     ToolCall,
     ToolResult,
@@ -30,6 +29,7 @@ from capsulefs.core.journal.events import (
     canonical_json,
     line_hash,
 )
+from capsulefs.core.journal.record import Record
 from capsulefs.core.journal.recovery import TORN_SUFFIX
 from capsulefs.core.journal.lines import split_lines, verify_lines
 
@@ -416,7 +416,8 @@ def test_a_stamped_line_is_the_canonical_json_of_its_record(event: Event, machin
 
 def test_every_known_kind_has_a_line_writer() -> None:
     # The fast path of the append (see Record.stamped); unknown kinds keep the generic encoder.
-    from capsulefs.core.journal.events import KINDS, _line_writer
+    from capsulefs.core.journal.events import KINDS
+    from capsulefs.core.journal.record import _line_writer
 
     assert all(_line_writer(cls) is not None for cls in KINDS.values())
     assert _line_writer(UnknownEvent) is None

@@ -21,7 +21,8 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.journal import lease as journal_lease
-from capsulefs.core.journal.events import Note, Record
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.record import Record
 from capsulefs.core.journal.file import open_agent_journal, open_journal
 from capsulefs.core.journal.lines import split_lines, verify_lines
 from capsulefs.core.store.host_store import HostStore

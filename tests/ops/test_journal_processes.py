@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.journal.lines import split_lines, verify_lines
 
 CHILD = r"""

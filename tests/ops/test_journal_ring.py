@@ -535,7 +535,7 @@ def test_sigkill_then_power_loss_keeps_every_printed_seq(tmp_path: Path) -> None
 
 
 def _records(agent: AgentHandle):
-    from capsulefs.core.journal.events import Record
+    from capsulefs.core.journal.record import Record
 
     return [Record.from_line(x) for x in _lines(agent)]
 

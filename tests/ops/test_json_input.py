@@ -23,7 +23,8 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import FormatError, SpecError, StoreError
-from capsulefs.core.journal.events import Note, Record
+from capsulefs.core.journal.events import Note
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.lines import envelope, verify_lines
 from capsulefs.core.move import OfferReply

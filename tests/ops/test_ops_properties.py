@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.view.nodes import Kind, Node
 from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.view.uploads import MAX_OPEN_UPLOADS, MAX_UPLOAD
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations

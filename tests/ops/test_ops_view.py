@@ -14,7 +14,7 @@ import pytest
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.view.nodes import CONTROL, SNAPSHOTS, XATTR_AGENT_ID, XATTR_EPOCH, XATTR_SHA256
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import IMMUTABLE_TIMEOUT, Operations

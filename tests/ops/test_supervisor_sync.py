@@ -14,7 +14,7 @@ import trio.testing
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon.daemon import Daemon
 from capsulefs.agents.runtime import AgentRuntime

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capsulefs.core.journal import events as ev
+from capsulefs.core.journal.record import Record
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import render
 from capsulefs.core.errors import CapsuleError
@@ -111,7 +112,7 @@ TOOL_DEFS: list[Mapping[str, Any]] = [{"name": t.name, "description": t.descript
 # -- what to do next (pure) ---------------------------------------------------------
 
 
-def offered_tools(records: Sequence[ev.Record]) -> list[dict[str, Any]] | None:
+def offered_tools(records: Sequence[Record]) -> list[dict[str, Any]] | None:
     """The definitions of the journal's last ``tools`` event, or None."""
     for r in reversed(records):
         if isinstance(r.event, ev.ToolsOffered):
@@ -119,12 +120,12 @@ def offered_tools(records: Sequence[ev.Record]) -> list[dict[str, Any]] | None:
     return None
 
 
-def dangling_calls(records: Sequence[ev.Record]) -> list[ev.ToolCall]:
+def dangling_calls(records: Sequence[Record]) -> list[ev.ToolCall]:
     answered = {r.event.call_id for r in records if isinstance(r.event, ev.ToolResult)}
     return [r.event for r in records if isinstance(r.event, ev.ToolCall) and r.event.call_id not in answered]
 
 
-def waits_on_model(records: Sequence[ev.Record]) -> bool:
+def waits_on_model(records: Sequence[Record]) -> bool:
     """True when the last dialogue event asks the model to speak."""
     for r in reversed(records):
         e = r.event
@@ -135,7 +136,7 @@ def waits_on_model(records: Sequence[ev.Record]) -> bool:
     return False
 
 
-def current_target(records: Sequence[ev.Record]) -> tuple[str, str] | None:
+def current_target(records: Sequence[Record]) -> tuple[str, str] | None:
     for r in reversed(records):
         if isinstance(r.event, ev.ModelSwitch):
             return r.event.provider, r.event.model
@@ -146,7 +147,7 @@ def current_target(records: Sequence[ev.Record]) -> tuple[str, str] | None:
 
 
 class JournalPort(Protocol):
-    def records(self) -> list[ev.Record]: ...
+    def records(self) -> list[Record]: ...
 
     def append(self, events: Sequence[ev.Event]) -> None: ...
 
@@ -166,10 +167,10 @@ class CapsuleDirPort:
         self.dir = capsule_dir
         self.journal = os.path.join(capsule_dir, fmt.JOURNAL)
 
-    def records(self) -> list[ev.Record]:
+    def records(self) -> list[Record]:
         with open(self.journal, "rb") as f:
             data = f.read()
-        return [ev.Record.from_line(line) for line in data.split(b"\n") if line]
+        return [Record.from_line(line) for line in data.split(b"\n") if line]
 
     def append(self, events: Sequence[ev.Event]) -> None:
         lines = b"".join(ev.canonical_json({"kind": e.kind, **e.payload()}) + b"\n" for e in events)
