@@ -33,7 +33,8 @@ from ..store.holder import HOLDERS_DIR, agent_files_lock
 from .signing import sign_manifest
 from ..journal.recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from ..store.host_store import STORE_FILE, AgentHandle, HostStore
-from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, Member, check_room, extract_into, scan_tar, write_tar
+from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, check_room, extract_into, scan_tar
+from .tar_export import Member, write_tar
 
 #: Seconds a reader of an agent's files (export, a move) waits for a
 #: `capsulefs append` to let go of them: one suspended with ^Z would

@@ -238,7 +238,7 @@ def write_plan(plan: Plan, dest: str, *, mtime: int) -> None:
     """Write the merged capsule at ``dest``: a tar if its name says so, else a directory."""
     if os.path.lexists(dest):
         raise MergeRefused(f"{dest} already exists; merge writes a new capsule")
-    from .tarball import tar_kind
+    from .tar_export import tar_kind
 
     if tar_kind(dest) is not None:
         _write_tar(plan, dest, mtime=mtime)
@@ -247,7 +247,7 @@ def write_plan(plan: Plan, dest: str, *, mtime: int) -> None:
 
 
 def _write_tar(plan: Plan, dest: str, *, mtime: int) -> None:
-    from .tarball import Member, write_tar
+    from .tar_export import Member, write_tar
 
     def members() -> Iterator[Member]:  # the manifest first, as export writes it (see tarball)
         raw = plan.manifest.to_bytes()
