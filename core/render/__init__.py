@@ -48,7 +48,8 @@ from ..journal.events import Event
 from ..journal.record import Record
 from ._base import Provider, ToolSpec, resolve, sniff_media_type
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter, per_render
-from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, fit, plan
+from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, plan
+from ._fit import fit
 from .anthropic import PROVIDER as _ANTHROPIC
 from .gemini import PROVIDER as _GEMINI
 from .openai_chat import PROVIDER as _CHAT

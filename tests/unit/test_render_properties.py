@@ -31,7 +31,8 @@ from capsulefs.core.render import (
     render,
     system_prompt,
 )
-from capsulefs.core.render._plan import items_of, plan
+from capsulefs.core.render._plan import plan
+from capsulefs.core.render._fit import items_of
 from render_journals import TARGETS, journals
 from render_sdk import validate_request
 
