@@ -1,5 +1,5 @@
 """Workspace scan (the freeze before a move): core.workspace.scan, which walks
-by directory fd without recursion (fsutil.walk_tree), against the same work
+by directory fd without recursion (walk.walk_tree), against the same work
 done with the standard library's walks, on a normal workspace: 10,000 files
 of 100 B to 8 KiB in 3-level directories (a source tree), page cache warm.
 
@@ -7,7 +7,7 @@ Baselines, each run alternately with the candidate in this script:
   * os.walk: list, lstat and sha256 each file by its path (what a plain
     script would do, following nothing);
   * os.fwalk: the scan as it was before (recursive, fd-based), kept here;
-  * the walk alone: fsutil.walk_tree against os.walk + lstat, no hashing.
+  * the walk alone: walk.walk_tree against os.walk + lstat, no hashing.
 Target: the scan is not slower than either whole-scan baseline (ratio >= 0.95).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from common import pairs
 
 from capsulefs.core.capsule import workspace
-from capsulefs.core.fsutil import walk_tree
+from capsulefs.core.walk import walk_tree
 from capsulefs.core.hashing import hash_stream
 
 OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

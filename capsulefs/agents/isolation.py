@@ -56,7 +56,8 @@ from dataclasses import dataclass
 
 from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.fsutil import atomic_write, fsync_dir, walk_tree
+from capsulefs.core.fsutil import atomic_write, fsync_dir
+from capsulefs.core.walk import walk_tree
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def _has_account(uid: int) -> bool:
 def _chown_tree(top: str, ids: Ids) -> int:
     """Give ``top`` and everything in it to ``ids``, walking by file
     descriptor without recursion and never following a symlink
-    (``fsutil.walk_tree``: the tree may be a hostile earlier run's, as deep
+    (``walk.walk_tree``: the tree may be a hostile earlier run's, as deep
     as it liked). A file with more links than the tree holds is left as
     it is: its other name is outside (an earlier agent hard-linked a file of
     its uid, or a world-readable one of root's, into its workspace), and

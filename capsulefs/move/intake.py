@@ -9,7 +9,7 @@ Rules:
     and each call's close as they come; another (the *reaper*) takes the
     answers in that order, gives each slab's buffer back and passes each
     closed call on. Then the *settler* makes the pieces that hashed to their names durable (with
-    ``sync``, a :class:`~capsulefs.core.fsutil.FileSystemSync`, one syncfs
+    ``sync``, a :class:`~capsulefs.core.linuxfs.FileSystemSync`, one syncfs
     of their file system per call; else an fsync each) and passes them to
     ``settle`` (the move service adopts the blobs among them into
     ``objects/``).
@@ -47,7 +47,7 @@ from typing import Protocol
 
 import trio
 
-from capsulefs.core.fsutil import FileSystemSync, fsync_each
+from capsulefs.core.linuxfs import FileSystemSync, fsync_each
 from capsulefs.move.pieces import Outcome, Piece, remove_files
 from capsulefs.move.writers import ProcessWriters, SpareHelper, ThreadWriters, Ticket, WriterHandle
 

@@ -48,7 +48,8 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import metrics
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
-from capsulefs.core.fsutil import FileSystemSync, atomic_write, fsync_dir, makedirs_durable, remove_tree
+from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable, remove_tree
+from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.move.host import MoveHost, answer_to_result
 from capsulefs.peer.link import CallFailed, Payload, PeerHandler, serve_peers

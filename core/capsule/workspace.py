@@ -14,7 +14,7 @@ Theory of operation:
   * The sandbox is hostile: the agent process made it, and a child of it
     that left the process group may still change it during the scan. So
     the scan walks directories by file descriptor without recursion
-    (``fsutil.walk_tree``: each directory opened relative to its parent,
+    (``walk.walk_tree``: each directory opened relative to its parent,
     ``O_NOFOLLOW | O_DIRECTORY``), opens each file with
     ``O_NOFOLLOW | O_NONBLOCK`` and hashes it only if the open file is
     regular; :func:`open_regular` opens it the same way again for the
@@ -56,7 +56,8 @@ from typing import BinaryIO
 
 from . import format as fmt
 from ..errors import UnsafePathError
-from ..fsutil import atomic_write_at, makedirs_beneath, makedirs_durable, open_beneath, remove_tree, walk_tree
+from ..fsutil import atomic_write_at, makedirs_durable, remove_tree
+from ..walk import makedirs_beneath, open_beneath, walk_tree
 from ..hashing import hash_stream
 
 log = logging.getLogger(__name__)

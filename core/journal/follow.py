@@ -24,7 +24,7 @@ Theory of operation (following the file):
   size of the whole lines) in memory. Under the lock it compares the file's
   size with the size it knows: if another process appended, it reads only
   the new bytes and absorbs them before stamping. So an append costs a
-  statx of the path (the inode only: see ``fsutil.path_identity``) and an
+  statx of the path (the inode only: see ``linuxfs.path_identity``) and an
   lseek, one write and one fdatasync, whatever the journal's length.
   If another file was renamed over the journal's path (by someone holding
   the old file's flock), the Journal follows it: nothing is appended to an
@@ -55,7 +55,7 @@ from collections.abc import Callable
 from typing import Self
 
 from ..errors import CapsuleError, FormatError, NotFoundError
-from ..fsutil import identity_probe
+from ..linuxfs import identity_probe
 from .chain import ChainState
 from .events import line_hash
 from .lease import IDLE, MAX_HOLD, keeper
@@ -439,7 +439,7 @@ class Follower:
         No stat of the journal here: asking for a file's timestamps makes
         its next write take a fine-grained one (Linux multigrain
         timestamps), which then gives the ring a new mtime on every write
-        and its fdatasync an inode to write (see ``fsutil.path_identity``)."""
+        and its fdatasync an inode to write (see ``linuxfs.path_identity``)."""
         try:
             on_disk = self._identity()
         except FileNotFoundError:

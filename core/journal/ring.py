@@ -61,7 +61,8 @@ import struct
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from ..fsutil import TMP_PREFIX, dio_alignment, fdatasync, fsync_dir, links_probe, makedirs_durable, path_identity
+from ..fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
+from ..linuxfs import dio_alignment, links_probe, path_identity
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Ring:
     the journal's locks serialize its users."""
 
     def __init__(self, path: str, fd: int) -> None:
-        held = os.fstat(fd)  # once: a stat per write would cost an inode write per fdatasync (fsutil.path_identity)
+        held = os.fstat(fd)  # once: a stat per write would cost an inode write per fdatasync (linuxfs.path_identity)
         self.path = path
         self.size = held.st_size
         self._id = (held.st_ino, held.st_dev)

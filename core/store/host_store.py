@@ -64,16 +64,8 @@ from typing import BinaryIO
 from .. import metrics
 from ..capsule import format as fmt
 from ..errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from ..fsutil import (
-    TMP_PREFIX,
-    atomic_write,
-    fsync_dir,
-    fsync_each,
-    makedirs_durable,
-    path_identity,
-    remove_tree,
-    sweep_temps,
-)
+from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, sweep_temps
+from ..linuxfs import fsync_each, path_identity
 from ..hashing import CHUNK, hash_file, parallel_map
 from ..journal.recovery import (
     RingMismatch,

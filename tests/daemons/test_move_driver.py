@@ -23,7 +23,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.journal.events import UserMessage
 from capsulefs.core.journal.file import open_journal
-from capsulefs.core.fsutil import FileSystemSync
+from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderState, new_held
 from capsulefs.move import source as move_source, target as move_target
 from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves

@@ -1,6 +1,6 @@
 """Workspaces as deep as an agent likes (issue 25, finding 3: "sweeping and
 cleanup never crash on what they find, however deep"): the walk behind the
-workspace scan and the sandbox's ownership walk (fsutil.walk_tree) never
+workspace scan and the sandbox's ownership walk (walk.walk_tree) never
 recurses, never follows a symlink, keeps few fds open; a synced path of up
 to 4096 bytes is committed and materialised though the sandbox's path
 before it is past PATH_MAX; a directory too deep for any path a capsule
@@ -23,7 +23,7 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
-from capsulefs.core.fsutil import TooDeep, open_beneath, walk_tree
+from capsulefs.core.walk import TooDeep, open_beneath, walk_tree
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon.daemon import Daemon

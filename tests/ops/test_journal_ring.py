@@ -614,7 +614,7 @@ def test_a_stale_record_right_after_the_new_chain_is_not_replayed(tmp_path: Path
 
 
 def test_path_identity_is_the_inode_and_device_of_stat(tmp_path: Path) -> None:
-    from capsulefs.core.fsutil import path_identity
+    from capsulefs.core.linuxfs import path_identity
 
     f = tmp_path / "f"
     f.write_bytes(b"x")

@@ -13,8 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from capsulefs.core import fsutil
-from capsulefs.core.fsutil import FileSystemSync
+from capsulefs.core import linuxfs
+from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.move.intake import Intake
 from capsulefs.move.pieces import BUFFER, Outcome, Piece
 from helpers import HANG
@@ -284,7 +284,7 @@ async def test_a_failed_sync_of_the_file_system_fails_verify_and_settles_nothing
         ctypes.set_errno(errno.EIO)
         return -1
 
-    monkeypatch.setattr(fsutil, "_syncfs", (ctypes, fn))
+    monkeypatch.setattr(linuxfs, "_syncfs", (ctypes, fn))
     sink = Sink()
     with FileSystemSync(str(tmp_path), dirty=lambda: 0, magic=lambda path: 0xEF53) as sync:
         intake = Intake(record=sink.record, settle=sink.settle, sync=sync, writers="process")

@@ -1,4 +1,4 @@
-"""core/fsutil.py's bulk durability: syncfs(2) and FileSystemSync, on real
+"""core/linuxfs.py's bulk durability: syncfs(2) and FileSystemSync, on real
 files. The C library's syncfs is replaced only to make it fail (ENOSYS as
 under a seccomp filter, EIO as after a write-back error), which a test
 cannot make a real file system do on demand."""
@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from capsulefs.core import fsutil
-from capsulefs.core.fsutil import SYNCFS_FILE_SYSTEMS, FileSystemSync, dirty_bytes, fs_magic, syncfs
+from capsulefs.core import linuxfs
+from capsulefs.core.linuxfs import SYNCFS_FILE_SYSTEMS, FileSystemSync, dirty_bytes, fs_magic, syncfs
 
 
 def make_files(tmp_path, n: int) -> list[str]:
@@ -52,13 +52,13 @@ def ext4(path: str) -> int:
 def counted_syncfs(monkeypatch) -> list[int]:
     """Count the real syncfs calls; returns the fds it was called with."""
     calls: list[int] = []
-    ctypes_, real = fsutil._syncfs
+    ctypes_, real = linuxfs._syncfs
 
     def fn(fd: int) -> int:
         calls.append(fd)
         return real(fd)
 
-    monkeypatch.setattr(fsutil, "_syncfs", (ctypes_, fn))
+    monkeypatch.setattr(linuxfs, "_syncfs", (ctypes_, fn))
     return calls
 
 
@@ -71,7 +71,7 @@ def failing_syncfs(monkeypatch, err: int) -> list[int]:
         ctypes.set_errno(err)
         return -1
 
-    monkeypatch.setattr(fsutil, "_syncfs", (ctypes, fn))
+    monkeypatch.setattr(linuxfs, "_syncfs", (ctypes, fn))
     return calls
 
 
@@ -137,7 +137,7 @@ def test_where_syncfs_is_refused_each_path_is_fsynced_instead(tmp_path, monkeypa
 
 def test_without_syncfs_each_path_is_fsynced(tmp_path, monkeypatch) -> None:
     paths = make_files(tmp_path, 3)
-    monkeypatch.setattr(fsutil, "_syncfs", None)
+    monkeypatch.setattr(linuxfs, "_syncfs", None)
     fsyncs = Fsyncs(monkeypatch)
     with FileSystemSync(str(tmp_path)) as sync:
         assert not sync.whole
