@@ -192,7 +192,7 @@ FILL_TARGETS = [("openai-chat", "gpt-4o"), ("openai-responses", "gpt-5"), ("open
 
 
 def fill(budgets: list[int], *, prose: int = 60_000, code: int = 3000) -> None:
-    from capsulefs.agents.reference.loop import TOOLS
+    from capsulefs.agents.reference.tools import TOOLS
 
     journals = {"prose": [Record.from_line(x) for x in journal(prose, seed=5)], "code": code_journal(code)}
     print(f"{'journal':8} {'provider':17} {'model':18} {'budget':>7} {'counted':>8} {'reference':>9} "

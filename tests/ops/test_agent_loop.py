@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.agents.reference.loop import Agent, DirectPort, Toolbox, ToolError, dangling_calls, waits_on_model
+from capsulefs.agents.reference.loop import Agent, dangling_calls, waits_on_model
+from capsulefs.agents.reference.tools import Toolbox, ToolError
+from capsulefs.agents.reference.ports import DirectPort
 from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.lines import verify_lines

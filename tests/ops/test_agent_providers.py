@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from capsulefs.agents.reference.loop import Agent, DirectPort, ProviderClients, Toolbox
+from capsulefs.agents.reference.loop import Agent
+from capsulefs.agents.reference.providers import ProviderClients
+from capsulefs.agents.reference.tools import Toolbox
+from capsulefs.agents.reference.ports import DirectPort
 from capsulefs.core.journal import events as ev
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.lines import verify_lines
