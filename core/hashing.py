@@ -34,7 +34,7 @@ def hash_stream(f: BinaryIO) -> tuple[str, int]:
 
 def hash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     with open(path, "rb", buffering=0) as f:
-        return hash_stream(f)  # type: ignore[arg-type]
+        return hash_stream(f)
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None) -> Iterator[R]:

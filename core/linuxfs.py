@@ -33,7 +33,7 @@ _STX_INO = 32  # offsetof(struct statx, stx_ino)
 _STX_DEV = 136  # offsetof(struct statx, stx_dev_major); stx_dev_minor follows
 
 
-def _libc(name: str, argtypes: Callable[[Any], list[Any]]):  # pragma: no cover - depends on the C library
+def _libc(name: str, argtypes: Callable[[Any], list[Any]]) -> tuple[Any, Any] | None:  # pragma: no cover - depends on the C library
     """(ctypes, the C library's function ``name`` returning int, with the
     argument types ``argtypes(ctypes)``), or None where it has none."""
     try:
@@ -117,7 +117,7 @@ def links_probe(fd: int) -> Callable[[], int]:
         if fn(fd, b"", _AT_EMPTY_PATH, _STATX_NLINK, buf) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        return nlink(buf, _STX_NLINK)[0]
+        return int(nlink(buf, _STX_NLINK)[0])
 
     return probe
 
@@ -200,7 +200,7 @@ def fs_magic(path: str) -> int | None:
     buf = ctypes.create_string_buffer(_STATFS_SIZE)
     if fn(os.fsencode(path), buf) != 0:
         return None
-    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+    return int(ctypes.c_ulong.from_buffer(buf).value) & 0xFFFFFFFF
 
 
 #: File systems whose syncfs, followed by an fsync of a directory on them,

@@ -65,7 +65,7 @@ def write_tar(dest: str, members: Iterable[Member], *, mtime: int) -> None:
         if kind == "zstd":
             import zstandard
 
-            sink: BinaryIO = stack.enter_context(zstandard.ZstdCompressor(level=3, threads=-1, write_checksum=True).stream_writer(out, closefd=False))  # type: ignore[assignment]
+            sink: BinaryIO = stack.enter_context(zstandard.ZstdCompressor(level=3, threads=-1, write_checksum=True).stream_writer(out, closefd=False))
             mode = "w|"
         elif kind == "gzip":
             sink, mode = out, "w|gz"

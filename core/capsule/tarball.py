@@ -161,7 +161,7 @@ def _open_stream(path: str) -> Iterator[tuple[str, BinaryIO, int]]:
             import zstandard
 
             reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
-            yield "zstd", stack.enter_context(reader), size  # type: ignore[misc]
+            yield "zstd", stack.enter_context(reader), size
         elif magic.startswith(GZIP_MAGIC):
             yield "gzip", _Gunzip(raw), size  # type: ignore[misc]
         else:

@@ -146,7 +146,8 @@ class CheckedReader:
 
     def readinto(self, buf: bytearray | memoryview) -> int:
         self._check()
-        return self._f.readinto(buf)  # type: ignore[attr-defined]
+        got: int = self._f.readinto(buf)  # type: ignore[attr-defined]
+        return got
 
     def close(self) -> None:
         self._f.close()

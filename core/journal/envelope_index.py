@@ -92,12 +92,14 @@ def _key_positions(buf: np.ndarray, colons: np.ndarray, before: np.ndarray, key:
     pos = colons[(before == token[-2]) & (colons >= len(token))]
     for k in range(3, len(token) + 1):  # the quote and the key's last letter are checked
         pos = pos[buf[pos - k] == token[-k]]
-    return pos + 1
+    found: np.ndarray = pos + 1
+    return found
 
 
 def _windows(buf: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     """Rows of ``width`` bytes from each start (each start + width <= len(buf))."""
-    return np.lib.stride_tricks.sliding_window_view(buf, width)[starts]
+    rows: np.ndarray = np.lib.stride_tricks.sliding_window_view(buf, width)[starts]
+    return rows
 
 
 def _parse_uints(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -328,7 +330,8 @@ def common_prefix(a: Buffer, b: Buffer) -> int:
 def _pick(from_b: np.ndarray, rows: np.ndarray, xa: np.ndarray, xb: np.ndarray) -> np.ndarray:
     """``xb[rows]`` where ``from_b``, else ``xa[rows]``."""
     if not from_b.any():
-        return xa[rows]
+        picked: np.ndarray = xa[rows]
+        return picked
     out = np.empty((len(rows),) + xa.shape[1:], dtype=xa.dtype)
     out[~from_b] = xa[rows[~from_b]]
     out[from_b] = xb[rows[from_b]]

@@ -282,7 +282,7 @@ class Ring:
             return None
         if length == 0 and _digest(fields[: _FIELDS.size], b"") != digest:
             return None
-        return offset
+        return int(offset)
 
     # -- reading -------------------------------------------------------------
     def vouched(self) -> tuple[int, int, bytes] | None:

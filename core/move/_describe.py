@@ -30,10 +30,10 @@ def describe(which: str) -> str:
     """Markdown for docs/move.md: a mermaid diagram and the full table of
     ``which`` ("source" or "target"), generated from the transition table."""
     if which == "source":
-        table: dict[tuple[Any, type], tuple[Edge, ...]] = SOURCE_TABLE  # type: ignore[assignment]
+        table: dict[tuple[Any, type], tuple[Edge, ...]] = SOURCE_TABLE
         order: list[Any] = list(SourceState)
     elif which == "target":
-        table = TARGET_TABLE  # type: ignore[assignment]
+        table = TARGET_TABLE
         order = [None, *HolderState]
     else:
         raise ValueError(f"describe({which!r}): expected 'source' or 'target'")

@@ -48,7 +48,7 @@ from ..journal.events import Event
 from ..journal.record import Record
 from ._base import Provider, ToolSpec, resolve, sniff_media_type
 from ._count import Counter, CounterInfo, byte_upper_bound, counter_for, counter_info, encoding_counter, per_render
-from ._plan import INTERRUPTED, BudgetTooSmall, NewestTooLarge, RenderError, plan
+from ._plan import INTERRUPTED, BudgetTooSmall, Item, NewestTooLarge, RenderError, plan
 from ._fit import fit
 from .anthropic import PROVIDER as _ANTHROPIC
 from .gemini import PROVIDER as _GEMINI
@@ -214,10 +214,10 @@ def _render(
     count = per_render(counter or (counter_for(provider, model) if budget is not None else byte_upper_bound))
     system = system_prompt(p.system, working_memory)
 
-    def build(items: list[tuple]) -> dict[str, Any]:
+    def build(items: list[Item]) -> dict[str, Any]:
         return prov.body(items, model=model, system=system, tools=tools, max_output=max_output)
 
-    def cost(items: list[tuple]) -> int:
+    def cost(items: list[Item]) -> int:
         return count(prov.fragment(items, model=model))
 
     body, kept, tokens = fit(p.units, budget, build, cost, count)

@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import FormatError
 from ..journal.events import Event, Reasoning
 from ..capsule.format import load_json
-from ._plan import ATTACH, Unit
+from ._plan import ATTACH, Item, Unit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,7 +184,7 @@ class Provider:
             return f"{self.id} takes attachments of at most {limit} bytes"
         return None
 
-    def why_not(self, item: tuple) -> str | None:
+    def why_not(self, item: Item) -> str | None:
         """Why the attachment of plan item ``item`` is not sent, or None:
         a request limit (:meth:`limit_attachments`) or :meth:`refuses`."""
         return item[3] if len(item) > 3 else self.refuses(item[1])
@@ -239,7 +239,7 @@ class Provider:
 
     def body(
         self,
-        items: list[tuple],
+        items: list[Item],
         *,
         model: str,
         system: str | None,
@@ -248,7 +248,7 @@ class Provider:
     ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def fragment(self, items: list[tuple], *, model: str) -> Any:
+    def fragment(self, items: list[Item], *, model: str) -> Any:
         """The JSON these items add to a body; the fitter counts it to estimate."""
         raise NotImplementedError
 

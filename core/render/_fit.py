@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._plan import ATTACH, CONTINUES, NO_CONVERSATION, USER, BudgetTooSmall, NewestTooLarge, Unit
+from ._plan import ATTACH, CONTINUES, NO_CONVERSATION, USER, BudgetTooSmall, Item, NewestTooLarge, Unit
 
 
 def _digest_text(user: int, assistant: int, tools: dict[str, int], first: str | None, last: str | None) -> str:
@@ -102,7 +102,7 @@ class _Digests:
         return text
 
 
-def lead_in(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None = None) -> list[tuple]:
+def lead_in(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None = None) -> list[Item]:
     """The items that open the request: the digest, or a user opener if one is needed.
 
     Every request starts with a user turn (Anthropic and Gemini require it), and
@@ -117,7 +117,7 @@ def lead_in(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None 
     return []
 
 
-def items_of(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None = None) -> list[tuple]:
+def items_of(units: Sequence[Unit], dropped: Sequence[Unit], summary: str | None = None) -> list[Item]:
     out = lead_in(units, dropped, summary)
     for u in units:
         out.extend(u.items)
@@ -139,8 +139,8 @@ def describe(unit: Unit) -> str:
 def fit(
     units: list[Unit],
     budget: int | None,
-    build: Callable[[list[tuple]], dict[str, Any]],
-    cost: Callable[[list[tuple]], int],
+    build: Callable[[list[Item]], dict[str, Any]],
+    cost: Callable[[list[Item]], int],
     count: Callable[[dict[str, Any]], int],
 ) -> tuple[dict[str, Any], int, int | None]:
     """Build the body from the newest units that fit ``budget``; return
@@ -208,7 +208,7 @@ def fit(
 
 
 def _newest_or_all(units: list[Unit], budget: int, measure: Callable[[int], tuple[dict[str, Any], int]],
-                   costs: dict[int, int], cost: Callable[[list[tuple]], int]) -> tuple[dict[str, Any], int, int]:
+                   costs: dict[int, int], cost: Callable[[list[Item]], int]) -> tuple[dict[str, Any], int, int]:
     """The body when not even the newest unit fits by the estimates: that
     unit and the digest of the rest if they fit after all, or every unit
     (the digest can outweigh a few short ones); else the error that says
@@ -238,7 +238,7 @@ def _newest_or_all(units: list[Unit], budget: int, measure: Callable[[int], tupl
 _UNIT_SLACK = 48
 
 
-def _all_may_fit(units: list[Unit], start: int, costs: dict[int, int], cost: Callable, slack: int) -> bool:
+def _all_may_fit(units: list[Unit], start: int, costs: dict[int, int], cost: Callable[[list[Item]], int], slack: int) -> bool:
     """True if the dropped units may weigh no more than the digest plus the slack left.
 
     Stops summing as soon as they clearly weigh more, so this stays cheap.

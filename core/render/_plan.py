@@ -62,6 +62,9 @@ CALL = 3  # (CALL, call_id, name, arguments)       ids and names already made sa
 RESULT = 4  # (RESULT, call_id, name, content, is_error)
 ATTACH = 5  # (ATTACH, Attachment, pages or None)         user side: after the results of its call, or the user's
 
+#: One item of a unit: a tuple whose first member is one of the kinds above.
+Item = tuple[Any, ...]
+
 INTERRUPTED = (
     "interrupted: this tool call did not return (the machine running it "
     "stopped mid-call); no result was recorded. Re-run it if it is still needed."
@@ -119,7 +122,7 @@ def safe_tool_name(raw: str) -> str:
 class Unit:
     """An indivisible piece of the conversation, with what the digest needs."""
 
-    items: list[tuple] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
     user: int = 0  # user messages in it
     assistant: int = 0  # assistant messages in it
     tools: list[str] = field(default_factory=list)  # tool names called in it
@@ -176,7 +179,7 @@ def _pair(pairs: list[tuple[Event, str | None]]) -> tuple[dict[int, ToolResult],
         elif t is ToolResult:
             waiting = open_calls.get(ev.call_id)
             if waiting:
-                answers[waiting.pop()] = ev  # type: ignore[assignment]
+                answers[waiting.pop()] = ev
             elif waiting is None:
                 early.append(i)
             else:
@@ -204,7 +207,7 @@ def plan(journal: Iterable[Record | Event], pages: Callable[[str], int | None] |
     seen_ids: dict[str, int] = {}  # raw call id -> times seen
     step: Unit | None = None  # the open assistant step
     pending: list[tuple[int, str, str]] = []  # (index, safe id, safe name) of its calls
-    step_files: list[tuple] = []  # attachments of its calls' results
+    step_files: list[Item] = []  # attachments of its calls' results
     call_unit: dict[str, Unit] = {}  # raw call id -> the step unit of its latest call
     user_unit: Unit | None = None  # the user-side unit still taking attachments and a message
 

@@ -21,7 +21,7 @@ Rules this module guarantees for every body it renders:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
@@ -38,7 +38,7 @@ from ._base import (
     attachment_tokens,
     verbatim,
 )
-from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
+from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER, Item
 
 ID = "anthropic"
 _THINKING = frozenset({"thinking", "redacted_thinking"})
@@ -52,7 +52,7 @@ class Anthropic(Provider):
     accepts = {**{t: 5 * MB for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=100, pdf_pages=100, encoded_bytes=32 * MB10 * 9 // 10)
 
-    def _messages(self, items: list[tuple], model: str) -> list[dict[str, Any]]:
+    def _messages(self, items: list[Item], model: str) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         role = ""
         content: list[dict[str, Any]] = []
@@ -93,7 +93,7 @@ class Anthropic(Provider):
                 content.append(block)
         return messages
 
-    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
+    def _attachment(self, item: Item, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
@@ -103,7 +103,8 @@ class Anthropic(Provider):
                                                               image=anthropic_image_tokens(model)))}
         return {"type": "image" if ev.media_type in IMAGES else "document", "source": source}
 
-    def body(self, items, *, model, system, tools, max_output):
+    def body(self, items: list[Item], *, model: str, system: str | None, tools: Sequence[ToolSpec],
+             max_output: int | None) -> dict[str, Any]:
         messages = self._messages(items, model)
         if not messages or messages[0]["role"] != "user":
             messages.insert(0, {"role": "user", "content": [{"type": "text", "text": CONTINUES}]})
@@ -114,7 +115,7 @@ class Anthropic(Provider):
             body["tools"] = [_tool(t) for t in tools]
         return body
 
-    def fragment(self, items, *, model):
+    def fragment(self, items: list[Item], *, model: str) -> Any:
         return self._messages(items, model)
 
     def parse(self, response: Mapping[str, Any], *, model: str, new_id: Any = None) -> list[Event]:

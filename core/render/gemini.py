@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
@@ -42,7 +42,7 @@ from ._base import (
     attachment_note,
     attachment_tokens,
 )
-from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER
+from ._plan import ATTACH, CALL, CONTINUES, RESULT, TEXT, USER, Item
 
 ID = "gemini"
 SIGNATURE = "gemini.thought_signature"
@@ -59,7 +59,7 @@ class Gemini(Provider):
                                     "application/pdf", "text/plain")}
     limits = RequestLimits(images=3000, pdf_pages=1000, encoded_bytes=20 * MB10 * 9 // 10)
 
-    def fragment(self, items, *, model):
+    def fragment(self, items: list[Item], *, model: str) -> Any:
         contents: list[dict[str, Any]] = []
         role = ""
         parts: list[dict[str, Any]] = []
@@ -121,7 +121,8 @@ class Gemini(Provider):
             add("model", {"text": "", "thoughtSignature": signature})
         return contents
 
-    def body(self, items, *, model, system, tools, max_output):
+    def body(self, items: list[Item], *, model: str, system: str | None, tools: Sequence[ToolSpec],
+             max_output: int | None) -> dict[str, Any]:
         contents = self.fragment(items, model=model)
         if not contents or contents[0]["role"] != "user":
             contents.insert(0, {"role": "user", "parts": [{"text": CONTINUES}]})

@@ -16,7 +16,7 @@ Rules this module guarantees for every body it renders:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..journal.events import AssistantMessage, Event, ToolCall
@@ -35,7 +35,7 @@ from ._base import (
     openai_image_tokens,
     error_text,
 )
-from ._plan import ATTACH, CALL, RESULT, TEXT, USER
+from ._plan import ATTACH, CALL, RESULT, TEXT, USER, Item
 
 ID = "openai-chat"
 
@@ -46,7 +46,7 @@ class OpenAIChat(Provider):
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
+    def _attachment(self, item: Item, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
@@ -57,7 +57,7 @@ class OpenAIChat(Provider):
             return {"type": "image_url", "image_url": {"url": data}}
         return {"type": "file", "file": {"filename": ev.name or "document.pdf", "file_data": data}}
 
-    def fragment(self, items, *, model):
+    def fragment(self, items: list[Item], *, model: str) -> Any:
         messages: list[dict[str, Any]] = []
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -100,7 +100,8 @@ class OpenAIChat(Provider):
         flush()
         return messages
 
-    def body(self, items, *, model, system, tools, max_output):
+    def body(self, items: list[Item], *, model: str, system: str | None, tools: Sequence[ToolSpec],
+             max_output: int | None) -> dict[str, Any]:
         messages = self.fragment(items, model=model)
         if system:
             messages.insert(0, {"role": "system", "content": system})

@@ -25,7 +25,7 @@ Rules this module guarantees for every body it renders:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..journal.events import AssistantMessage, Event, Reasoning, ToolCall
@@ -45,7 +45,7 @@ from ._base import (
     error_text,
     verbatim,
 )
-from ._plan import ATTACH, CALL, RESULT, TEXT, USER
+from ._plan import ATTACH, CALL, RESULT, TEXT, USER, Item
 
 ID = "openai-responses"
 #: The keys of a reasoning item the API takes back as input; output-only keys
@@ -59,7 +59,7 @@ class OpenAIResponses(Provider):
     accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
-    def _attachment(self, item: tuple, model: str) -> dict[str, Any]:
+    def _attachment(self, item: Item, model: str) -> dict[str, Any]:
         ev, pages = item[1], item[2]
         why = self.why_not(item)
         if why is not None:
@@ -70,7 +70,7 @@ class OpenAIResponses(Provider):
             return {"type": "input_image", "image_url": data, "detail": "auto"}
         return {"type": "input_file", "filename": ev.name or "document.pdf", "file_data": data}
 
-    def fragment(self, items, *, model):
+    def fragment(self, items: list[Item], *, model: str) -> Any:
         out: list[dict[str, Any]] = []
         for item in items:
             tag = item[0]
@@ -96,7 +96,8 @@ class OpenAIResponses(Provider):
                     out.append(sent)
         return [item for i, item in enumerate(out) if item.get("type") != "reasoning" or _followed(out, i)]
 
-    def body(self, items, *, model, system, tools, max_output):
+    def body(self, items: list[Item], *, model: str, system: str | None, tools: Sequence[ToolSpec],
+             max_output: int | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
             "input": self.fragment(items, model=model),

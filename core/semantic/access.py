@@ -52,7 +52,7 @@ class CapsuleFiles:
         elif callable(getattr(capsule, "path", None)):
 
             def at(rel: str) -> str:
-                return os.fspath(capsule.path(rel))
+                return str(os.fspath(capsule.path(rel)))
 
         else:
             raise TypeError(f"not a capsule directory, tar or agent handle: {capsule!r}")
