@@ -24,7 +24,7 @@ TAIL_BYTES = 64 * 1024  # how much of a journal's end is read for its last event
 def _last_event_time(journal: str) -> str | None:
     """The ``time`` of the journal's last whole line (read from its end only)."""
     from capsulefs.core.errors import CapsuleError
-    from capsulefs.core.journal.events import Record
+    from capsulefs.core.journal.record import Record
 
     try:
         with open(journal, "rb") as f:

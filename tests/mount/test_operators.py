@@ -12,7 +12,7 @@ from pathlib import Path
 from mount_kit import capsulefs, mounted, needs_fuse
 from mount_kit import status as agent_status
 
-from capsulefs.core.journal.events import Record
+from capsulefs.core.journal.record import Record
 from capsulefs.testing.stub_provider import serve
 
 from helpers import reference_agent_spec, wait_until

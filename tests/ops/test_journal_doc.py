@@ -9,7 +9,8 @@ from pathlib import Path
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.journal.events import KINDS, Record
+from capsulefs.core.journal.events import KINDS
+from capsulefs.core.journal.record import Record
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import make_agent

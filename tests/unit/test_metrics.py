@@ -20,7 +20,7 @@ def test_every_series_renders_as_strict_text_format() -> None:
     c = r.counter("x_events_total", "Events.\nSecond line \\ with a backslash.", ["kind"])
     g = r.gauge("x_agents", "Agents.", ["state"])
     h = r.histogram("x_phase_seconds", "Phases.", ["phase"], buckets=(0.1, 1, 10))
-    plain = r.counter("x_plain_total", "No labels: 0 from the start.")
+    r.counter("x_plain_total", "No labels: 0 from the start.")
     c.inc("note")
     c.inc("note", by=2)
     c.inc('a "quoted"\\ odd\nkind')
