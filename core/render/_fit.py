@@ -215,13 +215,13 @@ def _newest_or_all(units: list[Unit], budget: int, measure: Callable[[int], tupl
     why, naming the sizes. The newest unit is never left out silently: a
     request without it would ask the model about something else."""
     n = len(units)
-    body, total = measure(n - 1)
-    if total <= budget:
-        return body, 1, total
-    if n > 1:
+    if n > 1:  # (first: the newest unit with a digest may fit where every unit fits too)
         full, everything = measure(0)
         if everything <= budget:
             return full, n, everything
+    body, total = measure(n - 1)
+    if total <= budget:
+        return body, 1, total
     _, minimal = measure(n)
     if minimal > budget:
         raise BudgetTooSmall(f"a budget of {budget} tokens cannot hold even the system prompt and the digest "
