@@ -192,7 +192,8 @@ _START_STATE = {
     HolderState.FROZEN: AgentState.FROZEN,  # its move resumes; writes wait for the outcome
     HolderState.COMMITTING: AgentState.FROZEN,  # in doubt: the target may hold it already
     HolderState.RETIRED: AgentState.RETIRED,  # held elsewhere; recovery drops the files
-    HolderState.REFUSED: AgentState.RETIRED,  # a move in that failed, or removed here
+    HolderState.REFUSED: AgentState.RETIRED,  # a move in that failed
+    HolderState.REMOVED: AgentState.RETIRED,  # removed here (files left by a crash)
     HolderState.OFFERED: AgentState.RETIRED,  # a move in not activated: recovery refuses it
     HolderState.VERIFIED: AgentState.RETIRED,
     HolderState.PREPARED: AgentState.RETIRED,

@@ -105,7 +105,7 @@ def _t_accept(m: TargetMachine, ev: OfferReceived) -> list[Command]:
     cmds: list[Command] = []
     if r is not None and r.pending:
         cmds.append(DiscardStaging(agent_id=ev.agent_id, epoch=r.epoch))
-    if r is not None and r.state in (HolderState.RETIRED, HolderState.REFUSED):
+    if r is not None and r.state in (HolderState.RETIRED, HolderState.REFUSED, HolderState.REMOVED):
         cmds.append(DropAgentFiles(agent_id=ev.agent_id))
     new = HolderRecord(
         agent_id=ev.agent_id, state=HolderState.OFFERED, epoch=ev.epoch, peer=ev.source,
@@ -294,7 +294,7 @@ def _t_reactivate(m: TargetMachine, ev: TargetRestarted) -> list[Command]:
 
 
 _H = HolderState
-_NOT_HOLDING = (None, _H.RETIRED, _H.REFUSED)  # may accept an offer above the fence
+_NOT_HOLDING = (None, _H.RETIRED, _H.REFUSED, _H.REMOVED)  # may accept an offer above the fence
 _PENDING = (_H.OFFERED, _H.VERIFIED, _H.PREPARED)
 _HOLDING_OR_UNKNOWN = (_H.HELD, _H.FROZEN, _H.COMMITTING, _H.UNKNOWN)
 _ALL: tuple[HolderState | None, ...] = (None, *HolderState)
@@ -368,7 +368,7 @@ _row([s for s in _ALL if s not in _PENDING], FenceRequested, Edge(always, None, 
 # restart and expiry: refusing a pending move is always safe
 _row(_PENDING, TargetRestarted, Edge(always, _H.REFUSED, _t_drop_pending))
 _row(_PENDING, Expired, Edge(always, _H.REFUSED, _t_drop_pending))
-_row([_H.RETIRED, _H.REFUSED], TargetRestarted, Edge(always, None, _t_drop_leftovers))
+_row([_H.RETIRED, _H.REFUSED, _H.REMOVED], TargetRestarted, Edge(always, None, _t_drop_leftovers))
 _row([_H.HELD], TargetRestarted, Edge(always, None, _t_reactivate))
 _row([None, _H.FROZEN, _H.COMMITTING, _H.UNKNOWN], TargetRestarted, Edge(always, None, nothing))
 _row([s for s in _ALL if s not in _PENDING], Expired, Edge(always, None, nothing))

@@ -13,6 +13,8 @@ Rules:
   * ``activated`` lists every epoch this host itself activated, so a late
     question "did epoch N activate here?" always has an exact answer.
   * Only a record in state HELD lets the host run the agent.
+  * REMOVED was once a REFUSED record told apart by its note text
+    (:data:`REMOVED_NOTE`); such a record is read as REMOVED.
   * A record that is missing while the agent's files are present, or that is
     corrupt, becomes UNKNOWN: the host does not run the agent until it has
     learned from every peer that nobody holds a newer epoch
@@ -32,6 +34,8 @@ States, by role:
   VERIFIED target       every digest of that offer checked
   PREPARED target       staging built; activates on ``activate(epoch)``
   REFUSED  target       decided, durably, that ``epoch`` never activates here
+  REMOVED  any          an operator removed the agent here (``rm``): as
+                        REFUSED, nothing at ``epoch`` or below activates here
   UNKNOWN  any          record lost or corrupt: do not run, learn or be forced
   ======== ============ ======================================================
 """
@@ -87,6 +91,7 @@ class HolderState(enum.Enum):
     VERIFIED = "verified"
     PREPARED = "prepared"
     REFUSED = "refused"
+    REMOVED = "removed"
     UNKNOWN = "unknown"
 
 
@@ -155,7 +160,7 @@ class HolderRecord:
     @property
     def removed_here(self) -> bool:
         """An operator removed the agent from this host (see :func:`removed`)."""
-        return self.state is HolderState.REFUSED and self.note == REMOVED_NOTE
+        return self.state is HolderState.REMOVED
 
     @property
     def pending(self) -> bool:
@@ -203,6 +208,8 @@ class HolderRecord:
             raise FormatError(f"holder record format {doc.get('format')!r} is not {HOLDER_FORMAT!r}")
         try:
             state = HolderState(doc["state"])
+            if state is HolderState.REFUSED and doc.get("note") == REMOVED_NOTE:
+                state = HolderState.REMOVED  # (written before REMOVED was a state of its own)
             return cls(
                 agent_id=doc["agent_id"],
                 state=state,
@@ -221,7 +228,8 @@ def new_held(agent_id: str, epoch: int) -> HolderRecord:
     return HolderRecord(agent_id=agent_id, state=HolderState.HELD, epoch=epoch, held_epoch=epoch, activated=(epoch,))
 
 
-#: The note of a record whose agent an operator removed from this host.
+#: The note of a record whose agent an operator removed from this host; before
+#: REMOVED was a state, a REFUSED record with this note said "removed here".
 REMOVED_NOTE = "removed from this host by an operator"
 
 
@@ -229,9 +237,9 @@ def removed(record: HolderRecord) -> HolderRecord:
     """The record of an agent removed from this host: no longer held here
     (peers learn that this host does not hold it), its highest epoch kept as
     the fence against stale offers, and its activation history kept.
-    REFUSED is the state that says exactly this: nothing at ``epoch`` or
-    below activates here."""
-    return HolderRecord(agent_id=record.agent_id, state=HolderState.REFUSED, epoch=record.epoch,
+    REMOVED says this, and as REFUSED, that nothing at ``epoch`` or below
+    activates here."""
+    return HolderRecord(agent_id=record.agent_id, state=HolderState.REMOVED, epoch=record.epoch,
                         activated=record.activated, note=REMOVED_NOTE)
 
 

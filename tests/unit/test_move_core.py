@@ -403,6 +403,33 @@ def test_a_host_that_removed_the_agent_does_not_claim_it() -> None:
     assert learn_from_peers(rec, local_epoch=3, views={B: still_held}, peers=[B]).state is HolderState.RETIRED
 
 
+def test_removed_here_is_a_state_of_its_own_and_old_records_read_as_it() -> None:
+    """'Removed here' is the state REMOVED, never a REFUSED record told apart
+    by its note: a move refused here with the same words is still REFUSED.
+    A record written before REMOVED existed (REFUSED, the old note) reads as
+    REMOVED; a REMOVED record fences offers as REFUSED does."""
+    import hashlib
+    import json
+
+    from capsulefs.core.store.holder import REMOVED_NOTE
+
+    on_b = removed(new_held(AGENT, 3))
+    assert on_b.state is HolderState.REMOVED and on_b.removed_here
+    assert HolderRecord.from_bytes(on_b.to_bytes()) == on_b
+    refused = HolderRecord(agent_id=AGENT, state=HolderState.REFUSED, epoch=3, note="peer said no")
+    assert not refused.removed_here
+    old = {"format": "holder/1", "agent_id": AGENT, "state": "refused", "epoch": 3, "held_epoch": None,
+           "peer": None, "activated": [3], "note": REMOVED_NOTE}
+    check = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    parsed = HolderRecord.from_bytes(json.dumps({**old, "check": check}).encode())
+    assert parsed.state is HolderState.REMOVED and parsed.removed_here and parsed.epoch == 3
+    tm = mv.TargetMachine(AGENT, on_b, me=B)
+    tm.handle(mv.OfferReceived(agent_id=AGENT, epoch=3, source=C, missing=()))
+    assert tm.state is HolderState.REMOVED  # at the fence: refused
+    tm.handle(mv.OfferReceived(agent_id=AGENT, epoch=4, source=C, missing=()))
+    assert tm.state is HolderState.OFFERED  # above it: accepted, as after a refusal
+
+
 def test_a_target_that_lost_its_record_after_activating_keeps_the_agent() -> None:
     """B activated the move to epoch 5 (its files say 5), the reply was lost
     (A is COMMITTING to 5), then B lost its record. Learning used to count
