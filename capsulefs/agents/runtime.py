@@ -44,7 +44,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
-from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState, story
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.move.host import holders_dir
@@ -127,8 +127,7 @@ class AgentRuntime:
     def runnable(self, agent_id: str) -> tuple[bool, str]:
         rec = self.holders.get(agent_id)
         if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
-            return False, (f"this host may not hold it ({rec.note or 'record in doubt'}): it runs once "
-                           f"'capsulefs move --learn' (the daemon stopped) finds no other host holds it")
+            return False, story(rec, self.live.agent(agent_id).stored_manifest().name).line()
         if agent_id in self._paused:
             return False, "frozen for a move"
         if self.live.state(agent_id) is not AgentState.ACTIVE:

@@ -12,11 +12,11 @@ from contextlib import contextmanager
 
 from capsulefs.agents import grants
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
-from capsulefs.move.host import new_agent_files, record_new_agent
+from capsulefs.move.host import holders_dir, new_agent_files, record_imported, record_new_agent
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
-from capsulefs.core.store.holder import HolderRecord
+from capsulefs.core.store.holder import HolderBook, HolderRecord, story
 from capsulefs.core.view.edit import MAX_EDIT_SIZE
 from capsulefs.core.capsule.spec import default_spec, parse_spec
 
@@ -43,17 +43,37 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """The agents of this host's store, each with its one story (``holder.story``),
+    and the agents it gave up whose copy it kept (under recovery/)."""
+    from capsulefs.core.store.kept import kept_copies
+
     store = open_store(args)
+    holders = HolderBook(holders_dir(state_dir(args)))
     rows = []
     for agent in store.agents():
         m = agent.manifest()
+        told = story(holders.get(m.agent_id), m.name)
         rows.append({"name": m.name, "agent_id": m.agent_id, "holder": m.holder.host, "epoch": m.holder.epoch,
-                     "blobs": len(m.blobs())})
+                     "blobs": len(m.blobs()), **told.as_json(), "line": told.line()})
+    present = {r["agent_id"] for r in rows}
+    for agent_id in holders.agent_ids():
+        rec = holders.get(agent_id)
+        if agent_id in present or rec is None or not rec.kept:
+            continue
+        copies = kept_copies(store.root, agent_id)
+        try:
+            with open(os.path.join(store.root, rec.kept, "manifest.json"), "rb") as f:
+                m = Manifest.from_bytes(f.read())
+        except (OSError, CapsuleError):
+            continue  # (the copy was moved away by hand: nothing to show)
+        told = story(rec, m.name)
+        rows.append({"name": m.name, "agent_id": agent_id, "holder": m.holder.host, "epoch": m.holder.epoch,
+                     "blobs": len(m.blobs()), **told.as_json(), "line": told.line(), "kept": len(copies)})
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            print(f"{r['name']:<24} {r['agent_id']}  epoch {r['epoch']}  {r['blobs']} blob(s)")
+            print(f"{r['name']:<24} {r['agent_id']}  epoch {r['epoch']}  {r['blobs']} blob(s)  {r['line']}")
     return 0
 
 
@@ -155,21 +175,15 @@ def cmd_import(args: argparse.Namespace) -> int:
             yield
             if manifest.holder.host == here:
                 records.append(record_new_agent(state, manifest.agent_id, manifest.holder.epoch))
+            else:
+                # A copy of an agent another host holds: running it here could
+                # run it twice. In doubt until peers answer or an operator decides.
+                records.append(record_imported(state, manifest.agent_id, manifest.holder.host,
+                                               manifest.holder.epoch))
 
     agent = archive.import_tar(store, args.tar, installing=installing)
-    holder = agent.manifest().holder
     print(f"imported agent {agent.name} ({agent.agent_id})")
-    if records:
-        rec = records[0]
-        if not rec.runnable:
-            print(f"note: {agent.name} was removed here earlier; another host may have taken it since, so it will "
-                  f"not run here until 'capsulefs move {agent.name} --learn' finds that no peer holds it "
-                  f"(or an operator forces it with --force-hold --why ..., the daemon stopped)")
-    else:
-        # A copy of an agent another host holds: running it here could run it
-        # twice. It stays unrunnable until peers confirm or an operator decides.
-        print(f"note: the export says host {holder.host} holds it at epoch {holder.epoch}; it will not run here "
-              f"until 'capsulefs move {agent.name} --force-hold --why ...' (the daemon stopped) or a move makes this host its holder")
+    print(f"{agent.name}: {story(records[0] if records else None, agent.name).line()}")
     return 0
 
 

@@ -349,7 +349,11 @@ def _load_side(args: argparse.Namespace, stack: ExitStack, target: str, scratch:
 def cmd_merge(args: argparse.Namespace) -> int:
     from capsulefs.core.capsule.merge import merge_capsules
 
+    if args.into:
+        return _merge_into(args)
     out = args.output
+    if not out:
+        raise UsageError("merge: give -o C (a new capsule), or --into to merge B into the agent A held here")
     if os.path.lexists(out):
         raise UsageError(f"{out} already exists; merge writes a new capsule")
     scratch = os.path.dirname(os.path.abspath(out))
@@ -361,6 +365,46 @@ def cmd_merge(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         print(f"capsulefs: warning: {w}", file=sys.stderr)
     print(f"merged {args.a} and {args.b} into {out}: {events} events, {len(plan.blobs)} blob(s)")
+    return 0
+
+
+def _merge_into(args: argparse.Namespace) -> int:
+    """``merge AGENT OTHER --into``: OTHER (a capsule directory or tar: a copy
+    another host kept, docs/move.md) merged into the agent held here, in place."""
+    from capsulefs.core.capsule.merge import merge_into_agent
+    from capsulefs.core.store.holder import HolderBook, HolderState
+    from capsulefs.daemon.daemon import find_daemon, holding_state
+    from capsulefs.move.host import holders_dir
+
+    if args.output:
+        raise UsageError("merge: --into merges into the agent A in place; -o does not go with it")
+    state = state_dir(args)
+    running = find_daemon(state)
+    if running is not None:
+        raise CapsuleError(f"merge --into writes the agent's files, so it runs without a daemon: unmount first "
+                           f"('capsulefs umount {running['mountpoint']}'), merge, mount again")
+    store = open_store(args)
+    agent = store.find(args.a)
+    with holding_state(state, doing=f"merging {args.b} into {agent.name}"), ExitStack() as stack:
+        rec = HolderBook(holders_dir(state)).get(agent.agent_id)
+        if rec is not None and rec.state is not HolderState.HELD:
+            raise CapsuleError(f"merge --into: agent {agent.name} is {rec.state.value} here, not held: merge into "
+                               f"its copy on the host that holds it")
+        if os.path.isdir(args.b):
+            from capsulefs.core.capsule.merge import side_from_dir
+            other = side_from_dir(args.b)
+        elif os.path.isfile(args.b):
+            from capsulefs.core.capsule.merge import side_from_tar
+            other = stack.enter_context(side_from_tar(args.b, os.path.dirname(os.path.abspath(args.b))))
+        else:
+            raise UsageError(f"merge --into: {args.b} is not a capsule directory or tar")
+        before = agent.read(fmt.JOURNAL).count(b"\n")
+        plan = merge_into_agent(agent, other)
+    events = plan.files[fmt.JOURNAL].count(b"\n")
+    for w in plan.warnings:
+        print(f"capsulefs: warning: {w}", file=sys.stderr)
+    print(f"merged {args.b} into agent {agent.name}: {events} events ({events - before} new), "
+          f"{len(plan.blobs)} blob(s)")
     return 0
 
 
@@ -390,5 +434,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("merge", help="merge two diverged copies of one agent into a new capsule")
     p.add_argument("a", metavar="A", help="capsule directory, tar, or agent name/id")
     p.add_argument("b", metavar="B", help="capsule directory, tar, or agent name/id")
-    p.add_argument("-o", "--output", required=True, metavar="C", help="new capsule: a directory, or FILE.tar[.gz|.zst]")
+    p.add_argument("-o", "--output", metavar="C", help="new capsule: a directory, or FILE.tar[.gz|.zst]")
+    p.add_argument("--into", action="store_true",
+                   help="merge B into the agent A held here, in place (its journal only gains lines; no daemon)")
     p.set_defaults(func=cmd_merge)

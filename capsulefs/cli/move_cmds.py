@@ -29,7 +29,7 @@ import trio
 
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold
+from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold, story
 from capsulefs.daemon.daemon import find_daemon, holding_state
 from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
@@ -181,15 +181,9 @@ def _offline(args: argparse.Namespace, host: MoveHost) -> int:
     agent_id = host.store.find(args.agent).agent_id
     if args.learn:
         host.holders.reconcile([agent_id])  # files here without a record: in doubt
+        name = host.store.agent(agent_id).name
         rec = trio.run(partial(learn_holder, host, agent_id, call_timeout=args.timeout))
-        if rec.state is HolderState.HELD:
-            print(f"{agent_id}: every peer answered and none holds it: held here at epoch {rec.held_epoch}")
-        elif rec.state is HolderState.RETIRED:
-            print(f"{agent_id}: peer {rec.peer} holds it (epoch {rec.epoch}): retired here, its files removed")
-        else:
-            print(f"{agent_id}: still in doubt: not every peer answered (see the log); try again later")
-            return 1
-        return 0
+        return _said_learned(name, rec)
     if args.force_hold:
         rec = host.holders.get(agent_id) or HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=0)
         if rec.state is not HolderState.UNKNOWN:
@@ -219,6 +213,18 @@ def _offline(args: argparse.Namespace, host: MoveHost) -> int:
     print(f"{agent_id}: not moved: {result.state.value} ({result.cause.value}: {result.cause.meaning}): {result.reason}",
           file=sys.stderr)
     return 1
+
+
+def _said_learned(name: str, rec: HolderRecord) -> int:
+    """What ``--learn`` found, in the agent's one story (``holder.story``)."""
+    if rec.state is HolderState.HELD:
+        print(f"{name}: every peer answered and none holds it: {story(rec, name).line()}")
+    elif rec.state is HolderState.RETIRED:
+        print(f"{name}: {story(rec, name).line()}")
+    else:
+        print(f"{name}: not every peer answered (see the log); try again later: {story(rec, name).line()}")
+        return 1
+    return 0
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:

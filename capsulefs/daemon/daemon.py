@@ -63,7 +63,7 @@ import trio
 from capsulefs.agents import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
-from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.store.holder import HolderBook, HolderState, story
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.errors import ReadOnly
@@ -282,17 +282,12 @@ class Daemon:
 
     def _record_status(self, agent_id: str) -> dict[str, object]:
         """The ``record`` section of ``.control/status``: what this host's
-        holder record says, and for one in doubt, why writes are refused."""
+        holder record says (state, epoch) and the agent's one story
+        (``holder.story``: the words import, ls and the log use too)."""
         record = self.holders.get(agent_id)
-        if record is None:
-            return {"state": None, "epoch": None}
-        out: dict[str, object] = {"state": record.state.value, "epoch": record.epoch}
-        if record.state is HolderState.UNKNOWN:
-            name = self.live.agent(agent_id).stored_manifest().name
-            out["detail"] = (f"this host may not hold the agent ({record.note or 'record in doubt'}): "
-                             f"it is read-only until 'capsulefs move {name} --learn' (run with the "
-                             f"daemon stopped) finds who holds it")
-        return out
+        told = story(record, self.live.agent(agent_id).stored_manifest().name)
+        return {"state": None if record is None else record.state.value,
+                "epoch": None if record is None else record.epoch, "story": told.as_json(), "detail": told.line()}
 
     # -- the move driver's API (capsulefs.move.host.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:

@@ -29,7 +29,7 @@ from capsulefs.peer.identity import Identity, load_or_create_identity
 from capsulefs.peer.book import PeerBook
 
 __all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "new_agent_files",
-           "record_new_agent", "result_to_answer"]
+           "record_imported", "record_new_agent", "result_to_answer"]
 
 
 def holders_dir(state_dir: str | os.PathLike[str]) -> str:
@@ -66,6 +66,21 @@ def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: in
         book.put(rec)
     elif rec.removed_here:
         rec = unknown(agent_id, "imported again after it was removed here", epoch=max(epoch, rec.epoch))
+        book.put(rec)
+    return rec
+
+
+def record_imported(state_dir: str | os.PathLike[str], agent_id: str, holder_host: str, epoch: int) -> HolderRecord:
+    """Record an agent just imported from an export that names another
+    host as its holder: in doubt (UNKNOWN) until the peers have been asked
+    or an operator forces it, so every place a user looks tells the same
+    story from this record (``holder.story``). A record that holds the
+    agent or moves it is left alone."""
+    book = HolderBook(holders_dir(state_dir))
+    rec = book.get(agent_id)
+    if rec is None or not (rec.holding or rec.moving):
+        rec = unknown(agent_id, f"imported from an export that says host {holder_host} holds it at epoch {epoch}",
+                      epoch=max(epoch, 0 if rec is None else rec.epoch))
         book.put(rec)
     return rec
 

@@ -46,6 +46,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
+from capsulefs.core.store.kept import keep_copy
 from capsulefs.peer.identity import Identity
 from capsulefs.move.host import MoveHost, result_to_answer
 from capsulefs.move.target import BLOBS_CALL
@@ -622,6 +623,14 @@ async def learn_holder(host: MoveHost, agent_id: str, *, connect: Connector = op
             except (PeerError, CapsuleError, trio.TooSlowError) as exc:
                 log.warning("agent %s: could not fence %s: %s", agent_id, peer.name, exc)
         new = learn_from_peers(record, local_epoch=local_epoch, views=views, peers=[p.host_id for p in peers])
+        if new.state is HolderState.RETIRED:
+            # Nothing acknowledged is deleted: what this host has (it may have
+            # taken writes the holder lacks) is kept first, as a capsule; if
+            # it cannot be kept, the record stays in doubt and nothing goes.
+            kept = await trio.to_thread.run_sync(keep_copy, host.store.agent(agent_id))
+            new = new.with_(kept=os.path.relpath(kept, host.store.root))
+            log.warning("agent %s: %s holds it; this host gives it up, and what it had is kept in %s",
+                        agent_id, new.peer, kept)
         if new is not record:
             host.holders.put(new)
             if new.state is HolderState.RETIRED:

@@ -50,7 +50,7 @@ from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable, remove_tree
 from capsulefs.core.linuxfs import FileSystemSync
-from capsulefs.core.store.holder import HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderRecord, HolderState, story
 from capsulefs.move.host import MoveHost, answer_to_result
 from capsulefs.peer.link import CallFailed, Payload, PeerHandler, serve_peers
 from capsulefs.move.intake import Intake
@@ -430,6 +430,14 @@ class MoveService:
         present = set(self.host.store.agent_ids())
         # (off the loop: it may wait for a `capsulefs import` to record its agent)
         in_doubt = await trio.to_thread.run_sync(self.host.holders.reconcile, present)
+        for agent_id in sorted(present):  # one line each for an agent that does not run here: the one story
+            rec = self.host.holders.get(agent_id)
+            if rec is None or not rec.runnable:
+                try:
+                    name = self.host.store.agent(agent_id).name
+                except CapsuleError:
+                    name = agent_id
+                log.warning("agent %s (%s): %s", name, agent_id, story(rec, name).line())
         for rec in in_doubt:  # (the daemon showed those without a record as active until now)
             async with self.host.lock(rec.agent_id):
                 try:

@@ -284,6 +284,42 @@ def _write_dir(plan: Plan, dest: str) -> None:
         fsync_dir(parent)
 
 
+def merge_into_agent(agent: object, other: Side) -> Plan:
+    """Merge ``other`` into ``agent``, an agent of the host store, in place:
+    ``capsulefs merge AGENT OTHER --into``. The caller has checked that this
+    host holds the agent and that nothing else writes it (no daemon, the
+    state directory held). Under the agent's files lock (exclusive, as an
+    append takes it): the agent is read, the merge planned with the agent as
+    A (its holder, name, spec win), the blobs it lacks put in the store, then
+    the journal, projections and index written (``write_files``: the blobs
+    listed in the manifest before any file names them). The journal only
+    gains lines: every line the agent had stays, byte for byte."""
+    from .archive import _read_files, frozen_manifest
+    from ..store.holder import HOLDERS_DIR, agent_files_lock
+
+    store = agent.store  # type: ignore[attr-defined]
+    agent_id = agent.agent_id  # type: ignore[attr-defined]
+    with agent_files_lock(os.path.join(store.root, HOLDERS_DIR), agent_id, shared=False), store.writing():
+        files = _read_files(agent)  # type: ignore[arg-type]
+        manifest = frozen_manifest(agent, files)  # type: ignore[arg-type]
+        label = f"agent {manifest.name}"
+        try:
+            check_lines(split_lines(files.get(fmt.JOURNAL, b"")), f"{label}: journal")
+        except FormatError as exc:
+            raise MergeRefused(str(exc)) from None
+        mine = Side(label=label, manifest=manifest, files=files, blobs=manifest.blobs(), blob_path=store.blob_file)
+        plan = plan_merge(mine, other)
+        old = files.get(fmt.JOURNAL, b"")
+        if not set(split_lines(old)) <= set(split_lines(plan.files[fmt.JOURNAL])):
+            raise MergeRefused(f"the merge would drop lines of {label}'s journal: nothing written")
+        for sha, read in plan.blobs.items():
+            if not store.has_blob(sha):
+                store.put_blob(read(), expect=sha)
+        changed = {rel: data for rel, data in plan.files.items() if files.get(rel) != data}
+        agent.write_files(changed, add_blobs=list(plan.blobs))  # type: ignore[attr-defined]
+    return plan
+
+
 def merge_capsules(a: Side, b: Side, dest: str, *, mtime: int) -> Plan:
     """Merge two loaded sides into a new capsule at ``dest``; return the plan."""
     plan = plan_merge(a, b)
@@ -296,6 +332,7 @@ __all__ = [
     "Plan",
     "Side",
     "merge_capsules",
+    "merge_into_agent",
     "plan_merge",
     "side_from_agent",
     "side_from_dir",

@@ -75,8 +75,10 @@ __all__ = [
     "HolderRecord",
     "HolderState",
     "PeerView",
+    "Story",
     "force_hold",
     "learn_from_peers",
+    "story",
 ]
 
 HOLDER_FORMAT = "holder/1"
@@ -119,6 +121,8 @@ class HolderRecord:
     peer: str | None = None  # host id at the other end of the pending (or last) move
     activated: tuple[int, ...] = ()  # epochs this host activated, ascending
     note: str = ""  # why the record is in its state, for people (e.g. a refusal reason)
+    kept: str | None = None  # a copy of what this host had, kept when it gave the agent up (core.store.kept):
+    #                          its path under the state directory, e.g. recovery/<agent_id>/kept-e1-...
 
     def __post_init__(self) -> None:
         check_agent_id(self.agent_id)
@@ -146,6 +150,9 @@ class HolderRecord:
                 raise FormatError(f"activated epoch {e} is above the highest epoch seen {self.epoch}")
         if not isinstance(self.note, str):
             raise FormatError("holder note must be a string")
+        if self.kept is not None and (not isinstance(self.kept, str) or not self.kept.startswith("recovery/")
+                                      or ".." in self.kept.split("/") or len(self.kept) > 512):
+            raise FormatError(f"holder kept copy {self.kept!r} is not a path under recovery/")
 
     # -- questions ---------------------------------------------------------
     @property
@@ -182,7 +189,7 @@ class HolderRecord:
 
     # -- serialisation -----------------------------------------------------
     def body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": HOLDER_FORMAT,
             "agent_id": self.agent_id,
             "state": self.state.value,
@@ -192,6 +199,9 @@ class HolderRecord:
             "activated": list(self.activated),
             "note": self.note,
         }
+        if self.kept is not None:  # (absent otherwise: records without one read as before)
+            body["kept"] = self.kept
+        return body
 
     def to_bytes(self) -> bytes:
         body = self.body()
@@ -218,6 +228,7 @@ class HolderRecord:
                 peer=doc["peer"],
                 activated=tuple(doc["activated"]),
                 note=doc["note"],
+                kept=doc.get("kept"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"holder record field missing or wrong: {exc}") from None
@@ -233,18 +244,69 @@ def new_held(agent_id: str, epoch: int) -> HolderRecord:
 REMOVED_NOTE = "removed from this host by an operator"
 
 
-def removed(record: HolderRecord) -> HolderRecord:
+def removed(record: HolderRecord, kept: str | None = None) -> HolderRecord:
     """The record of an agent removed from this host: no longer held here
     (peers learn that this host does not hold it), its highest epoch kept as
     the fence against stale offers, and its activation history kept.
     REMOVED says this, and as REFUSED, that nothing at ``epoch`` or below
     activates here."""
     return HolderRecord(agent_id=record.agent_id, state=HolderState.REMOVED, epoch=record.epoch,
-                        activated=record.activated, note=REMOVED_NOTE)
+                        activated=record.activated, note=REMOVED_NOTE, kept=kept)
 
 
 def unknown(agent_id: str, note: str, epoch: int = 0) -> HolderRecord:
     return HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=epoch, note=note)
+
+
+# -- one story: what every place a user looks says ---------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Story:
+    """What this host's record of an agent means for a person, in the words
+    ``import``, ``.control/status``, ``capsulefs ls`` and the daemon's log
+    all use (:func:`story`)."""
+
+    state: str  # one word: held, moving, incoming, in-doubt, retired, refused, removed
+    reason: str  # one line: why
+    next: str  # the command to run next, "" if none is needed
+
+    def line(self) -> str:
+        return f"{self.state}: {self.reason}" + (f"; next: {self.next}" if self.next else "")
+
+    def as_json(self) -> dict[str, str]:
+        return {"state": self.state, "reason": self.reason, "next": self.next}
+
+
+def story(record: HolderRecord | None, name: str) -> Story:
+    """The one story of an agent named ``name`` whose record here is ``record``."""
+    learn = f"capsulefs move {name} --learn"
+    if record is None:
+        return Story(state="in-doubt", reason="this host has no holder record for it: another host may hold it; "
+                     "read-only here", next=learn)
+    kept = f"; what this host had is kept in {record.kept}" if record.kept else ""
+    merge = (f"on the holder: capsulefs merge {name} COPY --into, COPY being this host's STATE/{record.kept} "
+             f"copied there (docs/move.md)" if record.kept else "")
+    match record.state:
+        case HolderState.HELD:
+            return Story(state="held", reason=f"this host holds it at epoch {record.held_epoch}", next="")
+        case HolderState.FROZEN:
+            return Story(state="moving", reason=record.describe_move(), next="")
+        case HolderState.COMMITTING:
+            return Story(state="moving", reason=record.describe_move(),
+                         next=f"capsulefs move {name} --abandon --why REASON (only if the target never activated it)")
+        case HolderState.OFFERED | HolderState.VERIFIED | HolderState.PREPARED:
+            return Story(state="incoming", reason=record.describe_move(), next="")
+        case HolderState.RETIRED:
+            who = f"host {record.peer}" if record.peer else "another host"
+            return Story(state="retired", reason=f"{who} holds it (epoch {record.epoch} seen){kept}", next=merge)
+        case HolderState.REFUSED:
+            return Story(state="refused", reason=f"epoch {record.epoch} never activates here"
+                         + (f" ({record.note})" if record.note else ""), next="")
+        case HolderState.REMOVED:
+            return Story(state="removed", reason=f"removed from this host by an operator{kept}", next=merge)
+    why = record.note or "holder record in doubt"
+    return Story(state="in-doubt", reason=f"this host may not hold it ({why}): read-only here", next=learn)
 
 
 class HolderBook:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -43,7 +44,9 @@ def test_move_between_two_processes(tmp_path: Path) -> None:
     assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
     assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
     assert "walker" in run_cli("ls", state=b, check=True).stdout
-    assert "walker" not in run_cli("ls", state=a, check=True).stdout
+    listed = json.loads(run_cli("ls", "--json", state=a, check=True).stdout)  # not held: shown with its kept copy
+    assert [(r["name"], r["state"]) for r in listed] == [("walker", "retired")]
+    assert f"walker: {listed[0]['line']}\n" == learned.stdout
     exported = tmp_path / "walker.tar"
     run_cli("export", "walker", "-o", str(exported), state=b, check=True)
     assert "OK" in run_cli("verify", str(exported), state=b, check=True).stdout
@@ -93,13 +96,13 @@ def test_export_rm_import_elsewhere_then_here_never_gives_two_holders(tmp_path: 
     assert HolderBook(a / "holders").get(agent_id).removed_here
 
     imported = run_cli("import", str(tar), state=b, check=True)
-    assert "will not run here" in imported.stdout
+    assert "walker: in-doubt: " in imported.stdout and "next: capsulefs move walker --learn" in imported.stdout
     server, port_a = _serve(a)
     try:
         run_cli("peer", "add", "b", "127.0.0.1:1", idb, state=a, check=True)  # pinned, so b's calls are accepted
         run_cli("peer", "add", "a", f"127.0.0.1:{port_a}", ida, state=b, check=True)
         learned = run_cli("move", "walker", "--learn", state=b, check=True)
-        assert "held here at epoch 1" in learned.stdout
+        assert "held: this host holds it at epoch 1" in learned.stdout
     finally:
         _stop(server)
     assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
@@ -112,11 +115,17 @@ def test_export_rm_import_elsewhere_then_here_never_gives_two_holders(tmp_path: 
         run_cli("peer", "rm", "b", state=a, check=True)
         run_cli("peer", "add", "b", f"127.0.0.1:{port_b}", idb, state=a, check=True)
         learned = run_cli("move", "walker", "--learn", state=a, check=True)
-        assert "retired here" in learned.stdout
+        assert f"walker: retired: host {idb} holds it" in learned.stdout
     finally:
         _stop(server)
-    assert HolderBook(a / "holders").get(agent_id).state is HolderState.RETIRED
-    assert "walker" not in run_cli("ls", state=a, check=True).stdout
+    rec = HolderBook(a / "holders").get(agent_id)
+    assert rec.state is HolderState.RETIRED
+    # What A had is kept (it may have taken writes B lacks), as a capsule that verifies, named in the record.
+    assert rec.kept and rec.kept.startswith(f"recovery/{agent_id}/kept-e1-") and rec.kept in learned.stdout
+    assert "OK" in run_cli("verify", str(a / rec.kept), state=a, check=True).stdout
+    listed = json.loads(run_cli("ls", "--json", state=a, check=True).stdout)  # not held: shown with its kept copy
+    assert [(r["name"], r["state"]) for r in listed] == [("walker", "retired")]
+    assert f"walker: {listed[0]['line']}\n" == learned.stdout
     assert HolderBook(b / "holders").get(agent_id).state is HolderState.HELD
 
 

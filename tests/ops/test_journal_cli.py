@@ -207,6 +207,8 @@ def _diverged(cli, tmp_path: Path, state_b: Path) -> tuple[Path, Path]:  # type:
     cli("export", "ada", "-o", str(base), check=True)
     other = ["--state", str(state_b)]
     cli(*other, "import", str(base), check=True)
+    # (an imported copy is in doubt: an operator decides the second host goes on with it)
+    cli(*other, "move", "ada", "--force-hold", "--why", "diverge on purpose", check=True)
     cli("append", "ada", "--kind", "memory_edit", "--text", "alpha memory", "-q", check=True)
     cli(*other, "append", "ada", "--kind", "note", "--text", "bravo was here", "-q", check=True)
     cli(*other, "append", "ada", "--kind", "memory_edit", "--text", "bravo memory", "-q", check=True)
