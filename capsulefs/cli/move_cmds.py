@@ -1,10 +1,11 @@
 """Moving agents between hosts from the command line: move, move --abandon, move --resume, peer-serve.
 
 While a mount daemon serves the state directory (its runtime file
-``STATE/mount/daemon.json`` names a live process and mount), ``move`` and
-``move --abandon`` go through it: they write ``.control/move`` (or
-``.control/abandon``) of the agent in its mount and draw the progress from
-``.control/status``, so one state directory never has two move drivers.
+``STATE/mount/daemon.json`` names a live process and mount), ``move``,
+``move --abandon`` and ``move --learn`` go through it: they write
+``.control/move`` (or ``.control/abandon``, ``.control/learn``) of the agent
+in its mount and draw the progress from ``.control/status``, so one state
+directory never has two move drivers.
 Without a daemon they run the move driver in this process, on the host
 store alone, holding the state directory as a daemon does for its life
 (``daemon.holding_state``): no daemon can start and run the agent meanwhile,
@@ -50,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hold an agent whose holder record is lost or missing here, at the epoch its files "
                         "say; RISK: if a peer holds a newer epoch, two hosts run it")
     p.add_argument("--learn", action="store_true",
-                   help="for an agent in doubt here (holder record lost, or imported again after 'rm'): ask "
-                        "every peer who holds it; held here if none does, retired here if one does")
+                   help="for an agent in doubt here (holder record lost, imported): ask every peer who holds it; "
+                        "held here if none does; if one does, what this host has is kept under recovery/ "
+                        "and the agent retired here (through the daemon if one runs)")
     p.add_argument("--why", default="", help="with --abandon or --force-hold: the reason, logged")
     p.add_argument("--resume", action="store_true", help="finish moves a crash interrupted (no AGENT needed: use -)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one call may take (default 120)")
@@ -135,6 +137,25 @@ def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -
     return 1
 
 
+def _learn_through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -> int:
+    """``--learn`` beside a daemon: write the agent's ``.control/learn``; the
+    daemon asks the peers, and keeps, retires or resumes the agent."""
+    agent = host.store.find(args.agent)
+    name = agent.manifest().name
+    try:
+        with open(os.path.join(mountpoint, name, ".control", "learn"), "w") as f:
+            f.write("learn\n")
+    except OSError as exc:
+        if exc.errno != errno.EHOSTUNREACH:
+            print(f"capsulefs: error: learn: {exc.strerror} [{errno.errorcode.get(exc.errno or 0, '?')}] "
+                  f"(see the daemon's log)", file=sys.stderr)
+            return 1
+    rec = host.holders.get(agent.agent_id)
+    if rec is None:
+        raise CapsuleError(f"learn: agent {name} has no holder record here")
+    return _said_learned(name, rec)
+
+
 def _read_move_status(control: str) -> dict | None:
     try:
         with open(os.path.join(control, "status")) as f:
@@ -155,8 +176,9 @@ def cmd_move(args: argparse.Namespace) -> int:
         if args.resume:
             print(f"the daemon serving {daemon['mountpoint']} (pid {daemon['pid']}) resumes interrupted moves itself")
             return 0
-        for flag, given, why in (("--learn", args.learn, "it may remove the agent's files here"),
-                                 ("--force-hold", args.force_hold, "the daemon may be changing the agent's record")):
+        if args.learn:
+            return _learn_through_daemon(args, host, str(daemon["mountpoint"]))
+        for flag, given, why in (("--force-hold", args.force_hold, "the daemon may be changing the agent's record"),):
             if given:
                 raise CapsuleError(f"{flag} runs without a daemon ({why}): "
                                    f"unmount first ('capsulefs umount {daemon['mountpoint']}')")

@@ -197,9 +197,9 @@ _START_STATE = {
     HolderState.OFFERED: AgentState.RETIRED,  # a move in not activated: recovery refuses it
     HolderState.VERIFIED: AgentState.RETIRED,
     HolderState.PREPARED: AgentState.RETIRED,
-    # Its record was lost or damaged: it may be held elsewhere now, and
-    # 'capsulefs move --learn' (run with no daemon) may remove its files
-    # here, so writes taken meanwhile could be lost. Readable, not writable.
+    # Its record was lost or damaged: it may be held elsewhere now, where
+    # writes taken here meanwhile would be missing (--learn would keep them
+    # under recovery/, to merge by hand). Readable, not writable.
     HolderState.UNKNOWN: AgentState.FROZEN,
 }
 

@@ -47,8 +47,8 @@ from capsulefs.core import metrics
 from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
-from capsulefs.move.source import MoveControl, MoveResult, abandon_move, move_agent, resume_moves
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, story
+from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost, record_new_agent
 from capsulefs.move.target import MoveService, serve_moves
 from capsulefs.peer.link import PeerError
@@ -297,6 +297,29 @@ class MountMoves:
             return
         raise le.MoveFailed(outcome.cause, f"the move of {agent_id} to {peer.name} ended {outcome.state.value} "
                                            f"({outcome.cause.value}: {outcome.cause.meaning}): {outcome.reason}")
+
+    async def learn(self, agent_id: str) -> None:
+        """``.control/learn`` (and ``capsulefs move AGENT --learn`` beside a
+        daemon): ask every peer who holds an agent in doubt here. Returns once
+        this host holds it (resumed) or gave it up (its copy kept under
+        recovery/, then retired and removed, as ``learn_holder`` does);
+        PeerUnreachable if not every peer answered (still in doubt)."""
+        if agent_id in self._running:
+            raise le.MoveBusy(f"agent {agent_id} is moving to {self._running[agent_id].target}")
+        rec = self.host.holders.get(agent_id)
+        name = self.host.store.agent(agent_id).name
+        if rec is None or rec.state is not HolderState.UNKNOWN:
+            state = "no holder record" if rec is None else rec.state.value
+            raise le.NotPermitted(f"agent {name} is not in doubt here ({state}): nothing to learn")
+        try:
+            new = await learn_holder(self.host, agent_id, call_timeout=self.call_timeout)
+        except (PeerError, OSError) as exc:
+            raise le.MoveFailed(Cause.UNREACHABLE, f"learning who holds {name} failed: {exc}") from exc
+        except CapsuleError as exc:  # (a copy that could not be kept: nothing was dropped)
+            raise le.MoveFailed(Cause.REFUSED, f"learning who holds {name} stopped: {exc}") from exc
+        log.warning("agent %s (%s): learned: %s", name, agent_id, story(new, name).line())
+        if new.state is HolderState.UNKNOWN:
+            raise le.MoveFailed(Cause.UNREACHABLE, f"agent {name}: not every peer answered: {story(new, name).line()}")
 
     async def abandon(self, agent_id: str, why: str) -> None:
         running = self._running.get(agent_id)

@@ -1,10 +1,10 @@
-"""The control files, ``AGENT/.control/``: status, model, move, abandon, remove.
+"""The control files, ``AGENT/.control/``: status, model, move, abandon, learn, remove.
 
 Rules:
   * Only the mounting user and root may write them (the view checks it at open).
   * A write is one line: ``control_line`` reads it (UTF-8, one line, at most
     :data:`MAX_CONTROL_LINE` bytes); anything else is a FormatError and changes nothing.
-  * ``move``/``abandon`` and ``remove`` are carried out by the daemon
+  * ``move``/``abandon``/``learn`` and ``remove`` are carried out by the daemon
     (:class:`Mover`, :class:`Remover`); without one they fail with NotSupported.
 """
 
@@ -28,11 +28,15 @@ class Mover(Protocol):
 
     ``move`` returns once the agent moved and raises a domain error (see
     ``view.errors``: MoveBusy, or MoveFailed with its Cause) if the move
-    rolled back or was refused; ``abandon`` ends an in-doubt move."""
+    rolled back or was refused; ``abandon`` ends an in-doubt move; ``learn``
+    asks the peers who holds an agent in doubt here (``capsulefs move --learn``)
+    and returns once this host holds it or gave it up (its copy kept)."""
 
     async def move(self, agent_id: str, target: str) -> None: ...
 
     async def abandon(self, agent_id: str, why: str) -> None: ...
+
+    async def learn(self, agent_id: str) -> None: ...
 
 
 class Remover(Protocol):
@@ -70,14 +74,15 @@ class ModelHandle(Handle):
 
 class MoveHandle(Handle):
     """.control/move (a peer's name or host id: move the agent there) and
-    .control/abandon (a reason: end an in-doubt move here). A write blocks
+    .control/abandon (a reason: end an in-doubt move here), .control/learn
+    (any line: ask the peers who holds an agent in doubt here). A write blocks
     until the mover is done; its outcome is the write's error."""
 
     direct_io = True
 
     def __init__(self, agent: "LiveAgent", what: str, mover: Mover | None) -> None:
         self.agent = agent
-        self.what = what  # "move" or "abandon"
+        self.what = what  # "move", "abandon" or "learn"
         self.mover = mover
 
     def read(self, offset: int, size: int) -> bytes:
@@ -92,6 +97,8 @@ class MoveHandle(Handle):
         line = control_line(bytes(data), f".control/{self.what}")
         if self.what == "move":
             await self.mover.move(self.agent.agent_id, line)
+        elif self.what == "learn":
+            await self.mover.learn(self.agent.agent_id)
         else:
             await self.mover.abandon(self.agent.agent_id, line)
         return len(data)

@@ -13,7 +13,7 @@ from ..capsule import format as fmt
 
 CONTROL = ".control"
 SNAPSHOTS = ".snapshots"
-CONTROL_FILES = ("abandon", "model", "move", "remove", "status")
+CONTROL_FILES = ("abandon", "learn", "model", "move", "remove", "status")
 HOST_CONTROL_FILES = ("metrics",)  # MNT/.control/: about the host, not one agent
 EDITABLE = frozenset({fmt.WORKING_MEMORY, fmt.SPEC, fmt.VECTOR_INDEX})
 XATTR_SHA256 = "user.capsule.sha256"

@@ -496,3 +496,66 @@ def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tm
     assert holders.count(HolderState.HELD) == 1
     a.stop()
     b.stop()
+
+
+def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: tuple[Host, Host],
+                                                                          tmp_path: Path) -> None:
+    """A's state directory is copied while A is stopped; A moves the agent to
+    B (B holds epoch 2). A is stopped and its state replaced by the old copy:
+    its record says held again, and an append is acknowledged there. A then
+    learns that B holds the agent (here: a move refused as stale, then
+    ``capsulefs move --learn`` through A's daemon). A gives the agent up but
+    deletes nothing acknowledged: its copy is kept under recovery/, verifies,
+    and is named in the record and the command's words. The documented merge
+    on B (docs/move.md) brings A's event to B byte for byte, B's own lines
+    unchanged."""
+    import shutil
+
+    a, b = hosts
+    a.start()
+    b.start()
+    agent_id = make_agent(a, events=3)
+    a.stop()
+    backup = tmp_path / "backup-a"
+    shutil.copytree(a.state, backup, symlinks=True)
+    a.start()
+    assert write_move(a.mnt, "walker", "b\n") == 0
+    assert b.holder(agent_id) is HolderState.HELD
+    a.stop()
+    shutil.rmtree(a.state)
+    shutil.copytree(backup, a.state, symlinks=True)  # an operator restores a backup
+    appended = a.cli("append", "walker", "--kind", "user_message", "--text", "acknowledged after the restore")
+    line = appended.stdout.encode()  # the stamped line, as the journal holds it
+    assert b"acknowledged after the restore" in line and line.endswith(b"\n")
+    a.start()
+    if a.holder(agent_id) is HolderState.HELD:  # (nothing told A yet: a move finds out)
+        assert write_move(a.mnt, "walker", "b\n") == errno.EEXIST
+    learned = a.cli("move", "walker", "--learn")  # through A's daemon
+    rec = HolderBook(a.state / "holders").get(agent_id)
+    assert rec is not None and rec.state is HolderState.RETIRED and rec.peer == b.host_id
+    assert rec.kept and rec.kept.startswith(f"recovery/{agent_id}/kept-e1-"), rec
+    assert f"what this host had is kept in {rec.kept}" in learned.stdout
+    wait_for(lambda: "walker" not in os.listdir(a.mnt), "walker gone from A's mount")
+    assert rec.kept in a.log.read_text()  # the log names the copy too
+    kept = a.state / rec.kept
+    assert "OK" in a.cli("verify", str(kept)).stdout
+    assert line in (kept / "memory" / "timeline_events.jsonl").read_bytes()
+
+    # docs/move.md, "Merging what a host kept": copy it to the holder, merge it in there.
+    copy = tmp_path / "copy-on-b"
+    shutil.copytree(kept, copy)
+    before = (b.mnt / "walker" / "memory" / "timeline_events.jsonl").read_bytes()
+    b.stop()
+    merged = b.cli("merge", "walker", str(copy), "--into")
+    assert "1 new" in merged.stdout, merged.stdout
+    b.start()
+    after = (b.mnt / "walker" / "memory" / "timeline_events.jsonl").read_bytes()
+    lines = after.splitlines(keepends=True)
+    assert line in lines  # A's event, byte for byte
+    assert set(before.splitlines(keepends=True)) <= set(lines) and len(lines) == len(before.splitlines()) + 1
+    check_chains(after)
+    tar = tmp_path / "b-walker.tar"
+    subprocess.run(["tar", "-C", str(b.mnt / "walker"), "-cf", str(tar), "."], check=True, capture_output=True)
+    assert "OK" in b.cli("verify", str(tar)).stdout
+    a.stop()
+    b.stop()

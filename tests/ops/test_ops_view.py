@@ -54,7 +54,7 @@ async def test_root_lists_agents_by_name_and_hides_nothing_else(c: Client, store
 async def test_hidden_dirs_are_reachable_but_not_listed(c: Client) -> None:
     assert CONTROL not in await c.listdir("alice")
     assert SNAPSHOTS not in await c.listdir("alice")
-    assert await c.listdir(f"alice/{CONTROL}") == ["abandon", "model", "move", "remove", "status"]
+    assert await c.listdir(f"alice/{CONTROL}") == ["abandon", "learn", "model", "move", "remove", "status"]
     assert await c.listdir(f"alice/{SNAPSHOTS}") == []
 
 
