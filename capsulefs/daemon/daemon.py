@@ -348,7 +348,7 @@ class Daemon:
             refuse_if_moving(self.holders, agent_id, name)
             self._hide(agent_id)
             try:
-                with giving_up(self.state_dir, agent_id):
+                with giving_up(self.state_dir, self.live.store, agent_id):
                     for listener in self.listeners:
                         await listener.on_remove(agent_id)  # type: ignore[attr-defined]
                     await trio.to_thread.run_sync(self.live.store.remove_agent, agent_id)

@@ -13,7 +13,8 @@ Layout (``LAYOUT`` = 1), under the state directory::
                                read-only snapshots; gc keeps the blobs they list
       scratch/, uploads/,      editors' temp files, blobs being uploaded (core.view.uploads),
       recovery/                torn journal tails
-    recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal.file)
+    recovery/<agent_id>/       torn journal tails (see capsulefs.core.journal.file), and copies
+                               kept when this host gave the agent up (kept-e<epoch>-<time>/, core.store.kept)
     journal-wal/<agent_id>     the agent's write-ahead ring: appends are durable
                                there first (see capsulefs.core.journal.ring)
     journal-tip/<agent_id>     the journal's tip, derived and checked before use:

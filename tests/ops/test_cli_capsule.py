@@ -309,3 +309,32 @@ def test_the_command_table_names_what_each_module_registers() -> None:
     assert found == cli.COMMANDS
     assert cli._command(["--state", "log", "-v", "log", "x"]) == "log"
     assert cli._command(["-h", "log"]) is None and cli._command([]) is None
+
+
+def test_rm_of_an_agent_in_doubt_keeps_what_this_host_had(cli, state_dir: Path, tmp_path: Path) -> None:
+    """A host whose holder record of an agent was lost may have acknowledged
+    events the holder lacks: rm keeps a whole copy first (a capsule that
+    verifies, under recovery/), names it in the REMOVED record, the words of
+    ls and the log; rm of a held agent keeps nothing (removed as asked)."""
+    import json
+
+    from capsulefs.core.store.holder import HolderState
+
+    cli("new", "walker", check=True)
+    cli("append", "walker", "--kind", "user_message", "--text", "only here", check=True)
+    agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
+    journal = (state_dir / "agents" / agent_id / "memory" / "timeline_events.jsonl").read_bytes()
+    (state_dir / "holders" / f"{agent_id}.json").unlink()  # the record lost (a restore, a bad disk)
+    cli("rm", "walker", check=True)
+    rec = _holder(state_dir, agent_id)
+    assert rec.state is HolderState.REMOVED and rec.kept and rec.kept.startswith(f"recovery/{agent_id}/kept-e1-")
+    kept = state_dir / rec.kept
+    assert "OK" in cli("verify", str(kept), check=True).stdout
+    assert (kept / "memory" / "timeline_events.jsonl").read_bytes() == journal  # every acknowledged line
+    listed = json.loads(cli("ls", "--json", check=True).stdout)
+    assert [(r["name"], r["state"]) for r in listed] == [("walker", "removed")] and rec.kept in listed[0]["line"]
+    # A held agent: removed as asked, nothing kept.
+    cli("new", "other", check=True)
+    other = next(r["agent_id"] for r in json.loads(cli("ls", "--json", check=True).stdout) if r["name"] == "other")
+    cli("rm", "other", check=True)
+    assert _holder(state_dir, other).kept is None and not (state_dir / "recovery" / other).exists()
