@@ -559,3 +559,33 @@ def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: 
     assert "OK" in b.cli("verify", str(tar)).stdout
     a.stop()
     b.stop()
+
+
+def test_import_status_ls_and_log_tell_one_story(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """After an import of another host's export, and again after --learn,
+    `import` (or `--learn`), `.control/status`, `capsulefs ls` and the
+    daemon's log say the same state and the same next command, in the same
+    words (holder.story)."""
+    a, b = hosts
+    a.start()
+    agent_id = make_agent(a, events=2)
+    tar = tmp_path / "walker.tar"
+    a.cli("export", "walker", "-o", str(tar))
+    a.cli("rm", "walker")  # through A's daemon: A no longer holds it
+    imported = b.cli("import", str(tar)).stdout.splitlines()[-1]
+    assert imported.startswith("walker: in-doubt: ") and imported.endswith("next: capsulefs move walker --learn")
+    b.start()
+
+    def said(line: str) -> None:
+        assert line == "walker: " + b.status("walker")["record"]["detail"]
+        listed = json.loads(b.cli("ls", "--json").stdout)
+        assert [f"{r['name']}: {r['line']}" for r in listed] == [line]
+        wait_for(lambda: f"agent walker ({agent_id})" in b.log.read_text() and line[len("walker: "):]
+                 in b.log.read_text(), "the log to say it")
+
+    said(imported)
+    learned = b.cli("move", "walker", "--learn").stdout.strip()  # through B's daemon
+    assert learned == "walker: every peer answered and none holds it: held: this host holds it at epoch 1"
+    said("walker: held: this host holds it at epoch 1")
+    a.stop()
+    b.stop()
