@@ -151,7 +151,8 @@ class HolderRecord:
         if not isinstance(self.note, str):
             raise FormatError("holder note must be a string")
         if self.kept is not None and (not isinstance(self.kept, str) or not self.kept.startswith("recovery/")
-                                      or ".." in self.kept.split("/") or len(self.kept) > 512):
+                                      or ".." in self.kept.split("/") or len(self.kept) > 512
+                                      or any(ord(c) < 32 or c == "\x7f" for c in self.kept)):
             raise FormatError(f"holder kept copy {self.kept!r} is not a path under recovery/")
 
     # -- questions ---------------------------------------------------------

@@ -24,6 +24,7 @@ finding, like any exception that is not a CapsuleError):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from pathlib import Path
@@ -78,7 +79,14 @@ def _snapshot_seeds() -> list[bytes]:
 def _holder_seeds() -> list[bytes]:
     held = HolderRecord(agent_id="b" * 32, state=HolderState.HELD, epoch=3, held_epoch=3, activated=(1, 3))
     moving = held.with_(state=HolderState.COMMITTING, epoch=4, peer=HOST, note="moving")
-    return [held.to_bytes(), moving.to_bytes()]
+    gone = HolderRecord(agent_id="b" * 32, state=HolderState.REMOVED, epoch=3, activated=(1, 3),
+                        note="removed from this host by an operator", kept="recovery/" + "b" * 32 + "/kept-e3-x")
+    # (a record from before REMOVED was a state: REFUSED with the note, read as REMOVED)
+    old = gone.body()
+    del old["kept"]
+    old["state"] = "refused"
+    check = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    return [held.to_bytes(), moving.to_bytes(), gone.to_bytes(), json.dumps({**old, "check": check}).encode()]
 
 
 def _ids(prefix: int) -> "itertools.count[int]":

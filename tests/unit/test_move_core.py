@@ -442,3 +442,17 @@ def test_a_target_that_lost_its_record_after_activating_keeps_the_agent() -> Non
     assert learned.state is HolderState.HELD and learned.held_epoch == 5 and 5 in learned.activated
     # Files of an older epoch (B was not that move's target): A still counts as the holder.
     assert learn_from_peers(rec, local_epoch=3, views={B: a}, peers=[B]).state is HolderState.RETIRED
+
+
+@pytest.mark.parametrize("kept", ["/etc/passwd", "recovery/../../etc", "agents/x", "recovery/a\x00b", "r" * 600])
+def test_a_kept_path_outside_recovery_is_refused(kept: str) -> None:
+    """The record's kept copy is a path under the state directory's recovery/
+    that ls opens: anything else in a record is a FormatError, never followed."""
+    import hashlib
+    import json
+
+    body = removed(new_held(AGENT, 1)).body()
+    body["kept"] = kept
+    check = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    with pytest.raises(FormatError):
+        HolderRecord.from_bytes(json.dumps({**body, "check": check}).encode())
