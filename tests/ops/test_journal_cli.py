@@ -237,6 +237,40 @@ def test_merge_two_diverged_capsules(cli, tmp_path: Path) -> None:  # type: igno
     assert len(p.stdout.splitlines()) == 4
 
 
+def test_merge_into_the_agent_held_here(cli, store: HostStore, state_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """merge AGENT COPY --into: the copy's lines the agent lacked are added,
+    byte for byte; every line the agent had stays as it was; working memory
+    follows the merged journal; the agent still verifies and appends chain on.
+    Refused (nothing written) for an agent this host does not hold, or with -o."""
+    from capsulefs.core.store.holder import HolderBook
+
+    _a_tar, b_tar = _diverged(cli, tmp_path, tmp_path / "state-b")
+    agent = store.find("ada")
+    mine = agent.read(fmt.JOURNAL)
+    had = set(split_lines(mine))
+    p = cli("merge", "ada", str(b_tar), "--into", "-o", str(tmp_path / "z"))
+    assert p.returncode == 1 and "-o does not go with it" in p.stderr
+    p = cli("merge", "ada", str(b_tar), "--into", check=True)
+    assert "4 events (2 new)" in p.stdout, p.stdout
+    merged = agent.read(fmt.JOURNAL)
+    lines = split_lines(merged)
+    assert had <= set(lines) and len(lines) == 4 and verify_lines(lines) == []
+    assert b"bravo was here" in merged
+    edits = [json.loads(x) for x in lines if b"memory_edit" in x]
+    last = max(edits, key=lambda d: (d["clock"], d["machine"], d["seq"]))
+    assert agent.read(fmt.WORKING_MEMORY).decode() == last["text"]
+    assert verify_capsule(str(state_dir / "agents" / agent.agent_id))[1] == []
+    cli("append", "ada", "--kind", "note", "--text", "after the merge", "-q", check=True)
+    assert verify_lines(split_lines(agent.read(fmt.JOURNAL))) == []
+    # Not held here: refused, nothing written.
+    book = HolderBook(state_dir / "holders")
+    held = book.get(agent.agent_id)
+    book.put(held.with_(state=held.state.__class__.RETIRED, held_epoch=None, peer="B" * 52))
+    before = agent.read(fmt.JOURNAL)
+    p = cli("merge", "ada", str(b_tar), "--into")
+    assert p.returncode == 1 and "not held" in p.stderr and agent.read(fmt.JOURNAL) == before
+
+
 def test_merge_refusals(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     a_tar, _ = _diverged(cli, tmp_path, tmp_path / "state-b")
     cli("new", "bob", check=True)
