@@ -167,7 +167,7 @@ def test_new_and_import_record_who_holds_the_agent(cli, state_dir: Path, tmp_pat
     # Another host importing the copy does not get to run it.
     other = tmp_path / "other"
     out = run_cli("import", str(tar), state=other, check=True).stdout
-    assert f"held: in-doubt: this host may not hold it (imported from an export that says host" in out \
+    assert "held: in-doubt: this host may not hold it (imported from an export that says host" in out \
         and "next: capsulefs move held --learn" in out
     assert _holder(other, agent_id).state.value == "unknown"
     # The holder restoring its own export after removing the agent does not
