@@ -123,6 +123,11 @@ class HolderRecord:
     note: str = ""  # why the record is in its state, for people (e.g. a refusal reason)
     kept: str | None = None  # a copy of what this host had, kept when it gave the agent up (core.store.kept):
     #                          its path under the state directory, e.g. recovery/<agent_id>/kept-e1-...
+    # An operator forced this hold (``move --force-hold --why``): the daemon
+    # runs the agent without a peer's word that nobody holds a higher epoch
+    # (docs/move.md, "Checking before running"). Only on a HELD record;
+    # written only when true, so records from before it read the same.
+    forced: bool = False
 
     def __post_init__(self) -> None:
         check_agent_id(self.agent_id)
@@ -154,6 +159,10 @@ class HolderRecord:
                                       or ".." in self.kept.split("/") or len(self.kept) > 512
                                       or any(ord(c) < 32 or c == "\x7f" for c in self.kept)):
             raise FormatError(f"holder kept copy {self.kept!r} is not a path under recovery/")
+        if not isinstance(self.forced, bool):
+            raise FormatError("holder 'forced' must be true or false")
+        if self.forced and self.state is not HolderState.HELD:
+            raise FormatError(f"holder record in state {self.state.value} cannot be forced (only held)")
 
     # -- questions ---------------------------------------------------------
     @property
@@ -186,6 +195,8 @@ class HolderRecord:
         return f"{self.state.value}, {side} {self.peer} at epoch {self.epoch}{doubt}"
 
     def with_(self, **changes: Any) -> "HolderRecord":
+        if changes.get("state", self.state) is not HolderState.HELD:
+            changes.setdefault("forced", False)  # (a forced hold ends with the hold)
         return replace(self, **changes)
 
     # -- serialisation -----------------------------------------------------
@@ -202,6 +213,8 @@ class HolderRecord:
         }
         if self.kept is not None:  # (absent otherwise: records without one read as before)
             body["kept"] = self.kept
+        if self.forced:  # (likewise)
+            body["forced"] = True
         return body
 
     def to_bytes(self) -> bytes:
@@ -230,6 +243,7 @@ class HolderRecord:
                 activated=tuple(doc["activated"]),
                 note=doc["note"],
                 kept=doc.get("kept"),
+                forced=doc.get("forced", False),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"holder record field missing or wrong: {exc}") from None
@@ -452,7 +466,7 @@ def force_hold(record: HolderRecord, *, local_epoch: int, why: str) -> HolderRec
     return HolderRecord(
         agent_id=record.agent_id, state=HolderState.HELD, epoch=max(record.epoch, local_epoch),
         held_epoch=local_epoch, activated=tuple(sorted(set(record.activated) | {local_epoch})),
-        note=f"forced by operator: {why}",
+        note=f"forced by operator: {why}", forced=True,
     )
 
 
