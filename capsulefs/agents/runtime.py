@@ -128,6 +128,11 @@ class AgentRuntime:
         rec = self.holders.get(agent_id)
         if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
             return False, story(rec, self.live.agent(agent_id).stored_manifest().name).line()
+        lifecycle = getattr(self.daemon, "lifecycle", None)
+        decision = lifecycle(agent_id) if lifecycle is not None else None
+        if decision is not None and rec is not None and rec.state is HolderState.HELD and not decision.run:
+            return False, (f"{decision.standing.value}: no peer has said yet that it holds no higher epoch "
+                           f"(see the record section)")
         if agent_id in self._paused:
             return False, "frozen for a move"
         if self.live.state(agent_id) is not AgentState.ACTIVE:

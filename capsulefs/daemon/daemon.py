@@ -64,6 +64,7 @@ from capsulefs.agents import grants
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.holder import HolderBook, HolderState, story
+from capsulefs.core.store.lifecycle import Decision
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.errors import ReadOnly
@@ -260,6 +261,12 @@ class Daemon:
         #: agent runs or starts; it raises MoveBusy at once if one runs. The
         #: move wiring (MountMoves) sets it; :meth:`remove` runs inside it.
         self.move_guard: Callable[[str], AbstractAsyncContextManager[None]] = _no_moves
+        #: ``lifecycle(agent_id)``: the decision of core/store/lifecycle.py for
+        #: the agent (what the mount shows, whether it runs); the move wiring
+        #: sets it. None: every held agent is shown writable and runs.
+        self.lifecycle: Callable[[str], Decision] | None = None
+        #: ``doubt_detail(agent_id, name)``: why an agent in doubt is read-only, for status.
+        self.doubt_detail: Callable[[str, str], str | None] | None = None
         #: What the runtime file says besides mount point and pid (services add keys).
         self.runtime_info: dict[str, object] = {}
         self._stopped_by_us = False
@@ -280,14 +287,39 @@ class Daemon:
             if state is not None:
                 self.live.set_state(agent_id, state)
 
+    def show_as_decided(self) -> None:
+        """Before the mount serves: show each held agent as the lifecycle
+        decides (in doubt: read-only until a peer answers)."""
+        if self.lifecycle is None:
+            return
+        for agent_id in self.live.store.agent_ids():
+            record = self.holders.get(agent_id)
+            if record is not None and record.state is HolderState.HELD:
+                self.live.set_state(agent_id, self.lifecycle(agent_id).view)
+
+    def _as_decided(self, agent_id: str) -> None:
+        """After the mount showed an agent writable (a resume, an activate):
+        read-only again if the lifecycle says it is in doubt."""
+        if self.lifecycle is not None and self.lifecycle(agent_id).view is AgentState.FROZEN:
+            self.live.freeze(agent_id)
+
     def _record_status(self, agent_id: str) -> dict[str, object]:
         """The ``record`` section of ``.control/status``: what this host's
         holder record says (state, epoch) and the agent's one story
         (``holder.story``: the words import, ls and the log use too)."""
         record = self.holders.get(agent_id)
-        told = story(record, self.live.agent(agent_id).stored_manifest().name)
-        return {"state": None if record is None else record.state.value,
-                "epoch": None if record is None else record.epoch, "story": told.as_json(), "detail": told.line()}
+        name = self.live.agent(agent_id).stored_manifest().name
+        told = story(record, name)
+        out: dict[str, object] = {"state": None if record is None else record.state.value,
+                                  "epoch": None if record is None else record.epoch,
+                                  "story": told.as_json(), "detail": told.line()}
+        if record is not None and record.state is HolderState.HELD and self.lifecycle is not None:
+            out["standing"] = self.lifecycle(agent_id).standing.value
+            if self.doubt_detail is not None:
+                detail = self.doubt_detail(agent_id, name)
+                if detail is not None:
+                    out["detail"] = detail
+        return out
 
     # -- the move driver's API (capsulefs.move.host.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:
@@ -303,8 +335,10 @@ class Daemon:
         self.live.freeze(agent_id)
 
     async def resume(self, agent_id: str) -> None:
-        """Writes to the agent work again (the move was rolled back)."""
+        """Writes to the agent work again (the move was rolled back, or the
+        agent in doubt got its evidence), unless the lifecycle says it is in doubt."""
         self.live.resume(agent_id)
+        self._as_decided(agent_id)
         for listener in self.listeners:
             await listener.on_resume(agent_id)  # type: ignore[attr-defined]
 
@@ -325,6 +359,7 @@ class Daemon:
     async def activate(self, agent_id: str) -> None:
         """The agent (moved in, or resumed after a retire) is shown and writable."""
         name = self.live.activate(agent_id)
+        self._as_decided(agent_id)
         if self._kernel_up:  # (at startup, recovery activates before the kernel's INIT: nothing is cached yet)
             self.ops.kernel.invalidate_entry(pyfuse3.ROOT_INODE, os.fsencode(name))
         for listener in self.listeners:

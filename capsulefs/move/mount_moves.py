@@ -50,6 +50,7 @@ from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, story
 from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost, record_new_agent
+from capsulefs.move.standing import Standings
 from capsulefs.move.target import MoveService, serve_moves
 from capsulefs.peer.link import PeerError
 from capsulefs.peer.book import Peer, PeerBookError
@@ -138,6 +139,8 @@ class MountMoves:
         self.call_timeout = _test_call_timeout(os.environ.get(CALL_TIMEOUT_ENV)) or call_timeout
         self.retry_pause = retry_pause
         self.port: int | None = None  # bound, once serving
+        #: Who else holds what: checked before an agent runs, and while it runs.
+        self.standings = Standings(self.host, daemon)
         self._running: dict[str, _Running] = {}
         self._timers: dict[str, metrics.PhaseTimer] = {}  # each move's phases, for the metrics
         self._nursery: trio.Nursery | None = None
@@ -146,10 +149,19 @@ class MountMoves:
     def attach(cls, daemon: Any, **kw: Any) -> "MountMoves":
         mm = cls(daemon, **kw)
         daemon.services.append(mm.serve)
+        daemon.services.append(mm.standings.serve)
         daemon.live.mover = mm
         daemon.move_guard = mm.still
+        daemon.lifecycle = mm.standings.decision
+        daemon.doubt_detail = mm.standings.detail
         state_dir = daemon.state_dir
-        daemon.live.on_new_agent = lambda agent_id, epoch: record_new_agent(state_dir, agent_id, epoch)
+
+        def new_agent(agent_id: str, epoch: int) -> None:
+            record_new_agent(state_dir, agent_id, epoch)
+            mm.standings.created(agent_id)
+
+        daemon.live.on_new_agent = new_agent
+        daemon.show_as_decided()
         return mm
 
     # -- the service -----------------------------------------------------------------
@@ -157,7 +169,7 @@ class MountMoves:
         async with trio.open_nursery() as nursery:
             if self.listen is not None:
                 serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
-                                                      port=self.listen[1]))
+                                                      port=self.listen[1], wrap=self.standings.around))
                 self.port = serving.port
                 log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
             else:

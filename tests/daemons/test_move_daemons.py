@@ -159,6 +159,11 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
         assert "Traceback" not in text, text
 
 
+def wait_holding(h: Host, name: str) -> None:
+    """Until ``h`` has the evidence to run ``name`` (docs/move.md, "Checking before running")."""
+    wait_for(lambda: h.status(name)["record"].get("standing") == "holding", f"{name} held with evidence on {h.name}")
+
+
 def make_agent(a: Host, name: str = "walker", events: int = 5) -> str:
     (a.mnt / name).mkdir()
     add_messages(a, name, events)
@@ -466,6 +471,7 @@ def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tm
     agent_id, script, shared = new_ticker_agent(a, tmp_path)
     a.start(run=True)
     b.start(crash_at="target:held" if case == "lost-activate-reply" else None, run=case != "refused")
+    wait_holding(a, "walker")  # (created before A started: it runs once B has said it holds no higher epoch)
     add_messages(a, "walker", 5)
     if case == "refused":
         make_agent(b, "walker", events=0)

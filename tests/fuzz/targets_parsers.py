@@ -5,6 +5,8 @@ Each ``run`` parses as the outside input reaches capsulefs and, when the
 input is accepted, checks what a reader relies on (an AssertionError is a
 finding, like any exception that is not a CapsuleError):
 
+  * holds (a peer's claims): what is accepted writes back to claims that
+    parse the same.
   * manifest, spec, snapshot, holder record: what is accepted writes back
     to bytes that parse to the same thing; a manifest lists only the
     capsule's tree.
@@ -33,6 +35,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.journal.events import AssistantMessage, Note, ToolCall, UnknownEvent, UserMessage
 from capsulefs.core.journal.record import Record
+from capsulefs.core.store import lifecycle as lc
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.journal.file import parse_draft_lines
 from capsulefs.core.journal.chain import ChainState
@@ -86,7 +89,14 @@ def _holder_seeds() -> list[bytes]:
     del old["kept"]
     old["state"] = "refused"
     check = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
-    return [held.to_bytes(), moving.to_bytes(), gone.to_bytes(), json.dumps({**old, "check": check}).encode()]
+    forced = held.with_(forced=True, note="forced by operator: restored")
+    return [held.to_bytes(), moving.to_bytes(), gone.to_bytes(), json.dumps({**old, "check": check}).encode(),
+            forced.to_bytes()]
+
+
+def _holds_seeds() -> list[bytes]:
+    claims = [lc.Claim(agent_id="b" * 32, held=3, top=3), lc.Claim(agent_id="c" * 32, held=None, top=7)]
+    return [json.dumps({"claims": lc.claims_to_wire(claims)}).encode(), b'{"claims": []}']
 
 
 def _ids(prefix: int) -> "itertools.count[int]":
@@ -172,6 +182,12 @@ def _holder(data: bytes, _scratch: Path) -> None:
     assert HolderRecord.from_bytes(rec.to_bytes()) == rec
 
 
+def _holds(data: bytes, _scratch: Path) -> None:
+    """A peer's ``holds`` message (docs/wire.md): its claims, as the header's JSON."""
+    claims = lc.claims_from_wire(fmt.load_json_object(data, "holds").get("claims"), "holds")
+    assert lc.claims_from_wire(lc.claims_to_wire(list(claims.values())), "again") == claims
+
+
 def _journal_line(data: bytes, _scratch: Path) -> None:
     try:
         rec = Record.from_line(data)
@@ -237,6 +253,7 @@ TARGETS = [
     Target("spec", _spec_seeds, _spec),
     Target("snapshot", _snapshot_seeds, _snapshot),
     Target("holder_record", _holder_seeds, _holder),
+    Target("holds_claims", _holds_seeds, _holds),
     Target("journal_line", _line_seeds, _journal_line),
     Target("journal_draft", _draft_seeds, _journal_draft),
     Target("journal_file", _journal_seeds, _journal_file),

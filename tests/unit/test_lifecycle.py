@@ -23,3 +23,94 @@ def test_a_forced_hold_is_recorded_and_read_back() -> None:
     assert not frozen.forced  # the force ends with the hold
     with pytest.raises(FormatError):
         HolderRecord(agent_id=AGENT, state=HolderState.RETIRED, epoch=2, peer="B" * 52, forced=True)
+
+
+# -- the lifecycle's decisions -----------------------------------------------------------
+
+from capsulefs.core.store import lifecycle as lc  # noqa: E402
+from capsulefs.core.view.nodes import AgentState  # noqa: E402
+
+ME, B, C = "A" * 52, "B" * 52, "C" * 52
+
+
+def held(epoch: int = 1, **kw: object) -> HolderRecord:
+    return new_held(AGENT, epoch).with_(**kw)
+
+
+def gather(rec: HolderRecord, *, holder: str = ME, epoch: int = 1, peers: tuple[str, ...] = (B,),
+           answers: dict[str, lc.Claim | None] | None = None, own: bool = False) -> lc.Evidence:
+    return lc.gather(rec, me=ME, manifest_holder=holder, manifest_epoch=epoch, peers=frozenset(peers),
+                     answers=answers or {}, own=own)
+
+
+def claim(held: int | None, top: int) -> lc.Claim:
+    return lc.Claim(agent_id=AGENT, held=held, top=top)
+
+
+def test_no_peer_answered_is_never_evidence() -> None:
+    assert gather(held()) is lc.Evidence.NONE
+    assert lc.decide(held(), lc.Evidence.NONE) == lc.Decision(lc.Standing.IN_DOUBT, AgentState.FROZEN, False)
+
+
+def test_a_host_without_peers_runs_what_its_manifest_says_it_holds() -> None:
+    """A capsule created here and never moved (a move needs a pinned peer)."""
+    assert gather(held(), peers=()) is lc.Evidence.SOLE
+    assert gather(held(2), peers=(), epoch=1) is lc.Evidence.NONE  # records and manifest disagree
+    assert gather(held(), peers=(), holder=B) is lc.Evidence.NONE  # an import of B's copy: B cannot be asked
+
+
+def test_an_imported_copy_waits_for_the_host_its_manifest_names() -> None:
+    assert gather(held(), holder=C, answers={B: None}) is lc.Evidence.NONE  # C is not a peer, or has not answered
+    assert gather(held(), holder=B, answers={B: None}) is lc.Evidence.CLEARED  # B let it go
+    assert gather(held(), holder=B, answers={B: claim(1, 1)}) is lc.Evidence.NEWER  # B still holds that epoch
+    assert gather(held(), holder=B, answers={C: None}, peers=(B, C)) is lc.Evidence.NONE
+
+
+def test_one_peer_answering_clears_and_any_higher_epoch_makes_it_stale() -> None:
+    assert gather(held(), answers={B: None}) is lc.Evidence.CLEARED
+    assert gather(held(), answers={B: claim(None, 1)}) is lc.Evidence.CLEARED  # B once held epoch 1, and gave it up
+    assert gather(held(), answers={B: claim(2, 2)}) is lc.Evidence.NEWER  # B holds epoch 2
+    assert gather(held(), answers={B: claim(None, 3)}) is lc.Evidence.NEWER  # B activated 2 and handed on at 3
+    assert gather(held(), answers={B: claim(1, 1)}) is lc.Evidence.CLEARED  # the same epoch, our own copy
+    # the newer claim wins over everything else this host knows
+    forced = force_hold(HolderRecord(agent_id=AGENT, state=HolderState.UNKNOWN, epoch=0), local_epoch=1, why="x")
+    assert gather(forced, answers={B: claim(2, 2)}, own=True) is lc.Evidence.NEWER
+    assert gather(forced) is lc.Evidence.FORCED and gather(held(), own=True) is lc.Evidence.OWN
+    assert lc.decide(held(), lc.Evidence.NEWER).standing is lc.Standing.STALE
+
+
+def test_claims_say_what_a_record_holds_and_handed_on() -> None:
+    assert lc.claim_of(held(3, activated=(1, 3))) == claim(3, 3)
+    retired = HolderRecord(agent_id=AGENT, state=HolderState.RETIRED, epoch=4, peer=B, activated=(1,))
+    assert lc.claim_of(retired) == claim(None, 4)
+    moving = held(1).with_(state=HolderState.COMMITTING, epoch=2, peer=B)
+    assert lc.claim_of(moving) == claim(1, 1)
+
+
+@pytest.mark.parametrize("bad", [
+    None, {}, [["a" * 32, 1]], [["a" * 32, 1, 1, 1]], [["A" * 32, 1, 1]], [["a" * 32, 0, 1]],
+    [["a" * 32, True, 1]], [["a" * 32, 1, -1]], [["a" * 32, 1, 2 ** 64]], [[1, 1, 1]], [["a" * 32, "1", 1]],
+    [["a" * 32, 1, 1], ["a" * 32, 2, 2]], [["%02x" % (i % 256) * 16, None, 1] for i in range(lc.MAX_CLAIMS + 1)],
+])
+def test_hostile_claims_are_refused_naming_the_problem(bad: object) -> None:
+    with pytest.raises(FormatError) as err:
+        lc.claims_from_wire(bad, "holds from b")
+    assert str(err.value).startswith("holds from b") or "epoch" in str(err.value) or "agent" in str(err.value)
+
+
+def test_every_holder_state_has_a_decision() -> None:
+    for state in [None, *HolderState]:
+        for ev in lc.Evidence:
+            rec = None if state is None else HolderRecord(
+                agent_id=AGENT, state=state, epoch=2, peer=B,
+                held_epoch=1 if state in (HolderState.HELD, HolderState.FROZEN, HolderState.COMMITTING) else None)
+            d = lc.decide(rec, ev)
+            assert d.run == (d.view is AgentState.ACTIVE) == (d.standing is lc.Standing.HOLDING)
+            assert d.run == (state is HolderState.HELD and ev not in (lc.Evidence.NONE, lc.Evidence.NEWER))
+
+
+def test_the_docs_show_the_table() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "move.md").read_text()
+    assert lc.describe_table() in doc
