@@ -91,7 +91,12 @@ class Identity:
 
 def _make_pem(now: _dt.datetime) -> bytes:
     key = ed25519.Ed25519PrivateKey.generate()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "capsulefs host")])
+    # A name of its own, and key identifiers: a server that trusts several
+    # peers' certificates as anchors looks a client's issuer up by name (and
+    # key identifier); with one name for every host it picked the first
+    # anchor of that name, and refused every other peer (TLSV1_ALERT_UNKNOWN_CA).
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"capsulefs host {ski.digest.hex()[:16]}")])
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -102,6 +107,8 @@ def _make_pem(now: _dt.datetime) -> bytes:
         .not_valid_after(_NOT_AFTER)
         # Self-signed and trusted as its own anchor by peers that pinned it.
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,

@@ -306,3 +306,19 @@ async def test_an_anonymous_link_cannot_make_the_server_buffer_a_big_header(pair
     with trio.fail_after(5):  # refused at once, not after the timeout
         assert await _closed_by_server(tls)
     await tls.aclose()
+
+
+async def test_a_server_that_learned_several_peers_accepts_each(pair: Pair, tmp_path: Path) -> None:
+    """Each host's certificate has a name and key identifier of its own: a
+    server that trusts two peers' certificates finds each client's own
+    (with one name for all, it picked the first anchor of that name and
+    refused the other peer: TLSV1_ALERT_UNKNOWN_CA)."""
+    c = load_or_create_identity(tmp_path / "c")
+    book_c = PeerBook(tmp_path / "c")
+    pair.book_b.add(Peer(name="c", address="127.0.0.1:1", host_id=c.host_id))
+    book_c.add(Peer(name="b", address=f"127.0.0.1:{pair.port}", host_id=pair.b.host_id))
+    for _ in range(2):  # (the second round: both certificates learned, both anchors)
+        for me, book in ((pair.a, pair.book_a), (c, book_c)):
+            async with open_peer(me, book.find("b")) as conn:
+                await conn.call("ping")
+    assert [who for who, _ in pair.handler.calls] == ["a", "c", "a", "c"]
