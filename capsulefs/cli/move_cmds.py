@@ -208,11 +208,13 @@ def _offline(args: argparse.Namespace, host: MoveHost) -> int:
         return _said_learned(name, rec)
     if args.force_hold:
         rec = host.holders.get(agent_id) or HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=0)
-        if rec.state is not HolderState.UNKNOWN:
+        # UNKNOWN, or HELD and in doubt until a peer answers (docs/move.md, "Checking before running")
+        if rec.state not in (HolderState.UNKNOWN, HolderState.HELD):
             raise CapsuleError(f"agent {agent_id} is {rec.state.value} here, not in doubt: nothing to force")
         epoch = host.store.agent(agent_id).manifest().holder.epoch
         host.holders.put(force_hold(rec, local_epoch=epoch, why=args.why))
-        log.warning("agent %s: held at epoch %d by operator force (%s)", agent_id, epoch, args.why)
+        log.warning("agent %s: held at epoch %d by operator force (%s); if a peer holds a newer epoch, two "
+                    "hosts run it until that peer is asked", agent_id, epoch, args.why)
         print(f"{agent_id}: held here at epoch {epoch} (forced). If a peer holds a newer epoch, two hosts run it.")
         return 0
     if args.abandon:

@@ -94,14 +94,20 @@ def claims_from_wire(value: object, what: str) -> dict[str, Claim]:
     return out
 
 
-def outranks(theirs: Claim | None, mine: HolderRecord, *, me: str, manifest_holder: str) -> bool:
+def outranks(theirs: Claim | None, mine: HolderRecord, *, me: str, manifest_holder: str,
+             manifest_epoch: int = 0) -> bool:
     """Does a peer's claim show that someone holds a higher epoch than this
     host's hold (``mine``, a holding record)? A higher epoch held or
     activated there does; so does the same epoch held there when this host's
-    copy names another holder (an imported copy of the agent the peer holds)."""
+    copy names another holder (an imported copy of the agent the peer holds).
+
+    This host's epoch is the higher of its record's and its manifest's when
+    the manifest names this host: files are installed here only at an
+    activation, so a record older than them (``holders/`` rolled back alone)
+    still holds the epoch they say."""
     if theirs is None or mine.held_epoch is None:
         return False
-    e = mine.held_epoch
+    e = max(mine.held_epoch, manifest_epoch if manifest_holder == me else 0)
     if theirs.top > e or (theirs.held or 0) > e:
         return True
     return theirs.held == e and manifest_holder != me
@@ -123,7 +129,8 @@ def gather(record: HolderRecord, *, me: str, manifest_holder: str, manifest_epoc
     """The evidence about a holding ``record``. ``answers``: peer host id ->
     its claim (None: it answered and has none), for the peers that answered
     since this daemon started; ``own``: this daemon wrote the hold itself."""
-    if any(outranks(c, record, me=me, manifest_holder=manifest_holder) for c in answers.values()):
+    if any(outranks(c, record, me=me, manifest_holder=manifest_holder, manifest_epoch=manifest_epoch)
+           for c in answers.values()):
         return Evidence.NEWER
     if own:
         return Evidence.OWN

@@ -79,6 +79,15 @@ def test_one_peer_answering_clears_and_any_higher_epoch_makes_it_stale() -> None
     assert lc.decide(held(), lc.Evidence.NEWER).standing is lc.Standing.STALE
 
 
+def test_a_record_older_than_the_files_holds_the_epoch_they_say() -> None:
+    """holders/ rolled back alone, on the host that holds the agent: moved
+    here at epoch 3 (the manifest says so), the record says 1; B handed it
+    back at 3. Not stale."""
+    assert gather(held(1), epoch=3, answers={B: claim(None, 3)}) is lc.Evidence.CLEARED
+    assert gather(held(1), epoch=3, answers={B: claim(4, 4)}) is lc.Evidence.NEWER
+    assert gather(held(1), epoch=3, holder=B, answers={B: claim(None, 3)}) is lc.Evidence.NEWER  # not our files
+
+
 def test_claims_say_what_a_record_holds_and_handed_on() -> None:
     assert lc.claim_of(held(3, activated=(1, 3))) == claim(3, 3)
     retired = HolderRecord(agent_id=AGENT, state=HolderState.RETIRED, epoch=4, peer=B, activated=(1,))
