@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from capsulefs.core import move as mv
+from capsulefs.core.store import lifecycle as lc
 from capsulefs.core.store.holder import HolderRecord, HolderState, PeerView, learn_from_peers, new_held
 
 AGENT = "a" * 32
@@ -25,15 +26,49 @@ class Host:
     name: str
     record: HolderRecord | None = None  # durable
     files_epoch: int | None = None  # durable: agent files installed here, at this holder epoch
+    files_holder: str | None = None  # durable: the host their manifest names
     blobs: set[str] = field(default_factory=set)  # durable
     staging: set[int] = field(default_factory=set)  # volatile: epochs with a staging area
     frozen: bool = False  # volatile
     source: mv.SourceMachine | None = None  # volatile
     awaiting: dict[int, mv.Send] = field(default_factory=dict)  # volatile: request id -> call
+    # What the daemon learned in this life (capsulefs/move/standing.py): peers' claims, and whether
+    # it created the agent; the record's epoch at its start (a higher hold from a peer: moved in).
+    answers: dict[str, lc.Claim | None] = field(default_factory=dict)  # volatile
+    created: bool = False  # volatile
+    start_epoch: int = 0  # volatile
+    lives: int = 0  # restarts, to tell whether two hosts talked since
 
     @property
     def running(self) -> bool:
+        """Held and not frozen (the move machines' view; World.running adds the lifecycle's)."""
         return self.record is not None and self.record.state is HolderState.HELD and not self.frozen
+
+    def durable(self) -> tuple[HolderRecord | None, int | None, str | None, frozenset[str]]:
+        return self.record, self.files_epoch, self.files_holder, frozenset(self.blobs)
+
+    def evidence(self, peers: frozenset[str]) -> lc.Evidence:
+        r = self.record
+        assert r is not None and r.state is HolderState.HELD
+        if self.files_epoch is None or self.files_holder is None:
+            return lc.Evidence.NONE
+        own = self.created or (r.peer is not None and r.held_epoch is not None and r.held_epoch in r.activated
+                               and r.held_epoch > self.start_epoch)
+        return lc.gather(r, me=self.name, manifest_holder=self.files_holder, manifest_epoch=self.files_epoch,
+                         peers=peers - {self.name}, answers=self.answers, own=own)
+
+    def may_run(self, peers: frozenset[str]) -> bool:
+        """The lifecycle's decision (core/store/lifecycle.py)."""
+        if self.record is None or self.record.state is not HolderState.HELD:
+            return False
+        return lc.decide(self.record, self.evidence(peers)).run
+
+    def claim(self) -> lc.Claim | None:
+        r = self.record
+        if r is None or r.state is HolderState.UNKNOWN:
+            return None
+        c = lc.claim_of(r, named=self.files_epoch is not None and self.files_holder == self.name)
+        return c if c.held is not None or c.top > 0 else None
 
 
 @dataclass
@@ -51,21 +86,70 @@ class World:
         first = self.hosts[names[0]]
         first.record = new_held(AGENT, 1)
         first.files_epoch = 1
+        first.files_holder = first.name
+        first.created = True
         first.blobs = set(BLOBS)
+        self.names = frozenset(names)
+        #: every durable state each host has been in (for restoring an old copy)
+        self.history: dict[str, list[tuple[HolderRecord | None, int | None, str | None, frozenset[str]]]] = {
+            n: [h.durable()] for n, h in self.hosts.items()}
+        self.restored = False  # an old copy of some host's records was restored
+        #: pair of hosts -> what each had (record, lives) when they last exchanged claims
+        self.talked: dict[frozenset[str], dict[str, tuple[HolderRecord | None, int]]] = {}
         self.net: list[Message] = []
         self.ids = itertools.count(1)
         self.corrupt_next_blob = False
         self.log: list[str] = []
 
     # -- invariant -----------------------------------------------------------
+    def running(self, h: Host) -> bool:
+        return h.may_run(self.names) and not h.frozen
+
+    def talked_since(self, x: Host, y: Host) -> bool:
+        """Have x and y exchanged claims since either restarted or changed its record?"""
+        seen = self.talked.get(frozenset((x.name, y.name)))
+        return seen is not None and all(seen[h.name] == (h.record, h.lives) for h in (x, y))
+
     def check(self) -> None:
-        running = [h.name[:1] for h in self.hosts.values() if h.running]
-        assert len(running) <= 1, f"two hosts run the agent: {running}\n" + "\n".join(self.log[-30:])
+        run = [h for h in self.hosts.values() if self.running(h)]
+        for i, x in enumerate(run):
+            for y in run[i + 1:]:
+                # Two hosts may both run it only until they next talk (a restored host whose
+                # holder was not asked yet); without restores, never.
+                assert self.restored and not self.talked_since(x, y), (
+                    f"two hosts run the agent: {x.name[:1]} {y.name[:1]}\n" + "\n".join(self.log[-30:]))
         held = [h.name[:1] for h in self.hosts.values() if h.record is not None and h.record.state is HolderState.HELD]
-        assert len(held) <= 1, f"two HELD records: {held}\n" + "\n".join(self.log[-30:])
+        assert self.restored or len(held) <= 1, f"two HELD records: {held}\n" + "\n".join(self.log[-30:])
         for h in self.hosts.values():
             if h.record is not None and h.record.state is HolderState.HELD:
                 assert h.files_epoch is not None, f"{h.name[:1]} holds the agent but has no files"
+            if self.history[h.name][-1] != h.durable():
+                self.history[h.name].append(h.durable())
+
+    # -- checking before running, and while running (core/store/lifecycle.py) ---------------
+    def exchange(self, x_name: str, y_name: str) -> None:
+        """One ``holds`` exchange between two hosts, then each settles: a host a
+        peer outranks records UNKNOWN (and so stops running the agent)."""
+        x, y = self.hosts[x_name], self.hosts[y_name]
+        x.answers[y.name], y.answers[x.name] = y.claim(), x.claim()
+        for h in (x, y):
+            r = h.record
+            if r is not None and r.state is HolderState.HELD and h.evidence(self.names) is lc.Evidence.NEWER:
+                seen = max([r.epoch] + [max(c.top, c.held or 0) for c in h.answers.values() if c is not None])
+                h.record = HolderRecord(agent_id=AGENT, state=HolderState.UNKNOWN, epoch=seen,
+                                        activated=r.activated, note="a peer holds a higher epoch")
+                self.log.append(f"{h.name[:1]} stale: {h.answers}")
+        self.talked[frozenset((x.name, y.name))] = {h.name: (h.record, h.lives) for h in (x, y)}
+
+    def restore(self, name: str, index: int) -> None:
+        """An old copy of a host's durable state (records, files, blobs) put
+        back, as from a backup or a VM snapshot; then the host restarts."""
+        h = self.hosts[name]
+        h.record, h.files_epoch, h.files_holder, blobs = self.history[name][index]
+        h.blobs = set(blobs)
+        self.restored = True
+        self.log.append(f"{name[:1]} restored to {h.record} files {h.files_epoch}")
+        self.crash(name)
 
     # -- the source side -------------------------------------------------------
     def start(self, frm: str, to: str) -> None:
@@ -87,7 +171,7 @@ class World:
                     h.record = r
                 case mv.Retire():
                     h.frozen = False
-                    h.files_epoch = None
+                    h.files_epoch = h.files_holder = None
                 case mv.Send():
                     mid = next(self.ids)
                     if c.call is not mv.Call.ABORT:  # aborts are fire and forget
@@ -165,7 +249,7 @@ class World:
                     h.staging.discard(e)
                 case mv.DropAgentFiles():
                     assert h.record is None or not h.record.holding
-                    h.files_epoch = None
+                    h.files_epoch = h.files_holder = None
                 case mv.CheckBlobs(epoch=e):
                     bad = tuple(b for b in BLOBS if b not in h.blobs)
                     queue[:0] = tm.handle(mv.BlobsChecked(agent_id=AGENT, epoch=e, source=ev.source, bad=bad))
@@ -175,7 +259,7 @@ class World:
                 case mv.Install(epoch=e):
                     assert e in h.staging, "install without a staging area"
                     h.staging.discard(e)
-                    h.files_epoch = e
+                    h.files_epoch, h.files_holder = e, h.name
                 case mv.ActivateAgent():
                     h.frozen = False
                 case mv.Reply(answer=a):
@@ -193,6 +277,10 @@ class World:
         h.awaiting.clear()
         h.staging.clear()
         h.frozen = False
+        h.answers.clear()
+        h.created = False
+        h.lives += 1
+        h.start_epoch = h.record.epoch if h.record is not None and not lose_record else 0
         if lose_record:
             h.record = None
         # restart: first the record decides; a lost one with files here is UNKNOWN
@@ -220,4 +308,4 @@ class World:
         h.record = learn_from_peers(h.record, local_epoch=h.files_epoch, views=views,
                                     peers=[o for o in self.hosts if o != name])
         if h.record.state is HolderState.RETIRED:
-            h.files_epoch = None
+            h.files_epoch = h.files_holder = None

@@ -50,6 +50,7 @@ from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, story
 from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost, record_new_agent
+from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
 from capsulefs.move.target import MoveService, serve_moves
 from capsulefs.peer.link import PeerError
@@ -276,6 +277,11 @@ class MountMoves:
         if rec is None or not rec.runnable:
             state = "no holder record" if rec is None else f"{rec.state.value} at epoch {rec.epoch}"
             raise le.MoveFailed(Cause.REFUSED, f"agent {agent_id} is not held here ({state}): it cannot move")
+        standing = self.standings.decision(agent_id).standing
+        if standing is not Standing.HOLDING:
+            # (moving a copy in doubt could fork it: the peer it goes to may never have seen the holder's)
+            raise le.MoveFailed(Cause.REFUSED, f"agent {agent_id} is {standing.value} here: it cannot move until a "
+                                f"peer has said that no host holds a higher epoch (see its .control/status)")
         control = self._control(agent_id, peer.name, phase="freezing")
         self._running[agent_id] = _Running(control, peer.name)
         self._set(agent_id, {"available": True, "phase": "freezing", "target": peer.name, "blobs_sent": 0,

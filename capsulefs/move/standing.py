@@ -141,7 +141,11 @@ class Standings:
             rec = self.host.holders.get(agent_id)
             if rec is None or rec.state is HolderState.UNKNOWN:
                 continue
-            claim = lc.claim_of(rec)
+            try:
+                named = self.host.store.agent(agent_id).manifest().holder.host == self.host.me
+            except CapsuleError:
+                named = False  # (no files here, or unreadable ones)
+            claim = lc.claim_of(rec, named=named)
             if claim.held is not None or claim.top > 0:
                 out.append(claim)
         return out

@@ -52,42 +52,49 @@ class Claim:
     agent_id: str  # 32 hex
     held: int | None  # the epoch it holds the agent at (HELD, FROZEN, COMMITTING); None if it does not
     top: int  # the highest epoch it knows activated: its own activations, and the epoch it handed over at
+    named: bool = False  # its copy's manifest names it as the holder (false for an imported copy)
 
     def __post_init__(self) -> None:
         check_agent_id(self.agent_id)
         if self.held is not None:
             check_int(self.held, "held epoch", low=1)
         check_int(self.top, "top epoch")
+        if not isinstance(self.named, bool):
+            raise FormatError(f"claim of {self.agent_id}: 'named' must be true or false")
 
 
-def claim_of(record: HolderRecord) -> Claim:
-    """This host's claim for an agent, from its record."""
+def claim_of(record: HolderRecord, *, named: bool) -> Claim:
+    """This host's claim for an agent, from its record (``named``: the
+    manifest of its copy names this host)."""
     top = max(record.activated, default=0)
     if record.state is HolderState.RETIRED:
         top = max(top, record.epoch)  # handed over at that epoch: the peer activated it
-    return Claim(agent_id=record.agent_id, held=record.held_epoch, top=top)
+    return Claim(agent_id=record.agent_id, held=record.held_epoch, top=top, named=named)
 
 
 def claims_to_wire(claims: list[Claim]) -> list[list[Any]]:
-    return [[c.agent_id, c.held, c.top] for c in claims]
+    return [[c.agent_id, c.held, c.top, c.named] for c in claims]
 
 
 def claims_from_wire(value: object, what: str) -> dict[str, Claim]:
     """Parse a ``holds`` message's ``claims`` (hostile input): a list of at
-    most :data:`MAX_CLAIMS` ``[agent_id, held epoch or null, top epoch]``,
-    each agent once. FormatError naming the first problem."""
+    most :data:`MAX_CLAIMS` ``[agent_id, held epoch or null, top epoch,
+    named]``, each agent once. FormatError naming the first problem."""
     if not isinstance(value, list):
         raise FormatError(f"{what}: claims must be a list")
     if len(value) > MAX_CLAIMS:
         raise FormatError(f"{what}: {len(value)} claims, at most {MAX_CLAIMS}")
     out: dict[str, Claim] = {}
     for i, item in enumerate(value):
-        if not isinstance(item, list) or len(item) != 3:
-            raise FormatError(f"{what}: claim {i} must be [agent_id, held, top]")
-        agent_id, held, top = item
+        if not isinstance(item, list) or len(item) != 4:
+            raise FormatError(f"{what}: claim {i} must be [agent_id, held, top, named]")
+        agent_id, held, top, named = item
         if not isinstance(agent_id, str):
             raise FormatError(f"{what}: claim {i}: agent_id must be a string")
-        claim = Claim(agent_id=agent_id, held=held, top=top)
+        try:
+            claim = Claim(agent_id=agent_id, held=held, top=top, named=named)
+        except FormatError as exc:
+            raise FormatError(f"{what}: claim {i}: {exc}") from None
         if claim.agent_id in out:
             raise FormatError(f"{what}: agent {agent_id} claimed twice")
         out[claim.agent_id] = claim
@@ -96,10 +103,13 @@ def claims_from_wire(value: object, what: str) -> dict[str, Claim]:
 
 def outranks(theirs: Claim | None, mine: HolderRecord, *, me: str, manifest_holder: str,
              manifest_epoch: int = 0) -> bool:
-    """Does a peer's claim show that someone holds a higher epoch than this
-    host's hold (``mine``, a holding record)? A higher epoch held or
-    activated there does; so does the same epoch held there when this host's
-    copy names another holder (an imported copy of the agent the peer holds).
+    """Does a peer's claim show that this host must not run the agent it
+    holds (``mine``, a holding record)? A higher epoch held or activated
+    there does. So does the same epoch held there, unless only this host's
+    copy names its holder: an imported copy yields to the host it was
+    copied from, and two copies that each name their own host at one epoch
+    (a fork: a restored host moved the agent on) both yield, for an
+    operator to settle.
 
     This host's epoch is the higher of its record's and its manifest's when
     the manifest names this host: files are installed here only at an
@@ -110,7 +120,9 @@ def outranks(theirs: Claim | None, mine: HolderRecord, *, me: str, manifest_hold
     e = max(mine.held_epoch, manifest_epoch if manifest_holder == me else 0)
     if theirs.top > e or (theirs.held or 0) > e:
         return True
-    return theirs.held == e and manifest_holder != me
+    if theirs.held != e:
+        return False
+    return manifest_holder != me or theirs.named
 
 
 class Evidence(enum.Enum):

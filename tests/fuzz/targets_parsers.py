@@ -95,7 +95,7 @@ def _holder_seeds() -> list[bytes]:
 
 
 def _holds_seeds() -> list[bytes]:
-    claims = [lc.Claim(agent_id="b" * 32, held=3, top=3), lc.Claim(agent_id="c" * 32, held=None, top=7)]
+    claims = [lc.Claim(agent_id="b" * 32, held=3, top=3, named=True), lc.Claim(agent_id="c" * 32, held=None, top=7)]
     return [json.dumps({"claims": lc.claims_to_wire(claims)}).encode(), b'{"claims": []}']
 
 

@@ -43,8 +43,8 @@ def gather(rec: HolderRecord, *, holder: str = ME, epoch: int = 1, peers: tuple[
                      answers=answers or {}, own=own)
 
 
-def claim(held: int | None, top: int) -> lc.Claim:
-    return lc.Claim(agent_id=AGENT, held=held, top=top)
+def claim(held: int | None, top: int, named: bool = False) -> lc.Claim:
+    return lc.Claim(agent_id=AGENT, held=held, top=top, named=named)
 
 
 def test_no_peer_answered_is_never_evidence() -> None:
@@ -71,7 +71,8 @@ def test_one_peer_answering_clears_and_any_higher_epoch_makes_it_stale() -> None
     assert gather(held(), answers={B: claim(None, 1)}) is lc.Evidence.CLEARED  # B once held epoch 1, and gave it up
     assert gather(held(), answers={B: claim(2, 2)}) is lc.Evidence.NEWER  # B holds epoch 2
     assert gather(held(), answers={B: claim(None, 3)}) is lc.Evidence.NEWER  # B activated 2 and handed on at 3
-    assert gather(held(), answers={B: claim(1, 1)}) is lc.Evidence.CLEARED  # the same epoch, our own copy
+    assert gather(held(), answers={B: claim(1, 1)}) is lc.Evidence.CLEARED  # the same epoch, B's an imported copy
+    assert gather(held(), answers={B: claim(1, 1, named=True)}) is lc.Evidence.NEWER  # a fork: both yield
     # the newer claim wins over everything else this host knows
     forced = force_hold(HolderRecord(agent_id=AGENT, state=HolderState.UNKNOWN, epoch=0), local_epoch=1, why="x")
     assert gather(forced, answers={B: claim(2, 2)}, own=True) is lc.Evidence.NEWER
@@ -89,22 +90,23 @@ def test_a_record_older_than_the_files_holds_the_epoch_they_say() -> None:
 
 
 def test_claims_say_what_a_record_holds_and_handed_on() -> None:
-    assert lc.claim_of(held(3, activated=(1, 3))) == claim(3, 3)
+    assert lc.claim_of(held(3, activated=(1, 3)), named=True) == claim(3, 3, named=True)
     retired = HolderRecord(agent_id=AGENT, state=HolderState.RETIRED, epoch=4, peer=B, activated=(1,))
-    assert lc.claim_of(retired) == claim(None, 4)
+    assert lc.claim_of(retired, named=False) == claim(None, 4)
     moving = held(1).with_(state=HolderState.COMMITTING, epoch=2, peer=B)
-    assert lc.claim_of(moving) == claim(1, 1)
+    assert lc.claim_of(moving, named=True) == claim(1, 1, named=True)
 
 
 @pytest.mark.parametrize("bad", [
-    None, {}, [["a" * 32, 1]], [["a" * 32, 1, 1, 1]], [["A" * 32, 1, 1]], [["a" * 32, 0, 1]],
-    [["a" * 32, True, 1]], [["a" * 32, 1, -1]], [["a" * 32, 1, 2 ** 64]], [[1, 1, 1]], [["a" * 32, "1", 1]],
-    [["a" * 32, 1, 1], ["a" * 32, 2, 2]], [["%02x" % (i % 256) * 16, None, 1] for i in range(lc.MAX_CLAIMS + 1)],
+    None, {}, [["a" * 32, 1, 1]], [["a" * 32, 1, 1, True, 1]], [["A" * 32, 1, 1, True]], [["a" * 32, 0, 1, True]],
+    [["a" * 32, True, 1, True]], [["a" * 32, 1, -1, True]], [["a" * 32, 1, 2 ** 64, True]], [[1, 1, 1, True]],
+    [["a" * 32, "1", 1, True]], [["a" * 32, 1, 1, 1]], [["a" * 32, 1, 1, True], ["a" * 32, 2, 2, False]],
+    [["%02x" % (i % 256) * 16, None, 1, False] for i in range(lc.MAX_CLAIMS + 1)],
 ])
 def test_hostile_claims_are_refused_naming_the_problem(bad: object) -> None:
     with pytest.raises(FormatError) as err:
         lc.claims_from_wire(bad, "holds from b")
-    assert str(err.value).startswith("holds from b") or "epoch" in str(err.value) or "agent" in str(err.value)
+    assert str(err.value).startswith("holds from b: ")  # one line, naming the message and the problem
 
 
 def test_every_holder_state_has_a_decision() -> None:
@@ -123,3 +125,53 @@ def test_the_docs_show_the_table() -> None:
 
     doc = (Path(__file__).parents[2] / "docs" / "move.md").read_text()
     assert lc.describe_table() in doc
+
+
+# -- the same rules over the move machines (tests/move_model.py) ----------------------------
+
+
+def _settle(w: "World") -> None:
+    while w.net:
+        w.deliver(0)
+        w.check()
+
+
+def _shown(w: "World") -> dict[str, tuple[HolderState | None, bool]]:
+    return {n[:1]: (h.record.state if h.record else None, w.running(h)) for n, h in w.hosts.items()}
+
+
+def test_a_restored_host_is_stopped_by_the_first_exchange_with_the_holder() -> None:
+    from move_model import World
+
+    w = World((ME, B, C), shared_blobs=2)
+    w.start(ME, B)
+    _settle(w)
+    w.restore(ME, 0)  # A's records from before the move
+    _settle(w)
+    assert _shown(w)["A"] == (HolderState.HELD, False)  # in doubt: nobody answered
+    w.exchange(ME, C)  # C never saw the agent: A runs it (B is not asked yet)
+    assert _shown(w)["A"] == (HolderState.HELD, True) and _shown(w)["B"] == (HolderState.HELD, True)
+    w.exchange(B, ME)
+    assert _shown(w)["A"] == (HolderState.UNKNOWN, False) and _shown(w)["B"] == (HolderState.HELD, True)
+    w.check()
+
+
+def test_a_fork_made_by_a_restored_host_stops_both_copies() -> None:
+    """A, restored, hears only from C, and moves the agent to C at epoch 2,
+    the epoch B already holds: two copies that each name their own host at
+    one epoch. When B and C talk, neither runs it (an operator settles)."""
+    from move_model import World
+
+    w = World((ME, B, C), shared_blobs=2)
+    w.start(ME, B)
+    _settle(w)
+    w.restore(ME, 0)
+    _settle(w)
+    w.exchange(ME, C)
+    w.start(ME, C)
+    _settle(w)
+    assert _shown(w)["B"] == (HolderState.HELD, True) and _shown(w)["C"] == (HolderState.HELD, True)
+    assert w.hosts[B].record.held_epoch == w.hosts[C].record.held_epoch == 2
+    w.exchange(B, C)
+    assert not w.running(w.hosts[B]) and not w.running(w.hosts[C])
+    assert w.hosts[B].record.state is w.hosts[C].record.state is HolderState.UNKNOWN

@@ -1,7 +1,9 @@
 """Hypothesis drives two (or three) hosts through moves with message loss,
 duplication, reordering, corruption, timeouts and crashes (with and without
-the holder record), and checks after every step that never two hosts run
-the agent, and never two hold it."""
+the holder record), and old copies of a host's records restored, and checks
+after every step that never two hosts run the agent, and never two hold it;
+once a restore happened, that two hosts run it only until they next
+exchange claims (docs/move.md, "Checking before running, and while running")."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class MoveWorld(RuleBasedStateMachine):
     # One rule with weighted actions: delivering is common, faults are rarer,
     # so runs get deep into moves (the ambiguous moment) and not only noisy.
     ACTIONS = ("deliver",) * 4 + ("deliver_newest",) * 4 + ("timeout",) * 3 + (
-        "duplicate", "drop", "start", "start", "crash", "crash_losing_record", "corrupt_next_blob", "learn")
+        "duplicate", "drop", "start", "start", "crash", "crash_losing_record", "corrupt_next_blob", "learn",
+        "exchange", "exchange", "exchange", "restore", "restore")
 
     @rule(action=st.sampled_from(ACTIONS), data=st.data())
     def step(self, action: str, data: st.DataObject) -> None:
@@ -41,9 +44,8 @@ class MoveWorld(RuleBasedStateMachine):
                     w.deliver(i, keep=action == "duplicate")
             case "deliver_newest" if w.net:
                 w.deliver(len(w.net) - 1)  # reordering: the last sent overtakes the rest
-            case "start":
-                idle = [h.name for h in w.hosts.values()
-                        if h.record is not None and h.record.state is HolderState.HELD and h.source is None]
+            case "start":  # (a daemon moves only an agent it may run: not one in doubt)
+                idle = [h.name for h in w.hosts.values() if w.running(h) and h.source is None]
                 if idle:
                     frm = data.draw(st.sampled_from(idle), label="from")
                     w.start(frm, data.draw(st.sampled_from([n for n in NAMES if n != frm]), label="to"))
@@ -53,6 +55,12 @@ class MoveWorld(RuleBasedStateMachine):
                     w.timeout(data.draw(st.sampled_from(waiting), label="who"))
             case "crash" | "crash_losing_record":
                 w.crash(data.draw(st.sampled_from(NAMES), label="who"), lose_record=action == "crash_losing_record")
+            case "exchange":
+                x = data.draw(st.sampled_from(NAMES), label="host")
+                w.exchange(x, data.draw(st.sampled_from([n for n in NAMES if n != x]), label="with"))
+            case "restore":
+                who = data.draw(st.sampled_from(NAMES), label="who")
+                w.restore(who, data.draw(st.integers(0, len(w.history[who]) - 1), label="copy"))
             case "corrupt_next_blob":
                 w.corrupt_next_blob = True
             case "learn":
