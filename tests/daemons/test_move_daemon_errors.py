@@ -37,7 +37,7 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.move.mount_moves import CALL_TIMEOUT_ENV
 from helpers import bound
 from mount_kit import needs_fuse
-from test_move_daemons import Host, hosts, make_agent, verify_on, write_move  # noqa: F401 (hosts: a fixture)
+from test_move_daemons import Host, hosts, make_agent, verify_on, wait_for, wait_holding, write_move  # noqa: F401
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -110,8 +110,8 @@ def test_a_blob_rotten_at_the_source_fails_with_eio_and_rolls_back(hosts: tuple[
     b.stop()
 
 
-def test_a_host_waking_up_with_a_stale_record_fails_with_eexist_and_stops(hosts: tuple[Host, Host],
-                                                                          tmp_path: Path) -> None:
+def test_a_host_waking_up_with_a_stale_record_learns_it_at_start_and_stops(hosts: tuple[Host, Host],
+                                                                         tmp_path: Path) -> None:
     a, b = hosts
     a.start()
     b.start()
@@ -121,6 +121,7 @@ def test_a_host_waking_up_with_a_stale_record_fails_with_eexist_and_stops(hosts:
     old_disk = tmp_path / "b-disk-at-epoch-2"
     shutil.copytree(b.state, old_disk, symlinks=True)  # b's disk as it is now: it holds walker at epoch 2
     b.start()
+    wait_holding(b, "walker")  # (a has answered: it holds no higher epoch)
     append_event(b, "walker", "hello 5")
     assert write_move(b.mnt, "walker", "a\n") == 0  # back to a, epoch 3
     assert a.holder(agent_id) is HolderState.HELD and record(a, agent_id).held_epoch == 3
@@ -128,18 +129,16 @@ def test_a_host_waking_up_with_a_stale_record_fails_with_eexist_and_stops(hosts:
     shutil.rmtree(b.state)
     shutil.copytree(old_disk, b.state, symlinks=True)  # b wakes up from the old disk
     b.start()
-    assert b.holder(agent_id) is HolderState.HELD and b.status("walker")["epoch"] == 2
-
-    assert write_move(b.mnt, "walker", "a\n") == errno.EEXIST  # offers epoch 3: a holds it
-    # b does not run it (not held, nothing to resume), and says why
+    # b asks its peers before it runs or takes writes for anything (docs/move.md, "Checking before
+    # running"): a claims epoch 3, so b never runs it, records it unknown and says why
+    wait_for(lambda: b.holder(agent_id) is HolderState.UNKNOWN, "b to learn that a holds a higher epoch")
+    assert b.status("walker")["epoch"] == 2
     rec_b = record(b, agent_id)
-    assert rec_b.state is HolderState.UNKNOWN and not rec_b.runnable, rec_b
-    assert "holds the agent itself" in rec_b.note
+    assert not rec_b.runnable and "peer a holds a higher epoch" in rec_b.note, rec_b
     status = b.status("walker")  # shown, frozen, read-only: its files are evidence, not a running agent
     assert status["state"] == "frozen" and status["writable"] is False, status
-    move = status["move"]
-    assert move["outcome"] == "stale" and move["cause"] == "stale", move
-    assert "holds the agent itself: another host may hold it" in move["detail"], move
+    assert "--learn" in status["record"]["detail"], status
+    assert write_move(b.mnt, "walker", "a\n") == errno.EPERM  # not held here: it cannot move
     with pytest.raises(OSError):
         append_event(b, "walker", "written on the stale copy")
     # a still holds it, untouched: the only holder, at epoch 3
