@@ -247,8 +247,10 @@ def _s_abandon(m: SourceMachine, ev: OperatorAbandon) -> list[Command]:
         "If %s did activate it, two hosts now run the agent.",
         m.agent_id, m.target, m.epoch, ev.why, m.target,
     )
-    return [Persist(record=m._held(highest=0, note=f"operator abandoned the move to {m.target}: {ev.why}")),
-            Resume(agent_id=m.agent_id)]
+    # (an operator's word, as a forced hold: the daemon runs it without a peer's answer, the target
+    # being unreachable, until a peer claims a higher epoch; core/store/lifecycle.py)
+    held = m._held(highest=0, note=f"operator abandoned the move to {m.target}: {ev.why}").with_(forced=True)
+    return [Persist(record=held), Resume(agent_id=m.agent_id)]
 
 
 _S = SourceState

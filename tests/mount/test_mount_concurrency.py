@@ -252,7 +252,8 @@ def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
         assert status(m / "erin")["state"] == "frozen"
         (m / "alice" / fmt.WORKING_MEMORY).write_text("mine\n")
         record = status(m / "alice")["record"]
-        assert (record["state"], record["epoch"], record["story"]["state"]) == ("held", 1, "held")
+        assert (record["state"], record["epoch"], record["story"]["state"], record["standing"]) == \
+            ("held", 1, "held", "holding")
     assert book.get(ids["frank"]).state is HolderState.UNKNOWN
     assert (Path(store.agents_dir) / ids["erin"] / fmt.WORKING_MEMORY).read_text() == "m\n"
 
