@@ -14,6 +14,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import AgentHandle, HostStore
 from capsulefs.move.host import record_new_agent
+from capsulefs.peer.identity import load_or_create_identity
 
 HOST = "TESTHOSTAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 
@@ -36,9 +37,13 @@ def agent_id_for(name: str) -> str:
 def make_agent(store: HostStore, name: str = "alice", workspace: dict[str, bytes] | None = None,
                memory: str = "# notes\nremember the milk\n", *, held: bool = True) -> AgentHandle:
     """An agent with working memory and a workspace whose files are blobs,
-    held by this host (as ``capsulefs new`` records it; ``held=False``: no
-    holder record, as after one was lost)."""
-    agent = store.create_agent(name, host_id=HOST, agent_id=agent_id_for(name), working_memory=memory)
+    held by this host (as ``capsulefs new`` records it, the manifest naming
+    this host, whose identity it creates; ``held=False``: no holder record,
+    as after one was lost, and a manifest naming HOST)."""
+    # A held agent's manifest names this host, as `capsulefs new` makes it: a daemon runs an agent
+    # whose manifest names another host only once that host, as a peer, says it let go (docs/move.md).
+    host_id = load_or_create_identity(store.root).host_id if held else HOST
+    agent = store.create_agent(name, host_id=host_id, agent_id=agent_id_for(name), working_memory=memory)
     if held:
         record_new_agent(store.root, agent.agent_id, agent.manifest().holder.epoch)
     workspace = {"src/main.py": b"print('hi')\n", "README": b"hello\n"} if workspace is None else workspace

@@ -17,6 +17,7 @@ from capsulefs.core.view import errors as le
 from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.view.nodes import AgentState
 from capsulefs.daemon.daemon import Daemon
 from capsulefs.peer.identity import load_or_create_identity
 from capsulefs.move.mount_moves import MountMoves
@@ -38,7 +39,12 @@ def wired(store: HostStore, state_dir: Path, tmp_path: Path) -> tuple[MountMoves
     other = load_or_create_identity(tmp_path / "other").host_id
     PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
     daemon = Daemon(str(state_dir), str(tmp_path / "mnt"))
-    return MountMoves.attach(daemon, retry_pause=0.01), agent.agent_id
+    mm = MountMoves.attach(daemon, retry_pause=0.01)
+    # As if this daemon had created it (mkdir): held with evidence, although its one peer is dead
+    # (an agent in doubt does not move: docs/move.md, "Checking before running").
+    mm.standings.created(agent.agent_id)
+    daemon.show_as_decided()
+    return mm, agent.agent_id
 
 
 async def test_an_unknown_peer_is_a_format_error(wired: tuple[MountMoves, str]) -> None:
@@ -130,3 +136,19 @@ async def test_removing_a_held_agent_forgets_it_everywhere(wired: tuple[MountMov
         live.check_writable(agent_id)  # a handle still open on it writes nothing
     make_agent(live.store, "alice")  # the same id in the store again (an import): a new agent, shown
     assert live.state(agent_id).value == "active" and live.names() == {"alice": agent_id}
+
+
+async def test_an_agent_in_doubt_does_not_move(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """Held here, but no peer has answered (its one peer is dead): moving it
+    to a peer that never saw the holder's copy could fork it (docs/move.md)."""
+    agent = make_agent(store, "alice")
+    other = load_or_create_identity(tmp_path / "other").host_id
+    PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
+    daemon = Daemon(str(state_dir), str(tmp_path / "mnt"))
+    mm = MountMoves.attach(daemon, retry_pause=0.01)
+    assert daemon.state(agent.agent_id) is AgentState.FROZEN  # read-only from the first request
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mm.serve)
+        with pytest.raises(le.MoveRefused, match="in doubt"):
+            await mm.move(agent.agent_id, "dead")
+        nursery.cancel_scope.cancel()
