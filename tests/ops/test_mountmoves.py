@@ -149,6 +149,6 @@ async def test_an_agent_in_doubt_does_not_move(store: HostStore, state_dir: Path
     assert daemon.state(agent.agent_id) is AgentState.FROZEN  # read-only from the first request
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
-        with pytest.raises(le.MoveRefused, match="in doubt"):
+        with pytest.raises(le.MoveFailed, match="in doubt"):
             await mm.move(agent.agent_id, "dead")
         nursery.cancel_scope.cancel()
