@@ -34,6 +34,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal.events import Note
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import record_new_agent
+from capsulefs.peer.identity import load_or_create_identity
 
 HOST = "BENCHHOST"
 READ_CHUNK = 1 << 20
@@ -187,8 +188,9 @@ def bench_stat(tmp: Path, agents: int, files: int, rounds: int) -> None:
 
 def bench_append(tmp: Path, n: int, rounds: int) -> None:
     store = HostStore.open(tmp / "state-append")
-    store.create_agent("a", host_id=HOST, agent_id=f"{1:032x}")
-    record_new_agent(store.root, f"{1:032x}")  # held here, as `capsulefs new` records it: writable
+    # held here, as `capsulefs new` makes it (the manifest names this host, the record says held): writable
+    store.create_agent("a", host_id=load_or_create_identity(store.root).host_id, agent_id=f"{1:032x}")
+    record_new_agent(store.root, f"{1:032x}")
     direct_agent = store.create_agent("b", host_id=HOST, agent_id=f"{2:032x}")
     mnt = tmp / "mnt-append"
     line = b'{"kind":"note","text":"a note of moderate length, like most events"}\n'
