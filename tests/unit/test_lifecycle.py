@@ -4,6 +4,8 @@ whether the agent runs; and the ``holds`` claims peers exchange."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from capsulefs.core.errors import FormatError
@@ -29,6 +31,9 @@ def test_a_forced_hold_is_recorded_and_read_back() -> None:
 
 from capsulefs.core.store import lifecycle as lc  # noqa: E402
 from capsulefs.core.view.nodes import AgentState  # noqa: E402
+
+if TYPE_CHECKING:
+    from move_model import World
 
 ME, B, C = "A" * 52, "B" * 52, "C" * 52
 
