@@ -195,6 +195,7 @@ TABLE: dict[tuple[HolderState | None, Evidence | None], Decision] = {
     (HolderState.COMMITTING, None): _MOVING,
     (HolderState.RETIRED, None): _ELSEWHERE,
     (HolderState.REFUSED, None): _ELSEWHERE,
+    (HolderState.REMOVED, None): _ELSEWHERE,  # (removed here by an operator; a copy may be kept)
     (HolderState.OFFERED, None): _ELSEWHERE,
     (HolderState.VERIFIED, None): _ELSEWHERE,
     (HolderState.PREPARED, None): _ELSEWHERE,
