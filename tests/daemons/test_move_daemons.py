@@ -525,6 +525,7 @@ def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: 
     backup = tmp_path / "backup-a"
     shutil.copytree(a.state, backup, symlinks=True)
     a.start()
+    wait_holding(a, "walker")  # (a restarted daemon moves an agent once a peer has answered for it)
     assert write_move(a.mnt, "walker", "b\n") == 0
     assert b.holder(agent_id) is HolderState.HELD
     a.stop()
