@@ -83,7 +83,24 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
+class _Values(_Metric):
+    """A metric of one value per label set (a counter or a gauge)."""
+
+    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labels)
+        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
+
+    def value(self, *labels: str) -> float:
+        with self._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+    def _body(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [self._series("", k, v) for k, v in items]
+
+
+class Counter(_Values):
     """A count that only grows. Without labels it shows 0 from the start;
     with labels, each label set once it was first counted (or ``touch``ed)."""
 
@@ -93,7 +110,6 @@ class Counter(_Metric):
         if not name.endswith("_total"):
             raise ValueError(f"counter {name!r} must end in _total")
         super().__init__(name, help, labels)
-        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
 
     def inc(self, *labels: str, by: float = 1.0) -> None:
         if by < 0:
@@ -108,24 +124,11 @@ class Counter(_Metric):
         with self._lock:
             self._values.setdefault(key, 0.0)
 
-    def value(self, *labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
 
-    def _body(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [self._series("", k, v) for k, v in items]
-
-
-class Gauge(_Metric):
+class Gauge(_Values):
     """A value that goes up and down, set by a collector before rendering."""
 
     TYPE = "gauge"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labels)
-        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
 
     def set(self, value: float, *labels: str) -> None:
         key = self._key(labels)
@@ -137,15 +140,6 @@ class Gauge(_Metric):
         new = {self._key(k): float(v) for k, v in values.items()}
         with self._lock:
             self._values = new
-
-    def value(self, *labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def _body(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [self._series("", k, v) for k, v in items]
 
 
 class Histogram(_Metric):

@@ -21,7 +21,7 @@ import pytest
 
 from capsulefs.core.journal.events import line_hash
 from capsulefs.core.journal.record import Record
-from helpers import HANG
+from helpers import HANG, reference_agent_spec
 
 CAPSULEFS = str(Path(sys.executable).with_name("capsulefs"))
 MOUNT_WAIT = HANG  # seconds a daemon may take to mount (a bound on a hang: a busy machine is slow)
@@ -38,6 +38,17 @@ def capsulefs(*args: str, check: bool = True, **kw: object) -> subprocess.Comple
     if check and proc.returncode != 0:
         raise AssertionError(f"capsulefs {' '.join(args)}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def new_reference_agent(tmp_path: Path, stub_url: str, name: str = "pilot") -> Path:
+    """A state directory (``tmp_path/state``) holding ``name``, the reference
+    agent against the stub provider at ``stub_url``, its keys in the keychain."""
+    state = tmp_path / "state"
+    spec = reference_agent_spec(tmp_path / "spec.json", stub_url)
+    capsulefs("--state", str(state), "new", name, "--spec", str(spec))
+    for key in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+        capsulefs("--state", str(state), "secret", "set", key, input="stub-key\n")
+    return state
 
 
 def wait_mounted(mnt: Path, proc: subprocess.Popen, log: Path) -> None:

@@ -9,13 +9,13 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import capsulefs, mounted, needs_fuse, new_reference_agent
 from mount_kit import status as agent_status
 
 from capsulefs.core.journal.record import Record
 from capsulefs.testing.stub_provider import serve
 
-from helpers import reference_agent_spec, wait_until
+from helpers import wait_until
 
 pytestmark = [needs_fuse]
 
@@ -38,12 +38,8 @@ def test_a_failed_step_is_in_the_status_with_its_fix_and_in_the_log(tmp_path: Pa
     """No model chosen: the agent stays up, and its status says what failed,
     when, the next retry, and the command that fixes it; that command fixes
     it. The log has the agent's own words, with or without a daemon."""
-    state = tmp_path / "state"
     with serve() as (url, _stub):
-        spec = reference_agent_spec(tmp_path / "spec.json", url)
-        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
-        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
-            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        state = new_reference_agent(tmp_path, url)
         mnt = tmp_path / "mnt"
         with mounted(state, mnt):
             agent = mnt / "pilot"
@@ -142,12 +138,8 @@ def test_a_spec_edit_and_a_grant_reach_the_running_agent_without_a_remount(tmp_p
     again. No remount."""
     from capsulefs.agents.steering import spec_digest
 
-    state = tmp_path / "state"
     with serve() as (url, _stub):
-        spec = reference_agent_spec(tmp_path / "spec.json", url)
-        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
-        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
-            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        state = new_reference_agent(tmp_path, url)
         mnt = tmp_path / "mnt"
         with mounted(state, mnt):
             agent = mnt / "pilot"

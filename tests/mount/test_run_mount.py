@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from mount_kit import capsulefs, mounted, needs_fuse
+from mount_kit import capsulefs, mounted, needs_fuse, new_reference_agent
 from mount_kit import status as agent_status
 
 from capsulefs.core.capsule import format as fmt
@@ -37,12 +37,8 @@ def _replies(agent_dir: Path) -> list[str]:
 
 
 def test_running_agent_converses_through_the_mount(tmp_path: Path) -> None:
-    state = tmp_path / "state"
     with serve() as (url, stub):
-        spec = reference_agent_spec(tmp_path / "spec.json", url)
-        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
-        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
-            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        state = new_reference_agent(tmp_path, url)
         mnt = tmp_path / "mnt"
         with mounted(state, mnt):
             agent = mnt / "pilot"

@@ -24,8 +24,8 @@ from capsulefs.agents.isolation import Isolation
 from capsulefs.agents.supervisor import RunState, Supervisor
 
 from capsulefs.testing.stub_provider import serve
-from helpers import reference_agent_spec, wait_until
-from mount_kit import capsulefs, mounted, needs_fuse
+from helpers import wait_until
+from mount_kit import mounted, needs_fuse, new_reference_agent
 from mount_kit import status as agent_status
 from supervisor_kit import StoreHooks, agent_with_spec, wait_for
 
@@ -147,12 +147,8 @@ def test_the_reference_agents_shell_cannot_cat_the_keychain_or_the_host_key(tmp_
     """What the security review did: a model drives the reference agent's
     shell to cat the keychain and tls/host.pem. It gets EACCES, and the
     journal holds the refusal, never the bytes."""
-    state = tmp_path / "state"
     with serve() as (url, _stub):
-        spec = reference_agent_spec(tmp_path / "spec.json", url)
-        capsulefs("--state", str(state), "new", "pilot", "--spec", str(spec))
-        for name in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
-            capsulefs("--state", str(state), "secret", "set", name, input="stub-key\n")
+        state = new_reference_agent(tmp_path, url)
         mnt = tmp_path / "mnt"
         with mounted(state, mnt):
             agent = mnt / "pilot"
