@@ -509,7 +509,7 @@ def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: 
     """A's state directory is copied while A is stopped; A moves the agent to
     B (B holds epoch 2). A is stopped and its state replaced by the old copy:
     its record says held again, and an append is acknowledged there. A then
-    learns that B holds the agent (here: a move refused as stale, then
+    learns that B holds the agent (here: at its start, from B; a move is then refused, and
     ``capsulefs move --learn`` through A's daemon). A gives the agent up but
     deletes nothing acknowledged: its copy is kept under recovery/, verifies,
     and is named in the record and the command's words. The documented merge
@@ -535,8 +535,10 @@ def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: 
     line = appended.stdout.encode()  # the stamped line, as the journal holds it
     assert b"acknowledged after the restore" in line and line.endswith(b"\n")
     a.start()
-    if a.holder(agent_id) is HolderState.HELD:  # (nothing told A yet: a move finds out)
-        assert write_move(a.mnt, "walker", "b\n") == errno.EEXIST
+    # A asks B at start (docs/move.md, "Checking before running"): B holds a
+    # higher epoch, so A's record becomes unknown, and a move of an agent in doubt is refused
+    wait_for(lambda: a.holder(agent_id) is HolderState.UNKNOWN, "A to learn at start that B holds the agent")
+    assert write_move(a.mnt, "walker", "b\n") == errno.EPERM
     learned = a.cli("move", "walker", "--learn")  # through A's daemon
     rec = HolderBook(a.state / "holders").get(agent_id)
     assert rec is not None and rec.state is HolderState.RETIRED and rec.peer == b.host_id

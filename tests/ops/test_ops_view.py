@@ -6,10 +6,12 @@ import errno
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
@@ -641,6 +643,11 @@ async def test_times_set_on_an_open_edit_hold_at_its_commit_unless_written_after
 async def test_scratch_files_keep_the_mode_asked_for_and_move_their_directorys_time(c: Client) -> None:
     memory = await c.lookup("alice/memory")
     before = (await c.stat("alice/memory")).st_mtime_ns
+    # A directory's time comes from the kernel's coarse clock (a tick of up to
+    # 10 ms): on a fast machine the agent was made within the tick of the
+    # create, and no time could move. Wait until the clock has passed a tick.
+    while time.time_ns() <= before + 20_000_000:
+        await trio.sleep(0.005)
     fi, attr = await c.ops.create(memory, b"f", 0o666, os.O_WRONLY | os.O_CREAT | os.O_EXCL, Ctx(umask=0))
     await c.ops.release(fi.fh)
     assert attr.st_mode & 0o7777 == 0o666  # (the kernel applied the caller's umask; the daemon's is not applied)
