@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import FormatError
 from ..journal.events import Event, Reasoning
 from ..capsule.format import load_json
+from ._count import CLAUDE_4_7_ON
 from ._plan import ATTACH, Item, Unit
 
 
@@ -82,7 +83,7 @@ def openai_image_tokens(model: str) -> int:
 #: Anthropic counts an image as its pixels / 750, resized to about 1.15
 #: megapixels (IMAGE_TOKENS at most), but Claude Opus 4.7 takes images up to
 #: 3.75 megapixels: 5,000 tokens; taken for every model of 4.7 and later.
-ANTHROPIC_HIGH_RES = re.compile(r"claude-(?:opus|sonnet|haiku)-(?:4-(?:[7-9]|\d\d)|[5-9]|\d\d)\b")
+ANTHROPIC_HIGH_RES = re.compile(CLAUDE_4_7_ON)
 ANTHROPIC_HIGH_RES_IMAGE_TOKENS = 5000
 
 

@@ -58,6 +58,10 @@ PER_REQUEST = 3
 #: own JSON. Anthropic documents 313-346 for its tool-use system prompt.
 HIDDEN_WITH_TOOLS = {"anthropic": 500}
 
+#: The Claude models from 4.7 on (a tokenizer of their own; images up to
+#: 3.75 megapixels, see _base.anthropic_image_tokens).
+CLAUDE_4_7_ON = r"claude-(?:opus|sonnet|haiku)-(?:4-(?:[7-9]|\d\d)|[5-9]|\d\d)\b"
+
 #: (provider, model pattern) -> (encoding, factor); the first match wins.
 #: Sources and measurements: docs/render.md, "Token counting".
 FACTORS: tuple[tuple[str, re.Pattern[str], str, float], ...] = (
@@ -66,7 +70,7 @@ FACTORS: tuple[tuple[str, re.Pattern[str], str, float], ...] = (
     ("openai", re.compile(r"(?:.*/)?(?:gpt-4|gpt-3\.5|text-embedding)\b.*"), "cl100k_base", 1.0),
     ("openai", re.compile(r".*"), "cl100k_base", 1.1),
     # Claude Opus 4.7 and later: a new tokenizer, up to 1.35x the tokens of the one before
-    ("anthropic", re.compile(r"claude-(?:opus|sonnet|haiku)-(?:4-(?:[7-9]|\d\d)|[5-9]|\d\d)\b.*"), "o200k_base", 1.75),
+    ("anthropic", re.compile(CLAUDE_4_7_ON + ".*"), "o200k_base", 1.75),
     ("anthropic", re.compile(r".*"), "o200k_base", 1.3),
     ("gemini", re.compile(r".*"), "o200k_base", 1.15),
 )
