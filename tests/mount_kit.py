@@ -40,6 +40,19 @@ def capsulefs(*args: str, check: bool = True, **kw: object) -> subprocess.Comple
     return proc
 
 
+def daemon_pids(mnt: Path) -> list[int]:
+    """The pids of the ``capsulefs mount`` processes serving ``mnt`` (by their command lines)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(str(mnt)) in cmd and b"mount" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
 def new_reference_agent(tmp_path: Path, stub_url: str, name: str = "pilot") -> Path:
     """A state directory (``tmp_path/state``) holding ``name``, the reference
     agent against the stub provider at ``stub_url``, its keys in the keychain."""

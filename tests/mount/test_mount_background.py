@@ -7,19 +7,7 @@ from pathlib import Path
 
 from capsulefs.core.store.host_store import HostStore
 from helpers import make_agent, wait_until
-from mount_kit import capsulefs, force_unmount, needs_fuse
-
-
-def _daemon_pids(mnt: Path) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if os.fsencode(str(mnt)) in cmd and b"mount" in cmd:
-            pids.append(int(pid))
-    return pids
+from mount_kit import capsulefs, daemon_pids, force_unmount, needs_fuse
 
 
 @needs_fuse
@@ -49,11 +37,11 @@ def test_a_second_background_mount_of_one_state_says_why_in_one_line(store: Host
         assert "already holds" in text and "Traceback" not in text
         assert os.path.ismount(first)  # the first daemon still serves
         capsulefs("umount", str(first))
-        wait_until(lambda: not _daemon_pids(first), "the first daemon to exit")
+        wait_until(lambda: not daemon_pids(first), "the first daemon to exit")
     finally:
         for mnt in (first, second):
             force_unmount(mnt)
-            for pid in _daemon_pids(mnt):
+            for pid in daemon_pids(mnt):
                 os.kill(pid, 9)
 
 
@@ -74,5 +62,5 @@ def test_a_background_mount_that_cannot_log_says_why(store: HostStore, state_dir
         assert not os.path.ismount(mnt)
     finally:
         force_unmount(mnt)
-        for pid in _daemon_pids(mnt):
+        for pid in daemon_pids(mnt):
             os.kill(pid, 9)

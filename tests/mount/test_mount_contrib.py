@@ -13,24 +13,12 @@ import pytest
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.host_store import HostStore
 from helpers import HANG, make_agent, wait_until
-from mount_kit import CAPSULEFS, capsulefs, force_unmount, needs_fuse
+from mount_kit import CAPSULEFS, capsulefs, daemon_pids, force_unmount, needs_fuse
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "contrib" / "mount.fuse.capsulefs"
 UMOUNT_HELPER = REPO / "contrib" / "umount.fuse.capsulefs"
 UNIT = REPO / "contrib" / "systemd" / "capsulefs.service"
-
-
-def _daemon_pids(mnt: Path) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if os.fsencode(str(mnt)) in cmd and b"mount" in cmd:
-            pids.append(int(pid))
-    return pids
 
 
 @pytest.mark.fuse
@@ -49,11 +37,11 @@ def test_mount_helper_mounts_in_the_background(store: HostStore, state_dir: Path
         assert (mnt / "alice" / fmt.WORKING_MEMORY).read_bytes()
         assert "fuse.capsulefs" in Path("/proc/mounts").read_text()
         capsulefs("umount", str(mnt))
-        wait_until(lambda: not _daemon_pids(mnt), "the daemon to exit")
+        wait_until(lambda: not daemon_pids(mnt), "the daemon to exit")
         assert (state_dir / "mount" / "daemon.log").exists()
     finally:
         force_unmount(mnt)
-        for pid in _daemon_pids(mnt):
+        for pid in daemon_pids(mnt):
             os.kill(pid, 9)
 
 
@@ -79,12 +67,12 @@ def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_d
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert not os.path.ismount(mnt)
-        wait_until(lambda: not _daemon_pids(mnt), "the daemon to exit")
+        wait_until(lambda: not daemon_pids(mnt), "the daemon to exit")
         log = (state_dir / "mount" / "daemon.log").read_text()
         assert ("got SIGTERM: stopping the agents" in log) == (flags == [])
     finally:
         force_unmount(mnt)
-        for pid in _daemon_pids(mnt):
+        for pid in daemon_pids(mnt):
             os.kill(pid, 9)
 
 
