@@ -1,9 +1,12 @@
 """Commands that say how this host's agents run: status, logs.
 
-``capsulefs status`` lists every agent with its state, epoch, model, run
+``capsulefs status`` lists every agent with its state, its holder story
+(``holder.story``: the one word, reason and next command that ``import``,
+``ls``, ``.control/status`` and the daemon's log use too), epoch, model, run
 state, last error and last event time: from the running daemon (each
 agent's ``.control/status`` through its mount) if one serves the state
-directory, else from the store (no agent runs then). ``capsulefs logs
+directory, else from the store (no agent runs then). Under the table, each
+agent whose story has a next step gets one line saying it. ``capsulefs logs
 AGENT`` prints the agent's log (``STATE/logs/<agent_id>/``, written by the
 daemon; capsulefs/agents/agent_log.py), ``-f`` follows it; it needs no daemon.
 """
@@ -54,8 +57,10 @@ def _row_from_daemon(mnt: str, name: str, agent_id: str) -> dict[str, Any] | Non
         return None  # (removed or moved meanwhile)
     run = st.get("run") if isinstance(st.get("run"), dict) else None
     err = run.get("last_error") if run else None
+    record = st.get("record") if isinstance(st.get("record"), dict) else {}
+    told = record.get("story") if isinstance(record.get("story"), dict) else None
     return {
-        "name": name, "agent_id": agent_id, "state": st.get("state"), "epoch": st.get("epoch"),
+        "name": name, "agent_id": agent_id, "state": st.get("state"), "holder": told, "epoch": st.get("epoch"),
         "model": f"{st['provider']}:{st['model']}" if st.get("provider") else None,
         "run": run.get("state") if run else "not run (mount --no-run)",
         "spec_digest": (run.get("spec") or {}).get("digest") if run else None,
@@ -67,6 +72,7 @@ def _row_from_daemon(mnt: str, name: str, agent_id: str) -> dict[str, Any] | Non
 
 def _row_from_store(state: str, agent: Any, holders: Any) -> dict[str, Any]:
     from capsulefs.core.capsule import format as fmt
+    from capsulefs.core.store.holder import story
     from capsulefs.core.journal.tip import journal_tip_path
     from capsulefs.core.view.journal_tail import JournalTail
 
@@ -78,7 +84,7 @@ def _row_from_store(state: str, agent: Any, holders: Any) -> dict[str, Any]:
     return {
         "name": m.name, "agent_id": agent.agent_id,
         "state": rec.state.value if rec is not None else "no holder record",
-        "epoch": m.holder.epoch,
+        "holder": story(rec, m.name).as_json(), "epoch": m.holder.epoch,
         "model": f"{tail.model[0]}:{tail.model[1]}" if tail.model else None,
         "run": "not running (no daemon)", "spec_digest": None, "last_error": None,
         "last_event": _last_event_time(journal), "source": "store",
@@ -117,12 +123,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("NAME", "STATE", "EPOCH", "MODEL", "RUN", "LAST EVENT", "LAST ERROR")
-    table = [(shown(r["name"]), str(r["state"]), str(r["epoch"]), shown(r["model"] or "-"), str(r["run"]),
-              r["last_event"] or "-", _error_text(r["last_error"])) for r in rows]
+    cols = ("NAME", "STATE", "HOLDER", "EPOCH", "MODEL", "RUN", "LAST EVENT", "LAST ERROR")
+    table = [(shown(r["name"]), str(r["state"]), shown((r["holder"] or {}).get("state") or "-"), str(r["epoch"]),
+              shown(r["model"] or "-"), str(r["run"]), r["last_event"] or "-", _error_text(r["last_error"]))
+             for r in rows]
     widths = [max([len(c)] + [len(t[i]) for t in table]) for i, c in enumerate(cols[:-1])]
     for line in [cols, *table]:
         print("  ".join(f"{v:<{w}}" for v, w in zip(line, widths)) + "  " + line[-1])
+    for r in rows:  # (what to do next, in the story's own words)
+        told = r["holder"] or {}
+        if told.get("next"):
+            print(shown(f"{r['name']}: {told.get('state')}: {told.get('reason')}; next: {told['next']}"))
     return 0
 
 

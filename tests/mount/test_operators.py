@@ -54,9 +54,10 @@ def test_a_failed_step_is_in_the_status_with_its_fix_and_in_the_log(tmp_path: Pa
 
             row = _host_status(state)["pilot"]
             assert row["source"] == "daemon" and row["run"] == "running" and row["state"] == "active"
+            assert row["holder"]["state"] == "held" and row["holder"]["next"] == ""
             assert "no model chosen" in row["last_error"]["what"] and row["last_event"]
             table = capsulefs("--state", str(state), "status").stdout
-            assert table.splitlines()[0].split()[:3] == ["NAME", "STATE", "EPOCH"]
+            assert table.splitlines()[0].split()[:4] == ["NAME", "STATE", "HOLDER", "EPOCH"]
             assert "no model chosen" in table and "fix: echo" in table
 
             logs = capsulefs("--state", str(state), "logs", "pilot").stdout

@@ -338,3 +338,31 @@ def test_rm_of_an_agent_in_doubt_keeps_what_this_host_had(cli, state_dir: Path, 
     other = next(r["agent_id"] for r in json.loads(cli("ls", "--json", check=True).stdout) if r["name"] == "other")
     cli("rm", "other", check=True)
     assert _holder(state_dir, other).kept is None and not (state_dir / "recovery" / other).exists()
+
+
+def test_status_tells_each_agents_holder_story_and_what_to_run_next(cli, state_dir: Path, tmp_path: Path) -> None:
+    """`capsulefs status` (no daemon) says what this host's record of each
+    agent means, in the words import and ls use, and the command to run
+    next for an agent in doubt; a held agent needs none."""
+    import json
+
+    cli("new", "held", check=True)
+    cli("new", "doubted", check=True)
+    tar = tmp_path / "doubted.tar"
+    cli("export", "doubted", "-o", str(tar), check=True)
+    cli("rm", "doubted", check=True)
+    cli("import", str(tar), check=True)  # (restored from an export: in doubt until a peer answers)
+    rows = {r["name"]: r for r in json.loads(cli("status", "--json", check=True).stdout)}
+    assert rows["held"]["holder"] == {"state": "held", "reason": "this host holds it at epoch 1", "next": ""}
+    assert rows["doubted"]["holder"]["state"] == "in-doubt"
+    assert rows["doubted"]["holder"]["next"] == "capsulefs move doubted --learn"
+    lines = cli("status", check=True).stdout.splitlines()
+    assert lines[0].split()[:3] == ["NAME", "STATE", "HOLDER"]
+    assert sorted(line.split()[2] for line in lines[1:3]) == ["held", "in-doubt"]
+    nexts = lines[3:]
+    assert len(nexts) == 1 and nexts[0].startswith("doubted: in-doubt: ") and \
+        nexts[0].endswith("; next: capsulefs move doubted --learn")
+    cli("move", "doubted", "--learn", check=True)  # (no peers to ask: this host holds it)
+    rows = {r["name"]: r for r in json.loads(cli("status", "--json", check=True).stdout)}
+    assert rows["doubted"]["holder"]["state"] == "held"
+    assert len(cli("status", check=True).stdout.splitlines()) == 3  # (the table only: nothing to do next)
