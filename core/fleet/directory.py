@@ -3,8 +3,8 @@
 Rules:
   * An agent's key ``PREFIX/agents/<agent_id>`` holds ``{host_id, epoch,
     state}``: the one host that may run the agent, at which epoch. A host's
-    key ``PREFIX/hosts/<host_id>`` holds ``{host_id, address}`` under the
-    host's lease: it exists exactly while the lease is alive.
+    key ``PREFIX/hosts/<host_id>`` holds ``{host_id, address, cert_sha256}``
+    under the host's lease: it exists exactly while the lease is alive.
   * A host runs an agent only while (a) a read of the agent's key made while
     its lease was alive named it at the epoch it holds, and (b) its lease is
     still alive by its own clock (:mod:`.lease` says until when). Nobody but
@@ -34,6 +34,7 @@ docs/fleet.md.
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 from collections.abc import Callable
@@ -103,28 +104,46 @@ class AgentEntry:
         return self.state is EntryState.HELD and self.host_id == host_id and self.epoch == epoch
 
 
+_HEX = frozenset("0123456789abcdef")
+_B32 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostEntry:
     host_id: str
     address: str  # HOST:PORT of its move listener (mutual TLS, host id pinned from here)
+    # sha256 of its TLS certificate's DER, 64 lowercase hex digits ("": not published;
+    # then the field is not written, so records without it read and write as before).
+    # A daemon's host id is base32 of the same digest (capsulefs.peer.identity): a
+    # record whose 52-character base32 host id names another digest is refused.
+    cert_sha256: str = ""
 
     def __post_init__(self) -> None:
         check_host_id(self.host_id)
         if not isinstance(self.address, str) or not 0 < len(self.address) <= 300 or not self.address.isprintable():
             raise FormatError(f"host address {self.address!r} is not 1-300 printable characters")
+        if not isinstance(self.cert_sha256, str) or (
+                self.cert_sha256 and (len(self.cert_sha256) != 64 or not set(self.cert_sha256) <= _HEX)):
+            raise FormatError(f"certificate fingerprint {str(self.cert_sha256)[:80]!r} is not 64 lowercase hex digits")
+        if self.cert_sha256 and len(self.host_id) == 52 and set(self.host_id) <= _B32:
+            named = base64.b32encode(bytes.fromhex(self.cert_sha256)).decode("ascii").rstrip("=")
+            if named != self.host_id:
+                raise FormatError(f"host id {self.host_id} is not the certificate's (sha256 {self.cert_sha256})")
 
     def encode(self) -> bytes:
         body = {"format": HOST_FORMAT, "host_id": self.host_id, "address": self.address}
+        if self.cert_sha256:
+            body["cert_sha256"] = self.cert_sha256
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _doc(data: bytes, what: str, fmt: str, fields: set[str]) -> dict[str, object]:
+def _doc(data: bytes, what: str, fmt: str, fields: set[str], optional: frozenset[str] = frozenset()) -> dict[str, object]:
     if len(data) > MAX_RECORD:
         raise DirectoryRecordError(f"{what}: {len(data)} bytes, more than {MAX_RECORD}")
     doc = load_json_object(data, what, error=DirectoryRecordError)
     if doc.get("format") != fmt:
         raise DirectoryRecordError(f"{what}: format {str(doc.get('format'))[:40]!r} is not {fmt!r}")
-    if set(doc) != fields | {"format"}:
+    if set(doc) - optional != fields | {"format"}:
         raise DirectoryRecordError(f"{what}: fields {sorted(doc)[:10]} are not {sorted(fields | {'format'})}")
     return doc
 
@@ -142,9 +161,12 @@ def decode_agent(data: bytes) -> AgentEntry:
 
 
 def decode_host(data: bytes) -> HostEntry:
-    doc = _doc(data, "directory host record", HOST_FORMAT, {"host_id", "address"})
+    doc = _doc(data, "directory host record", HOST_FORMAT, {"host_id", "address"}, frozenset({"cert_sha256"}))
+    if doc.get("cert_sha256", None) == "":
+        raise DirectoryRecordError("directory host record: an empty cert_sha256 is left out, not written")
     try:
-        return HostEntry(host_id=doc["host_id"], address=doc["address"])  # type: ignore[arg-type]
+        return HostEntry(host_id=doc["host_id"], address=doc["address"],  # type: ignore[arg-type]
+                         cert_sha256=doc.get("cert_sha256", ""))  # type: ignore[arg-type]
     except FormatError as exc:
         raise DirectoryRecordError(f"directory host record: {exc}") from None
 

@@ -65,6 +65,7 @@ def _url_seeds() -> list[bytes]:
 def _record_seeds() -> list[bytes]:
     return [directory.AgentEntry(host_id="h-1", epoch=7).encode(),
             directory.HostEntry(host_id="h-1", address="10.0.0.1:7000").encode(),
+            directory.HostEntry(host_id="h-1", address="10.0.0.1:7000", cert_sha256="ab" * 32).encode(),
             b'{"epoch":1,"format":"fleet-agent/1","host_id":"h","state":"removed"}']
 
 

@@ -5,6 +5,8 @@ runs them against a real etcd)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,30 @@ def test_records_round_trip_and_are_canonical() -> None:
 def test_a_bad_agent_record_is_named(data: bytes, says: str) -> None:
     with pytest.raises(fd.DirectoryRecordError, match=says):
         fd.decode_agent(data)
+
+
+CERT = hashlib.sha256(b"a certificate's DER").hexdigest()
+
+
+def test_a_host_record_names_its_certificate() -> None:
+    h = fd.HostEntry(host_id=TGT, address="10.0.0.2:7000", cert_sha256=CERT)
+    assert fd.decode_host(h.encode()) == h
+    assert b"cert_sha256" not in fd.HostEntry(host_id=TGT, address="t:1").encode()  # (records before it read alike)
+    daemon_id = base64.b32encode(bytes.fromhex(CERT)).decode().rstrip("=")  # as capsulefs.peer.identity names it
+    assert fd.decode_host(fd.HostEntry(host_id=daemon_id, address="t:1", cert_sha256=CERT).encode()).host_id == daemon_id
+
+
+@pytest.mark.parametrize("data, says", [
+    (b'{"format":"fleet-host/1","host_id":"h","address":"a:1","cert_sha256":""}', "empty cert_sha256"),
+    (b'{"format":"fleet-host/1","host_id":"h","address":"a:1","cert_sha256":"AB"}', "fingerprint"),
+    (b'{"format":"fleet-host/1","host_id":"h","address":"a:1","cert_sha256":7}', "fingerprint"),
+    (b'{"format":"fleet-host/1","host_id":"h","address":"a:1","cert":"x"}', "fields"),
+    (b'{"format":"fleet-host/1","host_id":"' + b"A" * 52 + b'","address":"a:1","cert_sha256":"' + CERT.encode()
+     + b'"}', "not the certificate's"),
+])
+def test_a_bad_host_record_is_named(data: bytes, says: str) -> None:
+    with pytest.raises(fd.DirectoryRecordError, match=says):
+        fd.decode_host(data)
 
 
 def test_commit_applies_once_and_is_judged_active() -> None:
