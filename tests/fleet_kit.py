@@ -228,8 +228,19 @@ class KillableEtcd:
         self.proc.kill()
         self.proc.wait(timeout=STOP_GRACE)
 
+    def pause(self) -> None:
+        """SIGSTOP: etcd holds every connection and answers nothing (a partition, as the host sees it)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)  # (a paused etcd cannot act on SIGTERM)
             _stop(self.proc, STOP_GRACE)
 
 

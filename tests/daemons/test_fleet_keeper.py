@@ -154,3 +154,38 @@ async def test_a_lease_reported_gone_stops_at_once(etcd_server: KillableEtcd) ->
             await host.got_lease.wait()
         assert keeper.lease_id != first and keeper.may_run()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_keepalive_that_hangs_stops_the_host_at_its_deadline(etcd_server: KillableEtcd) -> None:
+    """etcd paused (SIGSTOP): every request hangs, as across a partition; each keepalive is given up after
+    its timeout and the stop still comes at the deadline, before etcd's TTL."""
+    layout = fd.Layout(b"/capsulefs-test/" + secrets.token_hex(4).encode() + b"/")
+    host = Host()
+    timing = DEFAULT_TIMING
+    async with open_etcd(etcd_server.spec) as etcd, trio.open_nursery() as nursery:
+        keeper = HostLeaseKeeper(etcd, layout, fd.HostEntry(host_id=ME, address="a:1"), host, timing)
+        await nursery.start(keeper.serve)
+        with trio.fail_after(HANG):
+            await keeper.wait_alive()
+        await _wait_for(lambda: keeper.renewals >= 1, "a keepalive answered")
+        first = keeper.lease_id
+        queried = trio.current_time()
+        left = await etcd.time_to_live(first)
+        assert left is not None
+        etcd_server.pause()
+        try:
+            last = keeper.last_renewal_sent
+            assert last is not None
+            with trio.fail_after(timing.ttl + HANG):
+                await host.stopped.wait()
+            assert host.stop_began is not None and host.stop_done is not None
+            assert host.stop_began >= last + timing.run_window(timing.ttl)
+            assert host.stop_done < queried + left.ttl, (host.stop_done - queried, left.ttl)
+            assert not keeper.may_run()
+        finally:
+            etcd_server.resume()
+        host.got_lease = trio.Event()
+        with trio.fail_after(HANG):
+            await host.got_lease.wait()
+        assert keeper.lease_id != first and keeper.may_run()
+        nursery.cancel_scope.cancel()
