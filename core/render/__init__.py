@@ -116,7 +116,8 @@ def _collector_paused() -> Iterator[None]:
     traverse the caller's whole heap, the journal's records included: over
     half of a long journal's render time, measured. A render makes no
     reference cycles that outlive it, so nothing waits for the collector;
-    it is resumed on return (unless someone else had paused it)."""
+    it is resumed on return (unless someone else had paused it). Used as
+    a decorator on :func:`render`."""
     if not gc.isenabled():
         yield
         return
@@ -143,6 +144,7 @@ def system_prompt(system: Sequence[str], working_memory: str | None) -> str | No
     return "\n\n".join(parts) or None
 
 
+@_collector_paused()
 def render(
     journal: Iterable[Record | Event],
     *,
@@ -166,23 +168,6 @@ def render(
     ``read_blob(sha256) -> bytes`` gives the attachments' bytes (a
     :class:`RenderError` if the request holds one and it is missing).
     """
-    with _collector_paused():
-        return _render(journal, provider=provider, model=model, working_memory=working_memory, budget=budget,
-                       counter=counter, tools=tools, max_output=max_output, read_blob=read_blob)
-
-
-def _render(
-    journal: Iterable[Record | Event],
-    *,
-    provider: str | None = None,
-    model: str | None = None,
-    working_memory: str | None = None,
-    budget: int | None = None,
-    counter: Counter | None = None,
-    tools: Sequence[ToolSpec] | None = None,
-    max_output: int | None = None,
-    read_blob: Callable[[str], bytes] | None = None,
-) -> Rendered:
     p = plan(journal)
     if provider is not None and model is None:
         # that provider's own last model: the last switch may name another provider's
