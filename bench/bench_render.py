@@ -52,6 +52,7 @@ from capsulefs.core.journal.events import (
 from capsulefs.core.journal.record import Record
 from capsulefs.core.render import PROVIDERS, counter_info, render
 from capsulefs.core.render._count import text_counter
+from capsulefs.testing.render_reference import gemini_reference
 
 _WORDS = "the quick brown fox jumps over the lazy dog while the journal keeps every step".split()
 
@@ -186,7 +187,7 @@ def o200k_text(body) -> int:
 
 
 #: Published ratios of real tokens to o200k tokens of the same text (docs/render.md).
-RATIOS = {"anthropic": (1.16, 1.30), "gemini": (0.9, 1.1)}
+RATIOS = {"anthropic": (1.16, 1.30)}
 FILL_TARGETS = [("openai-chat", "gpt-4o"), ("openai-responses", "gpt-5"), ("openai-chat", "gpt-4"),
                 ("anthropic", "claude-sonnet-4-5"), ("gemini", "gemini-2.5-pro")]
 
@@ -203,8 +204,9 @@ def fill(budgets: list[int], *, prose: int = 60_000, code: int = 3000) -> None:
             for budget in budgets:
                 out = render(records, provider=provider, model=model, budget=budget, tools=TOOLS,
                              working_memory="notes: keep answers short")
-                if provider.startswith("openai"):
-                    ref = openai_reference(provider, out.body, info.encoding)
+                if provider.startswith("openai") or provider == "gemini":
+                    ref = (gemini_reference(out.body) if provider == "gemini"
+                           else openai_reference(provider, out.body, info.encoding))
                     over = max(0, ref - budget)
                     print(f"{name:8} {provider:17} {model:18} {budget:7} {out.tokens:8} {ref:9} "
                           f"{ref / budget:6.1%} {over:9}")

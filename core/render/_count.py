@@ -7,20 +7,24 @@ Rules:
     the counter matches the provider's.
   * OpenAI publishes its tokenizers: ``o200k_base`` (gpt-4o, gpt-4.1,
     gpt-4.5, gpt-5, the o-series, gpt-oss) and ``cl100k_base`` (gpt-4,
-    gpt-3.5). They are counted exactly, offline: the ``toktok-rs`` package
-    compiles both vocabularies into its binary (nothing is downloaded).
+    gpt-3.5). Gemini's is the SentencePiece vocabulary of Gemma 3 (262k
+    pieces; Gemma 4 has the same), ``gemma`` here. All three are counted
+    exactly, offline: the ``splintr-rs`` package compiles the vocabularies
+    into its binary (nothing is downloaded), through its public API.
   * A request's tokens are those of every string in it (values and keys:
     a tool's parameter names are keys), one per number, and one per JSON
     object, which stands for the role markers and separators the provider
     puts around each message (OpenAI documents 3 per message: the keys
     ``role`` and ``content`` and the object's own one), plus
-    :data:`PER_REQUEST` for the reply's priming. OpenAI's counters skip
-    call ids (:data:`ID_KEYS`), which its models never see.
-  * Anthropic and Google publish no tokenizer for their current models, so
-    their counts are a calibrated estimate: the o200k count of the same
-    request times a factor (:data:`FACTORS`) chosen to stay above the real
-    count (docs/render.md gives the sources and measurements). An unknown
-    model of an OpenAI-compatible server gets cl100k times 1.1.
+    :data:`PER_REQUEST` for the reply's priming. OpenAI's and Gemini's
+    counters skip call ids (:data:`ID_KEYS`), which their models never see;
+    Gemini's counts its format's own keys as 0 (:data:`FORMAT_KEYS`), as
+    Google's count does.
+  * Anthropic publishes no tokenizer for its current models, so its count
+    is a calibrated estimate: the o200k count of the same request times a
+    factor (:data:`FACTORS`) chosen to stay above the real count
+    (docs/render.md gives the sources and measurements). An unknown model
+    of an OpenAI-compatible server gets cl100k times 1.1.
   * What the body does not show is added as a fixed allowance: the hidden
     system prompt Anthropic adds when tools are offered
     (:data:`HIDDEN_WITH_TOOLS`); an attachment's tokens are the provider's
@@ -39,6 +43,7 @@ or twice, so the cost grows with the budget, not with the journal.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -72,8 +77,24 @@ FACTORS: tuple[tuple[str, re.Pattern[str], str, float], ...] = (
     # Claude Opus 4.7 and later: a new tokenizer, up to 1.35x the tokens of the one before
     ("anthropic", re.compile(CLAUDE_4_7_ON + ".*"), "o200k_base", 1.75),
     ("anthropic", re.compile(r".*"), "o200k_base", 1.3),
-    ("gemini", re.compile(r".*"), "o200k_base", 1.15),
+    ("gemini", re.compile(r".*"), "gemma", 1.0),
 )
+
+#: Keys of a provider's request format that its count does not include
+#: (Google counts a Gemini request's texts, call names, arguments and
+#: results, not the JSON around them): counted as 0 tokens. A key of the
+#: same spelling inside a call's arguments is then not counted either; the
+#: token each JSON object counts covers it.
+FORMAT_KEYS = {"gemini": frozenset({
+    "contents", "role", "parts", "text", "thought", "thoughtSignature", "functionCall", "functionResponse",
+    "name", "args", "response", "id", "inlineData", "mimeType", "data", "systemInstruction", "tools",
+    "functionDeclarations", "description", "parametersJsonSchema", "generationConfig", "maxOutputTokens"})}
+
+#: Our encoding names -> the vocabulary bundled in splintr-rs. ``gemma`` is
+#: splintr's Gemma 4 bundle (Apache-2.0): the same pieces and ids as Gemma
+#: 3's (checked, docs/render.md), which Google's own local tokenizer uses
+#: for Gemini 2.x and 3 (its Gemma 3 copy is under the Gemma Terms of Use).
+VOCABULARIES = {"o200k_base": "o200k_base", "cl100k_base": "cl100k_base", "gemma": "gemma4"}
 
 def byte_upper_bound(obj: Any) -> int:
     """Length of ``obj`` as compact ASCII JSON: never fewer than its tokens
@@ -96,31 +117,39 @@ def byte_upper_bound(obj: Any) -> int:
 _ENCODERS: dict[str, Callable[[str], int] | None] = {}
 
 
+@functools.cache
+def _tokenizers() -> Any | None:
+    """The splintr module, imported once; None if it is missing (logged once)."""
+    try:
+        import splintr
+    except ImportError:
+        log.warning("the splintr-rs package is missing: token budgets are counted by bytes "
+                    "(safe, but they fill a quarter to a third of the window)")
+        return None
+    return splintr
+
+
 def text_counter(encoding: str) -> Callable[[str], int] | None:
-    """A function counting one string's tokens with ``encoding``, loaded once;
-    None if the tokenizer package is missing (logged once)."""
+    """A function counting one string's tokens with ``encoding`` (a key of
+    :data:`VOCABULARIES`), loaded once; None if the tokenizer package is
+    missing."""
     if encoding not in _ENCODERS:
-        try:
-            import toktok
-        except ImportError:
-            log.warning("the toktok-rs package is missing: token budgets are counted by bytes "
-                        "(safe, but they fill a quarter to a third of the window)")
+        splintr = _tokenizers()
+        if splintr is None:
             _ENCODERS[encoding] = None
         else:
-            tokenizer = getattr(toktok, "_encoding", None)
-            one = getattr(tokenizer(encoding), "count", None) if tokenizer is not None else None
-            if one is None:  # only the public, batched call: slower per string, same counts
-                def count(s: str, enc: str = encoding) -> int:
-                    return int(toktok.batch_count([s], enc, threads=1)[0])
+            encode = splintr.Tokenizer.from_pretrained(VOCABULARIES[encoding]).encode_ordinary
 
-                _ENCODERS[encoding] = count
-            else:
-                _ENCODERS[encoding] = one
+            def count(s: str) -> int:
+                return len(encode(s))
+
+            _ENCODERS[encoding] = count
     return _ENCODERS[encoding]
 
 
 #: Keys whose values are call ids: OpenAI's models do not see them (its
-#: chat format names a call by its function), so its counters skip them.
+#: chat format names a call by its function), nor does Google's count of a
+#: Gemini request, so their counters skip them.
 ID_KEYS = frozenset({"id", "call_id", "tool_call_id"})
 
 
@@ -138,6 +167,7 @@ class EncodingCounter:
         self.hidden_with_tools = hidden_with_tools
         self.skip_ids = skip_ids
         self.keys: dict[str, int] = {} if keys is None else keys  # JSON keys: few, counted once for good
+        # (a provider's FORMAT_KEYS are in it as 0)
         self.memo = memo
 
     def memoized(self) -> "EncodingCounter":
@@ -191,10 +221,13 @@ class EncodingCounter:
 
 
 def encoding_counter(encode: Callable[[str], Sequence[int] | int], *, factor: float = 1.0,
-                     hidden_with_tools: int = 0, skip_ids: bool = False) -> EncodingCounter:
+                     hidden_with_tools: int = 0, skip_ids: bool = False,
+                     format_keys: frozenset[str] = frozenset()) -> EncodingCounter:
     """A counter from a tokenizer: ``encode`` returns a string's tokens (or
-    their number). See the module rules for what is counted."""
-    return EncodingCounter(encode, factor=factor, hidden_with_tools=hidden_with_tools, skip_ids=skip_ids)
+    their number); ``format_keys`` are JSON keys it counts as 0. See the
+    module rules for what is counted."""
+    return EncodingCounter(encode, factor=factor, hidden_with_tools=hidden_with_tools, skip_ids=skip_ids,
+                           keys=dict.fromkeys(format_keys, 0))
 
 
 def per_render(counter: Counter) -> Counter:
@@ -209,14 +242,14 @@ class CounterInfo:
 
     encoding: str
     factor: float
-    exact: bool  # the provider's own tokenizer, not an estimate
+    exact: bool  # the provider's own tokenizer (counting the request as ours does), not an estimate
 
 
 def counter_info(provider: str, model: str) -> CounterInfo:
     family = "openai" if provider.startswith("openai") else provider
     for fam, pattern, encoding, factor in FACTORS:
         if fam == family and pattern.fullmatch(model):
-            return CounterInfo(encoding, factor, exact=family == "openai" and factor == 1.0)
+            return CounterInfo(encoding, factor, exact=factor == 1.0)
     return CounterInfo("o200k_base", 1.3, exact=False)
 
 
@@ -235,7 +268,8 @@ def counter_for(provider: str, model: str = "") -> Counter:
             counter = _bytes_with_hidden(hidden)
         else:
             counter = encoding_counter(encode, factor=info.factor, hidden_with_tools=hidden,
-                                       skip_ids=provider.startswith("openai"))
+                                       skip_ids=provider.startswith("openai") or provider == "gemini",
+                                       format_keys=FORMAT_KEYS.get(provider, frozenset()))
         _COUNTERS[key] = counter
     return counter
 

@@ -743,18 +743,3 @@ def test_render_leaves_the_garbage_collector_as_it_found_it() -> None:
     with pytest.raises(RenderError):
         render(journal, provider="nobody", model="m")
     assert gc.isenabled()  # resumed when a render fails too
-
-
-@pytest.mark.parametrize("provider", ALL)
-def test_without_the_tokenizer_the_byte_bound_counts_attachments_too(provider: str, monkeypatch, caplog) -> None:
-    # (a broken install without toktok-rs falls back to the byte bound: it
-    # must still render journals with attachments, counting each by its formula)
-    import capsulefs.core.render._count as count
-
-    monkeypatch.setattr(count, "_ENCODERS", dict.fromkeys(("o200k_base", "cl100k_base"), None))
-    monkeypatch.setattr(count, "_COUNTERS", {})
-    journal, blobs = _attachment_journal()
-    out = render(journal, provider=provider, model="gpt-4o", budget=100_000, read_blob=blobs.__getitem__)
-    plain = [e for e in journal if type(e).__name__ != "Attachment"]
-    without = render(plain, provider=provider, model="gpt-4o", budget=100_000)
-    assert out.tokens - without.tokens >= 1600 + 2 * 3000
