@@ -49,7 +49,9 @@ NO_OUTPUT = "(no output)"
 class Anthropic(Provider):
     id = ID
     replays = frozenset({"anthropic.thinking", "anthropic.redacted_thinking"})
-    accepts = {**{t: 5 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    # Sources: docs/render.md, "Limits and their sources". An image's limit is
+    # 5 MiB of base64 (so 3.75 MiB of bytes), the request's 32 MB.
+    accepts = {**{t: 5 * MB * 3 // 4 for t in IMAGES}, "application/pdf": 32 * MB}
     limits = RequestLimits(images=100, pdf_pages=100, encoded_bytes=32 * MB10 * 9 // 10)
 
     def _messages(self, items: list[Item], model: str) -> list[dict[str, Any]]:

@@ -55,9 +55,11 @@ _VERSION = re.compile(r"(?:models/)?gemini-(\d+)")
 class Gemini(Provider):
     id = ID
     replays = frozenset({SIGNATURE, THOUGHT})
-    accepts = {t: 20 * MB for t in ("image/png", "image/jpeg", "image/webp", "image/heic", "image/heif",
-                                    "application/pdf", "text/plain")}
-    limits = RequestLimits(images=3000, pdf_pages=1000, encoded_bytes=20 * MB10 * 9 // 10)
+    # Sources and what could not be confirmed: docs/render.md, "Limits and their sources".
+    # Inline data: 100 MB of base64 a request (was 20 MB), PDFs at most 50 MB.
+    accepts = {**{t: 20 * MB for t in ("image/png", "image/jpeg", "image/webp", "image/heic", "image/heif",
+                                       "text/plain")}, "application/pdf": 50 * MB10}
+    limits = RequestLimits(images=3000, pdf_pages=1000, encoded_bytes=100 * MB10 * 9 // 10)
 
     def fragment(self, items: list[Item], *, model: str) -> Any:
         contents: list[dict[str, Any]] = []

@@ -43,7 +43,7 @@ ID = "openai-chat"
 class OpenAIChat(Provider):
     id = ID
     replays = frozenset()
-    accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    accepts = {**{t: 20 * MB10 for t in IMAGES}, "application/pdf": 32 * MB}  # docs/render.md, "Limits and their sources"
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
     def _attachment(self, item: Item, model: str) -> dict[str, Any]:

@@ -56,7 +56,7 @@ _REASONING_INPUT_KEYS = ("type", "id", "summary", "encrypted_content")
 class OpenAIResponses(Provider):
     id = ID
     replays = frozenset({"openai-responses.reasoning"})
-    accepts = {**{t: 20 * MB for t in IMAGES}, "application/pdf": 32 * MB}
+    accepts = {**{t: 20 * MB10 for t in IMAGES}, "application/pdf": 32 * MB}  # docs/render.md, "Limits and their sources"
     limits = RequestLimits(images=500, pdf_pages=100, image_bytes=50 * MB10, pdf_bytes=32 * MB10)
 
     def _attachment(self, item: Item, model: str) -> dict[str, Any]:

@@ -241,7 +241,7 @@ def test_read_file_does_not_attach_what_no_provider_takes(capsule: Path, tmp_pat
     (ws / "huge.pdf").write_bytes(b"%PDF-1.7\n" + bytes(render.MAX_ATTACHMENT))
     (ws / "notes.png").write_text("plain text, whatever the name says")
     box = Toolbox(str(ws), str(capsule))
-    with pytest.raises(ToolError, match="larger than 33554432 bytes"):
+    with pytest.raises(ToolError, match=f"larger than {render.MAX_ATTACHMENT} bytes"):
         box.call("read_file", {"path": "huge.pdf"})
     out = box.call("read_file", {"path": "notes.png"})
     assert out.files == () and out.text == "plain text, whatever the name says"

@@ -685,13 +685,28 @@ def test_a_request_carries_at_most_its_provider_s_count_of_images_the_newest(pro
     assert f"takes at most {limit} images in a request; newer attachments are sent" in dumped(body)
 
 
+@pytest.mark.parametrize("provider, kind, size, sent", [
+    ("anthropic", "image/png", 5 * 2**20 * 3 // 4, True),  # 5 MiB once in base64: Anthropic's limit
+    ("anthropic", "image/png", 5 * 2**20 * 3 // 4 + 1, False),
+    ("gemini", "application/pdf", 50 * 10**6, True),  # Gemini takes PDFs of 50 MB inline
+    ("gemini", "application/pdf", 50 * 10**6 + 1, False),
+])
+def test_an_attachment_s_size_limit_is_its_provider_s(provider: str, kind: str, size: int, sent: bool) -> None:
+    journal, blobs = _many(kind, 1, size, 1)
+    text = dumped(render(journal, provider=provider, model="gpt-4o", read_blob=blobs.__getitem__).body)
+    assert ("[attachment f0 (" not in text) == sent
+    if not sent:
+        assert f"{provider} takes attachments of at most {size - 1} bytes" in text
+
+
 @pytest.mark.parametrize("provider, kind, size, pages, fits", [
-    ("anthropic", "image/png", 5 * 2**20 - 1, 0, 4),  # 32 MB request: base64 of 4 such images, not 5
+    ("anthropic", "image/png", 5 * 2**20 * 3 // 4, 0, 5),  # 32 MB request: base64 of 5 such images, not 6
     ("anthropic", "application/pdf", 1000, 40, 2),  # 100 pages
     ("openai-chat", "image/png", 19 * 2**20, 0, 2),  # 50 MB of images
     ("openai-responses", "application/pdf", 15 * 2**20, 1, 2),  # 32 MB of PDFs
     ("openai-responses", "application/pdf", 1000, 60, 1),  # 100 pages
-    ("gemini", "image/png", 8 * 2**20, 0, 1),  # 20 MB request
+    ("gemini", "image/png", 20 * 2**20, 0, 3),  # 100 MB of inline data (base64) a request
+    ("gemini", "application/pdf", 40 * 10**6, 1, 1),  # a PDF up to 50 MB; 100 MB of inline data
     ("gemini", "application/pdf", 1000, 400, 2),  # 1,000 pages
 ])
 def test_a_request_keeps_its_provider_s_size_and_page_limits(provider: str, kind: str, size: int, pages: int,
