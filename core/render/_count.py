@@ -36,7 +36,7 @@ Rules:
     only a quarter to a third of the window.
 
 Theory of operation: the tokenizer is imported and its vocabulary loaded
-(about a second for o200k) the first time a budget is counted, never at
+(0.05-2 s: Gemma's is the slowest) the first time a budget is counted, never at
 import. The fitter counts each unit it keeps once and the final body once
 or twice, so the cost grows with the budget, not with the journal.
 """
@@ -95,6 +95,7 @@ FORMAT_KEYS = {"gemini": frozenset({
 #: 3's (checked, docs/render.md), which Google's own local tokenizer uses
 #: for Gemini 2.x and 3 (its Gemma 3 copy is under the Gemma Terms of Use).
 VOCABULARIES = {"o200k_base": "o200k_base", "cl100k_base": "cl100k_base", "gemma": "gemma4"}
+
 
 def byte_upper_bound(obj: Any) -> int:
     """Length of ``obj`` as compact ASCII JSON: never fewer than its tokens
