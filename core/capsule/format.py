@@ -43,10 +43,10 @@ import math
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from ..errors import FormatError, NameTooLong, UnsafePathError
+from ..frozen import Frozen
 
 FORMAT = "capsule/1"
 
@@ -189,35 +189,54 @@ def blob_name(path: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FileEntry:
+# Frozen value classes (core/frozen.py): the fields are the __slots__, checked in __init__.
+
+
+class FileEntry(Frozen):
+    """One file a manifest lists."""
+
+    __slots__ = ("sha256", "size")
     sha256: str  # 64 lowercase hex: sha256 of the file's exact bytes
     size: int  # the file's length in bytes
 
-    def __post_init__(self) -> None:
-        check_sha256(self.sha256, "file entry")
-        check_int(self.size, "file entry size")
+    def __init__(self, *, sha256: str, size: int) -> None:
+        check_sha256(sha256, "file entry")
+        check_int(size, "file entry size")
+        object.__setattr__(self, "sha256", sha256)
+        object.__setattr__(self, "size", size)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Holder:
+class Holder(Frozen):
+    """Who holds an agent, at which epoch."""
+
+    __slots__ = ("host", "epoch")
     host: str  # host id of the machine that holds (may run) the agent
     epoch: int  # fencing epoch; grows by one at every move
 
-    def __post_init__(self) -> None:
-        check_host_id(self.host)
-        check_int(self.epoch, "holder epoch")
+    def __init__(self, *, host: str, epoch: int) -> None:
+        check_host_id(host)
+        check_int(epoch, "holder epoch")
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "epoch", epoch)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Manifest:
+class Manifest(Frozen):
+    """A capsule's manifest.json."""
+
+    __slots__ = ("agent_id", "name", "holder", "files", "extra")
     agent_id: str  # 32 lowercase hex; stable for the agent's whole life
     name: str  # display name; the agent's directory name in a mount
     holder: Holder  # who holds the agent, at which epoch
     files: Mapping[str, FileEntry]  # every file but manifest.json and manifest.sig
-    extra: Mapping[str, Any] = field(default_factory=dict)  # unknown fields, kept verbatim
+    extra: Mapping[str, Any]  # unknown fields, kept verbatim (default: a new empty dict)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, *, agent_id: str, name: str, holder: Holder, files: Mapping[str, FileEntry],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        for field, value in (("agent_id", agent_id), ("name", name), ("holder", holder), ("files", files),
+                             ("extra", {} if extra is None else extra)):
+            object.__setattr__(self, field, value)
         check_agent_id(self.agent_id)
         check_agent_name(self.name)
         for path in self.files:

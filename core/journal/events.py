@@ -22,10 +22,10 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ..errors import FormatError
+from ..frozen import Frozen
 from ..capsule.format import check_relpath, check_sha256, has_control
 
 EVENT_VERSION = 1
@@ -62,12 +62,16 @@ def _need_opt_str(value: object, what: str) -> str | None:
 
 
 # -- the kinds ---------------------------------------------------------------
+# Each kind's fields are its __slots__, in order; its __init__ checks them
+# (core/frozen.py: equality, hashing and repr as a frozen dataclass's).
+
+_set = object.__setattr__
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
+class Event(Frozen):
     """Base of every event kind. ``KIND`` is the value of the ``kind`` key."""
 
+    __slots__ = ()
     KIND: ClassVar[str] = ""
 
     @property
@@ -86,156 +90,175 @@ class Event:
 
 
 @functools.cache
-def _payload_fields(cls: type) -> tuple[tuple[str, bool], ...]:
-    """(name, optional) of each field of an event class: fields() is slow."""
-    return tuple((f.name, f.default is None) for f in fields(cls))
+def _payload_fields(cls: type[Event]) -> tuple[tuple[str, bool], ...]:
+    """(name, optional) of each field of an event class: optional if its
+    default is None."""
+    defaults = getattr(cls.__init__, "__kwdefaults__", None) or {}
+    return tuple((name, name in defaults and defaults[name] is None) for name in cls._fields)
 
 
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class UserMessage(Event):
+    """What the user said."""
+
+    __slots__ = ("text",)
     KIND: ClassVar[str] = "user_message"
     text: str  # what the user said
 
-    def __post_init__(self) -> None:
-        _need_str(self.text, "user_message.text")
+    def __init__(self, *, text: str) -> None:
+        _set(self, "text", _need_str(text, "user_message.text"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class AssistantMessage(Event):
+    """The assistant's visible reply."""
+
+    __slots__ = ("text", "provider", "model")
     KIND: ClassVar[str] = "assistant_message"
     text: str  # the visible reply
-    provider: str | None = None  # which provider produced it, if known
-    model: str | None = None  # which model produced it, if known
+    provider: str | None  # which provider produced it, if known
+    model: str | None  # which model produced it, if known
 
-    def __post_init__(self) -> None:
-        _need_str(self.text, "assistant_message.text")
-        _need_opt_str(self.provider, "assistant_message.provider")
-        _need_opt_str(self.model, "assistant_message.model")
+    def __init__(self, *, text: str, provider: str | None = None, model: str | None = None) -> None:
+        _set(self, "text", _need_str(text, "assistant_message.text"))
+        _set(self, "provider", _need_opt_str(provider, "assistant_message.provider"))
+        _set(self, "model", _need_opt_str(model, "assistant_message.model"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Reasoning(Event):
     """Private reasoning. Only the exact provider and model may see it again."""
 
+    __slots__ = ("provider", "model", "payload_format", "data", "text")
     KIND: ClassVar[str] = "reasoning"
     provider: str  # e.g. "anthropic", "openai", "gemini"
     model: str  # the exact model that produced it
     payload_format: str  # e.g. "anthropic.thinking", "openai.reasoning", "gemini.thought_signature"
     data: Mapping[str, Any]  # the opaque provider object, kept verbatim (signature, encrypted content...)
-    text: str | None = None  # human-readable summary or thinking text, if the provider gave one
+    text: str | None  # human-readable summary or thinking text, if the provider gave one
 
-    def __post_init__(self) -> None:
-        _need_str(self.provider, "reasoning.provider", empty=False)
-        _need_str(self.model, "reasoning.model", empty=False)
-        _need_str(self.payload_format, "reasoning.payload_format", empty=False)
-        if not isinstance(self.data, Mapping):
+    def __init__(
+        self, *, provider: str, model: str, payload_format: str, data: Mapping[str, Any], text: str | None = None
+    ) -> None:
+        _set(self, "provider", _need_str(provider, "reasoning.provider", empty=False))
+        _set(self, "model", _need_str(model, "reasoning.model", empty=False))
+        _set(self, "payload_format", _need_str(payload_format, "reasoning.payload_format", empty=False))
+        if not isinstance(data, Mapping):
             raise FormatError("reasoning.data must be a JSON object")
-        _need_opt_str(self.text, "reasoning.text")
+        _set(self, "data", data)
+        _set(self, "text", _need_opt_str(text, "reasoning.text"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall(Event):
+    """The assistant called a tool."""
+
+    __slots__ = ("call_id", "name", "arguments", "provider", "model")
     KIND: ClassVar[str] = "tool_call"
     call_id: str  # pairs the call with its tool_result
     name: str  # tool name
     arguments: Mapping[str, Any]  # JSON object of arguments
-    provider: str | None = None
-    model: str | None = None
+    provider: str | None
+    model: str | None
 
-    def __post_init__(self) -> None:
-        _need_str(self.call_id, "tool_call.call_id", empty=False)
-        _need_str(self.name, "tool_call.name", empty=False)
-        if not isinstance(self.arguments, Mapping):
+    def __init__(
+        self, *, call_id: str, name: str, arguments: Mapping[str, Any], provider: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        _set(self, "call_id", _need_str(call_id, "tool_call.call_id", empty=False))
+        _set(self, "name", _need_str(name, "tool_call.name", empty=False))
+        if not isinstance(arguments, Mapping):
             raise FormatError("tool_call.arguments must be a JSON object")
-        _need_opt_str(self.provider, "tool_call.provider")
-        _need_opt_str(self.model, "tool_call.model")
+        _set(self, "arguments", arguments)
+        _set(self, "provider", _need_opt_str(provider, "tool_call.provider"))
+        _set(self, "model", _need_opt_str(model, "tool_call.model"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolResult(Event):
+    """A tool's answer to a call."""
+
+    __slots__ = ("call_id", "content", "is_error")
     KIND: ClassVar[str] = "tool_result"
     call_id: str  # the tool_call this answers
     content: str  # the tool's output as text
-    is_error: bool = False
+    is_error: bool
 
-    def __post_init__(self) -> None:
-        _need_str(self.call_id, "tool_result.call_id", empty=False)
-        _need_str(self.content, "tool_result.content")
-        if not isinstance(self.is_error, bool):
+    def __init__(self, *, call_id: str, content: str, is_error: bool = False) -> None:
+        _set(self, "call_id", _need_str(call_id, "tool_result.call_id", empty=False))
+        _set(self, "content", _need_str(content, "tool_result.content"))
+        if not isinstance(is_error, bool):
             raise FormatError("tool_result.is_error must be true or false")
+        _set(self, "is_error", is_error)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryEdit(Event):
     """The new working memory: inline ``text``, or the sha256 of its blob."""
 
+    __slots__ = ("text", "blob")
     KIND: ClassVar[str] = "memory_edit"
-    text: str | None = None
-    blob: str | None = None
+    text: str | None
+    blob: str | None
 
-    def __post_init__(self) -> None:
-        if (self.text is None) == (self.blob is None):
+    def __init__(self, *, text: str | None = None, blob: str | None = None) -> None:
+        if (text is None) == (blob is None):
             raise FormatError("memory_edit needs exactly one of text or blob")
-        _need_opt_str(self.text, "memory_edit.text")
-        if self.blob is not None:
-            check_sha256(self.blob, "memory_edit.blob")
+        _set(self, "text", _need_opt_str(text, "memory_edit.text"))
+        if blob is not None:
+            check_sha256(blob, "memory_edit.blob")
+        _set(self, "blob", blob)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkspaceUpdate(Event):
     """Workspace changes: path -> sha256 of its new blob, or None if deleted."""
 
+    __slots__ = ("changes",)
     KIND: ClassVar[str] = "workspace_update"
     changes: Mapping[str, str | None]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.changes, Mapping) or not self.changes:
+    def __init__(self, *, changes: Mapping[str, str | None]) -> None:
+        if not isinstance(changes, Mapping) or not changes:
             raise FormatError("workspace_update.changes must be a non-empty object")
-        for path, sha in self.changes.items():
+        for path, sha in changes.items():
             check_relpath(path, "workspace_update path")
             if sha is not None:
                 check_sha256(sha, f"workspace_update.changes[{path!r}]")
+        _set(self, "changes", changes)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSwitch(Event):
+    """The agent's model from here on."""
+
+    __slots__ = ("provider", "model")
     KIND: ClassVar[str] = "model_switch"
     provider: str
     model: str
 
-    def __post_init__(self) -> None:
-        _need_str(self.provider, "model_switch.provider", empty=False)
-        _need_str(self.model, "model_switch.model", empty=False)
+    def __init__(self, *, provider: str, model: str) -> None:
+        _set(self, "provider", _need_str(provider, "model_switch.provider", empty=False))
+        _set(self, "model", _need_str(model, "model_switch.model", empty=False))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Note(Event):
     """A remark for people (operator notes, moves, recoveries). Never rendered as dialogue."""
 
+    __slots__ = ("text",)
     KIND: ClassVar[str] = "note"
     text: str
 
-    def __post_init__(self) -> None:
-        _need_str(self.text, "note.text")
+    def __init__(self, *, text: str) -> None:
+        _set(self, "text", _need_str(text, "note.text"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class System(Event):
     """A system instruction for the model."""
 
+    __slots__ = ("text",)
     KIND: ClassVar[str] = "system"
     text: str
 
-    def __post_init__(self) -> None:
-        _need_str(self.text, "system.text")
+    def __init__(self, *, text: str) -> None:
+        _set(self, "text", _need_str(text, "system.text"))
 
 
 _MEDIA_TYPE_RE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,63}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Attachment(Event):
     """An image or document in the conversation: the sha256 of its bytes in
     ``artifacts/blobs/`` (the store keeps one copy however many agents hold it).
@@ -243,25 +266,30 @@ class Attachment(Event):
     With ``call_id`` it came with that tool call's result; without, the user
     sent it, with the user message next to it."""
 
+    __slots__ = ("blob", "media_type", "size", "name", "call_id")
     KIND: ClassVar[str] = "attachment"
     blob: str  # sha256 hex of the bytes, listed in the manifest as artifacts/blobs/<sha256>
     media_type: str  # e.g. image/png, application/pdf (lowercase type/subtype)
     size: int  # bytes
-    name: str | None = None  # a file name, for people and for providers that want one
-    call_id: str | None = None  # the tool call whose result carries it
+    name: str | None  # a file name, for people and for providers that want one
+    call_id: str | None  # the tool call whose result carries it
 
-    def __post_init__(self) -> None:
-        check_sha256(self.blob, "attachment.blob")
-        if not isinstance(self.media_type, str) or not _MEDIA_TYPE_RE.fullmatch(self.media_type):
-            raise FormatError(f"attachment.media_type {self.media_type!r} is not a lowercase type/subtype")
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
-            raise FormatError(f"attachment.size {self.size!r} is not a number of bytes")
-        _need_opt_str(self.name, "attachment.name")
-        if self.call_id is not None:
-            _need_str(self.call_id, "attachment.call_id", empty=False)
+    def __init__(
+        self, *, blob: str, media_type: str, size: int, name: str | None = None, call_id: str | None = None
+    ) -> None:
+        check_sha256(blob, "attachment.blob")
+        if not isinstance(media_type, str) or not _MEDIA_TYPE_RE.fullmatch(media_type):
+            raise FormatError(f"attachment.media_type {media_type!r} is not a lowercase type/subtype")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(f"attachment.size {size!r} is not a number of bytes")
+        _need_opt_str(name, "attachment.name")
+        if call_id is not None:
+            _need_str(call_id, "attachment.call_id", empty=False)
+        for field, value in (("blob", blob), ("media_type", media_type), ("size", size), ("name", name),
+                             ("call_id", call_id)):
+            _set(self, field, value)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolsOffered(Event):
     """The tools the agent offers the model from here on (replaces the last such event).
 
@@ -269,14 +297,15 @@ class ToolsOffered(Event):
     object}`` (description and parameters optional); renderers send them as
     the provider's ``tools``, so a rendered request is self-contained."""
 
+    __slots__ = ("tools",)
     KIND: ClassVar[str] = "tools"
     tools: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.tools, (list, tuple)):
+    def __init__(self, *, tools: tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]]) -> None:
+        if not isinstance(tools, (list, tuple)):
             raise FormatError("tools.tools must be a list of tool definitions")
         names = set()
-        for i, tool in enumerate(self.tools):
+        for i, tool in enumerate(tools):
             what = f"tools.tools[{i}]"
             if not isinstance(tool, Mapping):
                 raise FormatError(f"{what} must be an object")
@@ -290,14 +319,19 @@ class ToolsOffered(Event):
             _need_str(tool.get("description", ""), f"{what}.description")
             if not isinstance(tool.get("parameters", {}), Mapping):
                 raise FormatError(f"{what}.parameters must be a JSON schema object")
+        _set(self, "tools", tools)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownEvent(Event):
     """A kind written by a newer version: kept, never dropped, never rendered."""
 
+    __slots__ = ("unknown_kind", "fields_")
     unknown_kind: str
-    fields_: Mapping[str, Any] = field(default_factory=dict)
+    fields_: Mapping[str, Any]
+
+    def __init__(self, *, unknown_kind: str, fields_: Mapping[str, Any] | None = None) -> None:
+        _set(self, "unknown_kind", unknown_kind)
+        _set(self, "fields_", {} if fields_ is None else fields_)
 
     @property
     def kind(self) -> str:
@@ -340,8 +374,7 @@ def event_from_fields(kind: str, payload: Mapping[str, Any], *, strict: bool = T
         if strict:
             raise FormatError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
         return UnknownEvent(unknown_kind=kind, fields_=dict(payload))
-    names = {f.name for f in fields(cls)}
-    extra = set(payload) - names
+    extra = set(payload).difference(cls._fields)
     if extra:
         if strict:
             raise FormatError(f"{kind}: unknown field(s) {', '.join(sorted(extra))}")
@@ -349,7 +382,7 @@ def event_from_fields(kind: str, payload: Mapping[str, Any], *, strict: bool = T
     try:
         return cls(**payload)
     except TypeError as exc:
-        missing = sorted(f.name for f in fields(cls) if f.name not in payload)
+        missing = sorted(name for name in cls._fields if name not in payload)
         raise FormatError(f"{kind}: missing field(s) {', '.join(missing) or '?'} ({exc})") from None
 
 

@@ -23,10 +23,10 @@ import functools
 import json
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CapsuleError
+from ..frozen import Frozen
 
 #: Longest --grep pattern, in characters.
 MAX_PATTERN = 1000
@@ -114,16 +114,24 @@ def is_failure(doc: dict[str, Any]) -> bool:
 # -- queries ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Query:
+class Query(Frozen):
     """What to look for; every field narrows. Times are ms since the epoch."""
 
-    kinds: tuple[str, ...] = ()
-    since_ms: int | None = None  # inclusive
-    until_ms: int | None = None  # exclusive
-    grep: str | None = None
-    failed: bool = False
-    tail: int | None = None  # only the last N matches
+    __slots__ = ("kinds", "since_ms", "until_ms", "grep", "failed", "tail")
+    kinds: tuple[str, ...]
+    since_ms: int | None  # inclusive
+    until_ms: int | None  # exclusive
+    grep: str | None
+    failed: bool
+    tail: int | None  # only the last N matches
+
+    def __init__(
+        self, *, kinds: tuple[str, ...] = (), since_ms: int | None = None, until_ms: int | None = None,
+        grep: str | None = None, failed: bool = False, tail: int | None = None,
+    ) -> None:
+        for name, value in (("kinds", kinds), ("since_ms", since_ms), ("until_ms", until_ms), ("grep", grep),
+                            ("failed", failed), ("tail", tail)):
+            object.__setattr__(self, name, value)
 
     @property
     def filters(self) -> bool:

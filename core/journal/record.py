@@ -26,11 +26,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from ..capsule.format import check_host_id, check_int, check_sha256, load_json_object
 from ..errors import FormatError
+from ..frozen import Frozen
 from .events import (
     _CANONICAL,
     _KIND_RE,
@@ -131,10 +131,10 @@ def _line_writer(cls: type) -> Any:
     return scope["write"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Record:
+class Record(Frozen):
     """One journal line: the envelope plus its event. ``line`` is canonical."""
 
+    __slots__ = ("id", "machine", "seq", "clock", "prev", "time", "event", "line")
     id: str
     machine: str
     seq: int
@@ -142,19 +142,29 @@ class Record:
     prev: str | None
     time: str
     event: Event
-    line: bytes = b""  # canonical bytes, without newline; filled in by make/parse
+    line: bytes  # canonical bytes, without newline; filled in by make/parse
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not _ID_RE.fullmatch(self.id):
-            raise FormatError(f"event id {self.id!r} is not 8-64 lowercase hex digits")
-        check_host_id(self.machine)
-        check_int(self.seq, "event seq", low=1)
-        check_int(self.clock, "event clock", low=1)
-        if self.prev is not None:
-            check_sha256(self.prev, "event prev")
-        _need_str(self.time, "event time")
-        if not self.line:
-            object.__setattr__(self, "line", canonical_json(self.to_json()))
+    def __init__(
+        self, *, id: str, machine: str, seq: int, clock: int, prev: str | None, time: str, event: Event,
+        line: bytes = b"",
+    ) -> None:
+        if not isinstance(id, str) or not _ID_RE.fullmatch(id):
+            raise FormatError(f"event id {id!r} is not 8-64 lowercase hex digits")
+        check_host_id(machine)
+        check_int(seq, "event seq", low=1)
+        check_int(clock, "event clock", low=1)
+        if prev is not None:
+            check_sha256(prev, "event prev")
+        _need_str(time, "event time")
+        _set = object.__setattr__
+        _set(self, "id", id)
+        _set(self, "machine", machine)
+        _set(self, "seq", seq)
+        _set(self, "clock", clock)
+        _set(self, "prev", prev)
+        _set(self, "time", time)
+        _set(self, "event", event)
+        _set(self, "line", line or canonical_json(self.to_json()))
 
     @classmethod
     def stamped(

@@ -58,9 +58,9 @@ import logging
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from hashlib import blake2b
 
+from ..frozen import Frozen
 from ..fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
 from ..linuxfs import dio_alignment, links_probe, path_identity
 
@@ -81,14 +81,18 @@ def _digest(fields: bytes, data: bytes | memoryview) -> bytes:
     return h.digest()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
-    """One valid record of a ring's chain."""
+class Entry(Frozen):
+    """One valid record of a ring's chain (a frozen value: core/frozen.py)."""
 
+    __slots__ = ("pos", "offset", "ino", "data")
     pos: int  # where the record starts in the ring
     offset: int  # journal byte offset of its data
     ino: int  # journal inode
     data: bytes  # the journal bytes it vouches for
+
+    def __init__(self, *, pos: int, offset: int, ino: int, data: bytes) -> None:
+        for field, value in (("pos", pos), ("offset", offset), ("ino", ino), ("data", data)):
+            object.__setattr__(self, field, value)
 
 
 def encode(offset: int, ino: int, data: bytes) -> bytes:

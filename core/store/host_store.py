@@ -59,10 +59,10 @@ import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from typing import BinaryIO
 
 from .. import metrics
+from ..frozen import Frozen
 from ..capsule import format as fmt
 from ..errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
 from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, sweep_temps
@@ -95,11 +95,19 @@ def default_state_dir() -> str:
     return os.path.join(base, "capsulefs")
 
 
-@dataclass(frozen=True, slots=True)
-class GcReport:
+class GcReport(Frozen):
+    """What ``gc`` did (a frozen value: core/frozen.py)."""
+
+    __slots__ = ("removed", "freed", "kept")
+    __match_args__ = ("removed", "freed", "kept")
     removed: int  # blobs deleted
     freed: int  # bytes freed
     kept: int  # blobs still referenced
+
+    def __init__(self, removed: int, freed: int, kept: int) -> None:
+        object.__setattr__(self, "removed", removed)
+        object.__setattr__(self, "freed", freed)
+        object.__setattr__(self, "kept", kept)
 
 
 class HostStore:
