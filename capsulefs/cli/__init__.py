@@ -16,11 +16,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from capsulefs import __version__
 from capsulefs.core.errors import CapsuleError
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # Modules that register subcommands, in the order --help lists them.
 COMMAND_MODULES = (
@@ -56,6 +61,39 @@ class UsageError(Exception):
     """A command was called wrongly; the message says how."""
 
 
+def _columns() -> int:
+    """``shutil.get_terminal_size().columns``, without importing shutil
+    (and with it bz2, lzma and zlib): argparse's help formatter imports it
+    for each argument it adds, when it is not given a width."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, as wide as the terminal (less 2, as argparse's own)."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        super().__init__(prog, indent_increment, max_help_position, _columns() - 2 if width is None else width)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose help formatter is :class:`_Formatter` unless
+    told otherwise (its subcommands' parsers are of this class too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
 def _command(argv: Sequence[str]) -> str | None:
     """The command ``argv`` names (its first word that is no global option
     or option value), or None (none, or help asked before it)."""
@@ -73,7 +111,7 @@ def _command(argv: Sequence[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` (one of :data:`COMMANDS`), only its
     module's subcommands are registered (and imported)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="capsulefs",
         description="Mount every agent this host holds as a live capsule directory; "
         "verify, export, import, sign, merge, render and move agents.",

@@ -384,3 +384,19 @@ def test_reading_a_store_agent_writes_nothing(cli, store: HostStore, state_dir: 
     lines = split_lines(agent.read(fmt.JOURNAL))
     assert [json.loads(x)["text"] for x in lines] == ["before", "after"]
     assert len(list(recovery.iterdir())) == 1
+
+
+@pytest.mark.parametrize("columns", [50, 120])
+def test_help_fits_the_terminal(columns: int) -> None:
+    """Help is wrapped to the terminal's width less 2, as argparse's own
+    formatter does (COLUMNS, else the terminal, else 80), for a command and
+    its subcommands."""
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": str(columns)}
+    for args in (["--help"], ["log", "--help"], ["append", "--help"]):
+        p = subprocess.run([sys.executable, "-m", "capsulefs", *args], capture_output=True, text=True, env=env,
+                           timeout=120, check=True)
+        widths = [len(line) for line in p.stdout.splitlines()]
+        assert max(widths) <= columns - 2 and (columns > 100 or max(widths) > columns - 12), (args, p.stdout)
+    p = subprocess.run([sys.executable, "-m", "capsulefs", "log", "--help"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"}, timeout=120, check=True)  # a pipe: 80
+    assert max(len(line) for line in p.stdout.splitlines()) <= 78

@@ -262,9 +262,12 @@ def test_the_trigram_prefilter_keeps_every_match(texts: list[str], pattern: str)
 
 def test_log_loads_only_what_it_uses(state_dir: Path, agent: AgentHandle) -> None:
     """A fresh ``capsulefs log`` loads no numpy, trio, pyfuse3 or
-    cryptography; --tail alone not even sqlite3."""
+    cryptography, nor what a start need not pay for: dataclasses (with
+    inspect, ast, dis: core/frozen.py), shutil (with bz2, lzma: argparse's
+    help formatter); --tail alone not even sqlite3."""
     code = ("import sys\nfrom capsulefs.cli import main\nmain(sys.argv[1:])\n"
-            "heavy = ('numpy', 'trio', 'pyfuse3', 'cryptography', 'sqlite3', 'regex', 'keyring', 'anthropic', 'openai')\n"
+            "heavy = ('numpy', 'trio', 'pyfuse3', 'cryptography', 'sqlite3', 'regex', 'keyring', 'anthropic', 'openai',"
+            " 'dataclasses', 'inspect', 'shutil')\n"
             "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n")
     for args, loaded in ((["log", "tl", "--tail", "3"], "[]"), (["log", "tl", "--failed"], "['sqlite3']"),
                          (["log", "tl", "--grep", "build"], "['regex', 'sqlite3']")):
