@@ -7,7 +7,6 @@ read with ``readinto`` into a reused 1 MiB buffer so no bytes are copied.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, TypeVar
@@ -19,6 +18,8 @@ R = TypeVar("R")
 
 def hash_stream(f: BinaryIO) -> tuple[str, int]:
     """(sha256 hex, size) of everything left in ``f``."""
+    import hashlib  # (here, not at import: it loads OpenSSL, which a command that hashes nothing need not)
+
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)

@@ -18,14 +18,16 @@ A line is one :class:`~capsulefs.core.journal.record.Record` (its layout is ther
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError
 from ..frozen import Frozen
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 from ..capsule.format import check_relpath, check_sha256, has_control
 
 EVENT_VERSION = 1
@@ -44,9 +46,23 @@ def canonical_json(obj: Any) -> bytes:
     return _CANONICAL.encode(obj).encode()
 
 
+def _first_sha256(data: bytes) -> "HASH":
+    """``hashlib.sha256``, imported when the first line is hashed: hashlib
+    loads OpenSSL, which a command that hashes nothing (``capsulefs log``)
+    need not wait for."""
+    global _sha256
+    from hashlib import sha256
+
+    _sha256 = sha256
+    return sha256(data)
+
+
+_sha256: Callable[[bytes], "HASH"] = _first_sha256  # hashlib.sha256 from the first call on
+
+
 def line_hash(line: bytes) -> str:
     """sha256 hex of a journal line's exact bytes, without its newline."""
-    return hashlib.sha256(line).hexdigest()
+    return _sha256(line).hexdigest()
 
 
 def _need_str(value: object, what: str, *, empty: bool = True) -> str:

@@ -58,11 +58,15 @@ import logging
 import mmap
 import os
 import struct
-from hashlib import blake2b
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..frozen import Frozen
 from ..fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
 from ..linuxfs import dio_alignment, links_probe, path_identity
+
+if TYPE_CHECKING:
+    from hashlib import blake2b
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +79,21 @@ RING_SIZE = 1 << 20
 _ZERO_CHUNK = 1 << 16
 
 
+def _first_blake2b(data: bytes, *, digest_size: int) -> "blake2b":
+    """``hashlib.blake2b``, imported at the first digest (hashlib loads
+    OpenSSL, which a reader that finds no ring need not wait for)."""
+    global _blake2b
+    from hashlib import blake2b
+
+    _blake2b = blake2b
+    return blake2b(data, digest_size=digest_size)
+
+
+_blake2b: Callable[..., "blake2b"] = _first_blake2b  # hashlib.blake2b from the first call on
+
+
 def _digest(fields: bytes, data: bytes | memoryview) -> bytes:
-    h = blake2b(fields, digest_size=16)
+    h = _blake2b(fields, digest_size=16)
     h.update(data)
     return h.digest()
 

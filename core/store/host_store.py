@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -234,6 +233,8 @@ class HostStore:
 
         With ``expect``, refuse bytes that do not hash to it (nothing lands).
         """
+        import hashlib  # (where it hashes: hashlib loads OpenSSL, which a reader of the store need not)
+
         os.makedirs(self.objects_dir, exist_ok=True)
         tmp = os.path.join(self.objects_dir, TMP_PREFIX + os.urandom(8).hex())
         h = hashlib.sha256()
@@ -374,6 +375,8 @@ class HostStore:
         """Yield a blob's bytes, re-hashing them; raise CorruptBlobError at the end
         if they do not match (callers that stream must discard what they got),
         after quarantining the blob (see :meth:`quarantine_blob`)."""
+        import hashlib
+
         path = self.blob_file(sha256)
         h = hashlib.sha256()
         try:
@@ -529,6 +532,8 @@ class HostStore:
             fmt.SPEC: spec_bytes(dict(spec) if spec is not None else default_spec()),
         }
         holder = fmt.Holder(host=host_id, epoch=1)
+        import hashlib
+
         with self.staging("new") as area:
             for rel, data in files.items():
                 p = os.path.join(area, rel)
@@ -723,6 +728,8 @@ class AgentHandle:
             if not files:
                 return old
             entries = dict(old.files)
+            import hashlib
+
             for rel, data in files.items():
                 fmt.check_relpath(rel)
                 if rel in fmt.UNLISTED or fmt.blob_name(rel) is not None:

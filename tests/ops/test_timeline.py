@@ -264,13 +264,14 @@ def test_log_loads_only_what_it_uses(state_dir: Path, agent: AgentHandle) -> Non
     """A fresh ``capsulefs log`` loads no numpy, trio, pyfuse3 or
     cryptography, nor what a start need not pay for: dataclasses (with
     inspect, ast, dis: core/frozen.py), shutil (with bz2, lzma: argparse's
-    help formatter); --tail alone not even sqlite3."""
+    help formatter); --tail alone not even sqlite3 or hashlib (OpenSSL: it
+    hashes no line)."""
     code = ("import sys\nfrom capsulefs.cli import main\nmain(sys.argv[1:])\n"
             "heavy = ('numpy', 'trio', 'pyfuse3', 'cryptography', 'sqlite3', 'regex', 'keyring', 'anthropic', 'openai',"
-            " 'dataclasses', 'inspect', 'shutil')\n"
+            " 'dataclasses', 'inspect', 'shutil', 'hashlib')\n"
             "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n")
-    for args, loaded in ((["log", "tl", "--tail", "3"], "[]"), (["log", "tl", "--failed"], "['sqlite3']"),
-                         (["log", "tl", "--grep", "build"], "['regex', 'sqlite3']")):
+    for args, loaded in ((["log", "tl", "--tail", "3"], "[]"), (["log", "tl", "--failed"], "['hashlib', 'sqlite3']"),
+                         (["log", "tl", "--grep", "build"], "['hashlib', 'regex', 'sqlite3']")):
         p = subprocess.run([sys.executable, "-c", code, "--state", str(state_dir), *args], capture_output=True,
                            text=True, cwd=REPO, timeout=120, check=True)
         assert p.stderr.strip().splitlines()[-1] == loaded, (args, p.stderr)
