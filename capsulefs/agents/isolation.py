@@ -302,7 +302,7 @@ def _enter(procs: str | None, ids: Ids) -> None:
     os.setresuid(ids.uid, ids.uid, ids.uid)
     if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    # After the uid change, which clears it: die with the daemon (see supervisor.Child).
+    # After the uid change, which clears it: die with the daemon (see process.Child).
     _prctl(PR_SET_PDEATHSIG, 9)
 
 

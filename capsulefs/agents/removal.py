@@ -47,7 +47,7 @@ from capsulefs.core.view.snapshots import Snapshots
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import holders_dir
 from capsulefs.agents.agent_log import log_dir
-from capsulefs.agents.supervisor import discard_sandbox
+from capsulefs.agents.sandbox_dir import discard_sandbox
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from mount_kit import capsulefs, needs_fuse
 from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
 from capsulefs.testing.stub_provider import serve
-from capsulefs.agents.supervisor import ours_isolated
+from capsulefs.agents.process import ours_isolated
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from capsulefs.core.capsule import archive
 from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.agents.supervisor import discard_sandbox, sandbox_root
+from capsulefs.agents.sandbox_dir import discard_sandbox, sandbox_root
 
 from helpers import export_and_unpack, make_agent
 
