@@ -17,6 +17,7 @@ from typing import Any
 
 import pyfuse3
 
+from capsulefs.core.view.control import Mover, NewAgents, Remover
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
@@ -63,7 +64,8 @@ def _reply(token: list[tuple[str, Any]], name: bytes, attr: pyfuse3.EntryAttribu
     return True
 
 
-def make_live(store: HostStore, work: Path, *, owner_uid: int = 0) -> LiveHost:
+def make_live(store: HostStore, work: Path, *, owner_uid: int = 0, mover: Mover | None = None,
+              remover: Remover | None = None, new_agents: NewAgents | None = None) -> LiveHost:
     ids = itertools.count(1)
     agents = itertools.count(1)
     clock = itertools.count(1_700_000_000_000_000_000, 1_000_000)
@@ -75,6 +77,9 @@ def make_live(store: HostStore, work: Path, *, owner_uid: int = 0) -> LiveHost:
         new_event_id=lambda: f"{next(ids):024x}",
         now_ns=lambda: next(clock),
         owner_uid=owner_uid,
+        mover=mover,
+        remover=remover,
+        new_agents=new_agents,
     )
 
 

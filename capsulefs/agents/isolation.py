@@ -310,7 +310,8 @@ class Isolation:
     """How this host's agents are kept from the daemon's files and each other."""
 
     def __init__(self, state_dir: str, *, uids: range | None, cgroups: Cgroups | None = None,
-                 why_off: str = "", why_no_cgroup: str = "") -> None:
+                 why_off: str = "", why_no_cgroup: str = "",
+                 on_new_owner: Callable[[str], None] = lambda agent_id: None) -> None:
         self.state_dir = os.path.abspath(state_dir)
         self.sandbox_root = os.path.join(self.state_dir, SANDBOXES_DIR)
         self.uids = uids  # None: isolation is off
@@ -320,7 +321,7 @@ class Isolation:
         self._ids: dict[str, Ids] = {}
         #: Called with an agent's id once it was given its uid (the mount
         #: drops the kernel's cached owner of the agent's files).
-        self.on_new_owner: Callable[[str], None] = lambda agent_id: None
+        self.on_new_owner = on_new_owner
         if uids is not None and os.path.isdir(self.sandbox_root):
             for agent_id in os.listdir(self.sandbox_root):
                 uid = _read_uid(os.path.join(self.sandbox_root, agent_id, UID_FILE))
@@ -329,13 +330,14 @@ class Isolation:
 
     @classmethod
     def detect(cls, state_dir: str, environ: Mapping[str, str] | None = None,
-               euid: Callable[[], int] = os.geteuid) -> "Isolation":
+               euid: Callable[[], int] = os.geteuid,
+               on_new_owner: Callable[[str], None] = lambda agent_id: None) -> "Isolation":
         environ = os.environ if environ is None else environ
         if euid() != 0:
-            return cls(state_dir, uids=None, why_off="the daemon does not run as root")
+            return cls(state_dir, uids=None, why_off="the daemon does not run as root", on_new_owner=on_new_owner)
         uids = parse_uids(environ[UIDS_ENV]) if environ.get(UIDS_ENV) else DEFAULT_UIDS
         cgroups, why = Cgroups.find(state_dir)
-        return cls(state_dir, uids=uids, cgroups=cgroups, why_no_cgroup=why)
+        return cls(state_dir, uids=uids, cgroups=cgroups, why_no_cgroup=why, on_new_owner=on_new_owner)
 
     @property
     def enabled(self) -> bool:

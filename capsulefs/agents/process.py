@@ -165,7 +165,7 @@ class Child:
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
-        return self._popen.returncode  # type: ignore[return-value]
+        return self._popen.returncode
 
 
 def reap_orphans(sandbox_root: str, cgroups: Cgroups | None) -> list[int]:

@@ -8,11 +8,11 @@ Rules:
   * What the host keeps beside the capsule is removed by the class that owns
     each area, never by a path spelled here: the mount's snapshots
     (``core.view.snapshots``), editors' scratch files (``core.view.scratch``) and the
-    sandbox (``capsulefs.agents.supervisor``).
+    sandbox (``capsulefs.agents.sandbox_dir``).
   * Without a daemon the CLI removes the agent itself
     (:func:`remove_offline`). While a daemon serves the state directory, the
     CLI asks it through the agent's ``.control/remove`` and the daemon
-    removes it (``Daemon.remove``): it stops the agent's process first and
+    removes it (``capsulefs.daemon.agents.Agents.remove``): it stops the agent's process first and
     drops it from the live mount, under the agent's move lock.
   * Nothing acknowledged is deleted: an agent in doubt here (UNKNOWN, or
     files without a record) is kept as a whole copy under recovery/ first

@@ -1,8 +1,9 @@
 """Running the agents a mount serves: the supervisor wired to the daemon.
 
 Rules:
-  * An agent runs here only while the mount shows it active and this host's
-    holder record says it may run (held at its epoch). No record, a lost one,
+  * An agent runs here only while the lifecycle owner says it may
+    (capsulefs/daemon/agents.py: the mount shows it active and this host's
+    holder record and evidence say it may run). No record, a lost one,
     frozen, offered or retired: it does not run. The move protocol decides
     who holds; this module only obeys.
   * Freezing (start of a move) stops the process at a step boundary and
@@ -24,11 +25,13 @@ Rules:
     is mounted ``allow_other``, its root is mode 0711 and each agent's
     directory 0700, owned by that agent's uid (see core/view/host.py).
 
-Theory of operation: :class:`AgentRuntime` is both a daemon listener (its
-``on_*`` methods run inside the daemon's freeze/resume/retire/activate) and
-a daemon service (:meth:`serve` owns the supervisor and a reconcile loop that
-starts agents that became runnable: a new agent, a spec given an entrypoint,
-an agent moved in).
+Theory of operation: :class:`AgentRuntime` is both the agents' processes
+for the lifecycle owner (capsulefs/daemon/agents.py: its ``on_*`` methods
+run inside its freeze/resume/retire/activate/remove) and a daemon service
+(:meth:`serve` owns the supervisor and a reconcile loop that starts agents
+that became runnable: a new agent, a spec given an entrypoint, an agent
+moved in). Whether an agent may run is the lifecycle owner's answer
+(:class:`Lifecycle`); the runtime only starts and stops processes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -44,45 +47,41 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
-from capsulefs.core.store.holder import HolderBook, HolderState, story
-from capsulefs.core.view.nodes import AgentState
+from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.view.host import LiveHost
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.move.host import holders_dir
-from capsulefs.agents.steering import Steering
-from capsulefs.agents.supervisor import RunState, Supervisor
+from capsulefs.agents.isolation import Isolation
+from capsulefs.agents.run_state import RunState
+from capsulefs.agents.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 RECONCILE_SECONDS = 1.0
 
 
-class AgentRuntime:
-    def __init__(self, daemon: Any, *, grace: float = 5.0) -> None:
-        self.daemon = daemon
-        self.live = daemon.live
-        self.store = daemon.live.store
-        self.holders = HolderBook(holders_dir(daemon.state_dir))
-        self.supervisor = Supervisor(daemon.state_dir, self, grace=grace)
-        self._paused: set[str] = set()  # frozen by a move: not restarted by reconcile
+class Lifecycle(Protocol):
+    def may_run(self, agent_id: str) -> tuple[bool, str]:
+        """Whether the agent's process may run here, and if not, why in words."""
+        ...
 
-    @classmethod
-    def attach(cls, daemon: Any, **kw: Any) -> "AgentRuntime":
-        rt = cls(daemon, **kw)
-        if rt.supervisor.isolation.enabled:
-            daemon.allow_other = True  # (the mount is made later, in daemon.serve)
-            daemon.live.agent_owner = rt.supervisor.isolation.owner_of
-            rt.supervisor.isolation.on_new_owner = daemon.ops.owner_changed
-        daemon.listeners.append(rt)
-        daemon.services.append(rt.serve)
-        daemon.services.append(Steering(rt, daemon.state_dir).serve)  # (spec and grant changes: restarts)
-        daemon.live.status_sections["run"] = rt.run_status
-        return rt
+
+class AgentRuntime:
+    def __init__(self, view: LiveHost, *, state_dir: str, mountpoint: str, lifecycle: Lifecycle,
+                 isolation: Isolation | None = None, grace: float = 5.0) -> None:
+        self.live = view
+        self.store = view.store
+        self.mountpoint = mountpoint
+        self.lifecycle = lifecycle
+        self.holders = HolderBook(holders_dir(state_dir))
+        self.supervisor = Supervisor(state_dir, self, grace=grace, isolation=isolation)
 
     # -- the supervisor's hooks ---------------------------------------------------
     def spec(self, agent_id: str) -> Mapping[str, Any]:
         """The agent's spec as stored (FormatError if it is not JSON; the
         supervisor checks its rules before each start)."""
-        return fmt.load_json(self.store.agent(agent_id).read(fmt.SPEC), fmt.SPEC)
+        spec: Mapping[str, Any] = fmt.load_json(self.store.agent(agent_id).read(fmt.SPEC), fmt.SPEC)
+        return spec
 
     def snapshot(self, agent_id: str) -> Mapping[str, str]:
         return fmt.parse_snapshot(self.store.agent(agent_id).read(fmt.SNAPSHOT))
@@ -91,7 +90,7 @@ class AgentRuntime:
         return self.store.iter_blob(sha256)
 
     def capsule_dir(self, agent_id: str) -> str:
-        return os.path.join(self.daemon.mountpoint, self.store.agent(agent_id).name)
+        return os.path.join(self.mountpoint, self.store.agent(agent_id).name)
 
     def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:
         """New blobs, listed in the manifest, one workspace_update event, the
@@ -125,23 +124,7 @@ class AgentRuntime:
 
     # -- who may run ---------------------------------------------------------------------
     def runnable(self, agent_id: str) -> tuple[bool, str]:
-        rec = self.holders.get(agent_id)
-        if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
-            return False, story(rec, self.live.agent(agent_id).stored_manifest().name).line()
-        lifecycle = getattr(self.daemon, "lifecycle", None)
-        decision = lifecycle(agent_id) if lifecycle is not None else None
-        if decision is not None and rec is not None and rec.state is HolderState.HELD and not decision.run:
-            return False, (f"{decision.standing.value}: no peer has said yet that it holds no higher epoch "
-                           f"(see the record section)")
-        if agent_id in self._paused:
-            return False, "frozen for a move"
-        if self.live.state(agent_id) is not AgentState.ACTIVE:
-            return False, f"the mount shows it {self.live.state(agent_id).value}"
-        if rec is None:
-            return False, "this host has no holder record for it: it runs only after a move or 'capsulefs move --force-hold' (the daemon stopped)"
-        if not rec.runnable:
-            return False, f"its holder record here says {rec.state.value} at epoch {rec.epoch}"
-        return True, ""
+        return self.lifecycle.may_run(agent_id)
 
     def run_status(self, agent_id: str) -> dict[str, Any]:
         st = self.supervisor.status(agent_id).as_json()
@@ -181,9 +164,8 @@ class AgentRuntime:
                     log.exception("runtime: reconcile failed")
                 await trio.sleep(RECONCILE_SECONDS)
 
-    # -- the daemon's listener API ---------------------------------------------------------
+    # -- the agents' processes, for the lifecycle owner (daemon/agents.AgentProcesses) -----------------------------------------------------
     async def on_freeze(self, agent_id: str) -> None:
-        self._paused.add(agent_id)
         # An agent in doubt (holder record lost) is frozen because another
         # host may hold it: its sandbox's changes are not journaled here
         # (they stay in the sandbox until --learn settles who holds it).
@@ -191,11 +173,9 @@ class AgentRuntime:
         await self.supervisor.freeze(agent_id, sync=rec is None or rec.state is not HolderState.UNKNOWN)
 
     async def on_resume(self, agent_id: str) -> None:
-        self._paused.discard(agent_id)
         self.reconcile()
 
     async def on_retire(self, agent_id: str) -> None:
-        self._paused.discard(agent_id)
         await self.supervisor.unwant(agent_id, sync=False)
         await self.supervisor.discard_sandbox(agent_id)
 
@@ -204,7 +184,6 @@ class AgentRuntime:
         without syncing its workspace. Its sandbox stays until the store has
         forgotten the agent (``removal.discard_leftovers``): if that fails, the
         agent runs again with its sandbox as it was."""
-        self._paused.discard(agent_id)
         await self.supervisor.unwant(agent_id, sync=False)
 
     async def on_shutdown(self) -> None:
@@ -220,5 +199,4 @@ class AgentRuntime:
                 self.supervisor.kill_all()
 
     async def on_activate(self, agent_id: str) -> None:
-        self._paused.discard(agent_id)
         self.reconcile()

@@ -43,6 +43,8 @@ from capsulefs.agents import grants
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.journal.events import Note
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.view.host import LiveHost
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,25 @@ def spec_digest(spec: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+class Runs(Protocol):
+    """What steering uses of the supervisor (capsulefs/agents/supervisor.py)."""
+
+    def running_specs(self) -> list[tuple[str, str, list[str]]]: ...
+
+    def restart(self, agent_id: str, why: str) -> bool: ...
+
+
 class Runtime(Protocol):
     """What steering uses of the agent runtime (capsulefs/agents/runtime.py)."""
 
-    supervisor: Any
-    store: Any
-    live: Any
+    @property
+    def supervisor(self) -> Runs: ...
+
+    @property
+    def store(self) -> HostStore: ...
+
+    @property
+    def live(self) -> LiveHost: ...
 
     def spec(self, agent_id: str) -> Mapping[str, Any]: ...
 

@@ -118,7 +118,7 @@ class Supervisor:
         self.processes = Processes(self.isolation, self.sandbox_root, grace=grace, clock=clock)
 
     # -- lifecycle -----------------------------------------------------------
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the agents' tasks; never returns until cancelled."""
         self.isolation.announce()
         if self.isolation.enabled:

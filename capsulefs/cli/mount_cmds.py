@@ -101,26 +101,22 @@ def _run_daemon(args: argparse.Namespace, on_ready: Callable[[bool], None] | Non
 def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) -> int:
     import trio
 
-    from capsulefs.daemon.daemon import Daemon
+    from capsulefs.daemon.root import MountConfig, compose
+    from capsulefs.peer.book import parse_address
 
     opts = [o for o in (args.o or "").split(",") if o]
     ignored = [o for o in opts if o not in FUSE_OPTIONS]
     if ignored:
         log.info("ignoring mount options %s (for mount(8) or systemd)", ",".join(ignored))
-    daemon = Daemon(state_dir(args), args.mountpoint, allow_other=args.allow_other or "allow_other" in opts)
-    if not args.no_run:
-        from capsulefs.agents.runtime import AgentRuntime
-
-        AgentRuntime.attach(daemon)
-    from capsulefs.move.mount_moves import MountMoves
-    from capsulefs.peer.book import parse_address
-
-    # After the runtime: moves may activate agents, which the runtime then starts.
-    MountMoves.attach(daemon, listen=parse_address(args.listen, listen=True) if args.listen else None)
-    if args.metrics_file:
-        from capsulefs.daemon.metrics_file import MetricsFile
-
-        daemon.services.append(MetricsFile(daemon.live, args.metrics_file, args.metrics_interval).serve)
+    daemon = compose(MountConfig(
+        state_dir=state_dir(args),
+        mountpoint=args.mountpoint,
+        allow_other=args.allow_other or "allow_other" in opts,
+        run_agents=not args.no_run,
+        listen=parse_address(args.listen, listen=True) if args.listen else None,
+        metrics_file=args.metrics_file,
+        metrics_interval=args.metrics_interval,
+    )).daemon
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -334,7 +330,7 @@ def _ask_to_stop(pidfd: int, mnt: str) -> bool:
     return True
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("mount", help="mount every agent of the host store as live capsule directories")
     p.add_argument("mountpoint")
     p.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help="host state directory")

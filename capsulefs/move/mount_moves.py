@@ -15,7 +15,7 @@ Rules:
     cause to an errno (MOVE_ERRNO), in one table.
   * ``.control/status`` "move" shows phase, blobs and bytes while a move runs,
     and its outcome in words once it ended.
-  * It is the daemon's ``move_guard``: removing an agent (``Daemon.remove``)
+  * It is the daemon's move guard: removing an agent (``daemon.agents.Agents.remove``)
     holds the agent's move lock and is refused at once while this service
     runs a move of it, so a removal and a move never overlap.
 
@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 import trio
 
@@ -49,7 +49,8 @@ from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, story
 from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
-from capsulefs.move.host import MoveHost, record_new_agent
+from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
+from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
 from capsulefs.move.target import MoveService, serve_moves
@@ -128,42 +129,42 @@ class _Running:
     target: str
 
 
-class MountMoves:
-    """The daemon's move wiring: a service (``serve``) and the mount's Mover."""
+class MoveAgents(AgentHooks, Protocol):
+    """What the mount's moves need of the daemon's agents (capsulefs/daemon/agents.py)."""
 
-    def __init__(self, daemon: Any, *, listen: tuple[str, int] | None = None, call_timeout: float = 120.0,
-                 retry_pause: float = 1.0) -> None:
-        self.daemon = daemon
-        self.host = MoveHost.open(daemon.state_dir, hooks=daemon)
+    def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None: ...
+
+    def state(self, agent_id: str) -> AgentState: ...
+
+
+class MountMoves:
+    """The daemon's move wiring: a service (``serve``), the mount's Mover,
+    the daemon's move guard (``still``), and who records an agent made
+    through the mount (``created``)."""
+
+    def __init__(self, host: MoveHost, agents: MoveAgents, *, listen: tuple[str, int] | None = None,
+                 call_timeout: float = 120.0, retry_pause: float = 1.0) -> None:
+        self.agents = agents
+        self.host = host
         crash_seam(self.host, os.environ.get(CRASH_ENV))
         self.listen = listen
         self.call_timeout = _test_call_timeout(os.environ.get(CALL_TIMEOUT_ENV)) or call_timeout
         self.retry_pause = retry_pause
         self.port: int | None = None  # bound, once serving
         #: Who else holds what: checked before an agent runs, and while it runs.
-        self.standings = Standings(self.host, daemon)
+        self.standings = Standings(self.host, agents)
         self._running: dict[str, _Running] = {}
         self._timers: dict[str, metrics.PhaseTimer] = {}  # each move's phases, for the metrics
         self._nursery: trio.Nursery | None = None
 
-    @classmethod
-    def attach(cls, daemon: Any, **kw: Any) -> "MountMoves":
-        mm = cls(daemon, **kw)
-        daemon.services.append(mm.serve)
-        daemon.services.append(mm.standings.serve)
-        daemon.live.mover = mm
-        daemon.move_guard = mm.still
-        daemon.lifecycle = mm.standings.decision
-        daemon.doubt_detail = mm.standings.detail
-        state_dir = daemon.state_dir
+    def created(self, agent_id: str, epoch: int) -> None:
+        """An agent was made through the mount (mkdir): this host holds it."""
+        record_new_agent(self.host.store.root, agent_id, epoch)
+        self.standings.created(agent_id)
 
-        def new_agent(agent_id: str, epoch: int) -> None:
-            record_new_agent(state_dir, agent_id, epoch)
-            mm.standings.created(agent_id)
-
-        daemon.live.on_new_agent = new_agent
-        daemon.show_as_decided()
-        return mm
+    def runtime_info(self) -> dict[str, object]:
+        """For the daemon's runtime file: the port peers' moves reach (None: none)."""
+        return {"move_port": self.port}
 
     # -- the service -----------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -175,7 +176,6 @@ class MountMoves:
                 log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
             else:
                 await MoveService(self.host).recover()  # refuse pending moves a crash left, as serve_moves does
-            self.daemon.runtime_info["move_port"] = self.port
             # The moves in doubt are registered before any new move may start
             # (move() refuses until _nursery is set), so none can take their place.
             pending = self._in_doubt()
@@ -214,7 +214,7 @@ class MountMoves:
     # -- progress ----------------------------------------------------------------------
     def _set(self, agent_id: str, progress: dict[str, object]) -> None:
         try:
-            self.daemon.set_move_progress(agent_id, progress)
+            self.agents.set_move_progress(agent_id, progress)
         except NotFoundError:
             pass  # retired meanwhile
 
@@ -353,4 +353,4 @@ class MountMoves:
             new = abandon_move(self.host.holders, agent_id, me=self.host.me, why=why)
         log.warning("agent %s: move abandoned by the operator (%s), held again at epoch %d; %s",
                     agent_id, why, new.held_epoch, risk)
-        await self.daemon.resume(agent_id)
+        await self.agents.resume(agent_id)

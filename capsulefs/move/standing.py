@@ -19,9 +19,9 @@ Rules:
     wrong.
 
 Theory of operation: :class:`Standings` belongs to the daemon's move wiring
-(capsulefs/move/mount_moves.py); the daemon asks it for decisions
-(``Daemon.lifecycle``) when it shows or resumes an agent, the runtime when
-it decides to run one, and it answers ``holds`` calls in front of the move
+(capsulefs/move/mount_moves.py); the daemon's lifecycle owner
+(capsulefs/daemon/agents.py) asks it for decisions when it shows, resumes
+or runs an agent, and it answers ``holds`` calls in front of the move
 service.
 """
 

@@ -18,7 +18,10 @@ Rules:
     activated there) makes the agent STALE here at once, whatever else was
     learned: the driver stops it and records UNKNOWN.
   * One table, :data:`TABLE`, decides the view's state and the run state;
-    docs/move.md shows it (generated, kept equal by a test).
+    docs/move.md shows it (generated, kept equal by a test). The daemon
+    (capsulefs/daemon/agents.py) derives both from it alone, adding only
+    that a move holds an agent still (:func:`shown`, :func:`runs`;
+    docs/mount.md's table).
 
 Theory of operation: the driver (capsulefs/move/standing.py) gathers peers'
 claims in one batched ``holds`` call per peer, at start and periodically,
@@ -39,7 +42,8 @@ from ..view.nodes import AgentState
 from .holder import HolderRecord, HolderState
 
 __all__ = ["MAX_CLAIMS", "TABLE", "Claim", "Decision", "Evidence", "Standing", "claim_of", "claims_from_wire",
-           "claims_to_wire", "decide", "describe_table", "gather", "outranks"]
+           "claims_to_wire", "decide", "describe_daemon_table", "describe_table", "gather", "outranks", "runs",
+           "shown"]
 
 #: Most claims one ``holds`` message may carry (a bound on a hostile peer's list).
 MAX_CLAIMS = 100_000
@@ -208,6 +212,31 @@ def decide(record: HolderRecord | None, evidence: Evidence) -> Decision:
     if found is None:
         raise KeyError(f"no lifecycle row for holder state {state} with evidence {evidence.value}")
     return found
+
+
+def shown(decision: Decision, *, still: bool) -> AgentState:
+    """What the mount shows of an agent: the decision's view, read-only while
+    a move (or a doubt found while it was active) holds it still."""
+    return AgentState.FROZEN if still and decision.view is AgentState.ACTIVE else decision.view
+
+
+def runs(decision: Decision, *, still: bool) -> bool:
+    """Whether the agent's process may run: the decision's, never while held still."""
+    return decision.run and not still
+
+
+def describe_daemon_table() -> str:
+    """What the daemon derives for each standing (:func:`shown`, :func:`runs`),
+    as markdown, for docs/mount.md."""
+    rows = ["| standing | mount shows | runs | while a move holds it still: shows | runs |", "|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
+    seen: list[Decision] = []
+    for d in TABLE.values():
+        if d not in seen:
+            seen.append(d)
+            rows.append(f"| {d.standing.value} | {shown(d, still=False).value} | {yes[runs(d, still=False)]} | "
+                        f"{shown(d, still=True).value} | {yes[runs(d, still=True)]} |")
+    return "\n".join(rows)
 
 
 def describe_table() -> str:

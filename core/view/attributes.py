@@ -21,11 +21,11 @@ from .tree import Tree
 class Attributes(Tree):
     def attr(self, node: Node) -> Attr:
         a = self._attr(node)
-        if self.agent_owner is None or node.kind in (Kind.HOST_CONTROL, Kind.HOST_CONTROL_FILE):
+        if self.owners is None or node.kind in (Kind.HOST_CONTROL, Kind.HOST_CONTROL_FILE):
             return a
         if node.kind is Kind.ROOT:
             return replace(a, perm=0o711)  # (agents pass through to their own; none lists the others)
-        owner = self.agent_owner(node.agent)
+        owner = self.owners.owner_of(node.agent)
         if node.kind is Kind.AGENT:
             a = replace(a, perm=0o700)
         if owner is None or node.kind in (Kind.CONTROL, Kind.CONTROL_FILE) or a.uid not in (None, self.owner_uid):

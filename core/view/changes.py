@@ -43,7 +43,8 @@ class Changes(Attributes):
             fmt.check_agent_name(name)
             agent = self.store.create_agent(name, host_id=self.host_id, agent_id=self.new_agent_id())
             log.info("created agent %s (%s)", name, agent.agent_id)
-            self.on_new_agent(agent.agent_id, agent.manifest().holder.epoch)
+            if self.new_agents is not None:
+                self.new_agents.created(agent.agent_id, agent.manifest().holder.epoch)
             return Node(Kind.AGENT, agent.agent_id)
         if parent.kind is Kind.SNAPSHOTS:
             if self.failsafe is not None:

@@ -50,6 +50,21 @@ class Remover(Protocol):
     async def remove(self, agent_id: str) -> None: ...
 
 
+class NewAgents(Protocol):
+    """Who is told of an agent made by ``mkdir`` at the root, right after
+    (the daemon records that this host holds it: without a holder record
+    an agent never runs and cannot move)."""
+
+    def created(self, agent_id: str, epoch: int) -> None: ...
+
+
+class Owners(Protocol):
+    """With sandbox isolation (agents run as uids of their own): the uid an
+    agent's processes run as, or None before it has one."""
+
+    def owner_of(self, agent_id: str) -> int | None: ...
+
+
 class ModelHandle(Handle):
     """.control/model: reads ``provider:model``; a write switches the model."""
 

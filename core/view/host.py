@@ -121,9 +121,9 @@ class LiveHost(Changes):
                 if write:
                     raise ReadOnly("snapshots are read-only")
                 self._snap(node.agent, node.snap)
-                sha = fmt.blob_name(node.rel)
-                if sha is not None:
-                    return self._blob_handle(sha)
+                listed = fmt.blob_name(node.rel)
+                if listed is not None:
+                    return self._blob_handle(listed)
                 return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
         raise IsADirectory("is a directory")
 

@@ -3,15 +3,16 @@ name in it stands for (``LiveHost``'s first part; its rules are in ``host``).
 
 :class:`Tree` holds the view's state: the agents shown (and the states of
 those not active), the areas beside them (scratch, uploads, snapshots), the
-failsafe, and the callbacks the daemon sets. ``attributes``, ``changes``
-and ``host`` add to it, in that order.
+failsafe, and the components it calls up to, given to its constructor
+(capsulefs/daemon/root.py builds them). ``attributes``, ``changes`` and
+``host`` add to it, in that order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .. import metrics
@@ -21,7 +22,7 @@ from ..fsutil import thread_start
 from ..store.host_store import HostStore
 from .agent import LiveAgent
 from .blobcheck import BlobChecks
-from .control import Mover, Remover
+from .control import Mover, NewAgents, Owners, Remover
 from .errors import NotADirectory, ReadOnly
 from .nodes import CONTROL, CONTROL_FILES, HOST_CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
 from .scratch import ScratchArea
@@ -50,6 +51,11 @@ class Tree:
         new_event_id: Callable[[], str],
         now_ns: Callable[[], int],
         owner_uid: int = 0,
+        owners: Owners | None = None,
+        status_sections: Mapping[str, Callable[[str], object]] | None = None,
+        new_agents: NewAgents | None = None,
+        mover: Mover | None = None,
+        remover: Remover | None = None,
     ) -> None:
         self.store = store
         self.host_id = fmt.check_host_id(host_id)
@@ -57,12 +63,12 @@ class Tree:
         self.new_event_id = new_event_id
         self.now_ns = now_ns
         self.owner_uid = owner_uid  # the mounting user; with root, may write .control
-        #: With sandbox isolation (agents run as uids of their own): the uid
-        #: an agent's processes run as, or None before it has one. Set, the
-        #: root is mode 0711, each agent's directory 0700, and the agent's
-        #: directory, files and folders (not .control) are its uid's, so
-        #: that its process, and no other agent's, can use them.
-        self.agent_owner: Callable[[str], int | None] | None = None
+        #: With sandbox isolation (agents run as uids of their own): who
+        #: says the uid an agent's processes run as. Given, the root is mode
+        #: 0711, each agent's directory 0700, and the agent's directory,
+        #: files and folders (not .control) are its uid's, so that its
+        #: process, and no other agent's, can use them.
+        self.owners = owners
         self.work_dir = work_dir
         self.scratch = ScratchArea.under(work_dir)
         self.uploads = UploadArea.under(work_dir)  # (leftovers of an earlier daemon removed)
@@ -82,17 +88,15 @@ class Tree:
         self.on_change: Callable[[str, str], None] = lambda agent_id, rel: None
         #: Extra sections of ``.control/status`` from other components, by
         #: key (e.g. "run": the agent process's state from the supervisor).
-        self.status_sections: dict[str, Callable[[str], object]] = {}
-        #: Called with (agent_id, epoch) right after ``mkdir`` created an
-        #: agent, so the daemon records that this host holds it (a holder
-        #: record: without one the agent never runs and cannot move).
-        self.on_new_agent: Callable[[str, int], None] = lambda agent_id, epoch: None
+        self.status_sections: Mapping[str, Callable[[str], object]] = dict(status_sections or {})
+        #: Told right after ``mkdir`` created an agent (None: nobody).
+        self.new_agents = new_agents
         #: Carries out writes to ``.control/move`` and ``.control/abandon``
         #: (the daemon's move wiring); None: they fail with EOPNOTSUPP.
-        self.mover: Mover | None = None
+        self.mover = mover
         #: Carries out writes to ``.control/remove`` (the daemon); None: they
         #: fail with EOPNOTSUPP.
-        self.remover: Remover | None = None
+        self.remover = remover
 
     def state(self, agent_id: str) -> AgentState:
         st = self._states.get(agent_id, AgentState.ACTIVE)

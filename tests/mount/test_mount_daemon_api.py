@@ -20,7 +20,7 @@ from capsulefs.core.journal.events import Note
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon.daemon import Daemon
+from capsulefs.daemon.root import MountConfig, compose
 from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
 
@@ -52,7 +52,6 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
     warm.write_bytes(b"")
     open_appender(str(warm), machine="WARM", new_id=lambda: "0" * 24, now_ns=lambda: 1,
                   recovery_dir=str(tmp_path / "rec")).append(Note(text="warm"))
-    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: bool(sent.append(m)))
     service_ran: list[str] = []
 
     async def serve_other(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -63,7 +62,9 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
         finally:
             service_ran.append("stopped")
 
-    daemon.services.append(serve_other)
+    m = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(mnt), notify=lambda m: bool(sent.append(m)),
+                            run_agents=False, services=(serve_other,)))
+    daemon, agents = m.daemon, m.agents
     run = trio.to_thread.run_sync
     try:
         async with trio.open_nursery() as nursery:
@@ -74,24 +75,24 @@ async def test_freeze_resume_retire_activate(store: HostStore, state_dir: Path, 
             journal = mnt / "alice" / fmt.JOURNAL
             line = b'{"kind":"note","text":"x"}\n'
 
-            await daemon.freeze(agent.agent_id)
-            assert daemon.state(agent.agent_id) is AgentState.FROZEN
+            await agents.freeze(agent.agent_id)
+            assert agents.state(agent.agent_id) is AgentState.FROZEN
             assert await run(_errno, wm.write_bytes, b"during move\n") == errno.EROFS
             assert await run(_errno, _append, journal, line) == errno.EROFS
             status = json.loads(await run((mnt / "alice" / ".control" / "status").read_bytes))
             assert status["state"] == "frozen" and status["writable"] is False
-            daemon.set_move_progress(agent.agent_id, {"phase": "copying", "bytes": 10, "total": 20})
+            agents.set_move_progress(agent.agent_id, {"phase": "copying", "bytes": 10, "total": 20})
             status = json.loads(await run((mnt / "alice" / ".control" / "status").read_bytes))
             assert status["move"]["phase"] == "copying"
 
-            await daemon.resume(agent.agent_id)
+            await agents.resume(agent.agent_id)
             await run(_append, journal, line)
             assert (await run(journal.read_bytes)).count(b"\n") == 1
 
-            await daemon.retire(agent.agent_id)
+            await agents.retire(agent.agent_id)
             assert await run(os.listdir, mnt) == []
             assert not await run((mnt / "alice").exists)
-            await daemon.activate(agent.agent_id)
+            await agents.activate(agent.agent_id)
             assert await run(os.listdir, mnt) == ["alice"]
             daemon.stop()
         assert sent[-1] == "STOPPING=1"
@@ -124,7 +125,6 @@ async def test_a_signal_while_mounting_stops_the_daemon_once_it_can(store: HostS
         os.kill(os.getpid(), signal.SIGTERM)  # delivered now, before serve starts its watcher
 
     monkeypatch.setattr(daemon_mod.pyfuse3, "init", init_then_signal)
-    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
     stopped: list[str] = []
 
     class Listener:
@@ -133,7 +133,8 @@ async def test_a_signal_while_mounting_stops_the_daemon_once_it_can(store: HostS
             # the mount still serves while the agents stop (asked from a worker thread: see above)
             assert await trio.to_thread.run_sync(os.listdir, mnt) == ["alice"]
 
-    daemon.listeners.append(Listener())
+    daemon = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(mnt), notify=lambda m: True,
+                                 run_agents=False, stopping=(Listener(),))).daemon
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with trio.fail_after(HANG):

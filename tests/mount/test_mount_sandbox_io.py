@@ -32,7 +32,7 @@ from capsulefs.core.journal.record import Record
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import AgentHandle, HostStore
-from capsulefs.daemon.daemon import Daemon
+from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.agents.runtime import AgentRuntime
 from helpers import HANG, make_agent
 from mount_kit import force_unmount, needs_fuse
@@ -74,13 +74,14 @@ def _warm_journal(tmp_path: Path) -> None:
                   recovery_dir=str(tmp_path / "rec")).append(Note(text="warm"))
 
 
-def _daemon(state_dir: Path, tmp_path: Path) -> tuple[Daemon, AgentRuntime, Path]:
+def _daemon(state_dir: Path, tmp_path: Path) -> tuple[Mounted, AgentRuntime, Path]:
     """A daemon with its runtime, to be served in this process at ``tmp_path/mnt``."""
     _warm_journal(tmp_path)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    daemon = Daemon(str(state_dir), str(mnt), notify=lambda m: True)
-    return daemon, AgentRuntime.attach(daemon), mnt
+    m = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(mnt), notify=lambda m: True))
+    assert m.runtime is not None
+    return m, m.runtime, mnt
 
 
 def _agent(store: HostStore, name: str, entrypoint: list[str] | None = None) -> AgentHandle:
@@ -126,17 +127,17 @@ async def test_a_freeze_scanning_a_workspace_leaves_every_other_agent_served(
     seen: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
+            await nursery.start(daemon.daemon.serve)
 
             async def probe() -> None:
                 seen.append(await trio.to_thread.run_sync(_probe, gate, mnt, "other", "busy"))
 
             nursery.start_soon(probe)
-            await daemon.freeze(busy.agent_id)
+            await daemon.agents.freeze(busy.agent_id)
             with trio.fail_after(GATE_LIMIT * 2):
                 while not seen:
                     await trio.sleep(0.01)
-            daemon.stop()
+            daemon.daemon.stop()
     finally:
         force_unmount(mnt)
     assert gate.released_in_time == [True], "the mount did not answer while the scan ran"
@@ -162,12 +163,12 @@ async def test_building_a_sandbox_leaves_every_other_agent_served(
     seen: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
+            await nursery.start(daemon.daemon.serve)
             seen.append(await trio.to_thread.run_sync(_probe, gate, mnt, "other", "busy"))
             with trio.fail_after(GATE_LIMIT * 2):
                 while rt.supervisor.status(busy.agent_id).pid is None:
                     await trio.sleep(0.01)
-            daemon.stop()
+            daemon.daemon.stop()
     finally:
         force_unmount(mnt)
     assert gate.released_in_time == [True], "the mount did not answer while the sandbox was built"

@@ -26,8 +26,7 @@ from capsulefs.core.capsule import workspace
 from capsulefs.core.walk import TooDeep, open_beneath, walk_tree
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon.daemon import Daemon
-from capsulefs.agents.runtime import AgentRuntime
+from capsulefs.daemon.root import MountConfig, compose
 from capsulefs.agents.isolation import Isolation
 from capsulefs.agents.supervisor import RunState, Supervisor
 
@@ -222,7 +221,8 @@ async def test_a_workspace_2000_deep_is_synced_and_built_again(store: HostStore,
     its directory; the sandbox built again from the snapshot (a start, on
     this host or after the move) holds the first."""
     agent = make_agent(store, "alice")
-    rt = AgentRuntime(Daemon(str(state_dir), str(tmp_path / "mnt")))
+    rt = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(tmp_path / "mnt"))).runtime
+    assert rt is not None
     try:
         sandbox = rt.supervisor.sandbox(agent.agent_id)
         workspace.materialize(rt.snapshot(agent.agent_id), rt.read_blob, sandbox)
@@ -241,7 +241,7 @@ async def test_a_workspace_2000_deep_is_synced_and_built_again(store: HostStore,
         assert get(rebuilt, DEEP_FILE) == b"deep\n"
         assert workspace.scan(rebuilt, snap).changes == {}
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
 
 
 @needs_root

@@ -18,9 +18,8 @@ from capsulefs.core.errors import FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.view.nodes import AgentState
-from capsulefs.daemon.daemon import Daemon
+from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.peer.identity import load_or_create_identity
-from capsulefs.move.mount_moves import MountMoves
 from capsulefs.move.host import record_new_agent
 from capsulefs.peer.book import Peer, PeerBook
 from helpers import make_agent
@@ -33,22 +32,23 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-def wired(store: HostStore, state_dir: Path, tmp_path: Path) -> tuple[MountMoves, str]:
+def wired(store: HostStore, state_dir: Path, tmp_path: Path) -> tuple[Mounted, str]:
     agent = make_agent(store, "alice")
     record_new_agent(state_dir, agent.agent_id)
     other = load_or_create_identity(tmp_path / "other").host_id
     PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
-    daemon = Daemon(str(state_dir), str(tmp_path / "mnt"))
-    mm = MountMoves.attach(daemon, retry_pause=0.01)
+    m = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(tmp_path / "mnt"), run_agents=False,
+                            retry_pause=0.01))
     # As if this daemon had created it (mkdir): held with evidence, although its one peer is dead
     # (an agent in doubt does not move: docs/move.md, "Checking before running").
-    mm.standings.created(agent.agent_id)
-    daemon.show_as_decided()
-    return mm, agent.agent_id
+    m.moves.standings.created(agent.agent_id)
+    m.agents.show_all()
+    return m, agent.agent_id
 
 
-async def test_an_unknown_peer_is_a_format_error(wired: tuple[MountMoves, str]) -> None:
-    mm, agent_id = wired
+async def test_an_unknown_peer_is_a_format_error(wired: tuple[Mounted, str]) -> None:
+    m, agent_id = wired
+    mm = m.moves
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         with pytest.raises(FormatError, match="not a known peer.*peers: dead"):
@@ -56,8 +56,9 @@ async def test_an_unknown_peer_is_a_format_error(wired: tuple[MountMoves, str]) 
         nursery.cancel_scope.cancel()
 
 
-async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[MountMoves, str], state_dir: Path) -> None:
-    mm, agent_id = wired
+async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[Mounted, str], state_dir: Path) -> None:
+    m, agent_id = wired
+    mm = m.moves
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         with pytest.raises(le.MoveFailed, match="rolled_back") as failed:
@@ -65,15 +66,16 @@ async def test_a_dead_peer_rolls_back_with_connection_refused(wired: tuple[Mount
         assert failed.value.cause is Cause.CONNECTION_REFUSED
         nursery.cancel_scope.cancel()
     assert HolderBook(state_dir / "holders").get(agent_id).state is HolderState.HELD
-    move = mm.daemon.live.agent(agent_id).status()["move"]
+    move = m.view.agent(agent_id).status()["move"]
     assert (move["outcome"], move["cause"]) == ("rolled_back", "connection-refused")
-    assert mm.daemon.live.state(agent_id).value == "active"  # resumed
+    assert m.view.state(agent_id).value == "active"  # resumed
 
 
-async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[MountMoves, str]) -> None:
+async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[Mounted, str]) -> None:
     """The service's nursery stays open once the start-up resume is done, so a
     daemon mounted without --listen can still move agents out later."""
-    mm, agent_id = wired
+    m, agent_id = wired
+    mm = m.moves
     assert mm.listen is None
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
@@ -97,38 +99,41 @@ async def silent(state_dir: Path, tmp_path: Path) -> AsyncIterator[None]:
     sock.close()
 
 
-async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[MountMoves, str], silent: None) -> None:
-    mm, agent_id = wired
+async def test_a_second_move_of_a_moving_agent_is_busy(wired: tuple[Mounted, str], silent: None) -> None:
+    m, agent_id = wired
+    mm = m.moves
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         nursery.start_soon(partial(mm.move, agent_id, "silent"))
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(le.MoveBusy, match="already moving to silent"):
             await mm.move(agent_id, "dead")
-        assert mm.daemon.live.agent(agent_id).status()["move"]["target"] == "silent"
+        assert m.view.agent(agent_id).status()["move"]["target"] == "silent"
         nursery.cancel_scope.cancel()
 
 
-async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tuple[MountMoves, str],
+async def test_removing_a_moving_agent_is_busy_and_waits_for_nothing(wired: tuple[Mounted, str],
                                                                      silent: None) -> None:
-    mm, agent_id = wired
+    m, agent_id = wired
+    mm = m.moves
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         nursery.start_soon(partial(mm.move, agent_id, "silent"))
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(le.MoveBusy, match="is moving to silent: removing it now could lose it on both hosts"):
-            await mm.daemon.remove(agent_id)
+            await m.agents.remove(agent_id)
         nursery.cancel_scope.cancel()
-    assert agent_id in mm.daemon.live.store.agent_ids()
+    assert agent_id in m.view.store.agent_ids()
 
 
-async def test_removing_a_held_agent_forgets_it_everywhere(wired: tuple[MountMoves, str], state_dir: Path) -> None:
-    mm, agent_id = wired
-    live = mm.daemon.live
+async def test_removing_a_held_agent_forgets_it_everywhere(wired: tuple[Mounted, str], state_dir: Path) -> None:
+    m, agent_id = wired
+    mm = m.moves
+    live = m.view
     live.snapshots.create(live.agent(agent_id).handle, "before")
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
-        await mm.daemon.remove(agent_id)
+        await m.agents.remove(agent_id)
         nursery.cancel_scope.cancel()
     assert live.store.agent_ids() == [] and live.names() == {}
     assert live.snapshots.names(agent_id) == []
@@ -144,9 +149,10 @@ async def test_an_agent_in_doubt_does_not_move(store: HostStore, state_dir: Path
     agent = make_agent(store, "alice")
     other = load_or_create_identity(tmp_path / "other").host_id
     PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
-    daemon = Daemon(str(state_dir), str(tmp_path / "mnt"))
-    mm = MountMoves.attach(daemon, retry_pause=0.01)
-    assert daemon.state(agent.agent_id) is AgentState.FROZEN  # read-only from the first request
+    m = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(tmp_path / "mnt"), run_agents=False,
+                            retry_pause=0.01))
+    mm = m.moves
+    assert m.agents.state(agent.agent_id) is AgentState.FROZEN  # read-only from the first request
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
         with pytest.raises(le.MoveFailed, match="in doubt"):

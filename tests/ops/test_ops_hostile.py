@@ -249,8 +249,8 @@ def _world(root: Path) -> World:
     store = HostStore.open(root / "state")
     alice = make_agent(store, "alice").agent_id
     bob = make_agent(store, "bob").agent_id
-    live = make_live(store, root / "work")
-    live.mover = live.remover = Refusing()
+    refusing = Refusing()
+    live = make_live(store, root / "work", mover=refusing, remover=refusing)
     ops = Operations(live, kernel=FakeKernel(), readdir_reply=_reply, uid=0, gid=0)
     return World(store, ops, Client(ops), alice, bob)
 

@@ -49,12 +49,40 @@ def mover() -> FakeMover:
     return FakeMover()
 
 
+class FakeRemover:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail: Exception | None = None
+
+    async def remove(self, agent_id: str) -> None:
+        self.calls.append(agent_id)
+        if self.fail is not None:
+            raise self.fail
+
+
+class NewAgentsSeen:
+    def __init__(self) -> None:
+        self.made: list[tuple[str, int]] = []
+
+    def created(self, agent_id: str, epoch: int) -> None:
+        self.made.append((agent_id, epoch))
+
+
 @pytest.fixture
-def c(store: HostStore, tmp_path: Path, mover: FakeMover) -> Client:
+def remover() -> FakeRemover:
+    return FakeRemover()
+
+
+@pytest.fixture
+def made() -> NewAgentsSeen:
+    return NewAgentsSeen()
+
+
+@pytest.fixture
+def c(store: HostStore, tmp_path: Path, mover: FakeMover, remover: FakeRemover, made: NewAgentsSeen) -> Client:
     make_agent(store, "alice")
     from ops_kit import _reply
-    live = make_live(store, tmp_path / "work")
-    live.mover = mover
+    live = make_live(store, tmp_path / "work", mover=mover, remover=remover, new_agents=made)
     return Client(Operations(live, kernel=FakeKernel(), readdir_reply=_reply, uid=0, gid=0))
 
 
@@ -121,11 +149,9 @@ async def test_a_waiting_move_holds_up_no_other_request(c: Client, mover: FakeMo
     assert done.is_set()
 
 
-async def test_mkdir_tells_who_records_the_holder(c: Client) -> None:
-    made: list[tuple[str, int]] = []
-    c.ops.live.on_new_agent = lambda agent_id, epoch: made.append((agent_id, epoch))
+async def test_mkdir_tells_who_records_the_holder(c: Client, made: NewAgentsSeen) -> None:
     await c.mkdir("bob")
-    assert made == [(json.loads(await c.read(f"bob/{CONTROL}/status"))["agent_id"], 1)]
+    assert made.made == [(json.loads(await c.read(f"bob/{CONTROL}/status"))["agent_id"], 1)]
 
 
 # -- .control/remove ---------------------------------------------------------------------
@@ -133,22 +159,6 @@ async def test_mkdir_tells_who_records_the_holder(c: Client) -> None:
 REMOVE = f"alice/{CONTROL}/remove"
 
 
-class FakeRemover:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.fail: Exception | None = None
-
-    async def remove(self, agent_id: str) -> None:
-        self.calls.append(agent_id)
-        if self.fail is not None:
-            raise self.fail
-
-
-@pytest.fixture
-def remover(c: Client) -> FakeRemover:
-    r = FakeRemover()
-    c.ops.live.remover = r
-    return r
 
 
 async def _agent_id(c: Client) -> str:
@@ -194,5 +204,8 @@ async def test_a_refused_removal_has_its_errno(c: Client, remover: FakeRemover, 
     assert await errno_of(c.write(REMOVE, (await _agent_id(c)).encode() + b"\n")) == code
 
 
-async def test_remove_without_a_remover_is_eopnotsupp(c: Client) -> None:
+async def test_remove_without_a_remover_is_eopnotsupp(store: HostStore, tmp_path: Path) -> None:
+    from ops_kit import _reply
+    make_agent(store, "alice")
+    c = Client(Operations(make_live(store, tmp_path / "work"), kernel=FakeKernel(), readdir_reply=_reply, uid=0, gid=0))
     assert await errno_of(c.write(REMOVE, (await _agent_id(c)).encode() + b"\n")) == errno.EOPNOTSUPP

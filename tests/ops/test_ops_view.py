@@ -495,7 +495,7 @@ async def test_a_handle_opened_before_removal_never_writes_into_the_agent_import
     memory = await c.open("alice/memory/working_memory.md", os.O_WRONLY)
     line = b'{"kind":"note","text":"from the old handle"}\n'
     assert await c.ops.write(journal.fh, 0, line) == len(line)
-    store.remove_agent(agent.agent_id)  # what Daemon.remove does, without the daemon
+    store.remove_agent(agent.agent_id)  # what Agents.remove does, without the daemon
     c.ops.live.forget(agent.agent_id)
     assert await errno_of(c.ops.write(journal.fh, 0, line)) == errno.ENOENT
     archive.import_tar(store, str(tar))

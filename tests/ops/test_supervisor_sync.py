@@ -16,14 +16,16 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.record import Record
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.daemon.daemon import Daemon
+from capsulefs.daemon.root import MountConfig, compose
 from capsulefs.agents.runtime import AgentRuntime
 
 from helpers import make_agent
 
 
 def _runtime(store: HostStore, state_dir: Path, tmp_path: Path) -> AgentRuntime:
-    return AgentRuntime(Daemon(str(state_dir), str(tmp_path / "mnt")))
+    rt = compose(MountConfig(state_dir=str(state_dir), mountpoint=str(tmp_path / "mnt"))).runtime
+    assert rt is not None
+    return rt
 
 
 def _sandbox(rt: AgentRuntime, agent_id: str) -> str:
@@ -57,7 +59,7 @@ async def test_a_name_that_is_not_utf8_is_skipped_not_a_failed_sync(store: HostS
         assert set(snap) == {"src/main.py", "README", "plan.md"}
         assert _updates(store, agent.agent_id) == [{"plan.md": snap["plan.md"]}]
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
 
 
 @pytest.mark.parametrize("refused", ["listing", "searching"])
@@ -96,7 +98,7 @@ async def test_a_directory_the_scan_cannot_list_keeps_its_files(
         assert set(snap) == {"src/main.py", "notes/a.md", "plan.md"}
         assert _updates(store, agent.agent_id) == [{"plan.md": snap["plan.md"]}]
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
 
 
 async def test_two_syncs_at_once_commit_the_changes_once(
@@ -130,7 +132,7 @@ async def test_two_syncs_at_once_commit_the_changes_once(
         assert sorted(len(s.changes) for s in scans if s is not None) == [0, 1]
         assert _updates(store, agent.agent_id) == [{"plan.md": rt.snapshot(agent.agent_id)["plan.md"]}]
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
 
 
 async def test_a_cancelled_sync_stops_within_a_file_and_commits_nothing(
@@ -171,7 +173,7 @@ async def test_a_cancelled_sync_stops_within_a_file_and_commits_nothing(
         assert scan is not None and set(scan.changes) == {"plan.md"}
         assert len(_updates(store, agent.agent_id)) == 1
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
 
 
 # A process the agent started that escaped its process group and outlived
@@ -216,7 +218,7 @@ async def test_a_file_written_during_the_sync_is_stored_as_listed_or_not_at_all(
             finally:
                 writer.kill()
     finally:
-        rt.daemon.live.close()
+        rt.live.close()
     updates = _updates(store, agent.agent_id)
     assert len(updates) == outcomes.count("synced")
     final = log_file.read_bytes()

@@ -132,6 +132,25 @@ def test_the_docs_show_the_table() -> None:
     assert lc.describe_table() in doc
 
 
+def test_the_docs_show_what_the_daemon_derives() -> None:
+    """docs/mount.md's table of what the daemon's lifecycle owner
+    (capsulefs/daemon/agents.py) shows and runs for each standing, generated
+    from the same functions it calls."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "mount.md").read_text()
+    assert lc.describe_daemon_table() in doc
+
+
+def test_the_daemon_runs_only_what_it_shows_active() -> None:
+    """Whatever the decision, an agent runs only if the mount shows it active,
+    and never while a move holds it still."""
+    for d in lc.TABLE.values():
+        for still in (False, True):
+            assert not lc.runs(d, still=still) or lc.shown(d, still=still) is AgentState.ACTIVE
+            assert lc.shown(d, still=still) is not AgentState.ACTIVE or lc.runs(d, still=still)
+
+
 # -- the same rules over the move machines (tests/move_model.py) ----------------------------
 
 

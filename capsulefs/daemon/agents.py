@@ -1,0 +1,241 @@
+"""The one owner of an agent's lifecycle on this host, in the daemon.
+
+Rules:
+  * What the mount shows of an agent and whether it may run are derived
+    here, from one place: core/store/lifecycle.py's table (its holder record
+    and what this host learned of who else holds it: ``Standing.decision``)
+    and one fact of this daemon's own, that a move or a doubt holds the agent
+    still (:meth:`Agents.freeze` until resume, retire, activate or remove).
+    docs/mount.md, "An agent's lifecycle in the daemon", is the table.
+  * The move driver (capsulefs/move) and the standings call the hooks
+    (``freeze``, ``resume``, ``retire``, ``prepare``, ``activate``); the
+    mount calls :meth:`Agents.remove` (``.control/remove``). Each hook
+    changes the view, then tells the agents' processes (the runtime) to
+    follow, except ``freeze``, which stops the process first: its last
+    work is committed while the mount still takes its writes.
+  * The runtime runs an agent only when :meth:`Agents.may_run` says so; it
+    keeps its process-level states (starting, running, backing off) itself.
+
+Theory of operation: one object, built by the composition root
+(capsulefs/daemon/root.py) with its collaborators typed by the Protocols
+below; all of it runs on the daemon's trio loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import trio
+
+from capsulefs.agents.removal import discard_leftovers, giving_up, refuse_if_moving
+from capsulefs.core.store.holder import HolderBook, HolderState, story
+from capsulefs.core.store.lifecycle import Decision, runs, shown
+from capsulefs.core.view.errors import ReadOnly
+from capsulefs.core.view.host import LiveHost
+from capsulefs.core.view.nodes import AgentState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AgentProcesses", "Agents", "MoveGuard", "RootEntries", "Standing"]
+
+
+class Standing(Protocol):
+    """Where each agent stands (capsulefs/move/standing.py's Standings)."""
+
+    def decision(self, agent_id: str) -> Decision: ...
+
+    def detail(self, agent_id: str, name: str) -> str | None: ...
+
+
+class AgentProcesses(Protocol):
+    """The agents' processes (capsulefs/agents/runtime.py), told to follow
+    each change: ``on_freeze`` runs before the mount refuses writes (so the
+    agent's last work can be committed); the others after the mount changed
+    (``on_remove``: once the agent is hidden, before its files go)."""
+
+    async def on_freeze(self, agent_id: str) -> None: ...
+
+    async def on_resume(self, agent_id: str) -> None: ...
+
+    async def on_retire(self, agent_id: str) -> None: ...
+
+    async def on_activate(self, agent_id: str) -> None: ...
+
+    async def on_remove(self, agent_id: str) -> None: ...
+
+
+class MoveGuard(Protocol):
+    def still(self, agent_id: str) -> AbstractAsyncContextManager[None]:
+        """An async context in which no move of the agent runs or starts;
+        MoveBusy at once if one runs (capsulefs/move/mount_moves.py)."""
+        ...
+
+
+class RootEntries(Protocol):
+    def changed(self, name: str) -> None:
+        """The root's entry ``name`` appeared or vanished (the kernel may cache it)."""
+
+
+class Agents:
+    """Every agent's lifecycle on this host (see the module's rules)."""
+
+    def __init__(self, view: LiveHost, holders: HolderBook, *, state_dir: str, work_dir: str, standing: Standing,
+                 guard: MoveGuard, entries: RootEntries, processes: AgentProcesses | None) -> None:
+        self.view = view
+        self.holders = holders
+        self.state_dir = state_dir
+        self.work_dir = work_dir
+        self.standing = standing
+        self.guard = guard
+        self.entries = entries
+        self.processes = processes  # None: `mount --no-run`
+        #: Agents a move (or a doubt found while it ran) holds still: read-only, not run.
+        self._still: set[str] = set()
+
+    # -- deriving ------------------------------------------------------------------
+    def decision(self, agent_id: str) -> Decision:
+        return self.standing.decision(agent_id)
+
+    def show_all(self) -> None:
+        """Before the mount serves: show each agent of the store as the
+        lifecycle decides (an agent a crash left retired here is not shown;
+        one left in a move, or in doubt, is read-only until settled)."""
+        for agent_id in self.view.store.agent_ids():
+            if self.holders.get(agent_id) is None:
+                continue  # (shown active until the move recovery records it UNKNOWN and freezes it)
+            self.view.set_state(agent_id, shown(self.decision(agent_id), still=agent_id in self._still))
+
+    def _as_decided(self, agent_id: str) -> None:
+        """After the mount showed an agent writable (a resume, an activate):
+        read-only again if the lifecycle says so (in doubt)."""
+        if shown(self.decision(agent_id), still=agent_id in self._still) is AgentState.FROZEN:
+            self.view.freeze(agent_id)
+
+    def may_run(self, agent_id: str) -> tuple[bool, str]:
+        """Whether the agent's process may run here (the lifecycle's
+        decision, while the mount shows it active), and if not, why in words."""
+        decision = self.decision(agent_id)
+        if runs(decision, still=agent_id in self._still) and self.view.state(agent_id) is AgentState.ACTIVE:
+            return True, ""
+        rec = self.holders.get(agent_id)
+        if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
+            return False, story(rec, self.view.agent(agent_id).stored_manifest().name).line()
+        if rec is not None and rec.state is HolderState.HELD and not decision.run:
+            return False, (f"{decision.standing.value}: no peer has said yet that it holds no higher epoch "
+                           f"(see the record section)")
+        if agent_id in self._still:
+            return False, "frozen for a move"
+        if self.view.state(agent_id) is not AgentState.ACTIVE:
+            return False, f"the mount shows it {self.view.state(agent_id).value}"
+        if rec is None:
+            return False, ("this host has no holder record for it: it runs only after a move or "
+                           "'capsulefs move --force-hold' (the daemon stopped)")
+        return False, f"its holder record here says {rec.state.value} at epoch {rec.epoch}"
+
+    def record_status(self, agent_id: str) -> dict[str, object]:
+        """The ``record`` section of ``.control/status``: what this host's
+        holder record says (state, epoch) and the agent's one story
+        (``holder.story``: the words import, ls and the log use too)."""
+        record = self.holders.get(agent_id)
+        name = self.view.agent(agent_id).stored_manifest().name
+        told = story(record, name)
+        out: dict[str, object] = {"state": None if record is None else record.state.value,
+                                  "epoch": None if record is None else record.epoch,
+                                  "story": told.as_json(), "detail": told.line()}
+        if record is not None and record.state is HolderState.HELD:
+            out["standing"] = self.decision(agent_id).standing.value
+            detail = self.standing.detail(agent_id, name)
+            if detail is not None:
+                out["detail"] = detail
+        return out
+
+    # -- the move driver's hooks (capsulefs.move.host.AgentHooks) ----------------------
+    async def freeze(self, agent_id: str) -> None:
+        """Every write to the agent fails with EROFS from now on. Requests run
+        one at a time on this loop, so none is half-done when this returns:
+        a move may copy the files. (An in-place edit still open is refused
+        at its close.) The process is stopped and its workspace committed
+        first; that scan runs in a worker thread, and the mount serves every
+        agent meanwhile, this one's writes included (they are in what a move
+        then copies)."""
+        self._still.add(agent_id)
+        if self.processes is not None:
+            await self.processes.on_freeze(agent_id)
+        self.view.freeze(agent_id)
+
+    async def resume(self, agent_id: str) -> None:
+        """Writes to the agent work again (the move was rolled back, or the
+        agent in doubt got its evidence), unless the lifecycle says it is in doubt."""
+        self._still.discard(agent_id)
+        self.view.resume(agent_id)
+        self._as_decided(agent_id)
+        if self.processes is not None:
+            await self.processes.on_resume(agent_id)
+
+    async def retire(self, agent_id: str) -> None:
+        """The agent is active elsewhere: it disappears from the root."""
+        self._still.discard(agent_id)
+        self._hide(agent_id)
+        if self.processes is not None:
+            await self.processes.on_retire(agent_id)
+
+    def _hide(self, agent_id: str) -> None:
+        name = self.view.retire(agent_id)
+        if name is not None:
+            self.entries.changed(name)
+
+    async def prepare(self, agent_id: str, staged_dir: str) -> None:
+        """Target side, before activate: nothing for the mount to build."""
+
+    async def activate(self, agent_id: str) -> None:
+        """The agent (moved in, or resumed after a retire) is shown and writable."""
+        self._still.discard(agent_id)
+        name = self.view.activate(agent_id)
+        self._as_decided(agent_id)
+        self.entries.changed(name)
+        if self.processes is not None:
+            await self.processes.on_activate(agent_id)
+
+    def set_move_progress(self, agent_id: str, progress: dict[str, object] | None) -> None:
+        """What ``.control/status`` shows under "move" (None: the default)."""
+        self.view.agent(agent_id).move_progress = progress
+
+    def state(self, agent_id: str) -> AgentState:
+        return self.view.state(agent_id)
+
+    # -- the mount's remover (.control/remove; capsulefs.core.view.control.Remover) --------
+    async def remove(self, agent_id: str) -> None:
+        """Remove the agent from this host; return once it is gone.
+
+        Refused with MoveBusy while a move of it is under way (its holder
+        record, or a move this daemon runs), with ReadOnly in failsafe. The
+        agent first disappears from the root as a retired one does (so no
+        write reaches it and the runtime does not restart it), then its
+        process stops (its sandbox stays until the store forgot it), then the
+        store forgets it, then its snapshots, scratch files and sandbox go.
+        If the store could not remove it, it is shown and run again. Blobs
+        stay for gc."""
+        if self.view.failsafe is not None:
+            raise ReadOnly(f"the mount went read-only after an internal error: {self.view.failsafe}")
+        name = self.view.agent(agent_id).stored_manifest().name  # NotFoundError if gone meanwhile
+        async with self.guard.still(agent_id):
+            refuse_if_moving(self.holders, agent_id, name)
+            self._hide(agent_id)
+            self._still.discard(agent_id)
+            try:
+                with giving_up(self.state_dir, self.view.store, agent_id):
+                    if self.processes is not None:
+                        await self.processes.on_remove(agent_id)
+                    await trio.to_thread.run_sync(self.view.store.remove_agent, agent_id)
+            except Exception:
+                if agent_id in self.view.store.agent_ids():
+                    log.warning("agent %s (%s) could not be removed: shown and run again", name, agent_id)
+                    await self.activate(agent_id)
+                raise
+            self.view.forget(agent_id)
+            # (a sandbox may hold gigabytes: off the loop that serves the mount)
+            await trio.to_thread.run_sync(discard_leftovers, self.state_dir, self.work_dir, agent_id)
+        log.info("removed agent %s (%s)", name, agent_id)
+

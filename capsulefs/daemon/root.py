@@ -1,0 +1,205 @@
+"""The composition root: every component of a mount's daemon, built through
+its constructor, in one function (:func:`compose`).
+
+Rules:
+  * Each component takes its collaborators in its constructor, typed by a
+    small ``typing.Protocol`` of what it uses; nothing is assigned onto a
+    component from outside after it was built.
+  * Components are built in the order of what they need: the view first
+    (everything else takes it), then the adapter, the agents' lifecycle
+    owner, the agent runtime, the moves, the daemon.
+  * A call that goes the other way (the view carrying out a
+    ``.control/move`` write, the lifecycle owner asking where an agent
+    stands) happens only when a request comes, never while building: it goes
+    through :class:`_Upcalls`, which reaches the component built later by
+    name. Those are the construction cycles, all of them, in one place.
+  * The fleet components (capsulefs/fleet/) are wired here too, once the
+    daemon serves them: a new field of :class:`Mounted` and a service of
+    the daemon (see "fleet" below).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+from capsulefs.agents import grants
+from capsulefs.agents.isolation import Isolation
+from capsulefs.agents.runtime import AgentRuntime
+from capsulefs.agents.steering import Steering
+from capsulefs.core.store.holder import HolderBook
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.store.lifecycle import Decision
+from capsulefs.core.view.host import LiveHost
+from capsulefs.daemon.agents import Agents
+from capsulefs.daemon.daemon import Daemon, KernelEntries, Service, Stopping, sd_notify, work_dir
+from capsulefs.daemon.metrics_file import MetricsFile
+from capsulefs.mount.ops import Operations
+from capsulefs.move.host import MoveHost, holders_dir
+from capsulefs.move.mount_moves import MountMoves
+from capsulefs.peer.identity import load_or_create_identity
+
+__all__ = ["MountConfig", "Mounted", "compose"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MountConfig:
+    """What ``capsulefs mount`` was asked (cli/mount_cmds.py), or a test."""
+
+    state_dir: str
+    mountpoint: str
+    allow_other: bool = False
+    options: tuple[str, ...] = ()
+    run_agents: bool = True  # False: `--no-run`, serve the files only
+    listen: tuple[str, int] | None = None  # answer peers' moves there
+    metrics_file: str | None = None
+    metrics_interval: float = 15.0
+    notify: Callable[[str], bool] = sd_notify
+    grace: float = 5.0  # seconds an agent has to stop at a step boundary
+    retry_pause: float = 1.0  # between a move's retries
+    #: More services started after the daemon's own (tests).
+    services: tuple[Service, ...] = ()
+    #: More components told before the unmount, after the runtime (tests).
+    stopping: tuple[Stopping, ...] = ()
+
+
+@dataclass(frozen=True)
+class Mounted:
+    """Every component :func:`compose` built; ``daemon.serve`` serves them."""
+
+    daemon: Daemon
+    view: LiveHost
+    ops: Operations
+    agents: Agents
+    moves: MountMoves
+    runtime: AgentRuntime | None  # None: `--no-run`
+    isolation: Isolation | None  # None: `--no-run`
+
+
+def compose(cfg: MountConfig) -> Mounted:
+    """Build a mount's daemon and everything it serves (see the module's rules)."""
+    state_dir = os.path.abspath(cfg.state_dir)
+    store = HostStore.open(state_dir)
+    grants.ensure(state_dir, store)  # (before a move brings an agent in: see grants)
+    host_id = load_or_create_identity(state_dir).host_id
+    up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops)
+
+    isolation = Isolation.detect(state_dir, on_new_owner=up.owner_changed) if cfg.run_agents else None
+    isolated = isolation is not None and isolation.enabled
+    sections: dict[str, Callable[[str], object]] = {"record": up.record_status}
+    if cfg.run_agents:
+        sections["run"] = up.run_status
+    view = LiveHost(
+        store,
+        host_id=host_id,
+        work_dir=work_dir(state_dir),
+        new_agent_id=lambda: secrets.token_hex(16),
+        new_event_id=lambda: secrets.token_hex(12),
+        now_ns=time.time_ns,
+        owner_uid=os.getuid(),
+        owners=isolation if isolated else None,
+        status_sections=sections,
+        new_agents=up,
+        mover=up,
+        remover=up,
+    )
+    ops = Operations(view)
+    entries = KernelEntries(ops)
+    agents = Agents(view, HolderBook(holders_dir(state_dir)), state_dir=state_dir, work_dir=work_dir(state_dir),
+                    standing=up, guard=up, entries=entries, processes=up if cfg.run_agents else None)
+    runtime = None
+    services: list[Service] = []
+    stopping: list[Stopping] = []
+    if cfg.run_agents:
+        runtime = AgentRuntime(view, state_dir=state_dir, mountpoint=cfg.mountpoint, lifecycle=agents,
+                               isolation=isolation, grace=cfg.grace)
+        services += [runtime.serve, Steering(runtime, state_dir).serve]  # (steering: spec and grant changes)
+        stopping.append(runtime)
+    # After the runtime: moves may activate agents, which the runtime then starts.
+    moves = MountMoves(MoveHost.open(state_dir, hooks=agents), agents, listen=cfg.listen,
+                       retry_pause=cfg.retry_pause)
+    services += [moves.serve, moves.standings.serve]
+    if cfg.metrics_file:
+        services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)
+    # fleet: the fleet directory's components (capsulefs/fleet/) are built here and their
+    # services appended, once the daemon serves them.
+    services += cfg.services
+    stopping += cfg.stopping
+    agents.show_all()  # (before the mount serves: as the holder records and the evidence so far say)
+    daemon = Daemon(state_dir, cfg.mountpoint, view=view, ops=ops, entries=entries, services=services,
+                    stopping=stopping, runtime_info=[moves], allow_other=cfg.allow_other or isolated,
+                    options=cfg.options, notify=cfg.notify)
+    return Mounted(daemon=daemon, view=view, ops=ops, agents=agents, moves=moves, runtime=runtime,
+                   isolation=isolation)
+
+
+class _Upcalls:
+    """The calls that go against the order of construction, each at request
+    time only, to the component built later that carries it out: the view's
+    control files, its new agents and status sections; the lifecycle
+    owner's standing, move guard and processes; isolation's new owners."""
+
+    def __init__(self, *, agents: Callable[[], Agents], moves: Callable[[], MountMoves],
+                 runtime: Callable[[], AgentRuntime | None], ops: Callable[[], Operations]) -> None:
+        self._agents, self._moves, self._runtime, self._ops = agents, moves, runtime, ops
+
+    def _run(self) -> AgentRuntime:
+        runtime = self._runtime()
+        assert runtime is not None  # (given as the processes or a section only when agents run)
+        return runtime
+
+    # the view's (core/view/control.py: Mover, Remover, NewAgents; status sections)
+    async def move(self, agent_id: str, target: str) -> None:
+        await self._moves().move(agent_id, target)
+
+    async def abandon(self, agent_id: str, why: str) -> None:
+        await self._moves().abandon(agent_id, why)
+
+    async def learn(self, agent_id: str) -> None:
+        await self._moves().learn(agent_id)
+
+    async def remove(self, agent_id: str) -> None:
+        await self._agents().remove(agent_id)
+
+    def created(self, agent_id: str, epoch: int) -> None:
+        self._moves().created(agent_id, epoch)
+
+    def record_status(self, agent_id: str) -> dict[str, object]:
+        return self._agents().record_status(agent_id)
+
+    def run_status(self, agent_id: str) -> dict[str, object]:
+        return self._run().run_status(agent_id)
+
+    # the lifecycle owner's (capsulefs/daemon/agents.py: Standing, MoveGuard, AgentProcesses)
+    def decision(self, agent_id: str) -> Decision:
+        return self._moves().standings.decision(agent_id)
+
+    def detail(self, agent_id: str, name: str) -> str | None:
+        return self._moves().standings.detail(agent_id, name)
+
+    def still(self, agent_id: str) -> AbstractAsyncContextManager[None]:
+        return self._moves().still(agent_id)
+
+    async def on_freeze(self, agent_id: str) -> None:
+        await self._run().on_freeze(agent_id)
+
+    async def on_resume(self, agent_id: str) -> None:
+        await self._run().on_resume(agent_id)
+
+    async def on_retire(self, agent_id: str) -> None:
+        await self._run().on_retire(agent_id)
+
+    async def on_activate(self, agent_id: str) -> None:
+        await self._run().on_activate(agent_id)
+
+    async def on_remove(self, agent_id: str) -> None:
+        await self._run().on_remove(agent_id)
+
+    # isolation's (capsulefs/agents/isolation.py): an agent got its own uid
+    def owner_changed(self, agent_id: str) -> None:
+        self._ops().owner_changed(agent_id)
+

@@ -1,0 +1,57 @@
+"""The daemon's one owner of an agent's lifecycle (capsulefs/daemon/agents.py),
+built by the composition root (capsulefs/daemon/root.py), without a kernel:
+what the mount shows of an agent and whether it may run come from the
+lifecycle table and the moves that hold it still, and never disagree."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.view.nodes import AgentState
+from capsulefs.daemon.root import MountConfig, Mounted, compose
+from capsulefs.peer.book import Peer, PeerBook
+from capsulefs.peer.identity import load_or_create_identity
+from helpers import make_agent
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _mounted(state_dir: Path, tmp_path: Path) -> Mounted:
+    return compose(MountConfig(state_dir=str(state_dir), mountpoint=str(tmp_path / "mnt"), run_agents=False))
+
+
+async def test_a_held_agent_is_shown_and_runs_until_a_move_holds_it_still(store: HostStore, state_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    agent_id = make_agent(store, "alice").agent_id  # held here, its manifest names this host, no peers: holding
+    m = _mounted(state_dir, tmp_path)
+    assert (m.view.state(agent_id), m.agents.may_run(agent_id)) == (AgentState.ACTIVE, (True, ""))
+    await m.agents.freeze(agent_id)  # a move starts: before its record says frozen
+    assert (m.view.state(agent_id), m.agents.may_run(agent_id)) == (AgentState.FROZEN, (False, "frozen for a move"))
+    await m.agents.resume(agent_id)  # rolled back
+    assert (m.view.state(agent_id), m.agents.may_run(agent_id)) == (AgentState.ACTIVE, (True, ""))
+    m.view.close()
+
+
+async def test_an_agent_in_doubt_is_read_only_and_does_not_run_even_when_resumed(store: HostStore, state_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Held, but its one peer has not answered (it is dead): in doubt. A
+    resume (a move rolled back) does not make it writable or run it."""
+    agent_id = make_agent(store, "alice").agent_id
+    other = load_or_create_identity(tmp_path / "other").host_id
+    PeerBook(state_dir).add(Peer(name="dead", address=f"127.0.0.1:{closed_port()}", host_id=other))
+    m = _mounted(state_dir, tmp_path)
+    assert m.view.state(agent_id) is AgentState.FROZEN
+    await m.agents.resume(agent_id)
+    assert m.view.state(agent_id) is AgentState.FROZEN
+    ok, why = m.agents.may_run(agent_id)
+    assert not ok and why.startswith("in doubt")
+    m.view.close()
+
