@@ -101,10 +101,9 @@ class Agents:
     def show_all(self) -> None:
         """Before the mount serves: show each agent of the store as the
         lifecycle decides (an agent a crash left retired here is not shown;
-        one left in a move, or in doubt, is read-only until settled)."""
+        one left in a move, in doubt, or without a record, is read-only
+        until settled)."""
         for agent_id in self.view.store.agent_ids():
-            if self.holders.get(agent_id) is None:
-                continue  # (shown active until the move recovery records it UNKNOWN and freezes it)
             self.view.set_state(agent_id, shown(self.decision(agent_id), still=agent_id in self._still))
 
     def _as_decided(self, agent_id: str) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
 
 
 from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.view.errors import ReadOnly
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.peer.book import Peer, PeerBook
@@ -55,3 +57,17 @@ async def test_an_agent_in_doubt_is_read_only_and_does_not_run_even_when_resumed
     assert not ok and why.startswith("in doubt")
     m.view.close()
 
+
+async def test_an_agent_without_a_record_is_read_only_from_the_first_request(store: HostStore, state_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Files here without a holder record (it was lost): another host may
+    hold the agent now, so the mount takes no write for it from the start,
+    before the move recovery has recorded it UNKNOWN (docs/move.md's table:
+    no record is 'unknown', read-only)."""
+    agent_id = make_agent(store, "alice", held=False).agent_id
+    m = _mounted(state_dir, tmp_path)
+    assert m.view.state(agent_id) is AgentState.FROZEN
+    with pytest.raises(ReadOnly):
+        m.view.check_writable(agent_id)
+    assert m.agents.may_run(agent_id)[0] is False
+    m.view.close()
