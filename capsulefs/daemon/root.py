@@ -83,6 +83,7 @@ class Mounted:
 def compose(cfg: MountConfig) -> Mounted:
     """Build a mount's daemon and everything it serves (see the module's rules)."""
     state_dir = os.path.abspath(cfg.state_dir)
+    mountpoint = os.path.abspath(cfg.mountpoint)  # (CAPSULE_DIR is under it: never relative)
     store = HostStore.open(state_dir)
     grants.ensure(state_dir, store)  # (before a move brings an agent in: see grants)
     host_id = load_or_create_identity(state_dir).host_id
@@ -115,7 +116,7 @@ def compose(cfg: MountConfig) -> Mounted:
     services: list[Service] = []
     stopping: list[Stopping] = []
     if cfg.run_agents:
-        runtime = AgentRuntime(view, state_dir=state_dir, mountpoint=cfg.mountpoint, lifecycle=agents,
+        runtime = AgentRuntime(view, state_dir=state_dir, mountpoint=mountpoint, lifecycle=agents,
                                isolation=isolation, grace=cfg.grace)
         services += [runtime.serve, Steering(runtime, state_dir).serve]  # (steering: spec and grant changes)
         stopping.append(runtime)
@@ -130,7 +131,7 @@ def compose(cfg: MountConfig) -> Mounted:
     services += cfg.services
     stopping += cfg.stopping
     agents.show_all()  # (before the mount serves: as the holder records and the evidence so far say)
-    daemon = Daemon(state_dir, cfg.mountpoint, view=view, ops=ops, entries=entries, services=services,
+    daemon = Daemon(state_dir, mountpoint, view=view, ops=ops, entries=entries, services=services,
                     stopping=stopping, runtime_info=[moves], allow_other=cfg.allow_other or isolated,
                     options=cfg.options, notify=cfg.notify)
     return Mounted(daemon=daemon, view=view, ops=ops, agents=agents, moves=moves, runtime=runtime,

@@ -71,3 +71,14 @@ async def test_an_agent_without_a_record_is_read_only_from_the_first_request(sto
         m.view.check_writable(agent_id)
     assert m.agents.may_run(agent_id)[0] is False
     m.view.close()
+
+
+def test_the_agents_capsule_dir_is_absolute_whatever_the_mount_point_was_given_as(
+        store: HostStore, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``capsulefs mount mnt`` (relative): an agent's CAPSULE_DIR still names its directory from anywhere."""
+    agent_id = make_agent(store, "alice").agent_id
+    monkeypatch.chdir(tmp_path)
+    m = compose(MountConfig(state_dir=str(state_dir), mountpoint="mnt"))
+    assert m.runtime is not None
+    assert m.runtime.capsule_dir(agent_id) == str(tmp_path / "mnt" / "alice")
+    m.view.close()
