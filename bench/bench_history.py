@@ -59,7 +59,8 @@ from capsulefs.core.journal import query, timeline  # noqa: E402
 from capsulefs.core.journal.events import Note  # noqa: E402
 from capsulefs.core.journal.file import open_agent_journal  # noqa: E402
 from capsulefs.core.view.host import LiveHost  # noqa: E402
-from capsulefs.core.store.host_store import AgentHandle, HostStore  # noqa: E402
+from capsulefs.core.store.agent import AgentHandle  # noqa: E402
+from capsulefs.core.store.host_store import HostStore  # noqa: E402
 
 HOST = "BENCHHOST" + "A" * 43
 AGENT = "hist"

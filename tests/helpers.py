@@ -12,7 +12,8 @@ from pathlib import Path
 
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import record_new_agent
 from capsulefs.peer.identity import load_or_create_identity
 

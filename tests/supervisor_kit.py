@@ -12,7 +12,8 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.core.capsule.spec import spec_bytes
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 from helpers import HANG, make_agent
 
 

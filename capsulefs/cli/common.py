@@ -9,7 +9,8 @@ import stat
 import time
 
 from capsulefs.cli import UsageError
-from capsulefs.core.store.host_store import AgentHandle, HostStore, default_state_dir
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore, default_state_dir
 
 
 def state_dir(args: argparse.Namespace) -> str:

@@ -23,7 +23,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.journal.events import Attachment, MemoryEdit, WorkspaceUpdate, parse_draft
 from capsulefs.core.journal.record import Record
-from capsulefs.core.store.host_store import AgentHandle
+from capsulefs.core.store.agent import AgentHandle
 
 if TYPE_CHECKING:
     from capsulefs.core.capsule.merge import Side

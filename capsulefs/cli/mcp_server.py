@@ -40,7 +40,8 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.journal.events import MemoryEdit, Note, UserMessage
 from capsulefs.core.store.holder import HolderBook
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 
 log = logging.getLogger(__name__)
 

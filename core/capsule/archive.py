@@ -32,7 +32,8 @@ from ..fsutil import atomic_write, fsync_dir
 from ..store.holder import HOLDERS_DIR, agent_files_lock
 from .signing import sign_manifest
 from ..journal.recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
-from ..store.host_store import STORE_FILE, AgentHandle, HostStore
+from ..store.agent import AgentHandle
+from ..store.host_store import STORE_FILE, HostStore
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, check_room, extract_into, scan_tar
 from .tar_export import Member, write_tar
 

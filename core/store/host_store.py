@@ -24,67 +24,46 @@ Layout (``LAYOUT`` = 1), under the state directory::
                                before use (see capsulefs.core.journal.timeline)
 
 Rules:
-  * A blob is stored once per host however many agents use it; the agents'
-    manifests list it as ``artifacts/blobs/<sha256>``.
   * Every write is atomic (``fsutil``): a crash leaves a file whole or absent.
     (Journals are appended and their rings overwritten in place; their own
     rules, checksums and recovery are in ``journal.file`` and ``journal.ring``.)
-  * Blobs are re-hashed when read for export, verify or move
-    (:meth:`HostStore.iter_blob`); a corrupt blob raises CorruptBlobError with
-    its path and is never handed out as good.
-  * Garbage collection deletes blobs no agent lists. Writers that add a blob
-    and then a reference to it hold the shared lock across both steps
-    (:meth:`HostStore.writing`); gc holds the exclusive lock, so it never
+  * Blobs (objects/, stored once, re-hashed when read, quarantined when
+    damaged) have their rules in :mod:`capsulefs.core.store.blobs`; one
+    agent's files and manifest in :mod:`capsulefs.core.store.agent`.
+  * Garbage collection deletes blobs no agent, snapshot or staged move lists.
+    It holds the exclusive ``gc.lock``; writers that add a blob and then a
+    reference to it hold it shared (:meth:`BlobStore.writing`), so gc never
     sees a blob whose reference is still being written.
-  * An agent's manifest.json is kept current by every store call that
-    changes a file. The journal is appended outside the store (it is
-    protected by its hash chain); :meth:`AgentHandle.current_manifest`
-    re-digests files whose size or mtime changed since the manifest.
   * Opening the store replays every agent's write-ahead ring into its
     journal if a crash left the journal behind, before anything reads a
-    journal file. Replacing a journal empties its ring first (under the
-    journal's flock); installing or removing an agent removes its ring,
+    journal file. Installing or removing an agent removes its ring,
     its tip and its timeline index.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
 import os
-import stat
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from typing import BinaryIO
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
-from .. import metrics
-from ..frozen import Frozen
 from ..capsule import format as fmt
-from ..errors import CorruptBlobError, ExistsError, FormatError, NotFoundError, StoreError
-from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, sweep_temps
-from ..linuxfs import fsync_each, path_identity
-from ..hashing import CHUNK, hash_file, parallel_map
-from ..journal.recovery import (
-    RingMismatch,
-    agent_recovery_dir,
-    forget_ring,
-    holding_journal,
-    journal_ring_path,
-    recover_journal,
-    replacing_journal,
-)
 from ..capsule.spec import default_spec, spec_bytes
+from ..errors import ExistsError, FormatError, NotFoundError, StoreError
+from ..fsutil import atomic_write, fsync_dir, makedirs_durable, remove_tree, sweep_temps
+from ..journal.recovery import RingMismatch, forget_ring, holding_journal, journal_ring_path
+from ..frozen import Frozen
+from .agent import AgentHandle
+from .blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
 LAYOUT = 1
 STORE_FILE = "store.json"
 SNAPSHOTS_DIR = os.path.join("mount", "snapshots")
-#: Where blobs found damaged are kept, under objects/ (see ``quarantine_blob``).
-QUARANTINE_DIR = ".corrupt"
 
 
 def default_state_dir() -> str:
@@ -109,16 +88,14 @@ class GcReport(Frozen):
         object.__setattr__(self, "kept", kept)
 
 
-class HostStore:
-    """A host's state directory. Safe to share between processes."""
+class HostStore(BlobStore):
+    """A host's state directory: its blobs (:class:`BlobStore`), agents and
+    staging areas. Safe to share between processes."""
 
     def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
-        self.objects_dir = os.path.join(self.root, "objects")
+        super().__init__(root)
         self.agents_dir = os.path.join(self.root, "agents")
         self.staging_dir = os.path.join(self.root, "staging")
-        self._lock_path = os.path.join(self.root, "gc.lock")
-        self._tlock = threading.local()
 
     # -- opening -----------------------------------------------------------
     @classmethod
@@ -186,245 +163,7 @@ class HostStore:
             finally:
                 os.close(fd)
 
-    # -- locking -----------------------------------------------------------
-    @contextmanager
-    def _flock(self, mode: int) -> Iterator[None]:
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)
-
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        """Hold off gc while adding blobs and the references to them. Re-entrant."""
-        depth = getattr(self._tlock, "depth", 0)
-        if depth:
-            self._tlock.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._tlock.depth -= 1
-            return
-        with self._flock(fcntl.LOCK_SH):
-            self._tlock.depth = 1
-            try:
-                yield
-            finally:
-                self._tlock.depth = 0
-
-    # -- blobs ---------------------------------------------------------------
-    def blob_file(self, sha256: str) -> str:
-        fmt.check_sha256(sha256, "blob name")
-        return os.path.join(self.objects_dir, sha256[:2], sha256)
-
-    def has_blob(self, sha256: str) -> bool:
-        return os.path.exists(self.blob_file(sha256))
-
-    def blob_size(self, sha256: str) -> int:
-        try:
-            return os.stat(self.blob_file(sha256)).st_size
-        except FileNotFoundError:
-            raise NotFoundError(f"blob {sha256} is not in the store") from None
-
-    def put_blob_stream(self, f: BinaryIO, expect: str | None = None) -> tuple[str, int]:
-        """Store everything left in ``f`` as a blob; return (sha256, size).
-
-        With ``expect``, refuse bytes that do not hash to it (nothing lands).
-        """
-        import hashlib  # (where it hashes: hashlib loads OpenSSL, which a reader of the store need not)
-
-        os.makedirs(self.objects_dir, exist_ok=True)
-        tmp = os.path.join(self.objects_dir, TMP_PREFIX + os.urandom(8).hex())
-        h = hashlib.sha256()
-        size = 0
-        with self.writing():
-            try:
-                with open(tmp, "wb") as out:
-                    while chunk := f.read(CHUNK):
-                        h.update(chunk)
-                        out.write(chunk)
-                        size += len(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
-                sha = h.hexdigest()
-                if expect is not None and sha != expect:
-                    raise CorruptBlobError(f"incoming blob {expect}", sha)
-                self._place(tmp, sha)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        return sha, size
-
-    def put_blob(self, data: bytes, expect: str | None = None) -> str:
-        import io
-
-        return self.put_blob_stream(io.BytesIO(data), expect)[0]
-
-    def adopt_blob_file(self, path: str, sha256: str) -> None:
-        """Move an already written, fsynced and hashed file into objects/."""
-        with self.writing():
-            self._place(path, sha256)
-
-    def adopt_blob_files(self, items: Iterable[tuple[str, str]], *,
-                         sync_dirs: Callable[[Iterable[str]], None] | None = None) -> None:
-        """Move many already written, fsynced and hashed files, given as
-        (path, sha256), into objects/, making each directory durable once at
-        the end rather than once per blob (the move service adopts a
-        thousand at a time): with ``sync_dirs`` given the directories
-        touched (the move service's syncs its whole file system at once),
-        else an fsync of each, several at a time so that the file system
-        can commit them together."""
-        items = list(items)
-        touched: set[str] = set()
-        with self.writing():
-            self.make_blob_dirs(sha for _, sha in items)
-            for path, sha in items:
-                dest = self.blob_file(sha)
-                if self._holds_copy(dest, path):
-                    os.unlink(path)
-                    continue
-                os.chmod(path, 0o444)
-                os.replace(path, dest)
-                touched.add(os.path.dirname(dest))
-            if touched:
-                if sync_dirs is not None:
-                    sync_dirs(sorted(touched))
-                else:
-                    fsync_each(touched, fsync_dir)
-
-    def make_blob_dirs(self, shas: Iterable[str]) -> None:
-        """Create the directories (``objects/xx``) that these blobs will be
-        placed in, before the blobs come: making a directory costs the file
-        system far more than a rename into one that exists (measured on ext4
-        here: 0.5 ms per mkdir against 20 us per rename), so the move service
-        makes them while the blobs are still arriving. Durable: objects/ is
-        fsynced when it changed. Names that are not digests are skipped."""
-        made = False
-        for prefix in sorted({sha[:2] for sha in shas if fmt.is_sha256(sha)}):
-            try:
-                os.mkdir(os.path.join(self.objects_dir, prefix))
-            except FileExistsError:
-                continue
-            made = True
-        if made:
-            fsync_dir(self.objects_dir)
-
-    def _place(self, tmp: str, sha: str) -> None:
-        dest = self.blob_file(sha)
-        if self._holds_copy(dest, tmp):
-            os.unlink(tmp)  # deduplicated: the store has these bytes already
-            return
-        self.make_blob_dirs((sha,))
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, dest)
-        fsync_dir(os.path.dirname(dest))
-
-    def _holds_copy(self, dest: str, new: str) -> bool:
-        """Whether the object ``dest`` is there to deduplicate the new, hashed
-        file ``new`` against. One of another size is damaged (a blob's size
-        follows from its name): it is quarantined, and the new bytes take
-        its place. (One of the right size is trusted, as reading it is the
-        cost dedup saves: a rotten one is found when read, and quarantined.)
-        Caller holds the store's shared lock."""
-        try:
-            size = os.stat(dest).st_size
-        except FileNotFoundError:
-            return False
-        good = os.stat(new).st_size
-        if size == good:
-            return True
-        self._quarantine(dest, f"{size} bytes where the good copy has {good}")
-        return False
-
-    def quarantine_blob(self, sha256: str, why: str, *, ino: int | None = None) -> None:
-        """Move a blob found damaged out of ``objects/`` (to ``objects/.corrupt/``,
-        kept for a person): the next put of its good bytes (an import of an
-        export that has it, a move, a workspace commit) then places them
-        instead of deduplicating against the damaged copy, which nothing
-        could repair before. With ``ino`` (the file that was read), only if
-        the name still holds that file: a good copy placed meanwhile stays.
-        A store this user may not change keeps the blob (logged)."""
-        path = self.blob_file(sha256)
-        try:
-            with self.writing():
-                if ino is not None and path_identity(path)[0] != ino:
-                    return  # replaced meanwhile (by a put of the good bytes)
-                self._quarantine(path, why)
-        except FileNotFoundError:
-            return  # quarantined (or collected) meanwhile
-        except OSError as exc:
-            log.error("blob %s is damaged (%s) and could not be quarantined: %s", path, why, exc)
-
-    def _quarantine(self, path: str, why: str) -> None:
-        pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
-        makedirs_durable(pen, 0o700)
-        dest = os.path.join(pen, f"{os.path.basename(path)}.{os.urandom(4).hex()}")
-        try:
-            os.rename(path, dest)
-        except FileNotFoundError:
-            return  # quarantined (or collected) meanwhile
-        fsync_dir(os.path.dirname(path))
-        fsync_dir(pen)
-        metrics.BLOB_QUARANTINES.inc()
-        log.error("blob %s is damaged (%s): moved to %s; putting its bytes again (importing an export that has "
-                  "them, or moving an agent that has them here) repairs the store", path, why, dest)
-
-    def iter_blob(self, sha256: str, chunk: int = CHUNK) -> Iterator[bytes]:
-        """Yield a blob's bytes, re-hashing them; raise CorruptBlobError at the end
-        if they do not match (callers that stream must discard what they got),
-        after quarantining the blob (see :meth:`quarantine_blob`)."""
-        import hashlib
-
-        path = self.blob_file(sha256)
-        h = hashlib.sha256()
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise self._missing(sha256) from None
-        with f:
-            ino = os.fstat(f.fileno()).st_ino
-            while data := f.read(chunk):
-                h.update(data)
-                yield data
-        if h.hexdigest() != sha256:
-            self.quarantine_blob(sha256, f"its bytes hash to {h.hexdigest()}", ino=ino)
-            raise CorruptBlobError(path, h.hexdigest())
-
-    def read_blob(self, sha256: str) -> bytes:
-        return b"".join(self.iter_blob(sha256))
-
-    def why_missing(self, sha256: str) -> str:
-        """Why a blob is not in objects/, and how to repair that if it was quarantined."""
-        why = "not in the store"
-        pen = os.path.join(self.objects_dir, QUARANTINE_DIR)
-        if os.path.isdir(pen) and any(n.startswith(sha256 + ".") for n in os.listdir(pen)):
-            why += (f": a damaged copy was quarantined in {pen}; putting its bytes again (importing an export "
-                    f"that has them, or a move) repairs the store")
-        return why
-
-    def _missing(self, sha256: str) -> NotFoundError:
-        return NotFoundError(f"blob {sha256} ({self.blob_file(sha256)}) is {self.why_missing(sha256)}")
-
-    def verify_blob(self, sha256: str) -> None:
-        try:
-            ino = path_identity(self.blob_file(sha256))[0]  # (before: a copy placed later is not the one hashed)
-            actual, _ = hash_file(self.blob_file(sha256))
-        except FileNotFoundError:
-            raise self._missing(sha256) from None
-        if actual != sha256:
-            self.quarantine_blob(sha256, f"its bytes hash to {actual}", ino=ino)
-            raise CorruptBlobError(self.blob_file(sha256), actual)
-
-    def all_blobs(self) -> Iterator[str]:
-        for sub in os.listdir(self.objects_dir):
-            d = os.path.join(self.objects_dir, sub)
-            if len(sub) == 2 and os.path.isdir(d):
-                for name in os.listdir(d):
-                    if fmt.is_sha256(name):
-                        yield name
-
+    # -- gc --------------------------------------------------------------------
     def gc(self) -> GcReport:
         """Delete blobs that no agent lists."""
         with self._flock(fcntl.LOCK_EX):
@@ -485,16 +224,16 @@ class HostStore:
             if not n.startswith(".") and os.path.isfile(os.path.join(self.agents_dir, n, fmt.MANIFEST))
         )
 
-    def agents(self) -> list["AgentHandle"]:
+    def agents(self) -> list[AgentHandle]:
         return [AgentHandle(self, a) for a in self.agent_ids()]
 
-    def agent(self, agent_id: str) -> "AgentHandle":
+    def agent(self, agent_id: str) -> AgentHandle:
         fmt.check_agent_id(agent_id)
         if not os.path.isfile(os.path.join(self.agents_dir, agent_id, fmt.MANIFEST)):
             raise NotFoundError(f"agent {agent_id} is not held here")
         return AgentHandle(self, agent_id)
 
-    def find(self, name_or_id: str) -> "AgentHandle":
+    def find(self, name_or_id: str) -> AgentHandle:
         """An agent by its id, or by its (unique) name."""
         for agent in self.agents():
             if agent.agent_id == name_or_id:
@@ -516,9 +255,9 @@ class HostStore:
         *,
         host_id: str,
         agent_id: str,
-        spec: Mapping | None = None,
+        spec: Mapping[str, Any] | None = None,
         working_memory: str = "",
-    ) -> "AgentHandle":
+    ) -> AgentHandle:
         """Create a new, empty agent held by ``host_id`` at epoch 1."""
         fmt.check_agent_name(name)
         fmt.check_agent_id(agent_id)
@@ -532,7 +271,7 @@ class HostStore:
             fmt.SPEC: spec_bytes(dict(spec) if spec is not None else default_spec()),
         }
         holder = fmt.Holder(host=host_id, epoch=1)
-        import hashlib
+        import hashlib  # (where it hashes: hashlib loads OpenSSL, which a reader of the store need not)
 
         with self.staging("new") as area:
             for rel, data in files.items():
@@ -548,7 +287,7 @@ class HostStore:
             atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
             return self.install_agent(area)
 
-    def install_agent(self, staged_dir: str) -> "AgentHandle":
+    def install_agent(self, staged_dir: str) -> AgentHandle:
         """Atomically move a staged capsule directory (no blobs inside; its
         blobs already in objects/) into agents/<agent_id>/."""
         with open(os.path.join(staged_dir, fmt.MANIFEST), "rb") as f:
@@ -610,147 +349,3 @@ def _forget_derived(root: str, agent_id: str) -> None:
 
     forget_tip(journal_tip_path(root, agent_id))
     forget_timeline(root, agent_id)
-
-
-class AgentHandle:
-    """One agent held in a store. Cheap to make; reads the disk each call."""
-
-    def __init__(self, store: HostStore, agent_id: str) -> None:
-        self.store = store
-        self.agent_id = agent_id
-        self.dir = os.path.join(store.agents_dir, agent_id)
-
-    def __repr__(self) -> str:
-        return f"AgentHandle({self.agent_id})"
-
-    def path(self, rel: str) -> str:
-        """On-disk path of a (non-blob) capsule file."""
-        fmt.check_relpath(rel)
-        if fmt.blob_name(rel) is not None:
-            return self.store.blob_file(fmt.blob_name(rel) or "")
-        return os.path.join(self.dir, rel)
-
-    def read(self, rel: str) -> bytes:
-        with open(self.path(rel), "rb") as f:
-            return f.read()
-
-    @property
-    def ring_path(self) -> str:
-        """The journal's write-ahead ring (outside the capsule)."""
-        return journal_ring_path(self.store.root, self.agent_id)
-
-    @property
-    def recovery_dir(self) -> str:
-        """Where torn journal tails go (outside the capsule)."""
-        return agent_recovery_dir(self.store.root, self.agent_id)
-
-    def recover_journal(self) -> int:
-        """Replay the write-ahead ring into the journal if a crash left it
-        behind (RingMismatch if they disagree); bytes restored."""
-        return recover_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir)
-
-    def manifest(self) -> fmt.Manifest:
-        """The manifest as last written (its journal digest may lag appends)."""
-        try:
-            with open(os.path.join(self.dir, fmt.MANIFEST), "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise NotFoundError(f"agent {self.agent_id} is not held here") from None
-        try:
-            return fmt.Manifest.from_bytes(data)
-        except FormatError as exc:
-            raise StoreError(f"agent {self.agent_id}: {exc}") from None
-
-    @property
-    def name(self) -> str:
-        return self.manifest().name
-
-    def local_files(self) -> list[str]:
-        """Relative paths of the agent's non-blob files, as on disk: the
-        capsule's own files only (``fmt.REQUIRED_FILES``; the tree is closed),
-        so that nothing else found in its directory becomes part of the agent."""
-        out = []
-        for root, dirs, files in os.walk(self.dir):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                if name.startswith(TMP_PREFIX) or name.startswith("."):
-                    continue
-                rel = os.path.relpath(os.path.join(root, name), self.dir).replace(os.sep, "/")
-                if rel in fmt.REQUIRED_FILES:
-                    out.append(rel)
-        return sorted(out)
-
-    def current_manifest(self) -> fmt.Manifest:
-        """The manifest with every local file digested as it is now."""
-        old = self.manifest()
-        rels = self.local_files()
-
-        def digest(rel: str) -> tuple[str, fmt.FileEntry]:
-            sha, size = hash_file(os.path.join(self.dir, rel))
-            return rel, fmt.FileEntry(sha256=sha, size=size)
-
-        files = old.blob_entries()
-        files.update(dict(parallel_map(digest, rels)))
-        return old.with_files(files)
-
-    def refresh_manifest(self) -> fmt.Manifest:
-        with self.store.writing():
-            m = self.current_manifest()
-            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
-            return m
-
-    def list_blobs(self, shas: Iterable[str]) -> fmt.Manifest:
-        """List blobs (already in the store) in the manifest, if it does not
-        list them yet. A writer calls this before any file of the agent (the
-        journal, a projection) names them: a crash after that file is
-        written but before the manifest lists them would otherwise leave
-        them to gc, and the file naming bytes that are gone."""
-        with self.store.writing():
-            old = self.manifest()
-            new = [sha for sha in dict.fromkeys(shas) if fmt.blob_path(sha) not in old.files]
-            if not new:
-                return old
-            entries = dict(old.files)
-            for sha in new:
-                entries[fmt.blob_path(sha)] = fmt.FileEntry(sha256=sha, size=self.store.blob_size(sha))
-            m = old.with_files(entries)
-            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
-            return m
-
-    def write_files(self, files: Mapping[str, bytes], add_blobs: Iterable[str] = ()) -> fmt.Manifest:
-        """Atomically replace some capsule files and list extra blobs (which
-        must already be in the store), then rewrite the manifest. The blobs
-        are listed before any file is replaced (``list_blobs``)."""
-        with self.store.writing(), ExitStack() as stack:
-            if fmt.JOURNAL in files:  # appenders follow the new file; the ring never replays into it
-                stack.enter_context(replacing_journal(self.path(fmt.JOURNAL), self.ring_path, self.recovery_dir))
-            old = self.list_blobs(add_blobs)
-            if not files:
-                return old
-            entries = dict(old.files)
-            import hashlib
-
-            for rel, data in files.items():
-                fmt.check_relpath(rel)
-                if rel in fmt.UNLISTED or fmt.blob_name(rel) is not None:
-                    raise FormatError(f"{rel} cannot be written as a plain capsule file")
-                p = os.path.join(self.dir, rel)
-                makedirs_durable(os.path.dirname(p))
-                atomic_write(p, data)
-                entries[rel] = fmt.FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-            m = old.with_files(entries)
-            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
-            return m
-
-    def set_holder(self, host: str, epoch: int) -> fmt.Manifest:
-        with self.store.writing():
-            old = self.manifest()
-            m = old.with_holder(fmt.Holder(host=host, epoch=epoch))
-            atomic_write(os.path.join(self.dir, fmt.MANIFEST), m.to_bytes())
-            return m
-
-    def file_stat(self, rel: str) -> os.stat_result:
-        st = os.stat(self.path(rel))
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", rel)
-        return st

@@ -36,7 +36,7 @@ from ..capsule import format as fmt
 from ..errors import CapsuleError
 from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree
 from ..journal.recovery import agent_recovery_dir
-from .host_store import AgentHandle
+from .agent import AgentHandle
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from ..journal.record import Record
 from ..journal.file import Journal, parse_draft_lines
 from ..journal.recovery import RECOVERY_DIR, journal_ring_path
 from ..journal.tip import journal_tip_path
-from ..store.host_store import AgentHandle, HostStore
+from ..store.agent import AgentHandle
+from ..store.host_store import HostStore
 from .edit import Edit, resize
 from .errors import NotPermitted
 from .journal_tail import JournalTail, open_appender

@@ -32,7 +32,7 @@ from ..capsule import format as fmt
 from ..capsule.archive import frozen_manifest, snapshot_files
 from ..errors import ExistsError, FormatError, NotFoundError
 from ..fsutil import TMP_PREFIX, atomic_write, fsync_dir, makedirs_durable, remove_tree, subdirs
-from ..store.host_store import AgentHandle
+from ..store.agent import AgentHandle
 
 
 #: The snapshots' directory under the mount's work directory (``<state>/mount``).

@@ -31,7 +31,8 @@ from capsulefs.core.journal.events import Note
 from capsulefs.core.journal.record import Record
 from capsulefs.core.view.journal_tail import open_appender
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.agents.runtime import AgentRuntime
 from helpers import HANG, make_agent

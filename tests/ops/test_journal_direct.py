@@ -22,7 +22,8 @@ from capsulefs.core.journal.events import Note
 from capsulefs.core.journal.file import open_agent_journal, open_journal
 from capsulefs.core.journal.lines import split_lines, verify_lines
 from capsulefs.core.journal.ring import HEADER, Ring
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 
 HOST = "host-a"
 T0 = 1_764_684_000.0

@@ -30,7 +30,8 @@ from capsulefs.core.journal.recovery import RingMismatch
 from capsulefs.core.journal.file import open_agent_journal, open_journal
 from capsulefs.core.journal.lines import split_lines, verify_lines
 from capsulefs.core.journal.ring import HEADER, Ring
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 
 from helpers import wait_until
 from journal_helpers import LeaseClock

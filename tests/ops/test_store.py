@@ -161,7 +161,7 @@ def test_a_crash_before_the_manifest_is_written_loses_no_blob(store: HostStore, 
                                                              tmp_path: Path) -> None:
     """write_files replaces snapshot.json, then the manifest: a crash between
     the two must not leave blobs the snapshot names unlisted, for gc to take."""
-    import capsulefs.core.store.host_store as store_mod
+    import capsulefs.core.store.agent as store_mod
 
     agent = make_agent(store, "w", workspace={"old": b"old"})
     real = store_mod.atomic_write

@@ -24,7 +24,8 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.journal import query, timeline
 from capsulefs.core.journal.events import Note, ToolResult, UserMessage
 from capsulefs.core.journal.file import open_agent_journal
-from capsulefs.core.store.host_store import AgentHandle, HostStore
+from capsulefs.core.store.agent import AgentHandle
+from capsulefs.core.store.host_store import HostStore
 from conftest import REPO
 
 HOST = "TIMELINEHOST" + "A" * 40
