@@ -43,8 +43,7 @@ import errno
 import fcntl
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from ..fsutil import fdatasync
 from .events import Event
@@ -59,28 +58,6 @@ log = logging.getLogger(__name__)
 class Appender(Follower):
     """Appends (see the module's rules): the second part of a
     :class:`~capsulefs.core.journal.file.Journal`."""
-
-    def __init__(
-        self,
-        path: str,
-        fd: int,
-        *,
-        machine: str | None,
-        now: Callable[[], float],
-        new_id: Callable[[], str],
-        recovery_dir: str,
-        ring_path: str | None = None,
-        tip_path: str | None = None,
-    ) -> None:
-        self._queue_lock = threading.Lock()
-        self._cond = threading.Condition(self._queue_lock)  # guards _pending, _leading and _waiting
-        self._pending: list[_Request] = []  # events queued for the next group commit
-        self._leading = False  # a thread is writing a group
-        self._waiting = 0  # threads waiting for a group commit (notify only if any)
-        self.commits = 0  # groups written (one write and one fdatasync each)
-        self.checkpoints = 0  # fdatasyncs of the journal itself made by appends with a ring
-        super().__init__(path, fd, machine=machine, now=now, new_id=new_id, recovery_dir=recovery_dir,
-                         ring_path=ring_path, tip_path=tip_path)
 
     # -- appending -------------------------------------------------------------
     def append(self, event: Event) -> Record:
@@ -149,7 +126,7 @@ class Appender(Follower):
             raise ValueError(f"journal {self.path} was opened read-only (no machine id)")
         if not events:
             return []
-        req = _Request(events)
+        req = Request(events)
         with self._cond:
             self._pending.append(req)
             while self._leading and not req.done:
@@ -171,7 +148,7 @@ class Appender(Follower):
                         self._cond.notify_all()
         return req.result()
 
-    def _commit(self, group: list["_Request"]) -> None:
+    def _commit(self, group: list["Request"]) -> None:
         """Write the queued groups of events as one; settle every request."""
         assert self.machine is not None
         try:
@@ -342,7 +319,7 @@ class Appender(Follower):
         except OSError as exc:  # pragma: no cover - the next open moves it aside
             log.warning("journal %s: could not cut a failed append: %s", self.path, exc)
 
-class _Request:
+class Request:
     """One caller's events waiting for a group commit."""
 
     __slots__ = ("events", "done", "records", "error")

@@ -49,19 +49,15 @@ import errno
 import fcntl
 import logging
 import os
-import threading
-import weakref
-from collections.abc import Callable
 from typing import Self
 
-from ..errors import CapsuleError, FormatError, NotFoundError
-from ..linuxfs import identity_probe
+from ..errors import FormatError, NotFoundError
 from .chain import ChainState
 from .events import line_hash
-from .lease import IDLE, MAX_HOLD, keeper
+from .held import NO_TIP, JournalState
+from .lease import keeper
 from .recovery import replay_ring, save_torn
-from .ring import Ring
-from .tip import TIP_EVERY, Tip, advance_tip, checked_tip, save_tip
+from .tip import TIP_EVERY, advance_tip, checked_tip, save_tip
 
 log = logging.getLogger(__name__)
 
@@ -69,95 +65,11 @@ log = logging.getLogger(__name__)
 BULK_CATCH_UP = 1 << 20
 #: Catching up reads the file in pieces of this size (more for a longer line).
 CATCH_UP_PIECE = 256 << 20
-_NEVER = 1 << 62  # a size no journal reaches: no tip to write
 
 
-class JournalForked(CapsuleError):
-    """A Journal was used in a child forked from the process that opened it."""
-
-
-class Follower:
+class Follower(JournalState):
     """The journal file held and followed (see the module's rules): the
     first part of a :class:`~capsulefs.core.journal.file.Journal`."""
-
-    def __init__(
-        self,
-        path: str,
-        fd: int,
-        *,
-        machine: str | None,
-        now: Callable[[], float],
-        new_id: Callable[[], str],
-        recovery_dir: str,
-        ring_path: str | None = None,
-        tip_path: str | None = None,
-    ) -> None:
-        self.path = path
-        self.machine = machine
-        self.recovery_dir = recovery_dir
-        self.ring_path = ring_path  # None: each append fdatasyncs the journal itself
-        self.tip_path = tip_path  # None: no tip (see journal_tip): opening reads the whole file
-        self._tip: Tip | None = None  # the tip on disk this Journal checked or wrote
-        self._tip_due = TIP_EVERY if tip_path is not None else _NEVER  # write a tip once _size reaches this
-        self._ring: Ring | None = None  # opened (created) at the first append
-        self._id: tuple[int, int] | None = None  # (st_ino, st_dev) of the file held
-        self._identity = identity_probe(path)  # (st_ino, st_dev) of whatever ``path`` names now
-        self._fd = fd
-        self._now = now
-        self._new_id = new_id
-        self._lock = threading.Lock()
-        self._state = ChainState()
-        self._size = 0  # bytes of whole lines absorbed
-        # Set when writing or syncing failed: Linux reports a failed write-back
-        # once per file, so a retried fdatasync can return 0 over pages that
-        # never reached the disk, and a ring restarted after it would overwrite
-        # the only durable copy. No more appends through this object: reopen
-        # (which writes what the ring vouches for again and syncs it) to go on.
-        self._broken: str | None = None
-        # The lease (see journal_lease): the flock kept since our last commit,
-        # until _lease_end (at most _lease_start + MAX_HOLD). Guarded by _lock.
-        self._leased = False
-        self._lease_start = 0.0
-        self._lease_end = 0.0
-        self._lease_pause = False  # the lease just ended at MAX_HOLD: the next commit takes none
-        self._last_commit = float("-inf")  # keeper clock at the end of our last commit
-        self.lease_idle = IDLE  # seconds the flock is kept after an append in a run of them
-        self.lease_max = MAX_HOLD  # ... and at most after it was taken
-        self._unchanged = False  # this holder of the lock found the lease held: nothing changed behind us
-        self.leased_commits = 0  # commits that found the lease held (no flock or checks)
-        self._pid = os.getpid()  # the process that opened it; a forked child may not use it
-        self._forked: JournalForked | None = None  # set in a forked child (see _forget_after_fork)
-        _open_journals.add(self)
-
-
-    @property
-    def broken(self) -> str | None:
-        """Why appends through this object stopped (a failed write or
-        fdatasync), or None: reopen the journal to append again."""
-        return self._broken
-
-    def _refusal(self) -> Exception:
-        """The error for an append through a Journal that may not append any more."""
-        if self._forked is not None:
-            return self._forked
-        return OSError(errno.EIO, f"journal {self.path}: an earlier append failed ({self._broken}); "
-                                  f"reopen the journal to append again")
-
-    def _forget_after_fork(self) -> None:
-        """In a forked child. flock belongs to the open file description,
-        which the child shares with its parent: both would hold the lock and
-        could interleave appends (or one cut the other's line in progress as
-        a torn tail). The rest of the object (thread locks, the group-commit
-        queue, the ring's page image, the lease) is the parent's at an
-        arbitrary instant, maybe mid-append. So it is not reopened behind the
-        caller's back: every use but close() raises, and the child opens its
-        own Journal. Set here, checked where an append already checks
-        ``_broken``: nothing is added to the append path."""
-        self._forked = JournalForked(
-            f"journal {self.path} was opened by process {self._pid} and used in process {os.getpid()}, a child "
-            f"forked from it: the two share the open file and so its flock, which then serializes nothing; "
-            f"open the journal again in this process")
-        self._broken = self._broken or "used in a forked child"
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -320,7 +232,7 @@ class Follower:
         self._state = ChainState()
         self._size = 0
         self._tip = None
-        self._tip_due = TIP_EVERY if self.tip_path is not None else _NEVER
+        self._tip_due = TIP_EVERY if self.tip_path is not None else NO_TIP
 
     def _start_from_tip(self, size: int) -> None:
         """Take the state from the tip on disk if it describes this file
@@ -476,18 +388,6 @@ class Follower:
         """Catch up with appends of other processes; return the size."""
         with self._locked():
             return self._size
-
-
-#: Every Journal open in this process, for :func:`_after_fork`.
-_open_journals: "weakref.WeakSet[Follower]" = weakref.WeakSet()
-
-
-def _after_fork() -> None:
-    for journal in list(_open_journals):
-        journal._forget_after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 class _Locked:
