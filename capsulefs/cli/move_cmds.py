@@ -126,14 +126,14 @@ def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -
                 bar(*line)  # type: ignore[arg-type]
                 last = line
     bar.done()
-    exc = outcome[0] if outcome else OSError(errno.EIO, "the write got no answer")
-    if exc is None:
+    failure = outcome[0] if outcome else OSError(errno.EIO, "the write got no answer")
+    if failure is None:
         print(f"{agent.agent_id}: moved to {peer.name} (through the daemon serving {mountpoint})")
         return 0
     move = _read_move_status(control) or {}
     why = move.get("detail") or "see the daemon's log"
-    print(f"{agent.agent_id}: not moved: {exc.strerror or exc} [{errno.errorcode.get(exc.errno or 0, '?')}]: {why}",
-          file=sys.stderr)
+    code = errno.errorcode.get(failure.errno or 0, "?")
+    print(f"{agent.agent_id}: not moved: {failure.strerror or failure} [{code}]: {why}", file=sys.stderr)
     return 1
 
 

@@ -508,6 +508,7 @@ class FleetWorld:
                 sm = h.sources[a]
                 move = fd.Move(source=h.name, held_epoch=sm.record.held_epoch or 0, target=req.target,
                                epoch=req.epoch)
+                assert req.txn is not None  # (a commit or fence request carries its Txn)
                 outcome, why = fd.judge(req.txn, req.kind, move, answer)
                 self._note(f"{h.name} {req.kind} {a[-6:]}@{req.epoch}: {outcome.value} ({why})")
                 cls = mv.ActivateReply if req.kind == "commit" else mv.StatusReply
@@ -528,9 +529,9 @@ class FleetWorld:
                     return
                 self._dir(h, a, "fence", txn=fd.fence_txn(LAYOUT, a, kv), epoch=req.epoch, target=req.target)
             case "resume_read":
-                r = h.records.get(a)
+                held = h.records.get(a)
                 kv = answer if isinstance(answer, KeyValue) else None
-                if (r is not None and r.state is HolderState.HELD and r.held_epoch == req.epoch
+                if (held is not None and held.state is HolderState.HELD and held.held_epoch == req.epoch
                         and h.keeper.lease_id and fd.may_run(kv, h.name, req.epoch)):
                     h.permits[a] = req.epoch
                     self.check(a)
@@ -539,8 +540,8 @@ class FleetWorld:
                 self._target_gate(h, a, req, kv)
             case "gate_fence":
                 assert isinstance(answer, TxnResult)
-                r = h.records.get(a)
-                if r is None or not r.pending or r.epoch != req.epoch:
+                pending = h.records.get(a)
+                if pending is None or not pending.pending or pending.epoch != req.epoch:
                     return
                 if answer.succeeded:
                     self._target_event(h, a, mv.Expired(agent_id=a))
@@ -575,17 +576,16 @@ class FleetWorld:
     def _serve(self, h: Host, msg: Message) -> None:
         s = msg.send
         a = s.agent_id
-        base = dict(agent_id=a, epoch=s.epoch, source=msg.frm)
         match s.call:
             case mv.Call.OFFER:
-                ev: object = mv.OfferReceived(**base, missing=())
+                ev: object = mv.OfferReceived(agent_id=a, epoch=s.epoch, source=msg.frm, missing=())
                 self.offered[(h.name, a, s.epoch)] = msg.version
             case mv.Call.VERIFY:
-                ev = mv.VerifyRequested(**base)
+                ev = mv.VerifyRequested(agent_id=a, epoch=s.epoch, source=msg.frm)
             case mv.Call.PREPARE:
-                ev = mv.PrepareRequested(**base)
+                ev = mv.PrepareRequested(agent_id=a, epoch=s.epoch, source=msg.frm)
             case mv.Call.ABORT:
-                ev = mv.AbortRequested(**base)
+                ev = mv.AbortRequested(agent_id=a, epoch=s.epoch, source=msg.frm)
             case mv.Call.ACTIVATE:
                 r = h.records.get(a)
                 if r is not None and r.state is HolderState.PREPARED and r.epoch == s.epoch:

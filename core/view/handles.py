@@ -108,7 +108,7 @@ class BlobHandle(FileHandle):
     def __init__(self, check: BlobCheck) -> None:
         check.check_open()
         super().__init__(check.path, keep_cache=True)
-        self.check = check
+        self.check: BlobCheck = check
         self.sha256 = check.sha256
 
     def read(self, offset: int, size: int) -> bytes:

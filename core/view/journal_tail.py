@@ -22,13 +22,23 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, Self
 
 from ..errors import FormatError
 from ..journal.events import ModelSwitch
 from ..journal.record import Record
 from ..journal.file import Journal, open_journal
 from ..journal.tip import checked_tip
+
+
+class _Hash(Protocol):
+    """What the tail needs of a running sha256: hashlib's, or a ``Sha256State`` resumed from the tip."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def copy(self) -> Self: ...
+
+    def hexdigest(self) -> str: ...
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,7 @@ class JournalTail:
         self.tip_path = tip_path  # the journal's tip, to start from (None: hash the whole file)
         self._ino = -1
         self._size = 0  # bytes of whole lines hashed
-        self._h: Any = hashlib.sha256()  # (or a sha256_state.Sha256State resumed from the tip)
+        self._h: _Hash = hashlib.sha256()  # (or a sha256_state.Sha256State resumed from the tip)
         self._lines = 0
         self.model: tuple[str, str] | None = None  # last model_switch (provider, model)
         self.mtime_ns = 0
