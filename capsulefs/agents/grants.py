@@ -88,9 +88,9 @@ def _load(state_dir: str) -> dict[str, list[str]] | None:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not valid JSON ({exc}); fix it, or remove it "
+        doc = fmt.load_json(data, path)
+    except FormatError as exc:
+        raise FormatError(f"{exc}; fix it, or remove it "
                           f"(then no agent here has a grant until 'capsulefs secret grant')") from None
     grants = doc.get("grants") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
     if not isinstance(grants, dict) or not all(

@@ -26,6 +26,7 @@ import keyring.backend
 import keyring.backends.fail
 import keyring.errors
 
+from capsulefs.core.capsule.format import load_json_object
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
 
@@ -61,11 +62,13 @@ class StateFileKeyring(keyring.backend.KeyringBackend):
         if st.st_mode & 0o077:
             raise CapsuleError(f"{self.path} is readable by others (mode {oct(st.st_mode & 0o777)}); chmod 600 it")
         with open(self.path, "rb") as f:
-            try:
-                doc = json.load(f)
-            except ValueError as exc:
-                raise CapsuleError(f"{self.path} is not valid JSON: {exc}") from None
-        return doc if isinstance(doc, dict) else {}
+            doc = load_json_object(f.read(), self.path, error=CapsuleError)
+        # (the error names the file and the fault, never a value: they are secrets)
+        if not all(isinstance(names, dict) and all(isinstance(v, str) for v in names.values())
+                   for names in doc.values()):
+            raise CapsuleError(f'{self.path} is not a secrets file ({{"service": {{"NAME": "value"}}}}); '
+                               f"fix it, or remove it and set the secrets again")
+        return doc
 
     def get_password(self, service: str, username: str) -> str | None:
         return self._load().get(service, {}).get(username)

@@ -109,11 +109,12 @@ class HostStore(BlobStore):
             atomic_write(meta, json.dumps({"layout": LAYOUT}).encode() + b"\n")
         try:
             with open(meta, "rb") as f:
-                layout = json.load(f).get("layout")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise StoreError(f"{meta} is unreadable: {exc}") from None
-        if layout != LAYOUT:
-            raise StoreError(f"{root}: store layout {layout!r} is not supported (this capsulefs reads {LAYOUT})")
+                data = f.read(1 << 16)
+        except OSError as exc:
+            raise StoreError(f"{meta} is unreadable: {exc.strerror or exc}") from None
+        layout = fmt.load_json_object(data, meta, error=StoreError).get("layout")
+        if type(layout) is not int or layout != LAYOUT:
+            raise StoreError(f"{meta}: store layout {layout!r} is not supported (this capsulefs reads {LAYOUT})")
         store = cls(root)
         for d in (store.objects_dir, store.agents_dir, store.staging_dir):
             makedirs_durable(d)

@@ -270,7 +270,7 @@ def test_the_real_cli_refuses_a_manifest_with_a_huge_number_in_one_line(
     p = cli("verify", str(tar))
     assert p.returncode == 1 and "Traceback" not in p.stderr and "4300 digits" in p.stderr, p.stderr
     assert len(p.stderr.splitlines()) == 2
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     p = run_cli("import", str(tar), state=tmp_path / "other")
     assert p.returncode == 1 and "Traceback" not in p.stderr and "4300 digits" in p.stderr, p.stderr
@@ -365,3 +365,52 @@ def test_a_manifest_listing_a_file_outside_the_tree_is_refused_by_its_parser(sto
     doc = json.loads((capsule / "manifest.json").read_bytes())
     with pytest.raises(FormatError, match="manifest lists 'extra/evil.sh', which is not a file of a capsule"):
         fmt.Manifest.from_bytes(_with_extra(doc))
+
+
+# -- host-local files: read with the same strict loader ------------------------------------------
+
+@pytest.mark.parametrize(("doc", "words"), [
+    (b'{"layout": 1, "layout": 1}', "key 'layout' appears twice"),
+    (b'{"layout": ' + HUGE + b"}", "more than 4300 digits"),
+    (b'{"layout": true}', "store layout True is not supported"),
+    (b'[1]', "must be a JSON object"),
+    (b'\xff{"layout": 1}', "not UTF-8"),
+])
+def test_a_damaged_store_json_is_one_line_naming_it(tmp_path: Path, doc: bytes, words: str) -> None:
+    state = tmp_path / "state"
+    HostStore.open(state)
+    (state / "store.json").write_bytes(doc)
+    with pytest.raises(StoreError) as refused:
+        HostStore.open(state)
+    assert words in str(refused.value) and "store.json" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_grants_file_with_a_key_twice_is_refused_in_one_line(cli, state_dir: Path) -> None:
+    from capsulefs.agents import grants
+
+    cli("new", "ada", check=True)
+    agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
+    (state_dir / grants.GRANTS_FILE).write_text(
+        '{"format": 1, "grants": {"%s": ["A"], "%s": ["B"]}}' % (agent_id, agent_id))
+    proc = cli("secret", "grants")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "secret-grants.json" in proc.stderr and "appears twice" in proc.stderr
+
+
+@pytest.mark.parametrize(("doc", "words"), [
+    (b'{"capsulefs": "not an object"}', "is not a secrets file"),
+    (b'{"capsulefs": {"TOKEN": 7}}', "is not a secrets file"),
+    (b'{"capsulefs": {"TOKEN": "a", "TOKEN": "b"}}', "key 'TOKEN' appears twice"),
+    (b'["TOKEN"]', "must be a JSON object"),
+])
+def test_a_damaged_secrets_file_is_one_error_naming_it_and_no_value(tmp_path: Path, doc: bytes, words: str) -> None:
+    from capsulefs.agents.keychain import SECRETS_FILE, StateFileKeyring
+    from capsulefs.core.errors import CapsuleError
+
+    path = tmp_path / SECRETS_FILE
+    path.write_bytes(doc)
+    path.chmod(0o600)
+    with pytest.raises(CapsuleError) as refused:
+        StateFileKeyring(str(tmp_path)).get_password("capsulefs", "TOKEN")
+    said = str(refused.value)
+    assert words in said and SECRETS_FILE in said and "\n" not in said and '"a"' not in said and "'b'" not in said
