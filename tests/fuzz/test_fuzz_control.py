@@ -67,13 +67,14 @@ def test_every_seed_is_accepted(target: Target, tmp_path: Path) -> None:
         assert _run(target, seed, tmp_path), seed
 
 
-MODEL, LINE, REMOVE = TARGETS
+MODEL, LINE, REMOVE, LEARN = TARGETS
 BAD = [
     (MODEL, b"evilprov:x\n"), (MODEL, b"openai\n"), (MODEL, b"anthropic:\n"), (MODEL, b"anthropic:x\n\n"),
     (MODEL, b"anthropic:x\x85\n"), (MODEL, b"Anthropic:x\n"),
     (LINE, b"\n"), (LINE, b"a\nb\n"), (LINE, b"a\tb"), (LINE, b"x" * (MAX_CONTROL_LINE + 1)),
     (REMOVE, AGENT_ID.encode() + b" \n"), (REMOVE, AGENT_ID.encode() + b"\r\n"), (REMOVE, b" " + AGENT_ID.encode()),
     (REMOVE, AGENT_ID.encode() + b"\n\n"), (REMOVE, AGENT_ID.upper().encode() + b"\n"), (REMOVE, b"yes\n"),
+    (LEARN, b"\n"), (LEARN, b""), (LEARN, b"a\nb\n"), (LEARN, b"\xff\n"), (LEARN, b"x" * (MAX_CONTROL_LINE + 1)),
 ]
 
 
