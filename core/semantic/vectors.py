@@ -63,7 +63,7 @@ import numpy as np
 
 from .embedders import EmbedderSpec
 from ..errors import FormatError
-from ..capsule.format import MAX_INT, check_int, load_json
+from ..capsule.format import MAX_INT, check_int, is_sha256, load_json
 from ..fsutil import atomic_write, makedirs_durable
 from .text import INDEXED_KINDS
 
@@ -147,12 +147,16 @@ class JournalPosition:
             raise IndexCorrupt("index journal heads is not an object")
         heads = {}
         for machine, head in heads_doc.items():
-            if not (isinstance(head, list) and len(head) == 2 and isinstance(head[1], str)):
-                raise IndexCorrupt(f"index head of {machine!r} is not [seq, sha256]")
-            heads[machine] = (check_int(head[0], f"index head seq of {machine!r}", error=IndexCorrupt), head[1])
+            if not (isinstance(head, list) and len(head) == 2 and is_sha256(head[1])):
+                raise IndexCorrupt(f"index head of {machine[:64]!r} is not [seq, sha256]")
+            heads[machine] = (check_int(head[0], f"index head seq of {machine[:64]!r}", error=IndexCorrupt), head[1])
         events = check_int(doc.get("events", 0), "index journal events", error=IndexCorrupt)
         size = check_int(doc.get("bytes", 0), "index journal bytes", error=IndexCorrupt)
-        return cls(events=events, last=doc.get("last"), bytes=size, prefix=doc.get("prefix"), heads=heads)
+        last, prefix = doc.get("last"), doc.get("prefix")
+        for name, value in (("last", last), ("prefix", prefix)):
+            if value is not None and not is_sha256(value):
+                raise IndexCorrupt(f"index journal {name} is not a sha256 (64 lowercase hex) or null")
+        return cls(events=events, last=last, bytes=size, prefix=prefix, heads=heads)
 
 
 # -- the in-memory index ---------------------------------------------------------
@@ -340,8 +344,10 @@ def parse_index(data: bytes) -> VectorIndex:
     mem = doc.get("memory")
     if mem is not None:
         try:
-            clock, machine, seq = mem["order"]
-            memory = (str(mem["event"]), (check_int(clock, "clock"), str(machine), check_int(seq, "seq")))
+            event, (clock, machine, seq) = mem["event"], mem["order"]
+            if type(event) is not str or type(machine) is not str or type(mem["order"]) is not list:
+                raise TypeError
+            memory = (event, (check_int(clock, "clock"), machine, check_int(seq, "seq")))
         except (KeyError, TypeError, ValueError, FormatError):
             raise IndexCorrupt("index.json memory is not {event, order: [clock, machine, seq]}") from None
     return VectorIndex(

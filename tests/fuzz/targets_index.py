@@ -9,8 +9,9 @@ compute the digest as well as capsulefs can, so each input is parsed as
 given and, when it is a JSON object without a digest, with a digest made
 for it (the mutations then reach every field). What is accepted
 must then be an index its readers can use: written back by ``dump_index`` it
-parses to the same rows, embedder, journal position and memory, and a search
-over it returns rows of its own without an exception.
+parses to the same rows, embedder, journal position and memory, those are of
+their documented types (digests are sha256 hex, the memory's event and
+machine strings), and a search over it returns rows of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def _check(data: bytes) -> None:
     assert again.rows() == index.rows(), "the rows do not read back"
     assert again.embedder == index.embedder and again.memory == index.memory, (again.embedder, again.memory)
     assert again.position == index.position, (again.position, index.position)
+    pos = index.position  # what the index update compares with the journal: of the documented types
+    assert all(v is None or fmt.is_sha256(v) for v in (pos.last, pos.prefix)), (pos.last, pos.prefix)
+    assert all(type(s) is int and fmt.is_sha256(h) for s, h in pos.heads.values()), pos.heads
+    if index.memory is not None:
+        event, (clock, machine, seq) = index.memory
+        assert type(event) is str and type(machine) is str and type(clock) is int and type(seq) is int, index.memory
     if index.embedder is not None:
         query = np.ones(index.embedder.dims, np.float32)
         for kinds in (None, ["note"]):
