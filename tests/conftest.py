@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +23,7 @@ import pytest
 from capsulefs.core.fsutil import remove_tree
 from capsulefs.core.store.host_store import HostStore
 
-REPO = Path(__file__).resolve().parent.parent
-CAPSULEFS = [sys.executable, "-m", "capsulefs"]
+from cli_kit import run_cli
 
 
 #: The directory a test run makes its own under (scripts/test.sh gives each
@@ -69,18 +67,6 @@ def state_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def store(state_dir: Path) -> HostStore:
     return HostStore.open(state_dir)
-
-
-def run_cli(*args: str, state: Path | None = None, check: bool = False, **kw) -> subprocess.CompletedProcess:
-    """Run the real ``capsulefs`` CLI in a subprocess."""
-    argv = list(CAPSULEFS)
-    if state is not None:
-        argv += ["--state", str(state)]
-    argv += list(args)
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"capsulefs {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 @pytest.fixture

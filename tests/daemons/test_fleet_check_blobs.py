@@ -27,7 +27,7 @@ from capsulefs.core.fleet.s3_wire import parse_tier_url
 from capsulefs.core.fleet.sigv4 import Credentials
 from capsulefs.fleet.blobcheck import IF_MATCH, RACING, READ_AFTER_WRITE, SEQUENTIAL, check_blob_tier
 from capsulefs.fleet.s3 import open_s3
-from conftest import REPO, run_cli
+from cli_kit import REPO, run_cli
 from fleet_kit import WeedServer, weed_or_skip
 
 DEADLINE = 120  # seconds: bounds a hang, never paces a test

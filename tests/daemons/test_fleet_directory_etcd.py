@@ -18,7 +18,7 @@ from capsulefs.core.move import Outcome
 from capsulefs.fleet.directory import claim_agent, register_host
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
 from capsulefs.testing.fleet_sim import SimEtcd
-from conftest import run_cli
+from cli_kit import run_cli
 from fleet_kit import EtcdServer, etcd_or_skip
 
 A1, A2, A3 = "a1" * 16, "b2" * 16, "c3" * 16

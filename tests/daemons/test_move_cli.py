@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from conftest import CAPSULEFS, REPO, run_cli
+from cli_kit import CAPSULEFS, REPO, run_cli
 from helpers import HANG
 
 from capsulefs.core.store.holder import HolderBook, HolderState

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from cli_kit import REPO
 
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))
 NEEDS_MOUNT = {"bench_mount.py"}

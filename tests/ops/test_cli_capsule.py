@@ -25,7 +25,7 @@ def test_new_export_verify_import(cli, tmp_path: Path) -> None:
     plain = cli("verify", str(tar))  # digests only: says that it did not check where the capsule came from
     assert plain.returncode == 0 and plain.stdout.startswith("OK:") and "not checked without --pubkey" in plain.stdout
     other = tmp_path / "other"
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     imp = run_cli("import", str(tar), state=other, check=True)
     assert "imported agent demo" in imp.stdout
@@ -156,7 +156,7 @@ def _holder(state: Path, agent_id: str):
 def test_new_and_import_record_who_holds_the_agent(cli, state_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     cli("new", "held", check=True)
     agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
@@ -187,7 +187,7 @@ def test_export_from_a_read_only_store(tmp_path: Path) -> None:
     without the lock (nobody can be appending to it)."""
     import shutil
 
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     state = _store_with_ada(tmp_path)
     shutil.rmtree(state / "holders")  # a store from before holder records: no lock file, nor its directory
@@ -198,7 +198,7 @@ def test_export_from_a_read_only_store(tmp_path: Path) -> None:
 
 
 def _store_with_ada(tmp_path: Path) -> Path:
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     state = tmp_path / "state"
     run_cli("init", state=state, check=True)
@@ -235,7 +235,7 @@ def test_import_installs_under_the_agents_files_lock(cli, tmp_path: Path) -> Non
     import subprocess
     import time
 
-    from conftest import CAPSULEFS, REPO
+    from cli_kit import CAPSULEFS, REPO
 
     from capsulefs.core.store.holder import HolderBook
     from capsulefs.move.host import holders_dir
@@ -268,7 +268,7 @@ def test_a_read_only_store_with_a_write_ahead_ring(tmp_path: Path) -> None:
     the ring vouches for; when a crash kept acknowledged events from the
     journal, reading it read-only says so instead of serving it short, and
     the next read-write open replays them."""
-    from conftest import run_cli
+    from cli_kit import run_cli
 
     state = _store_with_ada(tmp_path)
     for text in ("one", "two"):

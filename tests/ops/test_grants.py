@@ -12,7 +12,7 @@ from capsulefs.agents import grants
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore
-from conftest import run_cli
+from cli_kit import run_cli
 from helpers import make_agent
 
 KEYS = ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"]

@@ -24,7 +24,7 @@ from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.capsule.tarball import scan_tar
 
 import tar_kit
-from conftest import CAPSULEFS, REPO
+from cli_kit import CAPSULEFS, REPO
 from helpers import make_agent
 
 GIB = 1 << 30

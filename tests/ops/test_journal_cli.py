@@ -118,7 +118,7 @@ def test_append_errors_are_one_line(cli) -> None:  # type: ignore[no-untyped-def
 
 
 def test_append_stdin_without_end_is_one_line_error(state_dir: Path) -> None:
-    from conftest import run_cli
+    from cli_kit import run_cli
     import resource
 
     def cap_memory() -> None:  # without a bound the read of /dev/zero ends in MemoryError (or the OOM killer)

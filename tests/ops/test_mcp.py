@@ -17,7 +17,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import holders_dir
-from conftest import REPO, run_cli
+from cli_kit import REPO, run_cli
 
 pytest.importorskip("mcp")
 

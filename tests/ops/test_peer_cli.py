@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from conftest import run_cli
+from cli_kit import run_cli
 
 from capsulefs.peer.identity import load_identity
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from cli_kit import REPO
 
 LEAVES = """\
 import os, pathlib, subprocess

@@ -26,7 +26,7 @@ from capsulefs.core.journal.events import Note, ToolResult, UserMessage
 from capsulefs.core.journal.file import open_agent_journal
 from capsulefs.core.store.agent import AgentHandle
 from capsulefs.core.store.host_store import HostStore
-from conftest import REPO
+from cli_kit import REPO
 
 HOST = "TIMELINEHOST" + "A" * 40
 
