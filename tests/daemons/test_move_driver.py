@@ -862,6 +862,8 @@ async def test_an_append_from_outside_the_daemon_is_whole_in_the_move_or_refused
             with trio.fail_after(HANG):
                 while holders.get(agent_id).state is not HolderState.FROZEN:
                     await trio.sleep(0.005)
+            # kept: a window in which nothing may be offered (the snapshot polls the lock from a thread:
+            # an absence has no event to wait for)
             await trio.sleep(0.2)  # the snapshot waits for the lock: nothing was offered yet
             assert results == [] and world.hooks_b.log == []
             with pytest.raises(CapsuleError, match="is in a move"):  # an append starting now

@@ -107,7 +107,8 @@ def test_a_snapshot_waiting_for_an_append_holds_up_nothing_else(store: HostStore
         with HolderBook(holders_dir(state_dir)).files_lock(agent_id, shared=False):  # what an append holds
             t = threading.Thread(target=snapshot)
             t.start()
-            time.sleep(0.3)  # (the snapshot's mkdir reaches the daemon, which waits for the lock)
+            time.sleep(0.3)  # kept: the snapshot's mkdir reaches the daemon, which waits for the lock (polled:
+            # no event says it got there); the checks below hold whether or not it did
             for _ in range(5):  # other requests are answered while the snapshot waits
                 assert status(m / "alice")["state"] == "active"
                 assert (m / "alice" / fmt.WORKING_MEMORY).read_text() == "m\n"
@@ -163,7 +164,7 @@ def test_an_unmount_while_the_daemon_starts_ends_it_cleanly(store: HostStore, st
         importing.enter_context(book.files_lock(store.find("alice").agent_id, shared=False))  # recovery waits
         with mounted(state_dir, m) as daemon:
             force_unmount(m)
-            time.sleep(0.3)
+            time.sleep(0.3)  # kept: a window in which the daemon must not exit (an absence has no event)
             assert daemon.poll() is None  # its recovery still waits
             book.put(new_held(store.find("alice").agent_id, 1))  # recorded: the recovery activates it
             importing.close()

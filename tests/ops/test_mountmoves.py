@@ -79,8 +79,7 @@ async def test_a_move_long_after_start_runs_without_a_listener(wired: tuple[Moun
     assert mm.listen is None
     async with trio.open_nursery() as nursery:
         await nursery.start(mm.serve)
-        await trio.testing.wait_all_tasks_blocked()  # the start-up resume has finished
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the start-up resume has finished (the bug: so had the nursery)
         with pytest.raises(le.MoveFailed, match="rolled_back") as failed:
             await mm.move(agent_id, "dead")
         assert failed.value.cause is Cause.CONNECTION_REFUSED

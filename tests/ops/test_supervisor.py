@@ -125,7 +125,8 @@ async def test_stop_all_stops_every_agent_and_starts_none_again(store: HostStore
             os.kill(pid, 0)
         assert sup.status(agent.agent_id).state is RunState.STOPPED
         sup.want(agent.agent_id)  # the runtime's reconcile loop, during the shutdown
-        await trio.sleep(0.3)
+        await trio.sleep(0.3)  # kept: a window in which no process may start (an absence has no event to wait for;
+        # wait_all_tasks_blocked is not one: a runner blocks in a thread before its state changes)
         assert sup.status(agent.agent_id).state is RunState.STOPPED and sup.status(agent.agent_id).pid is None
         nursery.cancel_scope.cancel()
 
