@@ -111,3 +111,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier == "mount":
             item.add_marker(pytest.mark.fuse)
             item.add_marker(needs_fuse)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Each phase's report on the item (``item.rep_call``), for fixtures
+    that act at teardown only if the test passed (capsule_check)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

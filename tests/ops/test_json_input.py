@@ -325,6 +325,7 @@ async def test_a_peer_header_with_a_key_twice_or_a_huge_number_is_a_protocol_err
             await _Framer(b, "test").receive()
 
 
+@pytest.mark.capsule_left_broken("the stored manifest is hostile on purpose")
 def test_a_stored_manifest_is_read_as_strictly_as_an_imported_one(store: HostStore) -> None:
     agent = make_agent(store, "alice")
     raw = (Path(agent.dir) / fmt.MANIFEST).read_bytes()

@@ -98,6 +98,7 @@ def test_render_tools_come_from_the_journal_or_a_file(alice, state_dir, tmp_path
     assert rc == 1 and "parameters must be a JSON schema object" in err and err.count("\n") == 1
 
 
+@pytest.mark.capsule_left_broken("the journal names a blob the capsule lacks, for verify to name")
 def test_verify_names_an_attachment_whose_blob_the_capsule_lacks(alice, tmp_path, capsys) -> None:
     from capsulefs.core.capsule.verify import check, scan_dir
     from capsulefs.core.journal.events import Attachment
