@@ -95,7 +95,7 @@ while os.getsid(child.pid) == os.getsid(0):  # until its setsid is done (however
 with open("escaper.pid", "w") as f:
     f.write(str(child.pid))
 while True:
-    time.sleep(1)
+    time.sleep(1)  # (pacing: the agent idles until it is stopped)
 """
 
 

@@ -294,7 +294,7 @@ write(descend(fd, ["x"] * 60, True), "h", b"too deep\n")
 with open("ready", "w") as f:
     f.write("ready\n")
 while True:
-    time.sleep(1)
+    time.sleep(1)  # (pacing: the agent idles until it is stopped)
 """
 
 

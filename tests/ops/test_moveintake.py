@@ -383,7 +383,7 @@ import sys, time
 import capsulefs.move.pieces as pw
 write_slab = pw.PieceWriter.write_slab
 def slow(self, buffer):
-    time.sleep(1.0)
+    time.sleep(1.0)  # (pacing: each slab slow on purpose)
     return write_slab(self, buffer)
 pw.PieceWriter.write_slab = slow
 from capsulefs.move import writer_process

@@ -35,7 +35,7 @@ with open("made-by-agent.txt", "w") as f:
     f.write("new work\n")
 print("ready", flush=True)
 while True:
-    time.sleep(1)
+    time.sleep(1)  # (pacing: the agent idles until it is stopped)
 """
 
 
@@ -238,7 +238,7 @@ with open("child.pid", "w") as f:
     f.write(str(child.pid))
 print("ready", flush=True)
 while True:
-    time.sleep(1)
+    time.sleep(1)  # (pacing: the agent idles until it is stopped)
 """
 
 
@@ -580,7 +580,7 @@ else:
 with open("probe.json", "w") as f:
     f.write("{}")
 while True:
-    time.sleep(1)
+    time.sleep(1)  # (pacing: the agent idles until it is stopped)
 """
 
 
