@@ -1,0 +1,74 @@
+"""Fuzz targets: the host-local JSON files a state directory holds, read as
+capsulefs reads them (each with the strict loader, one error naming the file):
+
+  * store.json: ``HostStore.open`` opens only a store whose layout is the
+    integer 1; anything else is a StoreError.
+  * secrets.json (the keychain of a host without a system keyring): what is
+    accepted is an object of services, each an object of NAME: value strings;
+    a refusal never holds a value (they are secrets).
+  * secret-grants.json: what is accepted maps agent ids to lists of names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from capsulefs.agents import grants
+from capsulefs.agents.keychain import SECRETS_FILE, StateFileKeyring
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.errors import CapsuleError
+from capsulefs.core.store.host_store import STORE_FILE, HostStore
+
+from . import Target
+
+AGENT_ID = "0123456789abcdef0123456789abcdef"
+SECRET = "s3cr3t-VALUE"
+
+
+def _store_seeds() -> list[bytes]:
+    return [b'{"layout": 1}\n', b'{"layout":1}']
+
+
+def _run_store(data: bytes, scratch: Path) -> None:
+    state = scratch / "state"
+    state.mkdir()
+    (state / STORE_FILE).write_bytes(data)
+    HostStore.open(state, create=False)  # (StoreError: refused)
+    assert json.loads(data)["layout"] == 1 and type(json.loads(data)["layout"]) is int
+
+
+def _secrets_seeds() -> list[bytes]:
+    return [json.dumps({"capsulefs": {"TOKEN": SECRET, "KEY": "k"}}).encode(), b"{}"]
+
+
+def _run_secrets(data: bytes, scratch: Path) -> None:
+    path = scratch / SECRETS_FILE
+    path.write_bytes(data)
+    os.chmod(path, 0o600)
+    try:
+        names = StateFileKeyring(str(scratch)).names()
+    except CapsuleError as exc:
+        assert SECRET not in str(exc) and SECRETS_FILE in str(exc) and "\n" not in str(exc), str(exc)
+        raise
+    assert all(isinstance(n, str) for n in names), names
+
+
+def _grants_seeds() -> list[bytes]:
+    return [json.dumps({"format": 1, "grants": {AGENT_ID: ["TOKEN", "KEY"]}}).encode(),
+            b'{"format": 1, "grants": {}}']
+
+
+def _run_grants(data: bytes, scratch: Path) -> None:
+    (scratch / grants.GRANTS_FILE).write_bytes(data)
+    loaded = grants._load(str(scratch))
+    assert loaded is not None
+    assert all(fmt.is_agent_id(k) and all(isinstance(n, str) for n in v) for k, v in loaded.items()), loaded
+
+
+TARGETS = [
+    Target("host_store_json", _store_seeds, _run_store),
+    Target("host_secrets_json", _secrets_seeds, _run_secrets),
+    Target("host_grants_json", _grants_seeds, _run_grants),
+]
