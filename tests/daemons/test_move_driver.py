@@ -408,6 +408,7 @@ def _a_blob_to_send(world: World) -> str:
 
 
 @pytest.mark.expect_error_log
+@pytest.mark.capsule_left_broken("a blob rots at the source on purpose (and is quarantined)")
 async def test_a_blob_rotten_at_the_source_is_named_by_its_path(world: World, caplog: pytest.LogCaptureFixture) -> None:
     """The source does not hash what it sends (the target does): when the
     target reports the piece bad, the source re-hashes it and names its path."""
@@ -425,6 +426,7 @@ async def test_a_blob_rotten_at_the_source_is_named_by_its_path(world: World, ca
 
 
 @pytest.mark.parametrize("change", ["truncated", "grown", "missing"])
+@pytest.mark.capsule_left_broken("a blob at the source is truncated, grown or removed on purpose")
 async def test_a_blob_whose_size_changed_at_the_source_fails_before_its_bytes_go(
         world: World, change: str, caplog: pytest.LogCaptureFixture) -> None:
     path = _a_blob_to_send(world)

@@ -123,6 +123,7 @@ def test_a_name_longer_than_255_bytes_is_enametoolong(store: HostStore, state_di
 
 
 @pytest.mark.expect_error_log
+@pytest.mark.capsule_left_broken("a blob is corrupted (and quarantined) on purpose")
 def test_corrupt_blob_gives_eio_and_the_mount_stays(store: HostStore, state_dir: Path, mnt: Path) -> None:
     agent = make_agent(store, "alice", workspace={"a": b"A" * 300_000, "b": b"B" * 10})
     bad = next(sha for sha, size in agent.manifest().blobs().items() if size == 300_000)

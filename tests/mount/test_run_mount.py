@@ -228,6 +228,7 @@ def test_a_signal_during_the_clean_up_after_an_unmount_from_outside_waits_for_it
 
 
 @pytest.mark.parametrize("bad", [b"[]", b"{not json"])
+@pytest.mark.capsule_left_broken("the agent's spec breaks the rules on purpose")
 def test_an_agent_whose_spec_breaks_the_rules_blocks_alone(tmp_path: Path, bad: bytes) -> None:
     """A spec that came with a move or an import is whatever its sender
     wrote. One that was not a JSON object stopped the daemon's reconcile at
