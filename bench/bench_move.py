@@ -51,8 +51,9 @@ from capsulefs.core.store.holder import new_held  # noqa: E402
 from capsulefs.move.source import MoveControl, move_agent  # noqa: E402
 from capsulefs.move.host import MoveHost, NoHooks  # noqa: E402
 from capsulefs.move.target import serve_moves  # noqa: E402
-from capsulefs.peer.link import client_context, open_peer, server_context  # noqa: E402
+from capsulefs.peer.client import client_context, open_peer  # noqa: E402
 from capsulefs.peer.book import Peer  # noqa: E402
+from capsulefs.peer.server import server_context  # noqa: E402
 from capsulefs.peer.tls import TLSStream  # noqa: E402
 
 

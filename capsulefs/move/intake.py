@@ -57,7 +57,7 @@ __all__ = ["Intake"]
 
 
 class Source(Protocol):
-    """Where a call's payload comes from (``capsulefs.peer.link.Payload``)."""
+    """Where a call's payload comes from (``capsulefs.peer.framing.Payload``)."""
 
     async def readinto(self, buffer: memoryview) -> None: ...
 

@@ -54,7 +54,7 @@ from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
 from capsulefs.move.target import MoveService, serve_moves
-from capsulefs.peer.link import PeerError
+from capsulefs.peer.errors import PeerError
 from capsulefs.peer.book import Peer, PeerBookError
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,8 @@ from capsulefs.peer.identity import Identity
 from capsulefs.move.host import MoveHost, result_to_answer
 from capsulefs.move.target import BLOBS_CALL
 from capsulefs.nursery import first_failure
-from capsulefs.peer.link import PeerConnection, PeerError, PeerRefused, PeerUnreachable, RemoteError, open_peer
+from capsulefs.peer.client import PeerConnection, open_peer
+from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError
 from capsulefs.peer.book import Peer
 
 log = logging.getLogger(__name__)

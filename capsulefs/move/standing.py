@@ -40,7 +40,10 @@ from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.move.host import MoveHost
 from capsulefs.peer.book import Peer
-from capsulefs.peer.link import CallFailed, Payload, PeerError, PeerHandler, open_peer
+from capsulefs.peer.client import open_peer
+from capsulefs.peer.errors import CallFailed, PeerError
+from capsulefs.peer.framing import Payload
+from capsulefs.peer.server import PeerHandler
 
 log = logging.getLogger(__name__)
 

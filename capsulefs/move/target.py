@@ -52,7 +52,9 @@ from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable, rem
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState, story
 from capsulefs.move.host import MoveHost, answer_to_result
-from capsulefs.peer.link import CallFailed, Payload, PeerHandler, serve_peers
+from capsulefs.peer.errors import CallFailed
+from capsulefs.peer.framing import Payload
+from capsulefs.peer.server import PeerHandler, serve_peers
 from capsulefs.move.intake import Intake
 from capsulefs.move.writers import SpareHelper
 from capsulefs.move.pieces import Outcome, Piece

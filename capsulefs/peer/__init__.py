@@ -3,6 +3,8 @@
   * ``identity``: this host's key and certificate (the host id is its digest).
   * ``book``: the peer book, ``STATE/peers.json`` (name, address, host id).
   * ``tls``: TLS over any trio stream, tuned for bulk transfers.
-  * ``link``: the peer link: framing, the client (``open_peer``) and the
-    server (``serve_peers``); the wire protocol is docs/wire.md.
+  * ``errors``: the link's errors (``PeerError`` and kin), mapped at one boundary.
+  * ``framing``: frames (prefix, JSON header, payload) over a stream.
+  * ``client``: connect and make calls (``open_peer``).
+  * ``server``: answer calls (``serve_peers``); the wire protocol is docs/wire.md.
 """

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import ssl
+from typing import cast
 
 import trio
 
@@ -107,8 +108,9 @@ class TLSStream(trio.abc.Stream):
         self._held = b""  # decrypted, not handed out yet (a receive cancelled while flushing a reply)
 
     # -- what the handshake learned -------------------------------------------------
-    def getpeercert(self, binary_form: bool = False) -> dict | bytes | None:  # type: ignore[type-arg]
-        return self._tls.getpeercert(binary_form)
+    def peer_certificate(self) -> bytes | None:
+        """The certificate the peer presented (DER), None if it sent none."""
+        return self._tls.getpeercert(binary_form=True)
 
     # -- internals ----------------------------------------------------------------------
     def _check(self) -> None:
@@ -234,7 +236,7 @@ class TLSStream(trio.abc.Stream):
     # -- receiving ------------------------------------------------------------------
     def _decrypt(self, max_bytes: int) -> bytes:
         """Every record already buffered, up to ``max_bytes`` of plain text."""
-        chunks = []
+        chunks: list[bytes] = []
         got = 0
         read = self._tls.read
         while got < max_bytes:
@@ -265,7 +267,8 @@ class TLSStream(trio.abc.Stream):
         read = self._tls.read
         while got < want:
             try:
-                n = read(want - got, view[got:])
+                # (typeshed says bytes: with a buffer, read returns the count)
+                n = cast(int, read(want - got, view[got:]))
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLZeroReturnError:
@@ -291,14 +294,18 @@ class TLSStream(trio.abc.Stream):
         with memoryview(buffer) as whole, whole.cast("B") as view:
             if not len(view):
                 raise ValueError("the buffer must not be empty")
-            return await self._receive(len(view), view)  # type: ignore[return-value]  # an int with ``into``
+            got = await self._receive(len(view), view)
+            assert isinstance(got, int)
+            return got
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if max_bytes is None:
             max_bytes = DEFAULT_RECEIVE
         elif max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
-        return await self._receive(max_bytes, None)  # type: ignore[return-value]
+        data = await self._receive(max_bytes, None)
+        assert isinstance(data, bytes)
+        return data
 
     async def _receive(self, max_bytes: int, into: memoryview | None) -> bytes | int:
         """receive_some's and receive_into's common path: with ``into``, the

@@ -29,7 +29,9 @@ from capsulefs.move import source as move_source, target as move_target
 from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import MoveService, serve_moves
-from capsulefs.peer.link import Payload, PeerBroken, open_peer
+from capsulefs.peer.client import open_peer
+from capsulefs.peer.errors import PeerBroken
+from capsulefs.peer.framing import Payload
 from capsulefs.peer.book import Peer
 
 

@@ -15,16 +15,10 @@ import pytest
 import trio
 
 from capsulefs.peer.identity import Identity, load_or_create_identity
-from capsulefs.peer.link import (
-    CallFailed,
-    Payload,
-    PeerBroken,
-    PeerRefused,
-    PeerUnreachable,
-    RemoteError,
-    open_peer,
-    serve_peers,
-)
+from capsulefs.peer.client import open_peer
+from capsulefs.peer.errors import CallFailed, PeerBroken, PeerRefused, PeerUnreachable, RemoteError
+from capsulefs.peer.framing import Payload
+from capsulefs.peer.server import serve_peers
 from capsulefs.peer.book import Peer, PeerBook
 from helpers import HANG
 
@@ -158,10 +152,10 @@ async def test_a_payload_read_into_buffers_over_a_plain_stream() -> None:
     bytes, and what a receive brought past the frame waits for the next."""
     import trio.testing
 
-    from capsulefs.peer.link import _Framer
+    from capsulefs.peer.framing import Framer
 
     a, b = trio.testing.memory_stream_pair()
-    sender, receiver = _Framer(a, "test"), _Framer(b, "test")
+    sender, receiver = Framer(a, "test"), Framer(b, "test")
     data = os.urandom(300_001)
     await sender.send({"type": "x"}, data)
     await sender.send({"type": "y"}, b"next")
@@ -181,13 +175,14 @@ async def test_a_header_nested_too_deeply_is_a_protocol_error() -> None:
 
     import trio.testing
 
-    from capsulefs.peer.link import PeerProtocolError, _Framer
+    from capsulefs.peer.errors import PeerProtocolError
+    from capsulefs.peer.framing import Framer
 
     a, b = trio.testing.memory_stream_pair()
     head = b"[" * 100_000
     await a.send_all(struct.pack("!IQ", len(head), 0) + head)
     with pytest.raises(PeerProtocolError, match="header is not valid JSON: nested too deeply"):
-        await _Framer(b, "test").receive()
+        await Framer(b, "test").receive()
 
 
 async def test_client_refuses_a_server_with_another_id(pair: Pair, tmp_path: Path) -> None:
@@ -265,7 +260,7 @@ async def test_serve_peers_reports_its_port_only_once_listening(pair: Pair) -> N
 async def _anonymous_tls(port: int):
     """A TLS link to the server without a client certificate: what anyone
     who can reach the port can open."""
-    from capsulefs.peer.link import client_context
+    from capsulefs.peer.client import client_context
     from capsulefs.peer.tls import TLSStream
 
     tls = TLSStream(await trio.open_tcp_stream("127.0.0.1", port), client_context(None))
@@ -299,7 +294,7 @@ async def test_an_anonymous_link_that_says_nothing_is_closed(tmp_path: Path, nur
 async def test_an_anonymous_link_cannot_make_the_server_buffer_a_big_header(pair: Pair) -> None:
     import struct
 
-    from capsulefs.peer.link import MAX_ANONYMOUS_HEADER
+    from capsulefs.peer.framing import MAX_ANONYMOUS_HEADER
 
     tls = await _anonymous_tls(pair.port)
     await tls.send_all(struct.pack("!IQ", MAX_ANONYMOUS_HEADER + 1, 0) + b"{")

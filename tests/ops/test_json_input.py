@@ -315,14 +315,15 @@ async def test_a_peer_header_with_a_key_twice_or_a_huge_number_is_a_protocol_err
 
     import trio.testing
 
-    from capsulefs.peer.link import PeerProtocolError, _Framer
+    from capsulefs.peer.errors import PeerProtocolError
+    from capsulefs.peer.framing import Framer
 
     for head, words in [(b'{"type":"call","type":"reply"}', "key 'type' appears twice"),
                         (b'{"type":"call","id":' + HUGE + b"}", "more than 4300 digits")]:
         a, b = trio.testing.memory_stream_pair()
         await a.send_all(struct.pack("!IQ", len(head), 0) + head)
         with pytest.raises(PeerProtocolError, match=f"header is not valid JSON: .*{words}"):
-            await _Framer(b, "test").receive()
+            await Framer(b, "test").receive()
 
 
 @pytest.mark.capsule_left_broken("the stored manifest is hostile on purpose")
