@@ -18,7 +18,8 @@ Theory of operation: :func:`move_agent` freezes the agent, reads one
 consistent snapshot of its capsule files (the journal up to its last whole
 line) and offers the manifest of that snapshot. The target answers which
 contents it lacks, named by sha256; they are sent in ``blobs`` calls whose
-payload streams from the store or from the snapshot. The target hashes every
+payload streams from the store or from the snapshot
+(:mod:`capsulefs.move.read_ahead`). The target hashes every
 piece as it arrives, which checks this disk and the link at once, so the
 happy path reads each blob once and hashes it once (there); a piece the
 target reports bad is re-hashed here to tell a blob that rotted in this
@@ -29,12 +30,10 @@ was in progress; :func:`abandon_move` is the operator's way out.
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +49,7 @@ from capsulefs.core.store.kept import keep_copy
 from capsulefs.peer.identity import Identity
 from capsulefs.move.host import MoveHost, result_to_answer
 from capsulefs.move.target import BLOBS_CALL
-from capsulefs.nursery import first_failure
+from capsulefs.move.read_ahead import read_ahead
 from capsulefs.peer.client import PeerConnection, open_peer
 from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError
 from capsulefs.peer.book import Peer
@@ -60,8 +59,6 @@ log = logging.getLogger(__name__)
 __all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_agent", "resume_moves"]
 
 Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
-_READ_CHUNK = 1 << 20
-READ_AHEAD = 4  # chunks read ahead of the one being sent
 BATCH_ITEMS = 256  # pieces per blobs call
 BATCH_BYTES = 64 << 20  # about this many bytes per blobs call
 #: Seconds the snapshot waits for a `capsulefs append` to let go of the agent's
@@ -96,74 +93,6 @@ class MoveResult:
     @property
     def moved(self) -> bool:
         return self.state is mv.SourceState.DONE
-
-
-class _BlobReader:
-    """A stored blob's bytes in chunks of up to ``_READ_CHUNK``, for a
-    ``blobs`` call. Not hashed here (the target hashes every piece; see the
-    module docstring), but its size is checked against the manifest's before
-    the first byte goes out and as it is read: a blob that grew or shrank
-    would break the call's framing, so it is reported by its path instead.
-
-    :meth:`cached` reads on the event loop, and only what the page cache
-    holds (``RWF_NOWAIT``): no thread hand-off, and the bytes are still in
-    this core's cache when TLS encrypts them (measured: 10-20% more
-    throughput than reading every chunk in a worker thread). :meth:`next`
-    may wait for the disk and runs in a worker thread."""
-
-    nowait = hasattr(os, "RWF_NOWAIT")  # cleared for the process if the file system refuses it
-
-    def __init__(self, path: str, size: int) -> None:
-        self.path = path
-        self.size = size
-        self.offset = 0
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise CorruptBlobError(path, why=f"unreadable ({exc.strerror or exc})") from exc
-        try:
-            actual = os.fstat(self.fd).st_size
-            if actual != size:
-                raise CorruptBlobError(path, why=f"{actual} bytes, the manifest says {size}")
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def _take(self, buf: memoryview, n: int) -> memoryview:
-        if n == 0:
-            raise CorruptBlobError(self.path, why=f"it ended {self.size - self.offset} bytes early")
-        self.offset += n
-        return buf[:n]
-
-    def cached(self, buf: memoryview) -> memoryview | None:
-        """The next chunk, read into ``buf``, if the page cache holds (some
-        of) it; empty at the end, None if reading it would wait for the disk."""
-        if self.offset == self.size:
-            return buf[:0]
-        if not _BlobReader.nowait:
-            return None
-        buf = buf[: min(len(buf), self.size - self.offset)]
-        try:
-            n = os.preadv(self.fd, [buf], self.offset, os.RWF_NOWAIT)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                _BlobReader.nowait = False
-            return None  # EAGAIN, or an error that next() meets again and reports
-        return None if n == 0 else self._take(buf, n)  # 0: let next() tell the end of the file from a miss
-
-    def next(self, buf: memoryview) -> memoryview:
-        """The next chunk, read into ``buf``, empty at the end (may wait for the disk)."""
-        if self.offset == self.size:
-            return buf[:0]
-        buf = buf[: min(len(buf), self.size - self.offset)]
-        try:
-            n = os.preadv(self.fd, [buf], self.offset)
-        except OSError as exc:
-            raise CorruptBlobError(self.path, why=f"unreadable ({exc.strerror or exc})") from exc
-        return self._take(buf, n)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _Driver:
@@ -220,57 +149,13 @@ class _Driver:
         a blob that changed size here must not change the call's framing)."""
         return len(self.files[sha]) if sha in self.files else self.blob_sizes[sha]
 
-    async def _read_pieces(self, shas: list[str], out: trio.MemorySendChannel[bytes | memoryview],
-                           free: trio.MemoryReceiveChannel[bytearray],
-                           free_in: trio.MemorySendChannel[bytearray]) -> None:
-        """Send the pieces' bytes into ``out`` while the caller's task
-        encrypts and sends the chunks before: from the page cache on the
-        event loop, from the disk in a worker thread."""
-        with out:  # closed without a checkpoint (see _write_pieces in capsulefs.move.target)
-            try:
-                for sha in shas:
-                    if sha in self.files:
-                        await out.send(self.files[sha])
-                        continue
-                    reader = _BlobReader(self.host.store.blob_file(sha), self._size(sha))
-                    try:
-                        while True:
-                            buf = memoryview(await free.receive())
-                            chunk = reader.cached(buf)
-                            if chunk is None:
-                                chunk = await trio.to_thread.run_sync(reader.next, buf)
-                            if not chunk:
-                                free_in.send_nowait(buf.obj)
-                                break
-                            await out.send(chunk)
-                    finally:
-                        reader.close()
-            except trio.BrokenResourceError:
-                return  # the sender stopped; its own error says why
-
     async def _call_with_pieces(self, conn: PeerConnection, args: dict[str, Any], shas: list[str],
                                 total: int) -> dict[str, Any]:
-        send, receive = trio.open_memory_channel[bytes | memoryview](READ_AHEAD)
-        # The buffers blobs are read into, each back once its chunk is sent
-        # (fresh 1 MiB buffers cost the event loop their zeroing and page
-        # faults: about a tenth of its time in a move).
-        free_in, free = trio.open_memory_channel[bytearray](math.inf)
-        for _ in range(READ_AHEAD + 2):
-            free_in.send_nowait(bytearray(_READ_CHUNK))
+        def blob(sha: str) -> tuple[str, int]:
+            return self.host.store.blob_file(sha), self._size(sha)
 
-        async def pieces() -> AsyncIterator[bytes | memoryview]:
-            with receive:
-                async for chunk in receive:
-                    yield chunk
-                    if isinstance(chunk, memoryview):  # sent (encrypted): its buffer may be read into again
-                        free_in.send_nowait(chunk.obj)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_pieces, shas, send, free, free_in)
-                result, _ = await conn.call(BLOBS_CALL, args, payload=pieces(), size=total)
-        except BaseExceptionGroup as group:
-            raise first_failure(group) from None
+        async with read_ahead(shas, files=self.files, blob=blob) as pieces:
+            result, _ = await conn.call(BLOBS_CALL, args, payload=pieces, size=total)
         return result
 
     async def _send_blobs(self, batch: list[mv.Send]) -> list[object]:

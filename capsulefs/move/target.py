@@ -8,8 +8,8 @@ Rules:
     lost reply: it never counts as a decision).
   * The caller's host id comes from its authenticated certificate, never
     from the request.
-  * Incoming content lands in a staging area of the store (``move-*``):
-    ``content/<sha256>`` for every piece. Each move has an intake
+  * Incoming content lands in a staging area of the store (``move-*``,
+    :mod:`capsulefs.move.staging`): ``content/<sha256>`` for every piece. Each move has an intake
     (:mod:`capsulefs.move.intake`): a ``blobs`` call hands its payload to
     the intake's writer (hashing, ``O_DIRECT`` writes, in a worker thread)
     and answers once the bytes have arrived; the writer and the settler
@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -48,7 +47,7 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import metrics
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
-from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable, remove_tree
+from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState, story
 from capsulefs.move.host import MoveHost, answer_to_result
@@ -56,8 +55,9 @@ from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload
 from capsulefs.peer.server import PeerHandler, serve_peers
 from capsulefs.move.intake import Intake
+from capsulefs.move.staging import Incoming, adopt, missing
 from capsulefs.move.writers import SpareHelper
-from capsulefs.move.pieces import Outcome, Piece
+from capsulefs.move.pieces import Piece
 from capsulefs.peer.book import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
@@ -70,35 +70,13 @@ DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness o
 BLOBS_CALL = "blobs"  # the wire name of Call.BLOB: many pieces per call
 
 
-@dataclass
-class _Incoming:
-    agent_id: str
-    epoch: int
-    source: str
-    manifest: fmt.Manifest
-    area: str
-    stack: ExitStack
-    last_activity: float
-    intake: Intake  # where the pieces of its blobs calls go
-    sent: set[str] = field(default_factory=set)  # arrived whole (whether or not they hash to their name)
-    received: set[str] = field(default_factory=set)  # hashed to their name (durable and adopted once the intake settles)
-    bad: set[str] = field(default_factory=set)  # arrived, but did not hash to their name
-
-    def content(self, sha: str) -> str:
-        return os.path.join(self.area, "content", sha)
-
-    @property
-    def capsule_dir(self) -> str:
-        return os.path.join(self.area, "capsule")
-
-
 class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
     def __init__(self, host: MoveHost, *, deep_verify: bool = False) -> None:
         self.host = host
         self.deep_verify = deep_verify  # re-hash blobs the target already had
-        self._incoming: dict[tuple[str, int], _Incoming] = {}
+        self._incoming: dict[tuple[str, int], Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
         self._nursery: trio.Nursery | None = None  # where the intakes run (run_intakes)
@@ -208,7 +186,7 @@ class MoveService:
             inc.last_activity = trio.current_time()
         return {"results": results}
 
-    def _open_move(self, rec: HolderRecord | None, epoch: int, source: str) -> "_Incoming | None":
+    def _open_move(self, rec: HolderRecord | None, epoch: int, source: str) -> "Incoming | None":
         """The staging area the pieces of this call go to, or None when no
         move of ``source`` is open at ``epoch`` (the machine then judges the
         pieces stale; their bytes are read and dropped)."""
@@ -263,7 +241,7 @@ class MoveService:
         return answer
 
     # -- staging areas ------------------------------------------------------------------------
-    def _open(self, agent_id: str, epoch: int, source: str, manifest: fmt.Manifest) -> _Incoming:
+    def _open(self, agent_id: str, epoch: int, source: str, manifest: fmt.Manifest) -> Incoming:
         if self._nursery is None:
             raise RuntimeError("MoveService.run_intakes is not running: a move cannot be received")
         stack = ExitStack()
@@ -281,29 +259,15 @@ class MoveService:
             # with the staging area: by _close, once the intake has stopped
             # (its settler's thread is waited for), so never under a sync.
             sync = stack.enter_context(FileSystemSync(area))
-            intake = Intake(record=lambda outcomes: _record(inc, outcomes), settle=partial(self._settle, manifest, sync),
+            intake = Intake(record=lambda outcomes: inc.record(outcomes), settle=partial(adopt, self.host.store, manifest, sync),
                             depth=FEED_DEPTH, writers=INTAKE_WRITERS, sync=sync, spare=self.spare)
-            inc = _Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
+            inc = Incoming(agent_id, epoch, source, manifest, area, stack, trio.current_time(), intake)
         except BaseException:
             stack.close()
             raise
         self._incoming[(agent_id, epoch)] = inc
         self._nursery.start_soon(intake.run)
         return inc
-
-    def _settle(self, manifest: fmt.Manifest, sync: FileSystemSync, durable: dict[str, str]) -> None:
-        """In the intake's worker thread: adopt the durable pieces that are
-        blobs of the move into objects/ (content addressed: safe before the
-        move is decided, and gc frees them if no agent lists them)."""
-        blobs = manifest.blobs()
-        adopt = []
-        for sha, path in sorted(durable.items()):
-            if sha in blobs:
-                tmp = path + ".adopt"  # a second name: the content file may also be a capsule file
-                os.link(path, tmp)
-                adopt.append((tmp, sha))
-        if adopt:
-            self.host.store.adopt_blob_files(adopt, sync_dirs=sync.dirs)
 
     async def run_intakes(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the intakes of the moves this service receives (their tasks
@@ -346,45 +310,14 @@ class MoveService:
             await self._close(*key)
 
     def _missing(self, manifest: fmt.Manifest, have: frozenset[str]) -> tuple[str, ...]:
-        """The digests the offer's manifest names that are neither sent
-        already (``have``) nor, for blobs, in the store. In a worker thread."""
-        want: dict[str, None] = {}
-        for path, entry in sorted(manifest.files.items()):
-            sha = entry.sha256
-            if sha in have:
-                continue
-            if fmt.blob_name(path) is not None and self.host.store.has_blob(sha):
-                continue
-            want[sha] = None
-        return tuple(want)
+        return missing(self.host.store, manifest, have)
 
     # -- verify ---------------------------------------------------------------------------------
     async def _check(self, agent_id: str, epoch: int) -> tuple[str, ...]:
         inc = self._incoming[(agent_id, epoch)]
-        store = self.host.store
-
-        def check() -> tuple[str, ...]:
-            fsync_dir(os.path.dirname(inc.content("0" * 64)))
-            blobs = inc.manifest.blobs()
-            bad: list[str] = sorted(inc.bad)
-            for sha, size in sorted(blobs.items()):
-                if sha in inc.received and store.has_blob(sha):
-                    continue  # hashed on arrival, durable in objects/ (unless a gc removed it since: then bad)
-                try:
-                    if store.blob_size(sha) != size:
-                        bad.append(sha)
-                    elif self.deep_verify:
-                        store.verify_blob(sha)
-                except CapsuleError:
-                    bad.append(sha)
-            for path, entry in inc.manifest.files.items():
-                if fmt.blob_name(path) is None and entry.sha256 not in inc.received:
-                    bad.append(entry.sha256)
-            return tuple(dict.fromkeys(bad))
-
         await inc.intake.settled()  # every piece that arrived is hashed, durable and adopted (or failed)
         inc.last_activity = trio.current_time()
-        return await trio.to_thread.run_sync(check)
+        return await trio.to_thread.run_sync(inc.check, self.host.store, self.deep_verify)
 
     # -- prepare, install -------------------------------------------------------------------------
     async def _build(self, agent_id: str, epoch: int) -> tuple[bool, str]:
@@ -395,24 +328,8 @@ class MoveService:
             if other.agent_id != agent_id and other.manifest().name == m.name:
                 return False, f"another agent named {m.name!r} is held here ({other.agent_id})"
 
-        def build() -> None:
-            root = inc.capsule_dir
-            if os.path.isdir(root):
-                remove_tree(root)
-            for path, entry in sorted(m.files.items()):
-                if fmt.blob_name(path) is not None:
-                    continue
-                dest = os.path.join(root, *path.split("/"))
-                makedirs_durable(os.path.dirname(dest))
-                shutil.copyfile(inc.content(entry.sha256), dest)
-                with open(dest, "rb+") as f:
-                    os.fsync(f.fileno())
-            makedirs_durable(root)
-            held = m.with_holder(fmt.Holder(host=self.host.me, epoch=epoch))
-            atomic_write(os.path.join(root, fmt.MANIFEST), held.to_bytes())
-
         try:
-            await trio.to_thread.run_sync(build)
+            await trio.to_thread.run_sync(inc.build, self.host.me)
             await self.host.hooks.prepare(agent_id, inc.capsule_dir)
         except (CapsuleError, OSError) as exc:
             return False, str(exc)
@@ -473,20 +390,6 @@ class MoveService:
         while True:
             await trio.sleep(every)
             await self.expire_idle(ttl)
-
-
-def _record(inc: _Incoming, outcomes: list[Outcome]) -> None:
-    """A call's pieces are written: note what arrived and what hashed right."""
-    for outcome in outcomes:
-        if not outcome.written:
-            continue
-        inc.sent.add(outcome.sha)
-        if outcome.intact:
-            inc.received.add(outcome.sha)
-            inc.bad.discard(outcome.sha)
-        else:
-            log.warning("move of %s at epoch %d: a piece does not hash to %s", inc.agent_id, inc.epoch, outcome.sha)
-            inc.bad.add(outcome.sha)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from capsulefs.core.journal.events import UserMessage
 from capsulefs.core.journal.file import open_journal
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderState, new_held
-from capsulefs.move import source as move_source, target as move_target
+from capsulefs.move import read_ahead, target as move_target
 from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import MoveService, serve_moves
@@ -460,7 +460,7 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
     not the test's to decide (evicting the blobs did not do it: the first
     RWF_NOWAIT miss starts the kernel's readahead, which on a busy machine
     often completed before the same call looked at the page again)."""
-    monkeypatch.setattr(move_source._BlobReader, "nowait", True)
+    monkeypatch.setattr(read_ahead.BlobReader, "nowait", True)
     objects = os.path.realpath(world.a.store.blob_file("0" * 64)).rsplit("/", 2)[0]
     loop = threading.get_ident()
     real = os.preadv
@@ -482,7 +482,7 @@ async def test_blobs_not_in_the_page_cache_are_read_in_a_worker_thread(
         reads.append((threading.get_ident() == loop, bool(flags)))
         return n
 
-    monkeypatch.setattr(move_source.os, "preadv", preadv)
+    monkeypatch.setattr(read_ahead.os, "preadv", preadv)
     result = await world.move()
     assert result.moved and world.check() == "b"
     sent = result.contents_sent - 5  # (the capsule's own files are sent from memory)
@@ -559,7 +559,7 @@ async def test_a_read_error_on_the_page_cache_path_is_read_again_and_reported(
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(move_source.os, "preadv", preadv)
+    monkeypatch.setattr(read_ahead.os, "preadv", preadv)
     result = await world.move()
     assert result.moved and world.check() == "b"  # the plain read succeeded
 
