@@ -180,24 +180,23 @@ def answer_to_result(answer: object) -> dict[str, Any]:
 
 def result_to_answer(call: mv.Call, agent_id: str, epoch: int, r: dict[str, Any]) -> object:
     """Parse a reply's result; raise FormatError if it is malformed."""
-    base = dict(agent_id=agent_id, epoch=epoch)
     try:
         match call:
             case mv.Call.OFFER:
-                return mv.OfferReply(**base, accepted=r["accepted"], missing=tuple(r["missing"]),
+                return mv.OfferReply(agent_id=agent_id, epoch=epoch, accepted=r["accepted"], missing=tuple(r["missing"]),
                                      highest=r["highest"], held_there=r["held_there"], reason=r["reason"])
             case mv.Call.BLOB:
-                return mv.BlobReply(**base, sha=r["sha"], ok=r["ok"], reason=r["reason"])
+                return mv.BlobReply(agent_id=agent_id, epoch=epoch, sha=r["sha"], ok=r["ok"], reason=r["reason"])
             case mv.Call.VERIFY:
-                return mv.VerifyReply(**base, ok=r["ok"], bad=tuple(r["bad"]), reason=r["reason"])
+                return mv.VerifyReply(agent_id=agent_id, epoch=epoch, ok=r["ok"], bad=tuple(r["bad"]), reason=r["reason"])
             case mv.Call.PREPARE:
-                return mv.PrepareReply(**base, ok=r["ok"], reason=r["reason"])
+                return mv.PrepareReply(agent_id=agent_id, epoch=epoch, ok=r["ok"], reason=r["reason"])
             case mv.Call.ACTIVATE:
-                return mv.ActivateReply(**base, outcome=mv.Outcome(r["outcome"]))
+                return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome(r["outcome"]))
             case mv.Call.STATUS:
-                return mv.StatusReply(**base, outcome=mv.Outcome(r["outcome"]))
+                return mv.StatusReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome(r["outcome"]))
             case mv.Call.ABORT:
-                return mv.AbortReply(**base)
+                return mv.AbortReply(agent_id=agent_id, epoch=epoch)
             case mv.Call.FENCE:
                 view = PeerView(host=r["host"], state=None if r["state"] is None else HolderState(r["state"]),
                                 epoch=r["epoch"], held_epoch=r["held_epoch"], activated=tuple(r["activated"]))

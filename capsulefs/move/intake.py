@@ -235,15 +235,16 @@ class Intake:
                 try:
                     if isinstance(item, _Barrier):
                         self._to_settler(item)
-                    elif isinstance(item[0], _Feed):
-                        feed, ticket = item
-                        try:
-                            await ticket.result()
-                        finally:
-                            if ticket.done:  # cancelled before the answer: the helper may still read it
-                                self._give_back(feed.buffer)
                     else:
-                        await self._closed(*item)
+                        job, ticket = item
+                        if isinstance(job, _Feed):
+                            try:
+                                await ticket.result()
+                            finally:
+                                if ticket.done:  # cancelled before the answer: the helper may still read it
+                                    self._give_back(job.buffer)
+                        else:
+                            await self._closed(job, ticket)
                 except Exception as exc:  # a disk error, or a bug: this move fails, the stage goes on
                     self._fail(exc)
 

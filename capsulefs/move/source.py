@@ -163,14 +163,14 @@ class _Driver:
         or a single Timeout/IoFailure."""
         first = batch[0]
         try:
-            items = [[c.sha, self._size(c.sha)] for c in batch if c.sha is not None]
+            items = [(c.sha, self._size(c.sha)) for c in batch if c.sha is not None]
             total = sum(size for _, size in items)
             conn = await self._conn()
             args = {"agent_id": first.agent_id, "epoch": first.epoch, "items": items}
             with trio.fail_after(self.call_timeout):
                 result = await self._call_with_pieces(conn, args, [sha for sha, _ in items], total)
             answers = [result_to_answer(mv.Call.BLOB, first.agent_id, first.epoch, r) for r in result["results"]]
-            if [a.sha for a in answers] != [sha for sha, _ in items]:  # type: ignore[attr-defined]
+            if [a.sha if isinstance(a, mv.BlobReply) else None for a in answers] != [sha for sha, _ in items]:
                 raise FormatError("blobs: the results do not match the pieces sent")
             return answers
         except trio.TooSlowError:

@@ -93,9 +93,8 @@ class MoveService:
             raise CallFailed("unknown-call", f"no call named {call!r}") from None
         try:
             agent_id = fmt.check_agent_id(args.get("agent_id"))
-            epoch = args.get("epoch")
-            if which is not mv.Call.FENCE:
-                fmt.check_int(epoch, "epoch", low=1)
+            # (a fence names no epoch: it asks about the agent at any)
+            epoch = 0 if which is mv.Call.FENCE else fmt.check_int(args.get("epoch"), "epoch", low=1)
         except FormatError as exc:
             raise CallFailed("bad-request", str(exc)) from None
         self.served.append(call)
@@ -111,9 +110,8 @@ class MoveService:
                 self._open(agent_id, epoch, peer.host_id, offered)
         return answer_to_result(answer), b""
 
-    async def _event(self, which: mv.Call, source: str, agent_id: str, epoch: Any, args: dict[str, Any],
+    async def _event(self, which: mv.Call, source: str, agent_id: str, epoch: int, args: dict[str, Any],
                      payload: Payload) -> object:
-        base = dict(agent_id=agent_id, epoch=epoch, source=source)
         match which:
             case mv.Call.OFFER:
                 try:
@@ -128,17 +126,17 @@ class MoveService:
                 # A stat per blob: in a thread, so that a manifest of many
                 # blobs does not hold up the event loop (and the mount on it).
                 missing = await trio.to_thread.run_sync(self._missing, manifest, have)
-                return mv.OfferReceived(**base, missing=missing)
+                return mv.OfferReceived(agent_id=agent_id, epoch=epoch, source=source, missing=missing)
             case mv.Call.VERIFY:
-                return mv.VerifyRequested(**base)
+                return mv.VerifyRequested(agent_id=agent_id, epoch=epoch, source=source)
             case mv.Call.PREPARE:
-                return mv.PrepareRequested(**base)
+                return mv.PrepareRequested(agent_id=agent_id, epoch=epoch, source=source)
             case mv.Call.ACTIVATE:
-                return mv.ActivateRequested(**base)
+                return mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source)
             case mv.Call.STATUS:
-                return mv.StatusRequested(**base)
+                return mv.StatusRequested(agent_id=agent_id, epoch=epoch, source=source)
             case mv.Call.ABORT:
-                return mv.AbortRequested(**base)
+                return mv.AbortRequested(agent_id=agent_id, epoch=epoch, source=source)
             case mv.Call.FENCE:
                 return mv.FenceRequested(agent_id=agent_id, source=source)
         raise AssertionError(which)
@@ -224,9 +222,11 @@ class MoveService:
                         log.info("removing leftover files of agent %s (not held here)", agent_id)
                         self.host.store.remove_agent(agent_id)
                 case mv.CheckBlobs(epoch=e):
+                    assert isinstance(event, mv.VerifyRequested)  # the one event that asks for it
                     bad = await self._check(agent_id, e)
                     queue[:0] = tm.handle(mv.BlobsChecked(agent_id=agent_id, epoch=e, source=event.source, bad=bad))
                 case mv.BuildStaging(epoch=e):
+                    assert isinstance(event, mv.PrepareRequested)  # the one event that asks for it
                     ok, why = await self._build(agent_id, e)
                     queue[:0] = tm.handle(mv.StagingBuilt(agent_id=agent_id, epoch=e, source=event.source, ok=ok, reason=why))
                 case mv.Install(epoch=e):

@@ -80,9 +80,9 @@ def serve(fd: int, count: int, buffer: int) -> None:
                 outcomes = writers.pop(wid).close()
                 result = [[o.sha, o.written, o.intact] for o in outcomes]
             elif op == "abandon":
-                writer = writers.pop(wid, None)
-                if writer is not None:
-                    writer.abandon()
+                dropped = writers.pop(wid, None)
+                if dropped is not None:
+                    dropped.abandon()
             else:
                 raise ValueError(f"unknown request {op!r}")
             if op in ("close", "abandon") and wid in ahead:

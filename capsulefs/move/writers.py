@@ -80,7 +80,7 @@ class Ticket:
                  wait: "Callable[[Ticket], Awaitable[None]] | None" = None) -> None:
         self.done = False
         self._value: Any = None
-        self._error: tuple[int, str] | tuple[None, str] | None = None  # (errno or None for ValueError, message)
+        self._error: tuple[int | None, str] | None = None  # (errno or None for ValueError, message)
         self._convert = convert
         self._wait = wait  # reads answers until this one has come (ProcessWriters)
 
