@@ -22,6 +22,13 @@ Rules:
     measured on the 2-core VM of docs/move.md, a move's transfer ran at
     268-276 MB/s with the writer in threads and 354-376 MB/s with it in a
     process, the raw stream at 350-510 MB/s.
+  * The helper runs in a session of its own. Linux's autogroup shares the
+    CPU between sessions first: in the daemon's session, every second of
+    hashing and writing there would come out of the event loop's share on
+    a busy machine, so the move's transfer would slow down by as much as
+    the helper works (docs/move.md: move / raw 0.35-0.49x in the daemon's
+    session against 0.70-0.79x in its own, alternating pairs at load 11-16).
+    It has no terminal either: a Ctrl-C there never reaches it.
   * The helper is the intake's: started by :meth:`ProcessWriters.start`,
     ended by :meth:`ProcessWriters.aclose` (its stdin closes; it is killed
     if it does not exit); it also ends when the daemon dies, which closes
@@ -218,9 +225,10 @@ def _start_helper(count: int, python: str) -> _Started:
         # daemon was started from (``-m`` alone puts it first on sys.path,
         # and the helper runs as root), nor what PYTHON* variables name. It
         # ends when its stdin does, which this process's death closes too.
+        # In a session of its own: see the module's rules (the CPU share).
         proc = subprocess.Popen(
             [python, "-I", "-m", "capsulefs.move.writer_process", str(fd), str(count), str(BUFFER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], cwd="/")
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[fd], cwd="/", start_new_session=True)
     except BaseException:
         shared.close()
         os.close(fd)

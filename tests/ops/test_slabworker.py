@@ -266,3 +266,22 @@ async def test_a_helper_ignores_the_terminals_ctrl_c_and_ends_with_its_stdin() -
     finally:
         spare.close()
     assert started.proc.returncode == 0
+
+
+async def test_a_helper_runs_in_a_session_of_its_own_and_still_ends_with_its_stdin(tmp_path) -> None:
+    """Linux shares the CPU between sessions first (autogroup): a helper in
+    the daemon's session would take its hashing and writing out of the
+    event loop's share on a busy machine. It runs in a session of its own,
+    with no terminal, and still ends once the daemon lets go of it."""
+    async with helper(2) as writers:
+        assert writers.pid is not None
+        assert os.getsid(writers.pid) == writers.pid != os.getsid(0)
+        proc = writers._proc
+        assert proc is not None
+        data = b"x" * 5000
+        handle = await writers.open([Piece(sha(data), len(data), str(tmp_path / "piece"))])
+        fill(writers, handle, 0, 0, data)
+        await (await writers.write_slab(handle, 0)).result()
+        assert [o.intact for o in await (await writers.close(handle)).result()] == [True]
+    assert proc.returncode == 0  # (aclose waited for it: it ended with its stdin)
+    assert (tmp_path / "piece").read_bytes() == data
