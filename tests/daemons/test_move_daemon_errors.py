@@ -37,7 +37,7 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.move.mount_moves import CALL_TIMEOUT_ENV
 from helpers import bound
 from mount_kit import needs_fuse
-from test_move_daemons import Host, hosts, make_agent, verify_on, wait_for, wait_holding, write_move  # noqa: F401
+from test_move_daemons import Host, hosts, make_agent, start_all, verify_on, wait_for, wait_holding, write_move  # noqa: F401
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -64,8 +64,7 @@ def record(h: Host, agent_id: str):  # type: ignore[no-untyped-def]
 
 def test_a_blob_rotten_at_the_source_fails_with_eio_and_rolls_back(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a)
     data, blob = big_memory(a, "walker", 200_000)
     sha = os.path.basename(blob)
@@ -113,8 +112,7 @@ def test_a_blob_rotten_at_the_source_fails_with_eio_and_rolls_back(hosts: tuple[
 def test_a_host_waking_up_with_a_stale_record_learns_it_at_start_and_stops(hosts: tuple[Host, Host],
                                                                          tmp_path: Path) -> None:
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a)
     assert write_move(a.mnt, "walker", "b\n") == 0  # epoch 2, on b
     b.stop()
@@ -224,8 +222,7 @@ def test_a_link_stalled_mid_transfer_fails_with_etimedout_and_rolls_back(
     try:
         a.cli("peer", "rm", "b")
         a.cli("peer", "add", "b", f"127.0.0.1:{relay.port}", b.host_id)  # a reaches b through the relay
-        a.start()
-        b.start()
+        start_all(a, b)
         agent_id = make_agent(a)
         big_memory(a, "walker", 3 << 20)
 

@@ -65,10 +65,32 @@ def wait_for(cond, what: str, timeout: float = WAIT):  # type: ignore[no-untyped
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def together(*argvs: list[str]) -> list[str]:
+    """Run ``capsulefs ARGV`` for each argv side by side (each its own state
+    directory: they share nothing), check each, and return their stdouts."""
+    procs = [subprocess.Popen([CAPSULEFS, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL) for argv in argvs]
+    outs = [proc.communicate(timeout=WAIT) for proc in procs]
+    for argv, proc, (out, err) in zip(argvs, procs, outs, strict=True):
+        assert proc.returncode == 0, f"capsulefs {' '.join(argv)}: {proc.returncode}\n{out}\n{err}"
+    return [out for out, _err in outs]
+
+
+def start_all(*hosts: Host) -> None:
+    """Start each host's daemon side by side (as ``Host.start()``), then wait
+    until every one is up. A host :meth:`Host.spawn`'d with arguments is
+    passed here to be waited for only."""
+    for h in hosts:
+        if h.proc is None:
+            h.spawn()
+    for h in hosts:
+        h.wait_started()
+
+
 class Host:
     """One host: state dir, mount point, listening port, and its daemon process."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, *, said: str | None = None) -> None:
         self.name = name
         self.state = root / f"state-{name}"
         self.mnt = root / f"mnt-{name}"
@@ -76,13 +98,25 @@ class Host:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.mnt.mkdir()
-        said = capsulefs("--state", str(self.state), "init").stdout  # "...: initialised; host id ID"
+        if said is None:
+            said = capsulefs("--state", str(self.state), "init").stdout  # "...: initialised; host id ID"
         self.host_id = said.split("host id ")[1].strip()  # (what `capsulefs id` prints: one process less)
+
+    @classmethod
+    def init_all(cls, root: Path, *names: str) -> list[Host]:
+        """One host per name, their ``capsulefs init`` run side by side."""
+        said = together(*(["--state", str(root / f"state-{name}"), "init"] for name in names))
+        return [cls(root, name, said=out) for name, out in zip(names, said, strict=True)]
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return capsulefs("--state", str(self.state), *args, check=check)
 
     def start(self, crash_at: str | None = None, *, run: bool = False, cwd: Path | None = None) -> None:
+        self.spawn(crash_at, run=run, cwd=cwd)
+        self.wait_started()
+
+    def spawn(self, crash_at: str | None = None, *, run: bool = False, cwd: Path | None = None) -> None:
+        """Start the daemon without waiting for it (:meth:`wait_started`, or :func:`start_all`)."""
         env = dict(os.environ)
         env.pop("CAPSULEFS_TEST_CRASH_AT", None)
         if crash_at:
@@ -93,7 +127,11 @@ class Host:
                 [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state),
                  *([] if run else ["--no-run"]), "--listen", f"127.0.0.1:{self.port}"],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
+
+    def wait_started(self) -> None:
+        """Until the daemon :meth:`spawn` started is mounted and its recovery done."""
         proc = self.proc
+        assert proc is not None
         wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, f"{self.name} to mount")
         assert proc.poll() is None, self.log.read_text()
         # This daemon's runtime file (written once its recovery is done), not one a killed daemon left.
@@ -139,9 +177,9 @@ class Host:
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
-    a, b = Host(tmp_path, "a"), Host(tmp_path, "b")
-    a.cli("peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id)
-    b.cli("peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id)
+    a, b = Host.init_all(tmp_path, "a", "b")
+    together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
+             ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
     try:
         yield a, b
     finally:
@@ -206,8 +244,7 @@ def verify_on(h: Host, name: str, tmp: Path, events: int) -> None:
 
 def test_echo_moves_an_agent_between_two_mounts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a)
     assert write_move(a.mnt, "walker", "nobody\n") == errno.EINVAL  # not a peer
     assert write_move(a.mnt, "walker", "b\nb\n") == errno.EINVAL  # not one line
@@ -230,8 +267,7 @@ def test_a_move_shows_in_both_hosts_metrics(hosts: tuple[Host, Host], tmp_path: 
     bytes it sent and each phase's time; the target counts an agent moved
     in and the bytes it received; the agent is active on the target only."""
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     make_agent(a)
     before_a, before_b = parse((a.mnt / ".control" / "metrics").read_bytes()), \
         parse((b.mnt / ".control" / "metrics").read_bytes())
@@ -287,8 +323,9 @@ def test_a_daemon_killed_at_each_phase(hosts: tuple[Host, Host], tmp_path: Path,
                                        ends_on: str) -> None:
     a, b = hosts
     victim = a if side == "source" else b
-    a.start(crash_at=f"{side}:{state}" if side == "source" else None)
-    b.start(crash_at=f"{side}:{state}" if side == "target" else None)
+    a.spawn(crash_at=f"{side}:{state}" if side == "source" else None)
+    b.spawn(crash_at=f"{side}:{state}" if side == "target" else None)
+    start_all(a, b)
     agent_id = make_agent(a)
     result: list[int] = []
     import threading
@@ -321,8 +358,7 @@ def test_a_daemon_killed_at_each_phase(hosts: tuple[Host, Host], tmp_path: Path,
 
 def test_a_refused_move_rolls_back_with_eperm(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a)
     make_agent(b, "walker", events=0)  # another agent of that name: B's prepare refuses
     assert write_move(a.mnt, "walker", "b\n") == errno.EPERM
@@ -338,8 +374,7 @@ def test_a_refused_move_rolls_back_with_eperm(hosts: tuple[Host, Host], tmp_path
 
 def test_capsulefs_move_goes_through_the_daemon(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a)
     moved = a.cli("move", "walker", "b")
     assert "moved to b (through the daemon" in moved.stdout
@@ -353,8 +388,8 @@ def test_abandon_reaches_an_in_doubt_move_in_the_daemon(hosts: tuple[Host, Host]
     import threading
 
     a, b = hosts
-    a.start()
-    b.start(crash_at="target:held")  # activated on B, the reply lost, and B stays down
+    b.spawn(crash_at="target:held")  # activated on B, the reply lost, and B stays down
+    start_all(a, b)
     agent_id = make_agent(a)
     result: list[int] = []
     writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
@@ -469,8 +504,9 @@ def test_the_agent_process_never_runs_on_both_hosts(hosts: tuple[Host, Host], tm
 
     a, b = hosts
     agent_id, script, shared = new_ticker_agent(a, tmp_path)
-    a.start(run=True)
-    b.start(crash_at="target:held" if case == "lost-activate-reply" else None, run=case != "refused")
+    a.spawn(run=True)
+    b.spawn(crash_at="target:held" if case == "lost-activate-reply" else None, run=case != "refused")
+    start_all(a, b)
     wait_holding(a, "walker")  # (created before A started: it runs once B has said it holds no higher epoch)
     add_messages(a, "walker", 5)
     if case == "refused":
@@ -518,8 +554,7 @@ def test_a_restored_host_keeps_what_it_appended_and_the_holder_merges_it(hosts: 
     import shutil
 
     a, b = hosts
-    a.start()
-    b.start()
+    start_all(a, b)
     agent_id = make_agent(a, events=3)
     a.stop()
     backup = tmp_path / "backup-a"

@@ -20,7 +20,7 @@ from pathlib import Path
 from helpers import reference_agent_spec
 import pytest
 from mount_kit import capsulefs, needs_fuse
-from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
+from test_move_daemons import Host, hosts, start_all, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
 from capsulefs.testing.stub_provider import serve
 from capsulefs.agents.process import ours_isolated
@@ -106,8 +106,9 @@ def _scenario(a: Host, b: Host, tmp_path: Path, plant: str, beside: Path) -> Non
             for key in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
                 capsulefs("--state", str(h.state), "secret", "set", key, input="stub-key\n")
         a.cli("new", "pilot", "--spec", str(spec))
-        a.start(run=True, cwd=beside)  # --listen: each keeps a slab helper started ahead
-        b.start(run=True, cwd=beside)
+        a.spawn(run=True, cwd=beside)  # --listen: each keeps a slab helper started ahead
+        b.spawn(run=True, cwd=beside)
+        start_all(a, b)
         wait_for(lambda: a.status("pilot")["run"]["state"] == "running", "the agent to run on A")
         (a.mnt / "pilot" / ".control" / "model").write_text("anthropic:claude-a\n")
         # The agent's own tool plants the modules in its workspace (a model told to, say).

@@ -14,7 +14,7 @@ from pathlib import Path
 from helpers import reference_agent_spec
 import pytest
 from mount_kit import capsulefs, needs_fuse
-from test_move_daemons import Host, hosts, wait_for, write_move  # noqa: F401 (hosts is a fixture)
+from test_move_daemons import Host, hosts, start_all, wait_for, write_move  # noqa: F401 (hosts is a fixture)
 
 from capsulefs.core.journal.record import Record
 from capsulefs.core.store.holder import HolderState
@@ -56,8 +56,9 @@ def test_running_agent_moves_mid_conversation_and_carries_on(hosts: tuple[Host, 
             for key in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
                 capsulefs("--state", str(h.state), "secret", "set", key, input="stub-key\n")
         a.cli("new", "pilot", "--spec", str(spec))
-        a.start(run=True)
-        b.start(run=True)
+        a.spawn(run=True)
+        b.spawn(run=True)
+        start_all(a, b)
         wait_for(lambda: a.status("pilot")["run"]["state"] == "running", "the agent to run on A")
         pid_a = a.status("pilot")["run"]["pid"]
 

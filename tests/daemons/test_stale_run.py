@@ -33,7 +33,8 @@ import pytest
 
 from capsulefs.core.store.holder import HolderState
 from helpers import bound
-from test_move_daemons import WAIT, Host, force_unmount, new_ticker_agent, ticker_pids, wait_for, wait_holding, write_move
+from test_move_daemons import (WAIT, Host, force_unmount, new_ticker_agent, start_all, ticker_pids, together, wait_for,
+                               wait_holding, write_move)
 
 pytestmark = pytest.mark.fuse
 
@@ -99,15 +100,16 @@ class Sampler:
 
 
 def pin(*hosts: Host) -> None:
-    for h in hosts:
-        for other in hosts:
-            if other is not h:
-                h.cli("peer", "add", other.name, f"127.0.0.1:{other.port}", other.host_id)
+    """Each host a peer of every other (one ``peer add`` per host at a time, the hosts side by side)."""
+    for step in range(1, len(hosts)):
+        together(*(["--state", str(h.state), "peer", "add", o.name, f"127.0.0.1:{o.port}", o.host_id]
+                   for i, h in enumerate(hosts) for o in [hosts[(i + step) % len(hosts)]]))
 
 
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[tuple[Host, Host, Host]]:
-    hosts = Host(tmp_path, "a"), Host(tmp_path, "b"), Host(tmp_path, "c")
+    a, b, c = Host.init_all(tmp_path, "a", "b", "c")
+    hosts = a, b, c
     try:
         yield hosts
     finally:
@@ -203,8 +205,9 @@ def test_a_restored_host_stops_the_agent_once_its_holder_is_back(
     a, b, c = three
     pin(a, b, c)
     agent_id, script, _ = new_ticker_agent(a, tmp_path)
-    b.start(run=True)
-    c.start(run=True)
+    b.spawn(run=True)
+    c.spawn(run=True)
+    start_all(b, c)
     move_and_back_up(a, b, script, tmp_path / "backup-a")
     a.stop()
     b.stop()  # the holder is down...
