@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from capsulefs.core import move as mv
 from capsulefs.core.store import lifecycle as lc
-from capsulefs.core.store.holder import HolderRecord, HolderState, PeerView, learn_from_peers, new_held
+from capsulefs.core.store.holder import HolderRecord, HolderState, new_held
+from capsulefs.core.store.learning import PeerView, learn_from_peers
 
 AGENT = "a" * 32
 BLOBS = ("1" * 64, "2" * 64, "3" * 64)

@@ -16,7 +16,8 @@ from capsulefs.move.host import holders_dir, new_agent_files, record_imported, r
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
-from capsulefs.core.store.holder import HolderBook, HolderRecord, story
+from capsulefs.core.store.holder import HolderBook, HolderRecord
+from capsulefs.core.store.story import story
 from capsulefs.core.view.edit import MAX_EDIT_SIZE
 from capsulefs.core.capsule.spec import default_spec, parse_spec
 
@@ -43,7 +44,7 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """The agents of this host's store, each with its one story (``holder.story``),
+    """The agents of this host's store, each with its one story (``story.story``),
     and the agents it gave up whose copy it kept (under recovery/)."""
     from capsulefs.core.store.kept import kept_copies
 

@@ -30,7 +30,9 @@ import trio
 
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold, story
+from capsulefs.core.store.holder import HolderRecord, HolderState
+from capsulefs.core.store.learning import force_hold
+from capsulefs.core.store.story import story
 from capsulefs.daemon.daemon import find_daemon, holding_state
 from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
@@ -240,7 +242,7 @@ def _offline(args: argparse.Namespace, host: MoveHost) -> int:
 
 
 def _said_learned(name: str, rec: HolderRecord) -> int:
-    """What ``--learn`` found, in the agent's one story (``holder.story``)."""
+    """What ``--learn`` found, in the agent's one story (``story.story``)."""
     if rec.state is HolderState.HELD:
         print(f"{name}: every peer answered and none holds it: {story(rec, name).line()}")
     elif rec.state is HolderState.RETIRED:

@@ -1,7 +1,7 @@
 """Commands that say how this host's agents run: status, logs.
 
 ``capsulefs status`` lists every agent with its state, its holder story
-(``holder.story``: the one word, reason and next command that ``import``,
+(``story.story``: the one word, reason and next command that ``import``,
 ``ls``, ``.control/status`` and the daemon's log use too), epoch, model, run
 state, last error and last event time: from the running daemon (each
 agent's ``.control/status`` through its mount) if one serves the state
@@ -72,7 +72,7 @@ def _row_from_daemon(mnt: str, name: str, agent_id: str) -> dict[str, Any] | Non
 
 def _row_from_store(state: str, agent: Any, holders: Any) -> dict[str, Any]:
     from capsulefs.core.capsule import format as fmt
-    from capsulefs.core.store.holder import story
+    from capsulefs.core.store.story import story
     from capsulefs.core.journal.tip import journal_tip_path
     from capsulefs.core.view.journal_tail import JournalTail
 

@@ -30,7 +30,8 @@ from typing import Protocol
 import trio
 
 from capsulefs.agents.removal import discard_leftovers, giving_up, refuse_if_moving
-from capsulefs.core.store.holder import HolderBook, HolderState, story
+from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.store.story import story
 from capsulefs.core.store.lifecycle import Decision, runs, shown
 from capsulefs.core.view.errors import ReadOnly
 from capsulefs.core.view.host import LiveHost
@@ -136,7 +137,7 @@ class Agents:
     def record_status(self, agent_id: str) -> dict[str, object]:
         """The ``record`` section of ``.control/status``: what this host's
         holder record says (state, epoch) and the agent's one story
-        (``holder.story``: the words import, ls and the log use too)."""
+        (``story.story``: the words import, ls and the log use too)."""
         record = self.holders.get(agent_id)
         name = self.view.agent(agent_id).stored_manifest().name
         told = story(record, name)

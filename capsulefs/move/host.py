@@ -23,7 +23,8 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.store.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, PeerView, new_held, unknown
+from capsulefs.core.store.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, new_held, unknown
+from capsulefs.core.store.learning import PeerView
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import Identity, load_or_create_identity
 from capsulefs.peer.book import PeerBook
@@ -74,7 +75,7 @@ def record_imported(state_dir: str | os.PathLike[str], agent_id: str, holder_hos
     """Record an agent just imported from an export that names another
     host as its holder: in doubt (UNKNOWN) until the peers have been asked
     or an operator forces it, so every place a user looks tells the same
-    story from this record (``holder.story``). A record that holds the
+    story from this record (``story.story``). A record that holds the
     agent or moves it is left alone."""
     book = HolderBook(holders_dir(state_dir))
     rec = book.get(agent_id)

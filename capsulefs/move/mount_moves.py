@@ -47,7 +47,8 @@ from capsulefs.core import metrics
 from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, story
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.core.store.story import story
 from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
 from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.nodes import AgentState

@@ -44,7 +44,8 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, learn_from_peers
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.core.store.learning import learn_from_peers
 from capsulefs.core.store.kept import keep_copy
 from capsulefs.peer.identity import Identity
 from capsulefs.move.host import MoveHost, result_to_answer

@@ -49,7 +49,8 @@ from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.linuxfs import FileSystemSync
-from capsulefs.core.store.holder import HolderRecord, HolderState, story
+from capsulefs.core.store.holder import HolderRecord, HolderState
+from capsulefs.core.store.story import story
 from capsulefs.move.host import MoveHost, answer_to_result
 from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload

@@ -13,7 +13,8 @@ from typing import Any, Union
 
 from ..errors import CapsuleError, FormatError
 from ..capsule.format import check_agent_id, check_host_id, check_int, check_sha256
-from ..store.holder import HolderRecord, PeerView
+from ..store.holder import HolderRecord
+from ..store.learning import PeerView
 
 __all__ = [
     "MoveError",

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..capsule.format import check_agent_id, check_host_id
-from ..store.holder import HolderRecord, HolderState, PeerView
+from ..store.holder import HolderRecord, HolderState
+from ..store.learning import PeerView
 from ._messages import *  # noqa: F403
 from ._messages import _Request
 

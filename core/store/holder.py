@@ -18,7 +18,8 @@ Rules:
   * A record that is missing while the agent's files are present, or that is
     corrupt, becomes UNKNOWN: the host does not run the agent until it has
     learned from every peer that nobody holds a newer epoch
-    (:func:`learn_from_peers`), or an operator forces it (:func:`force_hold`).
+    (:func:`.learning.learn_from_peers`), or an operator forces it
+    (:func:`.learning.force_hold`). What a record means for a person: :mod:`.story`.
 
 States, by role:
   ======== ============ ======================================================
@@ -50,12 +51,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import CapsuleError, FilesBusy, FormatError
+from ..errors import FilesBusy, FormatError
 from ..capsule.format import check_agent_id, check_host_id, check_int, load_json_object
 from ..fsutil import atomic_write, makedirs_durable
 
@@ -74,11 +75,6 @@ __all__ = [
     "HolderBook",
     "HolderRecord",
     "HolderState",
-    "PeerView",
-    "Story",
-    "force_hold",
-    "learn_from_peers",
-    "story",
 ]
 
 HOLDER_FORMAT = "holder/1"
@@ -108,7 +104,7 @@ _NEEDS_PEER = PENDING | {HolderState.FROZEN, HolderState.COMMITTING, HolderState
 MOVING = frozenset({HolderState.FROZEN, HolderState.COMMITTING}) | PENDING
 
 
-def _need_epoch(value: object, what: str) -> int:
+def need_epoch(value: object, what: str) -> int:
     return check_int(value, what)
 
 
@@ -133,12 +129,12 @@ class HolderRecord:
         check_agent_id(self.agent_id)
         if not isinstance(self.state, HolderState):
             raise FormatError(f"holder state {self.state!r} is not a HolderState")
-        _need_epoch(self.epoch, "holder epoch")
+        need_epoch(self.epoch, "holder epoch")
         if (self.held_epoch is not None) != (self.state in HOLDING):
             raise FormatError(f"holder record in state {self.state.value} must "
                               f"{'' if self.state in HOLDING else 'not '}have a held_epoch")
         if self.held_epoch is not None:
-            _need_epoch(self.held_epoch, "held epoch")
+            need_epoch(self.held_epoch, "held epoch")
             if self.held_epoch > self.epoch:
                 raise FormatError(f"held epoch {self.held_epoch} is above the highest epoch seen {self.epoch}")
             if self.state in (HolderState.FROZEN, HolderState.COMMITTING) and self.held_epoch >= self.epoch:
@@ -150,7 +146,7 @@ class HolderRecord:
         if list(self.activated) != sorted(set(self.activated)):
             raise FormatError(f"activated epochs {self.activated!r} must be ascending and distinct")
         for e in self.activated:
-            _need_epoch(e, "activated epoch")
+            need_epoch(e, "activated epoch")
             if e > self.epoch:
                 raise FormatError(f"activated epoch {e} is above the highest epoch seen {self.epoch}")
         if not isinstance(self.note, str):
@@ -273,57 +269,6 @@ def unknown(agent_id: str, note: str, epoch: int = 0) -> HolderRecord:
     return HolderRecord(agent_id=agent_id, state=HolderState.UNKNOWN, epoch=epoch, note=note)
 
 
-# -- one story: what every place a user looks says ---------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Story:
-    """What this host's record of an agent means for a person, in the words
-    ``import``, ``.control/status``, ``capsulefs ls`` and the daemon's log
-    all use (:func:`story`)."""
-
-    state: str  # one word: held, moving, incoming, in-doubt, retired, refused, removed
-    reason: str  # one line: why
-    next: str  # the command to run next, "" if none is needed
-
-    def line(self) -> str:
-        return f"{self.state}: {self.reason}" + (f"; next: {self.next}" if self.next else "")
-
-    def as_json(self) -> dict[str, str]:
-        return {"state": self.state, "reason": self.reason, "next": self.next}
-
-
-def story(record: HolderRecord | None, name: str) -> Story:
-    """The one story of an agent named ``name`` whose record here is ``record``."""
-    learn = f"capsulefs move {name} --learn"
-    if record is None:
-        return Story(state="in-doubt", reason="this host has no holder record for it: another host may hold it; "
-                     "read-only here", next=learn)
-    kept = f"; what this host had is kept in {record.kept}" if record.kept else ""
-    merge = (f"on the holder: capsulefs merge {name} COPY --into, COPY being this host's STATE/{record.kept} "
-             f"copied there (docs/move.md)" if record.kept else "")
-    match record.state:
-        case HolderState.HELD:
-            return Story(state="held", reason=f"this host holds it at epoch {record.held_epoch}", next="")
-        case HolderState.FROZEN:
-            return Story(state="moving", reason=record.describe_move(), next="")
-        case HolderState.COMMITTING:
-            return Story(state="moving", reason=record.describe_move(),
-                         next=f"capsulefs move {name} --abandon --why REASON (only if the target never activated it)")
-        case HolderState.OFFERED | HolderState.VERIFIED | HolderState.PREPARED:
-            return Story(state="incoming", reason=record.describe_move(), next="")
-        case HolderState.RETIRED:
-            who = f"host {record.peer}" if record.peer else "another host"
-            return Story(state="retired", reason=f"{who} holds it (epoch {record.epoch} seen){kept}", next=merge)
-        case HolderState.REFUSED:
-            return Story(state="refused", reason=f"epoch {record.epoch} never activates here"
-                         + (f" ({record.note})" if record.note else ""), next="")
-        case HolderState.REMOVED:
-            return Story(state="removed", reason=f"removed from this host by an operator{kept}", next=merge)
-    why = record.note or "holder record in doubt"
-    return Story(state="in-doubt", reason=f"this host may not hold it ({why}): read-only here", next=learn)
-
-
 class HolderBook:
     """The holder records of one host, one file per agent in ``directory``.
 
@@ -390,84 +335,6 @@ class HolderBook:
             if rec.state is HolderState.UNKNOWN:
                 out.append(rec)
         return out
-
-
-# -- leaving UNKNOWN ----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeerView:
-    """One peer's answer to ``fence(agent_id)``: its record, after it has
-    durably refused any pending (not yet activated) move of the agent."""
-
-    host: str  # the peer's host id
-    state: HolderState | None  # its record's state; None if it has none
-    epoch: int  # the highest epoch it has seen (0 if none)
-    held_epoch: int | None = None  # the epoch it holds at, if it holds the agent
-    activated: tuple[int, ...] = ()  # epochs it activated
-
-    def __post_init__(self) -> None:
-        check_host_id(self.host)
-        _need_epoch(self.epoch, "peer epoch")
-        if self.state is not None and not isinstance(self.state, HolderState):
-            raise FormatError(f"peer state {self.state!r} is not a HolderState")
-        if self.state in PENDING:
-            raise FormatError(f"peer {self.host} reports a pending move; fence() must have refused it")
-
-
-def learn_from_peers(
-    record: HolderRecord, *, local_epoch: int, views: Mapping[str, PeerView], peers: Iterable[str]
-) -> HolderRecord:
-    """Try to leave UNKNOWN with what the peers said.
-
-    ``local_epoch`` is the epoch the agent's files here say they were held
-    at (their manifest's holder epoch). Returns HELD if every peer answered
-    and none holds the agent or activated a newer epoch; RETIRED if one
-    did; otherwise the UNKNOWN record unchanged (some peer has not answered,
-    or an answer is itself unknown).
-    """
-    if record.state is not HolderState.UNKNOWN:
-        raise CapsuleError(f"agent {record.agent_id} is {record.state.value}, not unknown: nothing to learn")
-    peers = set(peers)
-    if not peers <= set(views):
-        return record
-    highest = max([local_epoch, record.epoch] + [v.epoch for v in views.values()])
-
-    def moving_to_us(v: PeerView) -> bool:
-        # A source in doubt about the very move that installed our files
-        # (their epoch is the one it commits to: files are installed only at
-        # activate): we are its target, and may have run the agent since.
-        # Holding here, we answer its status question "active" and it
-        # retires; retiring here, it would hear "never" and resume from its
-        # old snapshot, losing every event acknowledged here.
-        return v.state is HolderState.COMMITTING and v.epoch == local_epoch and v.held_epoch != local_epoch
-
-    newer = [v for v in views.values()
-             if any(e > local_epoch for e in v.activated) or (v.state in HOLDING and not moving_to_us(v))]
-    if newer:
-        who = max(newer, key=lambda v: max(v.activated, default=0))
-        return HolderRecord(
-            agent_id=record.agent_id, state=HolderState.RETIRED, epoch=highest, peer=who.host,
-            note=f"learned that {who.host} holds a newer epoch",
-        )
-    if any(v.state is HolderState.UNKNOWN for v in views.values()):
-        return record
-    return HolderRecord(
-        agent_id=record.agent_id, state=HolderState.HELD, epoch=highest, held_epoch=local_epoch,
-        activated=(local_epoch,) if local_epoch <= highest else (), note="every peer agreed this host holds it",
-    )
-
-
-def force_hold(record: HolderRecord, *, local_epoch: int, why: str) -> HolderRecord:
-    """An operator's override: hold the agent at ``local_epoch`` now.
-
-    Risks two hosts running the agent if a peer does hold a newer epoch.
-    """
-    return HolderRecord(
-        agent_id=record.agent_id, state=HolderState.HELD, epoch=max(record.epoch, local_epoch),
-        held_epoch=local_epoch, activated=tuple(sorted(set(record.activated) | {local_epoch})),
-        note=f"forced by operator: {why}", forced=True,
-    )
 
 
 @contextmanager

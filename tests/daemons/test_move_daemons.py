@@ -609,7 +609,7 @@ def test_import_status_ls_and_log_tell_one_story(hosts: tuple[Host, Host], tmp_p
     """After an import of another host's export, and again after --learn,
     `import` (or `--learn`), `.control/status`, `capsulefs ls` and the
     daemon's log say the same state and the same next command, in the same
-    words (holder.story)."""
+    words (story.story)."""
     a, b = hosts
     a.start()
     agent_id = make_agent(a, events=2)

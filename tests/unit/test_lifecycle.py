@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from capsulefs.core.errors import FormatError
-from capsulefs.core.store.holder import HolderRecord, HolderState, force_hold, new_held
+from capsulefs.core.store.holder import HolderRecord, HolderState, new_held
+from capsulefs.core.store.learning import force_hold
 
 AGENT = "a" * 32
 

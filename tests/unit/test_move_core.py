@@ -10,16 +10,8 @@ from move_model import AGENT, BLOBS, World
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.store.holder import (
-    HolderBook,
-    HolderRecord,
-    HolderState,
-    PeerView,
-    force_hold,
-    learn_from_peers,
-    new_held,
-    removed,
-)
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held, removed
+from capsulefs.core.store.learning import PeerView, force_hold, learn_from_peers
 
 A, B, C = "A" * 52, "B" * 52, "C" * 52
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "move.md"
