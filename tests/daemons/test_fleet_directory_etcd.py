@@ -17,7 +17,7 @@ from capsulefs.core.fleet.etcd import KeyValue, TxnResult
 from capsulefs.core.move import Outcome
 from capsulefs.fleet.directory import claim_agent, register_host
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
-from capsulefs.testing.fleet_sim import SimEtcd
+from capsulefs.testing.sim_etcd import SimEtcd
 from cli_kit import run_cli
 from fleet_kit import EtcdServer, etcd_or_skip
 

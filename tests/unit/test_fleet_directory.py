@@ -14,7 +14,7 @@ import pytest
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.fleet.etcd import KeyValue
 from capsulefs.core.move import Outcome
-from capsulefs.testing.fleet_sim import SimEtcd
+from capsulefs.testing.sim_etcd import SimEtcd
 
 L = fd.Layout(b"/t/")
 AGENT = "a" * 32
