@@ -42,6 +42,10 @@ class Processes:
             await proc.wait()
         if proc.returncode is None:
             log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
+            # The leader and its group. (Once the leader has exited, reading
+            # its returncode killed the rest of the group before reaping it:
+            # a group id is never signalled after its leader was reaped,
+            # when it may name another session.)
             signal_group(proc.pid, signal.SIGKILL)
 
     def note(self, r: Runner, text: str) -> None:
@@ -111,16 +115,7 @@ class Processes:
         proc = r.process
         if proc is None or proc.returncode is not None:
             return
-        signal_group(proc.pid, signal.SIGTERM)
-        with trio.move_on_after(self.grace):
-            await proc.wait()
-        if proc.returncode is None:
-            log.warning("agent %s ignored SIGTERM for %.0f s; killing it", r.agent_id, self.grace)
-            # The leader and its group. (Once the leader has exited, reading
-            # its returncode killed the rest of the group before reaping it:
-            # a group id is never signalled after its leader was reaped,
-            # when it may name another session.)
-            signal_group(proc.pid, signal.SIGKILL)
+        await self.terminate(r, proc)
         await proc.wait()
         await self.end_cgroup(r.agent_id)
         r.process = None

@@ -131,6 +131,21 @@ def _line_writer(cls: type) -> Any:
     return scope["write"]
 
 
+def _fill(rec: "Record", id: str, machine: str, seq: int, clock: int, prev: str | None, time: str,
+          event: Event, line: bytes) -> None:
+    """Set a record's fields (a frozen value: core/frozen.py), once for the
+    checked constructor and the stamper's fast path."""
+    _set = object.__setattr__
+    _set(rec, "id", id)
+    _set(rec, "machine", machine)
+    _set(rec, "seq", seq)
+    _set(rec, "clock", clock)
+    _set(rec, "prev", prev)
+    _set(rec, "time", time)
+    _set(rec, "event", event)
+    _set(rec, "line", line)
+
+
 class Record(Frozen):
     """One journal line: the envelope plus its event. ``line`` is canonical."""
 
@@ -156,15 +171,9 @@ class Record(Frozen):
         if prev is not None:
             check_sha256(prev, "event prev")
         _need_str(time, "event time")
-        _set = object.__setattr__
-        _set(self, "id", id)
-        _set(self, "machine", machine)
-        _set(self, "seq", seq)
-        _set(self, "clock", clock)
-        _set(self, "prev", prev)
-        _set(self, "time", time)
-        _set(self, "event", event)
-        _set(self, "line", line or canonical_json(self.to_json()))
+        _fill(self, id, machine, seq, clock, prev, time, event, line)
+        if not line:
+            object.__setattr__(self, "line", canonical_json(self.to_json()))
 
     @classmethod
     def stamped(
@@ -198,15 +207,7 @@ class Record(Frozen):
             doc["kind"] = event.kind
             line = canonical_json(doc) if _LINE_ENCODER is None else "".join(_LINE_ENCODER(doc, 0)).encode()
         rec = object.__new__(cls)
-        _set = object.__setattr__
-        _set(rec, "id", id)
-        _set(rec, "machine", machine)
-        _set(rec, "seq", seq)
-        _set(rec, "clock", clock)
-        _set(rec, "prev", prev)
-        _set(rec, "time", time)
-        _set(rec, "event", event)
-        _set(rec, "line", line)
+        _fill(rec, id, machine, seq, clock, prev, time, event, line)
         return rec
 
     @property
