@@ -23,7 +23,8 @@ import time
 
 import common  # noqa: F401  (puts the repository on sys.path)
 
-from capsulefs.testing.fleet_sim import Figures, simulate
+from capsulefs.testing.sim_parts import Figures
+from capsulefs.testing.sim_run import simulate
 
 MOVE_OPS = ("start_read", "commit", "nudge_read", "status_read", "fence", "resume_read", "gate_read", "gate_fence")
 

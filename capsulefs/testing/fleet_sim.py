@@ -2,7 +2,9 @@
 
 Used by the hypothesis stateful test (a few hosts, each step chosen by the
 search), a unit test and ``bench/bench_fleet_sim.py`` (1,000 hosts, 100,000
-agents, steps chosen at random). The move machines (``core.move``), the
+agents, steps chosen at random by :func:`.sim_run.simulate`). Its parts (hosts,
+messages, directory requests, faults, figures) are in :mod:`.sim_parts`, the
+simulated etcd in :mod:`.sim_etcd`. The move machines (``core.move``), the
 directory's Txns and judge (``core.fleet.directory``) and the lease keeper
 (``core.fleet.lease``) are the real ones; only the I/O is simulated.
 
@@ -36,11 +38,8 @@ still held the agent at the same epoch: ``restored``, see docs/fleet.md).
 
 from __future__ import annotations
 
-import enum
 import itertools
 import random
-from collections import Counter
-from dataclasses import dataclass, field
 
 from capsulefs.core import move as mv
 from capsulefs.core.fleet import directory as fd
@@ -51,82 +50,11 @@ from capsulefs.core.fleet.etcd import (
 from capsulefs.core.fleet.lease import DEFAULT_TIMING, LeaseKeeper, LeaseTiming
 from capsulefs.core.store.holder import HolderRecord, HolderState, new_held
 from capsulefs.testing.sim_etcd import SimEtcd
+from capsulefs.testing.sim_parts import DirRequest, Fault, Figures, Host, Message
 
-__all__ = ["Fault", "FleetWorld", "Figures", "simulate"]
+__all__ = ["LAYOUT", "FleetWorld"]
 
 LAYOUT = fd.Layout(b"/sim/")
-
-
-class Fault(enum.Enum):
-    OK = "ok"
-    LOST = "lost"  # applied; the reply never arrives
-    UNSENT = "unsent"  # never reached etcd
-    DELAYED = "delayed"  # the reply is lost now; etcd applies it later
-
-
-@dataclass
-class Host:
-    name: str
-    rate: float  # its clock's rate against true time
-    keeper: LeaseKeeper
-    records: dict[str, HolderRecord] = field(default_factory=dict)  # durable
-    files: dict[str, int] = field(default_factory=dict)  # durable: agent -> version of its installed copy
-    up: bool = True
-    cut_from_etcd: bool = False
-    staging: dict[tuple[str, int], int] = field(default_factory=dict)  # (agent, epoch) -> version staged
-    frozen: set[str] = field(default_factory=set)
-    sources: dict[str, mv.SourceMachine] = field(default_factory=dict)
-    awaiting: dict[str, set[int]] = field(default_factory=dict)  # agent -> ids of requests it waits for
-    seen: dict[str, KeyValue] = field(default_factory=dict)  # agent -> its key as read at the move's start
-    permits: dict[str, int] = field(default_factory=dict)  # agent -> epoch the directory named us at
-    boot: int = 0  # incremented at each restart: replies to an earlier life are dropped
-    renewing: bool = False
-
-    def local(self, now: float) -> float:
-        return now * self.rate
-
-
-@dataclass
-class Message:
-    id: int
-    to: str
-    frm: str
-    send: mv.Send
-    version: int = 0  # the offer carries the frozen copy's version
-    answer: object | None = None
-
-
-@dataclass
-class DirRequest:
-    id: int
-    host: str
-    boot: int
-    agent: str
-    kind: str  # start_read, commit, status_read, fence, nudge_read, gate_read, gate_fence
-    txn: fd.DirTxn | None = None
-    epoch: int = 0
-    target: str = ""
-
-
-@dataclass
-class Figures:
-    moves_started: int = 0
-    moves_done: int = 0
-    moves_rolled_back: int = 0
-    moves_in_doubt: int = 0  # moves that went through the in-doubt path (a lost commit reply)
-    takeovers: int = 0
-    crashes: int = 0
-    lease_losses: int = 0
-    acks: int = 0
-    checks: int = 0
-    seconds: float = 0.0  # simulated time, the drain at the end included
-    dir_ops: Counter[str] = field(default_factory=Counter)
-
-    def per_move(self) -> float:
-        moves = self.moves_done + self.moves_rolled_back
-        kinds = ("start_read", "commit", "status_read", "fence", "resume_read", "nudge_read", "gate_read", "gate_fence")
-        move_ops = sum(self.dir_ops[k] for k in kinds)
-        return move_ops / moves if moves else 0.0
 
 
 class FleetWorld:
@@ -628,116 +556,3 @@ class FleetWorld:
         h.files[agent] = self.tier[agent] = max(h.files[agent], self.tier[agent]) + 1
         self.figures.acks += 1
         return True
-
-
-def _busy(w: FleetWorld) -> bool:
-    for key in [k for k in w.pending_since if not w.still_pending(*k)]:
-        del w.pending_since[key]
-    return bool(w.net or w.dir_queue or any(h.sources for h in w.hosts.values()) or w.pending_since)
-
-
-def simulate(hosts: int, agents: int, *, seconds: float, seed: int = 0, moves_per_second: float = 50.0,
-             crash_every: float = 5.0, cut_every: float = 5.0, loss: float = 0.02,
-             timing: LeaseTiming = DEFAULT_TIMING, full_check_every: int = 20, takeovers_per_tick: int = 2,
-             pending_idle: float = 30.0, dir_faults: float = 0.1, hold_through_lapse: bool = False) -> Figures:
-    """Run a fleet at random for ``seconds`` of simulated time, checking the invariants as it goes."""
-    rng = random.Random(seed)
-    r = timing.rate_bound
-    w = FleetWorld(hosts, agents, seed=seed, timing=timing, rates=[1 - r, 1.0, 1 + r], etcd_rate=1 + r,
-                   hold_through_lapse=hold_through_lapse)
-    names = list(w.hosts)
-    dt = 0.25
-    cut_until: dict[str, float] = {}
-    down_until: dict[str, float] = {}
-    bad = round(dir_faults * 100)
-    faults = [Fault.OK] * (100 - bad) + [Fault.LOST, Fault.UNSENT, Fault.DELAYED] * (bad // 3)
-    faults += [Fault.LOST] * (bad % 3)
-    tick = 0
-    drain_until = seconds + 120.0  # after ``seconds``: no new moves or faults; moves in flight end
-    while w.now < seconds or (w.now < drain_until and _busy(w)):
-        tick += 1
-        calm = w.now >= seconds
-        if calm:
-            loss = 0.0
-            faults = [Fault.OK]
-            crash_every = cut_every = 0.0
-            moves_per_second = 0.0
-            for n in list(cut_until):
-                cut_until[n] = w.now
-            for n in list(down_until):
-                down_until[n] = w.now
-        w.advance(dt)
-        for n, until in list(cut_until.items()):
-            if w.now >= until:
-                w.cut(n, False)
-                del cut_until[n]
-        for n, until in list(down_until.items()):
-            if w.now >= until:
-                w.hosts[n].up = True
-                w.crash(n)  # the restart
-                del down_until[n]
-        # leases: renew when due; a host without one joins
-        for h in w.hosts.values():
-            if not h.up:
-                continue
-            local = h.local(w.now)
-            if h.keeper.lease_id == 0:
-                w.join(h.name)
-            elif h.keeper.renew_due(local):
-                w.renew(h.name, Fault.OK if rng.random() > loss else Fault.LOST)
-        # faults
-        if crash_every and rng.random() < dt / crash_every:
-            n = rng.choice(names)
-            if w.hosts[n].up:
-                w.crash(n)
-                w.hosts[n].up = False
-                down_until[n] = w.now + rng.uniform(0.5, 20.0)
-        if cut_every and rng.random() < dt / cut_every:
-            n = rng.choice(names)
-            w.cut(n, True)
-            cut_until[n] = w.now + rng.uniform(1.0, 25.0)
-        # failover: agents of a host down or cut off, once its key is gone, go elsewhere
-        gone = [n for n in set(down_until) | set(cut_until) if w.etcd.get(LAYOUT.host(n)) is None]
-        for n in gone[:takeovers_per_tick]:
-            held = [a for a, rec in w.hosts[n].records.items() if rec.state is HolderState.HELD]
-            if held:
-                w.takeover(rng.choice(names), rng.choice(held))
-        # new moves
-        for _ in range(int(moves_per_second * dt) + (rng.random() < (moves_per_second * dt) % 1)):
-            a = rng.choice(w.agents)
-            holders = [n for n in w.holders[a] if w.running(w.hosts[n], a, stopping=False)]
-            if holders:
-                w.start_move(holders[0], a, rng.choice(names))
-        for _ in range(int(moves_per_second * dt) or (not calm)):
-            a = rng.choice(w.agents)
-            for n in list(w.holders[a]):
-                w.work(n, a)
-        # deliver what is in flight: directory requests, then messages (some lost, some late)
-        for _ in range(len(w.dir_queue)):
-            w.serve_dir(rng.randrange(len(w.dir_queue)), rng.choice(faults))
-        for _ in range(len(w.delayed) // 2):
-            w.apply_delayed(rng.randrange(len(w.delayed)))
-        for _ in range(len(w.net)):
-            i = rng.randrange(len(w.net))
-            if rng.random() < loss:
-                del w.net[i]
-            else:
-                w.deliver(i)
-        # sources whose request or reply was lost time out; pending targets expire now and then
-        in_flight = {m.id for m in w.net}
-        for h in w.hosts.values():
-            for a in list(h.sources):
-                if h.awaiting.get(a) and not h.awaiting[a] & in_flight:
-                    w.timeout(h.name, a)
-        for (n, a, e), since in list(w.pending_since.items()):
-            if not w.still_pending(n, a, e):
-                del w.pending_since[(n, a, e)]
-            elif w.now - since > pending_idle:
-                del w.pending_since[(n, a, e)]
-                w.expire_pending(n, a)
-        if tick % full_check_every == 0:
-            w.check()
-    w.check()
-    w.figures.dir_ops.update({f"etcd_{k}": v for k, v in w.etcd.ops.items()})
-    w.figures.seconds = w.now
-    return w.figures

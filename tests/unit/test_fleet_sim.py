@@ -9,7 +9,9 @@ import pytest
 
 from capsulefs.core.fleet.lease import DEFAULT_TIMING, LeaseTiming
 from capsulefs.core.store.holder import HolderState
-from capsulefs.testing.fleet_sim import LAYOUT, Fault, FleetWorld, simulate
+from capsulefs.testing.fleet_sim import LAYOUT, FleetWorld
+from capsulefs.testing.sim_parts import Fault
+from capsulefs.testing.sim_run import simulate
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -98,7 +98,8 @@ TestMoveWorld = MoveWorld.TestCase
 from hypothesis.stateful import initialize  # noqa: E402
 
 from capsulefs.core.fleet.lease import CLOCK_RATE_BOUND  # noqa: E402
-from capsulefs.testing.fleet_sim import Fault, FleetWorld  # noqa: E402
+from capsulefs.testing.fleet_sim import FleetWorld  # noqa: E402
+from capsulefs.testing.sim_parts import Fault  # noqa: E402
 
 RATES = (1 - CLOCK_RATE_BOUND, 1.0, 1 + CLOCK_RATE_BOUND)
 DIR_FAULTS = (Fault.OK, Fault.OK, Fault.LOST, Fault.UNSENT, Fault.DELAYED)
