@@ -34,7 +34,8 @@ from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.store.learning import force_hold
 from capsulefs.core.store.story import story
 from capsulefs.daemon.daemon import find_daemon, holding_state
-from capsulefs.move.source import MoveControl, abandon_move, learn_holder, move_agent, resume_moves
+from capsulefs.move.doubt import abandon_move, learn_holder
+from capsulefs.move.source import MoveControl, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import serve_moves
 from capsulefs.peer.book import DEFAULT_PORT, parse_address

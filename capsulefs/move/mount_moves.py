@@ -49,7 +49,8 @@ from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store.story import story
-from capsulefs.move.source import MoveControl, MoveResult, abandon_move, learn_holder, move_agent, resume_moves
+from capsulefs.move.doubt import abandon_move, learn_holder
+from capsulefs.move.source import MoveControl, MoveResult, move_agent, resume_moves
 from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing

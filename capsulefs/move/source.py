@@ -25,13 +25,13 @@ happy path reads each blob once and hashes it once (there); a piece the
 target reports bad is re-hashed here to tell a blob that rotted in this
 store (the move fails naming its path) from one damaged on the way.
 :func:`resume_moves` finishes, after a restart, every move a record says
-was in progress; :func:`abandon_move` is the operator's way out.
+was in progress; :mod:`capsulefs.move.doubt` has the operator's way out
+(``abandon_move``) and learning who holds an agent in doubt (``learn_holder``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -44,9 +44,7 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
-from capsulefs.core.store.learning import learn_from_peers
-from capsulefs.core.store.kept import keep_copy
+from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
 from capsulefs.move.host import MoveHost, result_to_answer
 from capsulefs.move.target import BLOBS_CALL
@@ -57,7 +55,7 @@ from capsulefs.peer.book import Peer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MoveControl", "MoveResult", "abandon_move", "learn_holder", "move_agent", "resume_moves"]
+__all__ = ["Connector", "MoveControl", "MoveResult", "move_agent", "resume_moves"]
 
 Connector = Callable[[Identity, Peer], AbstractAsyncContextManager[PeerConnection]]
 BATCH_ITEMS = 256  # pieces per blobs call
@@ -462,67 +460,3 @@ def _result(d: _Driver) -> MoveResult:
     assert d.m.state in mv.TERMINAL_SOURCE_STATES, d.m.state
     return MoveResult(agent_id=d.m.agent_id, target=d.peer.host_id, epoch=d.m.epoch, state=d.m.state,
                       reason=d.m.record.note, bytes_sent=d.bytes_sent, contents_sent=d.sent, cause=d.cause())
-
-
-def abandon_move(holders: HolderBook, agent_id: str, *, me: str, why: str) -> HolderRecord:
-    """The operator's way out of an in-doubt move when no driver runs: hold the
-    agent here again at its old epoch. If the target did activate it, two
-    hosts now run the agent; the log says so."""
-    record = holders.get(agent_id)
-    if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
-        state = "absent" if record is None else record.state.value
-        raise mv.MoveError(f"agent {agent_id} has no move in progress here (its record is {state})")
-    machine = mv.SourceMachine(record, me=me)
-    commands = machine.handle(mv.Restarted())
-    if machine.state is mv.SourceState.IN_DOUBT:
-        commands = machine.handle(mv.OperatorAbandon(why=why))
-    for c in commands:
-        if isinstance(c, mv.Persist):
-            holders.put(c.record)
-    return machine.record
-
-
-async def learn_holder(host: MoveHost, agent_id: str, *, connect: Connector = open_peer,
-                       call_timeout: float = 30.0) -> HolderRecord:
-    """Leave UNKNOWN by asking every peer to fence the agent and report.
-
-    Returns the new record: HELD, RETIRED, or still UNKNOWN if a peer could
-    not be asked (try again later, or force it as an operator).
-    """
-    async with host.lock(agent_id):
-        record = host.holders.get(agent_id)
-        if record is None or record.state is not HolderState.UNKNOWN:
-            raise mv.MoveError(f"agent {agent_id} is not in doubt here")
-        try:
-            local_epoch = host.store.agent(agent_id).manifest().holder.epoch
-        except CapsuleError as exc:
-            raise mv.MoveError(f"agent {agent_id}: cannot read its files here: {exc}") from exc
-        views = {}
-        peers = host.peers.peers()
-        for peer in peers:
-            try:
-                async with connect(host.identity, peer) as conn:
-                    with trio.fail_after(call_timeout):
-                        result, _ = await conn.call(mv.Call.FENCE.value, {"agent_id": agent_id})
-                answer = result_to_answer(mv.Call.FENCE, agent_id, 1, result)
-                assert isinstance(answer, mv.FenceReply)
-                views[peer.host_id] = answer.view
-            except (PeerError, CapsuleError, trio.TooSlowError) as exc:
-                log.warning("agent %s: could not fence %s: %s", agent_id, peer.name, exc)
-        new = learn_from_peers(record, local_epoch=local_epoch, views=views, peers=[p.host_id for p in peers])
-        if new.state is HolderState.RETIRED:
-            # Nothing acknowledged is deleted: what this host has (it may have
-            # taken writes the holder lacks) is kept first, as a capsule; if
-            # it cannot be kept, the record stays in doubt and nothing goes.
-            kept = await trio.to_thread.run_sync(keep_copy, host.store.agent(agent_id))
-            new = new.with_(kept=os.path.relpath(kept, host.store.root))
-            log.warning("agent %s: %s holds it; this host gives it up, and what it had is kept in %s",
-                        agent_id, new.peer, kept)
-        if new is not record:
-            host.holders.put(new)
-            if new.state is HolderState.RETIRED:
-                await host.hooks.retire(agent_id)
-                await trio.to_thread.run_sync(host.store.remove_agent, agent_id)
-            elif new.state is HolderState.HELD:
-                await host.hooks.resume(agent_id)
-        return new
