@@ -1,4 +1,4 @@
-"""The package's import graph has no cycles.
+"""The package's import graph has no cycles, and no module is over the size a reader can hold.
 
 The graph is read from the sources with :mod:`ast` (nothing is imported): a
 node per module of ``capsulefs`` (``capsulefs/``, ``core/`` as
@@ -138,3 +138,13 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
     found = cycles(graph)
     described = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
     assert described == [], "import cycles (each module with what it imports of its cycle)"
+
+
+#: Issue 29's size rule: a module says one thing a reader can hold in mind
+#: ("no module over about 500 lines"); past this, split it along its concerns.
+MAX_MODULE_LINES = 560
+
+
+def test_no_module_is_over_the_size_a_reader_can_hold() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    assert {n: s for n, s in sizes.items() if s > MAX_MODULE_LINES} == {}
