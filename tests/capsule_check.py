@@ -32,7 +32,8 @@ from capsulefs.core.capsule import archive, verify
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.store.agent import AgentHandle
-from capsulefs.core.store.host_store import STORE_FILE, HostStore
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.store.layout import STORE_FILE
 
 MARKER = "capsule_left_broken"
 #: Levels below the test's directory searched for state directories (tests

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 import trio
 
 from capsulefs.core.capsule import format as fmt
+from capsulefs.core.store.layout import LOGS_DIR
 
-LOGS_DIR = "logs"  # under the state directory
 LOG_NAME = "agent.log"
 LOG_MAX = 1 << 20  # bytes per file
 LOG_FILES = 3  # agent.log, agent.log.1, agent.log.2

@@ -42,12 +42,10 @@ from capsulefs.core.errors import CapsuleError, FormatError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.capsule.spec import parse_spec
 from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.store.layout import GRANTS_FILE, GRANTS_LOCK, GRANTS_MADE
 
 log = logging.getLogger(__name__)
 
-GRANTS_FILE = "secret-grants.json"
-LOCK_FILE = ".grants.lock"
-MARKER = ".grants-made"  # grants were set up here once (see ensure)
 FORMAT = 1
 
 
@@ -69,7 +67,7 @@ def _path(state_dir: str) -> str:
 
 @contextmanager
 def _locked(state_dir: str) -> Iterator[None]:
-    fd = os.open(os.path.join(state_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(state_dir, GRANTS_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -116,14 +114,14 @@ def _asked(store: HostStore, agent_id: str) -> list[str]:
 
 def ensure(state_dir: str, store: HostStore) -> None:
     """Make sure the grants file exists. The very first time in a state
-    directory (no ``MARKER``), grant every agent in the store what its spec
+    directory (no ``GRANTS_MADE``), grant every agent in the store what its spec
     asks for now (see the module's rules); later, a grants file removed by
     hand comes back empty: removing it never grants anything."""
-    if os.path.exists(_path(state_dir)) and os.path.exists(os.path.join(state_dir, MARKER)):
+    if os.path.exists(_path(state_dir)) and os.path.exists(os.path.join(state_dir, GRANTS_MADE)):
         return
     try:
         with _locked(state_dir):
-            first = not os.path.exists(os.path.join(state_dir, MARKER))
+            first = not os.path.exists(os.path.join(state_dir, GRANTS_MADE))
             made: dict[str, list[str]] = {}
             if _load(state_dir) is None:
                 if first:
@@ -133,7 +131,7 @@ def ensure(state_dir: str, store: HostStore) -> None:
                                 _path(state_dir))
                 _save(state_dir, made)
             if first:
-                atomic_write(os.path.join(state_dir, MARKER), b"grants exist in this state directory\n", mode=0o600)
+                atomic_write(os.path.join(state_dir, GRANTS_MADE), b"grants exist in this state directory\n", mode=0o600)
     except OSError as exc:  # e.g. a state directory this user may only read: then nothing is granted
         log.warning("grants: cannot create %s (%s); agents whose specs ask for secrets will not start",
                     _path(state_dir), exc)

@@ -58,6 +58,7 @@ from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write, fsync_dir
 from capsulefs.core.walk import walk_tree
+from capsulefs.core.store.layout import SANDBOXES_DIR
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,6 @@ DEFAULT_UIDS = range(200_000, 265_536)
 UID_FILE = "uid"  # in sandboxes/<agent_id>/
 HIGH_FILE = ".uid-high"  # in sandboxes/: the highest agent uid ever given here
 HOME_DIR = "home"  # in sandboxes/<agent_id>/: the agent's HOME when isolated
-SANDBOXES_DIR = "sandboxes"
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 

@@ -29,11 +29,11 @@ import keyring.errors
 from capsulefs.core.capsule.format import load_json_object
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
+from capsulefs.core.store.layout import SECRETS_FILE
 
 log = logging.getLogger(__name__)
 
 SERVICE = "capsulefs"
-SECRETS_FILE = "secrets.json"
 
 
 class MissingSecret(CapsuleError):

@@ -21,10 +21,10 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule import workspace
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import remove_tree
+from capsulefs.core.store.layout import SANDBOXES_DIR
 
 #: The host-local sandboxes, under the state dir: ``sandboxes/<agent_id>/``
 #: holds ``workspace/``, the running process's ``pid`` file and ``setup.log``.
-SANDBOXES_DIR = "sandboxes"
 SETUP_LOG = "setup.log"  # beside workspace/: the output of the last build's setup steps
 WORKSPACE_DIR = "workspace"
 

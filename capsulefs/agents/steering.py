@@ -45,6 +45,7 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.journal.events import Note
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.view.host import LiveHost
+from capsulefs.core.store import layout
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class Steering:
         """(what changed, the new spec digest) if the agent's run is out of
         date with its spec or grants, else None."""
         spec_path = self.runtime.store.agent(agent_id).path(fmt.SPEC)
-        key = (digest, _stat_key(spec_path), _stat_key(os.path.join(self.state_dir, grants.GRANTS_FILE)))
+        key = (digest, _stat_key(spec_path), _stat_key(os.path.join(self.state_dir, layout.GRANTS_FILE)))
         if self._seen.get(agent_id) == key:
             return None
         try:

@@ -57,11 +57,11 @@ from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.view.host import LiveHost
 from capsulefs.mount.ops import Operations
 from capsulefs.daemon.readahead import tune_read_ahead
+from capsulefs.core.store.layout import WORK_DIR
 
 log = logging.getLogger(__name__)
 
 FSNAME = "capsulefs"
-WORK_DIR = "mount"  # under the state dir: scratch/ and snapshots/ (see core.view.scratch, core.view.snapshots)
 RUNTIME_FILE = "daemon.json"  # under WORK_DIR while a daemon serves: {"mountpoint", "pid", "move_port"}
 LOCK_FILE = "daemon.lock"  # under WORK_DIR: flocked by the daemon for its life (see holding_state)
 #: On the mount's root: "PID PIDNS" (the daemon's pid, and the inode of the

@@ -23,7 +23,8 @@ import trio
 
 from capsulefs.core import move as mv
 from capsulefs.core.errors import FormatError
-from capsulefs.core.store.holder import HOLDERS_DIR, HolderBook, HolderRecord, HolderState, new_held, unknown
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held, unknown
+from capsulefs.core.store.layout import HOLDERS_DIR
 from capsulefs.core.store.learning import PeerView
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import Identity, load_or_create_identity

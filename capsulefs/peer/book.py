@@ -25,6 +25,7 @@ from capsulefs.core.errors import CapsuleError, ExistsError, NotFoundError
 from capsulefs.core.capsule.format import check_host_id
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
 from capsulefs.peer.identity import HOST_ID_LENGTH, host_id_from_der
+from capsulefs.core.store.layout import PEERS_FILE, TLS_DIR, TLS_PEERS_DIR
 
 __all__ = ["DEFAULT_PORT", "Peer", "PeerBook", "PeerBookError", "parse_address"]
 
@@ -84,8 +85,8 @@ class PeerBook:
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.state_dir = Path(state_dir)
-        self.path = self.state_dir / "peers.json"
-        self.certs_dir = self.state_dir / "tls" / "peers"
+        self.path = self.state_dir / PEERS_FILE
+        self.certs_dir = self.state_dir / TLS_DIR / TLS_PEERS_DIR
 
     # -- peers.json ------------------------------------------------------------
     def peers(self) -> list[Peer]:

@@ -38,6 +38,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fsutil import atomic_write, fsync_dir, makedirs_durable
+from capsulefs.core.store.layout import TLS_DIR
 
 __all__ = [
     "HOST_ID_LENGTH",
@@ -51,7 +52,6 @@ __all__ = [
 
 #: Length of a host id: base32 of 32 bytes without padding.
 HOST_ID_LENGTH = 52
-_TLS_DIR = "tls"
 _PEM_NAME = "host.pem"
 # RFC 5280 4.1.2.5: 99991231235959Z means "no well-defined expiration date".
 _NOT_AFTER = _dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=_dt.timezone.utc)
@@ -68,7 +68,7 @@ def host_id_from_der(cert_der: bytes) -> str:
 
 
 def identity_path(state_dir: str | os.PathLike[str]) -> Path:
-    return Path(state_dir) / _TLS_DIR / _PEM_NAME
+    return Path(state_dir) / TLS_DIR / _PEM_NAME
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

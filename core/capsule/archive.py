@@ -29,11 +29,13 @@ from . import format as fmt
 from .verify import Problem, check, scan_dir
 from ..errors import CorruptBlobError, FormatError, ImportRefused, NotFoundError
 from ..fsutil import atomic_write, fsync_dir
-from ..store.holder import HOLDERS_DIR, agent_files_lock
+from ..store.holder import agent_files_lock
+from ..store.layout import HOLDERS_DIR
 from .signing import sign_manifest
 from ..journal.recovery import agent_recovery_dir, journal_ring_path, read_journal_locked, recover_journal
 from ..store.agent import AgentHandle
-from ..store.host_store import STORE_FILE, HostStore
+from ..store.host_store import HostStore
+from ..store.layout import STORE_FILE
 from .tarball import DEFAULT_MAX_MEMBER, DEFAULT_MAX_TOTAL, check_room, extract_into, scan_tar
 from .tar_export import Member, write_tar
 

@@ -295,7 +295,8 @@ def merge_into_agent(agent: object, other: Side) -> Plan:
     listed in the manifest before any file names them). The journal only
     gains lines: every line the agent had stays, byte for byte."""
     from .archive import _read_files, frozen_manifest
-    from ..store.holder import HOLDERS_DIR, agent_files_lock
+    from ..store.holder import agent_files_lock
+    from ..store.layout import HOLDERS_DIR
 
     store = agent.store  # type: ignore[attr-defined]
     agent_id = agent.agent_id  # type: ignore[attr-defined]

@@ -45,6 +45,7 @@ from ..errors import FormatError
 from ..fsutil import TMP_PREFIX, fdatasync, fsync_dir, makedirs_durable
 from .ring import Ring
 from .ring import remove as remove_ring
+from ..store.layout import RECOVERY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ class RingMismatch(FormatError):
 
 #: Where torn tails of the host store's agents go: ``<state>/recovery/<agent_id>/``,
 #: outside the agent's capsule directory, so the capsule still verifies.
-RECOVERY_DIR = "recovery"
 #: Where the host store keeps each agent's write-ahead ring:
 #: ``<state>/journal-wal/<agent_id>`` (outside the capsule, like recovery/).
 WAL_DIR = "journal-wal"

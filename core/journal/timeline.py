@@ -45,6 +45,7 @@ from ..errors import FormatError
 from .events import line_hash
 from .query import Matcher, Query, event_ms, event_text, fts_query, is_failure, parse_line, required_literals
 from ..fsutil import makedirs_durable
+from ..store.layout import TIMELINE_DIR
 
 if TYPE_CHECKING:
     import sqlite3
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Where the host store keeps each agent's timeline index: ``<state>/timeline/<agent_id>/``.
-TIMELINE_DIR = "timeline"
 INDEX_NAME = "index.sqlite"
 SCHEMA = 1
 #: Longest text of one event put in the trigram index; a longer one is always a candidate.

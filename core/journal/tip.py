@@ -47,6 +47,7 @@ from ..errors import FormatError
 from .events import ModelSwitch, line_hash
 from .record import Record
 from ..fsutil import atomic_write, makedirs_durable
+from ..store.layout import JOURNAL_TIP_DIR
 
 if TYPE_CHECKING:
     from .chain import ChainState
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Where the host store keeps each agent's tip: ``<state>/journal-tip/<agent_id>``.
-TIP_DIR = "journal-tip"
 #: A journal writes a new tip once it knows this many bytes past the last one.
 TIP_EVERY = 256 << 10
 #: Longest line a tip check reads (a longer one makes the tip unusable).
@@ -65,7 +65,7 @@ _MODEL = b'"kind":"model_switch"'
 
 def journal_tip_path(store_root: str, agent_id: str) -> str:
     """The tip of an agent of the host store (outside its capsule)."""
-    return os.path.join(store_root, TIP_DIR, agent_id)
+    return os.path.join(store_root, JOURNAL_TIP_DIR, agent_id)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -33,6 +33,7 @@ from ..errors import CorruptBlobError, NotFoundError
 from ..fsutil import TMP_PREFIX, fsync_dir, makedirs_durable
 from ..hashing import CHUNK, hash_file
 from ..linuxfs import fsync_each, path_identity
+from .layout import GC_LOCK, OBJECTS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ class BlobStore:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        self.objects_dir = os.path.join(self.root, "objects")
-        self._lock_path = os.path.join(self.root, "gc.lock")
+        self.objects_dir = os.path.join(self.root, OBJECTS_DIR)
+        self._lock_path = os.path.join(self.root, GC_LOCK)
         self._tlock = threading.local()
 
     # -- locking -----------------------------------------------------------

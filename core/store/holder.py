@@ -62,8 +62,6 @@ from ..fsutil import atomic_write, makedirs_durable
 
 log = logging.getLogger(__name__)
 
-#: Under a host's state directory: one holder record per agent (and its files lock).
-HOLDERS_DIR = "holders"
 #: Seconds between two tries of a files lock held by someone else (see HolderBook.files_lock).
 LOCK_POLL = 0.01
 #: Longest a reconcile waits for the files lock of an agent found without a record.

@@ -58,11 +58,11 @@ from ..journal.recovery import RingMismatch, forget_ring, holding_journal, journ
 from ..frozen import Frozen
 from .agent import AgentHandle
 from .blobs import BlobStore
+from .layout import AGENTS_DIR, STAGING_DIR, STORE_FILE
 
 log = logging.getLogger(__name__)
 
 LAYOUT = 1
-STORE_FILE = "store.json"
 SNAPSHOTS_DIR = os.path.join("mount", "snapshots")
 
 
@@ -94,8 +94,8 @@ class HostStore(BlobStore):
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
-        self.agents_dir = os.path.join(self.root, "agents")
-        self.staging_dir = os.path.join(self.root, "staging")
+        self.agents_dir = os.path.join(self.root, AGENTS_DIR)
+        self.staging_dir = os.path.join(self.root, STAGING_DIR)
 
     # -- opening -----------------------------------------------------------
     @classmethod

@@ -23,7 +23,8 @@ from ..hashing import hash_file
 from ..journal.events import Attachment, Event, MemoryEdit, ModelSwitch
 from ..journal.record import Record
 from ..journal.file import Journal, parse_draft_lines
-from ..journal.recovery import RECOVERY_DIR, journal_ring_path
+from ..journal.recovery import journal_ring_path
+from ..store.layout import RECOVERY_DIR
 from ..journal.tip import journal_tip_path
 from ..store.agent import AgentHandle
 from ..store.host_store import HostStore

@@ -14,7 +14,8 @@ from ..capsule import format as fmt
 from ..capsule.archive import FILES_WAIT
 from ..errors import ExistsError, NotFoundError
 from ..fsutil import thread_start
-from ..store.holder import HOLDERS_DIR, agent_files_lock
+from ..store.holder import agent_files_lock
+from ..store.layout import HOLDERS_DIR
 from .attributes import Attributes
 from .edit import check_edit_size
 from .errors import IsADirectory, NotADirectory, NotEmpty, NotPermitted, ReadOnly

@@ -16,12 +16,15 @@ import os
 from pathlib import Path
 
 from capsulefs.agents import grants
-from capsulefs.agents.keychain import SECRETS_FILE, StateFileKeyring
+from capsulefs.agents.keychain import StateFileKeyring
+from capsulefs.core.store.layout import SECRETS_FILE
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.store.host_store import STORE_FILE, HostStore
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.store.layout import STORE_FILE
 
 from . import Target
+from capsulefs.core.store import layout
 
 AGENT_ID = "0123456789abcdef0123456789abcdef"
 SECRET = "s3cr3t-VALUE"
@@ -61,7 +64,7 @@ def _grants_seeds() -> list[bytes]:
 
 
 def _run_grants(data: bytes, scratch: Path) -> None:
-    (scratch / grants.GRANTS_FILE).write_bytes(data)
+    (scratch / layout.GRANTS_FILE).write_bytes(data)
     loaded = grants._load(str(scratch))
     assert loaded is not None
     assert all(fmt.is_agent_id(k) and all(isinstance(n, str) for n in v) for k, v in loaded.items()), loaded

@@ -249,7 +249,8 @@ def test_one_daemon_per_state_directory_and_no_offline_rm_beside_one(store: Host
     its runtime file exists) is refused too, and removes nothing."""
     import fcntl
 
-    from capsulefs.daemon.daemon import LOCK_FILE, WORK_DIR
+    from capsulefs.daemon.daemon import LOCK_FILE
+    from capsulefs.core.store.layout import WORK_DIR
 
     make_agent(store, "alice")
     other = tmp_path / "mnt2"

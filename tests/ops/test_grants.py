@@ -8,12 +8,12 @@ import json
 import os
 from pathlib import Path
 
-from capsulefs.agents import grants
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore
 from cli_kit import run_cli
 from helpers import make_agent
+from capsulefs.core.store import layout
 
 KEYS = ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"]
 
@@ -35,7 +35,7 @@ def test_new_grants_what_its_spec_asks_and_an_import_grants_nothing(cli, state_d
     cli("new", "scout", "--spec", str(_spec_file(tmp_path, KEYS)), check=True)
     agent_id = HostStore.open(state_dir).find("scout").agent_id
     assert _grants(state_dir) == {agent_id: KEYS}
-    assert os.stat(state_dir / grants.GRANTS_FILE).st_mode & 0o077 == 0
+    assert os.stat(state_dir / layout.GRANTS_FILE).st_mode & 0o077 == 0
     tar = tmp_path / "scout.tar"
     cli("export", "scout", "-o", str(tar), check=True)
     other = tmp_path / "other"
@@ -63,7 +63,7 @@ def test_bad_grants_are_refused_with_a_clear_error(cli, state_dir: Path) -> None
                         (("secret", "grant", "ab" * 16, "NOT-A-NAME"), "not a secret name: 'NOT-A-NAME'")]:
         proc = cli(*argv)
         assert proc.returncode != 0 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    (state_dir / grants.GRANTS_FILE).write_text('{"format": 1, "grants": {"x": "ALL"}}')
+    (state_dir / layout.GRANTS_FILE).write_text('{"format": 1, "grants": {"x": "ALL"}}')
     proc = cli("secret", "grants")
     assert proc.returncode != 0 and "secret-grants.json is not a grants file" in proc.stderr
 
@@ -83,12 +83,12 @@ def test_a_state_directory_older_than_grants_keeps_what_its_agents_used(store: H
     spec["secrets"] = KEYS
     old.write_files({fmt.SPEC: spec_bytes(spec)})
     make_agent(store, "plain")  # asks for nothing: nothing to grant
-    assert not (state_dir / grants.GRANTS_FILE).exists()
+    assert not (state_dir / layout.GRANTS_FILE).exists()
     assert _grants(state_dir) == {old.agent_id: KEYS}
     late = make_agent(store, "late")
     late.write_files({fmt.SPEC: spec_bytes(spec)})
     assert _grants(state_dir) == {old.agent_id: KEYS}
-    doc = json.loads((state_dir / grants.GRANTS_FILE).read_text())
+    doc = json.loads((state_dir / layout.GRANTS_FILE).read_text())
     assert doc == {"format": 1, "grants": {old.agent_id: KEYS}}
 
 
@@ -102,5 +102,5 @@ def test_removing_the_grants_file_grants_nothing(cli, state_dir: Path, tmp_path:
     other = tmp_path / "other"
     run_cli("import", str(tar), state=other, check=True)
     assert _grants(other) == {}
-    (other / grants.GRANTS_FILE).unlink()
+    (other / layout.GRANTS_FILE).unlink()
     assert _grants(other) == {}

@@ -33,6 +33,7 @@ from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
 from helpers import HOST, export_and_unpack, make_agent
 from ops_kit import Client, FakeKernel, _reply, errno_of, make_live
+from capsulefs.core.store import layout
 
 HUGE = b"9" * 5000  # past Python's int-digits limit: json.loads raises a plain ValueError
 LIMIT = 2**53 - 1
@@ -388,11 +389,10 @@ def test_a_damaged_store_json_is_one_line_naming_it(tmp_path: Path, doc: bytes, 
 
 
 def test_a_grants_file_with_a_key_twice_is_refused_in_one_line(cli, state_dir: Path) -> None:
-    from capsulefs.agents import grants
 
     cli("new", "ada", check=True)
     agent_id = json.loads(cli("ls", "--json", check=True).stdout)[0]["agent_id"]
-    (state_dir / grants.GRANTS_FILE).write_text(
+    (state_dir / layout.GRANTS_FILE).write_text(
         '{"format": 1, "grants": {"%s": ["A"], "%s": ["B"]}}' % (agent_id, agent_id))
     proc = cli("secret", "grants")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
@@ -406,7 +406,8 @@ def test_a_grants_file_with_a_key_twice_is_refused_in_one_line(cli, state_dir: P
     (b'["TOKEN"]', "must be a JSON object"),
 ])
 def test_a_damaged_secrets_file_is_one_error_naming_it_and_no_value(tmp_path: Path, doc: bytes, words: str) -> None:
-    from capsulefs.agents.keychain import SECRETS_FILE, StateFileKeyring
+    from capsulefs.agents.keychain import StateFileKeyring
+    from capsulefs.core.store.layout import SECRETS_FILE
     from capsulefs.core.errors import CapsuleError
 
     path = tmp_path / SECRETS_FILE

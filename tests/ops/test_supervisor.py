@@ -22,6 +22,7 @@ from capsulefs.agents.supervisor import RunState, RunStatus, Supervisor
 
 from helpers import HANG, make_agent, wait_until
 from supervisor_kit import StoreHooks, agent_with_spec, wait_for
+from capsulefs.core.store import layout
 
 PROBE = r"""
 import json, os, signal, sys, time
@@ -90,7 +91,7 @@ async def test_agent_runs_in_its_sandbox_with_env_and_secrets(store: HostStore, 
     for f in Path(agent.dir).rglob("*"):
         if f.is_file():
             assert b"s3cr3t-value" not in f.read_bytes()
-    assert oct(os.stat(os.path.join(store.root, keychain.SECRETS_FILE)).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(os.path.join(store.root, layout.SECRETS_FILE)).st_mode & 0o777) == "0o600"
 
 
 async def test_crash_is_restarted_with_backoff(store: HostStore, tmp_path: Path, autojump_clock) -> None:
