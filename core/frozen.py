@@ -22,9 +22,10 @@ checks are.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, dataclass_transform
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True)
 class Frozen:
     """Base of a frozen value class (see the module's rules)."""
 
@@ -54,15 +55,17 @@ class Frozen:
     def __hash__(self) -> int:
         return hash(self._values())
 
-    def __setattr__(self, name: str, value: object) -> None:
-        from dataclasses import FrozenInstanceError  # (only on this error: its module is slow to import)
+    if not TYPE_CHECKING:  # (hidden from mypy, which then flags an assignment to a field as the dataclasses' own)
 
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        def __setattr__(self, name: str, value: object) -> None:
+            from dataclasses import FrozenInstanceError  # (only on this error: its module is slow to import)
 
-    def __delattr__(self, name: str) -> None:
-        from dataclasses import FrozenInstanceError
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
 
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
+        def __delattr__(self, name: str) -> None:
+            from dataclasses import FrozenInstanceError
+
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     def __getstate__(self) -> list[Any]:
         return list(self._values())
