@@ -57,6 +57,10 @@ from capsulefs.agents.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+#: Seconds an agent's process has to exit on SIGTERM when the host lost its fleet lease (the
+#: whole stop must fit STOP_WITHIN, 2 s: docs/fleet.md), before SIGKILL.
+FENCE_GRACE = 0.8
+
 RECONCILE_SECONDS = 1.0
 
 
@@ -171,6 +175,18 @@ class AgentRuntime:
         # (they stay in the sandbox until --learn settles who holds it).
         rec = self.holders.get(agent_id)
         await self.supervisor.freeze(agent_id, sync=rec is None or rec.state is not HolderState.UNKNOWN)
+
+    async def on_fence(self, agent_id: str) -> None:
+        """The host lost its fleet lease: stop the process at once (SIGTERM,
+        then SIGKILL after ``FENCE_GRACE`` rather than the grace period, so the
+        stop fits the lease's stop window); its sandbox's changes are not
+        journaled (the capsule takes no write now: they stay in the sandbox)."""
+        with trio.move_on_after(FENCE_GRACE):
+            await self.supervisor.unwant(agent_id, sync=False)
+            return
+        log.warning("agent %s: not stopped within %.1fs of the lease's loss: killed", agent_id, FENCE_GRACE)
+        self.supervisor.kill(agent_id)
+        await self.supervisor.unwant(agent_id, sync=False)
 
     async def on_resume(self, agent_id: str) -> None:
         self.reconcile()

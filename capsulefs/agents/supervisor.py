@@ -253,6 +253,14 @@ class Supervisor:
                 if self.isolation.cgroups is not None:
                     self.isolation.cgroups.kill(r.agent_id)
 
+    def kill(self, agent_id: str) -> None:
+        """SIGKILL one agent's process group now (a stop that cannot wait for its grace period)."""
+        r = self._runners.get(agent_id)
+        if r is not None and r.process is not None and r.process.returncode is None:
+            signal_group(r.process.pid, signal.SIGKILL)
+            if self.isolation.cgroups is not None:
+                self.isolation.cgroups.kill(agent_id)
+
     async def freeze(self, agent_id: str, *, sync: bool = True) -> None:
         """Stop the agent for a move; with ``sync``, commit its sandbox first
         (not for an agent this host may not hold: its capsule takes no write)."""

@@ -49,8 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     ):
         p = fsub.add_parser(name, help=what, description=what + ". Exit 1 if a record in the directory "
                             "does not parse (it is listed, with the problem).")
-        p.add_argument("--directory", required=True, metavar="etcd://HOST:PORT[,...]", help="the directory (etcd)")
-        p.add_argument("--prefix", default="/capsulefs/", help="the fleet's key prefix in etcd (default /capsulefs/)")
+        p.add_argument("--directory", metavar="etcd://HOST:PORT[,...]",
+                       help="the directory (etcd); default: the one 'mount --directory' saved in the state dir")
+        p.add_argument("--prefix", default=None,
+                       help="the fleet's key prefix in etcd (default: the saved one, else /capsulefs/)")
+        p.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help="host state directory")
         p.add_argument("--json", action="store_true", help="one JSON object per line")
         p.add_argument("--timeout", type=float, default=10.0, help="seconds one request may take (default 10)")
         p.set_defaults(func=func)
@@ -104,10 +107,20 @@ def cmd_check_blobs(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Layout:
+    """The fleet's layout; fills in ``args.directory`` from the saved configuration if not given."""
+    from capsulefs.core.fleet import config
     from capsulefs.core.fleet.directory import Layout
 
+    if args.directory is None:
+        saved = config.load(state_dir(args))
+        if saved is None:
+            raise UsageError(f"no --directory given and none saved in {state_dir(args)} "
+                             "(capsulefs mount --directory etcd://HOST:PORT saves it)")
+        args.directory = saved.directory
+        if args.prefix is None:
+            args.prefix = saved.prefix
     try:
-        return Layout(args.prefix.encode("utf-8"))
+        return Layout((config.DEFAULT_PREFIX if args.prefix is None else args.prefix).encode("utf-8"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

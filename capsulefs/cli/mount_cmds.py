@@ -19,9 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
+
+if TYPE_CHECKING:
+    from capsulefs.core.fleet.config import FleetConfig
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) ->
         listen=parse_address(args.listen, listen=True) if args.listen else None,
         metrics_file=args.metrics_file,
         metrics_interval=args.metrics_interval,
+        fleet=args.fleet_config,
     )).daemon
 
     async def main() -> None:
@@ -126,6 +131,21 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) ->
 
     trio.run(main)
     return 0
+
+
+def _fleet_config(args: argparse.Namespace) -> FleetConfig | None:
+    """``--directory`` (saved in the state dir for later commands), else the
+    saved one, else None: peer-to-peer. FleetConfigError: one line."""
+    from capsulefs.core.fleet import config
+
+    if args.directory is None:
+        if args.directory_prefix is not None:
+            raise config.FleetConfigError("--directory-prefix needs --directory")
+        return config.load(state_dir(args))
+    cfg = config.make(args.directory, args.directory_prefix)
+    os.makedirs(state_dir(args), exist_ok=True)
+    config.save(state_dir(args), cfg)
+    return cfg
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -142,6 +162,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if why is not None:
             print(f"capsulefs: error: {why}", file=sys.stderr)
             return 1
+    args.fleet_config = _fleet_config(args)
     if args.background:
         return _background(args)
     _configure_logging(args)
@@ -351,6 +372,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="answer peers' moves there (port 0: any free port, written to STATE/mount/daemon.json); "
                         "without it this host moves agents out but accepts none")
+    p.add_argument("--directory", metavar="etcd://HOST:PORT[,...]",
+                   help="fleet mode: the directory on etcd (saved in the state dir: later mounts and 'fleet ls' "
+                        "use it); agents run only while this host's lease there lives. Default: peer-to-peer, "
+                        "or the directory saved by an earlier mount")
+    p.add_argument("--directory-prefix", metavar="PREFIX", help="the fleet's key prefix in etcd (default /capsulefs/)")
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")

@@ -64,6 +64,9 @@ def _row_from_daemon(mnt: str, name: str, agent_id: str) -> dict[str, Any] | Non
         "model": f"{st['provider']}:{st['model']}" if st.get("provider") else None,
         "run": run.get("state") if run else "not run (mount --no-run)",
         "spec_digest": (run.get("spec") or {}).get("digest") if run else None,
+        # why it does not run (e.g. "fleet lease lost: ..."), while stopped or frozen
+        "not_running": str(run.get("detail") or "") or None
+        if run and run.get("state") in ("stopped", "frozen") else None,
         "last_error": err if err else ({"what": st["last_error"]} if st.get("last_error") else None),
         "last_event": _last_event_time(os.path.join(path, fmt.JOURNAL)),
         "source": "daemon",
@@ -86,7 +89,7 @@ def _row_from_store(state: str, agent: Any, holders: Any) -> dict[str, Any]:
         "state": rec.state.value if rec is not None else "no holder record",
         "holder": story(rec, m.name).as_json(), "epoch": m.holder.epoch,
         "model": f"{tail.model[0]}:{tail.model[1]}" if tail.model else None,
-        "run": "not running (no daemon)", "spec_digest": None, "last_error": None,
+        "run": "not running (no daemon)", "spec_digest": None, "not_running": None, "last_error": None,
         "last_event": _last_event_time(journal), "source": "store",
     }
 
@@ -134,6 +137,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         told = r["holder"] or {}
         if told.get("next"):
             print(shown(f"{r['name']}: {told.get('state')}: {told.get('reason')}; next: {told['next']}"))
+        elif r.get("not_running"):
+            print(shown(f"{r['name']}: not running: {r['not_running']}"))
     return 0
 
 

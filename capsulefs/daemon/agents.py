@@ -15,6 +15,11 @@ Rules:
     work is committed while the mount still takes its writes.
   * The runtime runs an agent only when :meth:`Agents.may_run` says so; it
     keeps its process-level states (starting, running, backing off) itself.
+  * In the fleet mode (``mount --directory``) this is the host lease
+    keeper's listener too (through root.py's upcalls): while the host has no
+    live lease every agent is held still (read-only, not run), and after a
+    new lease each runs again only once the directory names this host at
+    the epoch it holds (:meth:`Agents.lease_regained`). docs/fleet.md.
 
 Theory of operation: one object, built by the composition root
 (capsulefs/daemon/root.py) with its collaborators typed by the Protocols
@@ -30,6 +35,7 @@ from typing import Protocol
 import trio
 
 from capsulefs.agents.removal import discard_leftovers, giving_up, refuse_if_moving
+from capsulefs.core.errors import CapsuleError
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.story import story
 from capsulefs.core.store.lifecycle import Decision, runs, shown
@@ -39,7 +45,7 @@ from capsulefs.core.view.nodes import AgentState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentProcesses", "Agents", "MoveGuard", "RootEntries", "Standing"]
+__all__ = ["AgentProcesses", "Agents", "Directory", "LeaseView", "MoveGuard", "RootEntries", "Standing"]
 
 
 class Standing(Protocol):
@@ -65,6 +71,25 @@ class AgentProcesses(Protocol):
     async def on_activate(self, agent_id: str) -> None: ...
 
     async def on_remove(self, agent_id: str) -> None: ...
+
+    async def on_fence(self, agent_id: str) -> None:
+        """Stop the agent's process now, without committing its workspace
+        (the host lost its fleet lease: its capsule takes no write), well
+        within the lease's stop window."""
+
+
+class Directory(Protocol):
+    """The fleet's holder authority (capsulefs/fleet/authority.py's DirectoryAuthority)."""
+
+    async def claim(self, agent_id: str, epoch: int) -> bool: ...
+
+    async def confirm(self, agent_id: str, epoch: int) -> bool: ...
+
+
+class LeaseView(Protocol):
+    """Whether the host's lease lets it run agents now (the lease keeper)."""
+
+    def may_run(self) -> bool: ...
 
 
 class MoveGuard(Protocol):
@@ -94,6 +119,14 @@ class Agents:
         self.processes = processes  # None: `mount --no-run`
         #: Agents a move (or a doubt found while it ran) holds still: read-only, not run.
         self._still: set[str] = set()
+        #: Fleet mode: why no agent may run (the host has no live lease), None while it has one.
+        self._lease_why: str | None = None
+        #: Fleet mode: agents the directory did not confirm after the last new lease, and why.
+        self._unconfirmed: dict[str, str] = {}
+
+    def _held(self, agent_id: str) -> bool:
+        """Held still: by a move, by the host's lost lease, or by the directory."""
+        return agent_id in self._still or self._lease_why is not None or agent_id in self._unconfirmed
 
     # -- deriving ------------------------------------------------------------------
     def decision(self, agent_id: str) -> Decision:
@@ -105,20 +138,24 @@ class Agents:
         one left in a move, in doubt, or without a record, is read-only
         until settled)."""
         for agent_id in self.view.store.agent_ids():
-            self.view.set_state(agent_id, shown(self.decision(agent_id), still=agent_id in self._still))
+            self.view.set_state(agent_id, shown(self.decision(agent_id), still=self._held(agent_id)))
 
     def _as_decided(self, agent_id: str) -> None:
         """After the mount showed an agent writable (a resume, an activate):
         read-only again if the lifecycle says so (in doubt)."""
-        if shown(self.decision(agent_id), still=agent_id in self._still) is AgentState.FROZEN:
+        if shown(self.decision(agent_id), still=self._held(agent_id)) is AgentState.FROZEN:
             self.view.freeze(agent_id)
 
     def may_run(self, agent_id: str) -> tuple[bool, str]:
         """Whether the agent's process may run here (the lifecycle's
         decision, while the mount shows it active), and if not, why in words."""
         decision = self.decision(agent_id)
-        if runs(decision, still=agent_id in self._still) and self.view.state(agent_id) is AgentState.ACTIVE:
+        if runs(decision, still=self._held(agent_id)) and self.view.state(agent_id) is AgentState.ACTIVE:
             return True, ""
+        if self._lease_why is not None:
+            return False, self._lease_why
+        if agent_id in self._unconfirmed:
+            return False, self._unconfirmed[agent_id]
         rec = self.holders.get(agent_id)
         if rec is not None and rec.state is HolderState.UNKNOWN:  # (frozen as well: say the real reason)
             return False, story(rec, self.view.agent(agent_id).stored_manifest().name).line()
@@ -150,6 +187,58 @@ class Agents:
             if detail is not None:
                 out["detail"] = detail
         return out
+
+    # -- the fleet's host lease (capsulefs.fleet.keeper.LeaseListener, through root.py) ------
+    def lease_pending(self, why: str) -> None:
+        """Before the mount serves, in the fleet mode: nothing runs until the first lease."""
+        self._lease_why = why
+
+    async def lease_lost(self, why: str) -> None:
+        """The host may no longer run agents: every shown agent read-only at
+        once (a write fails with EROFS), then every process stopped, all at
+        once, without a workspace commit. The keeper gives this its stop
+        window (docs/fleet.md, the lease timing argument)."""
+        self._lease_why = f"fleet lease lost: {why}"
+        for agent_id in self.view.store.agent_ids():
+            if self.view.state(agent_id) is AgentState.ACTIVE:
+                self.view.freeze(agent_id)
+        log.warning("every agent read-only and stopping: %s", self._lease_why)
+        if self.processes is not None:
+            processes = self.processes
+            async with trio.open_nursery() as nursery:
+                for agent_id in self.view.store.agent_ids():
+                    nursery.start_soon(processes.on_fence, agent_id)
+
+    async def lease_regained(self, directory: Directory, lease: LeaseView) -> None:
+        """A new lease: each agent this host holds runs again only if the
+        directory names this host at its epoch (an agent with no entry yet is
+        claimed at it first); the others stay read-only and stopped, saying why."""
+        unconfirmed: dict[str, str] = {}
+        for agent_id in self.view.store.agent_ids():
+            rec = self.holders.get(agent_id)
+            if rec is None or rec.state is not HolderState.HELD:
+                continue  # (the lifecycle holds it still: a move, a doubt, no record)
+            try:
+                ok = await directory.confirm(agent_id, rec.epoch) or (
+                    await directory.claim(agent_id, rec.epoch) and await directory.confirm(agent_id, rec.epoch))
+            except CapsuleError as exc:
+                ok, why = False, f"fleet: the directory did not answer about it: {exc}"
+            else:
+                why = f"fleet: the directory does not name this host at epoch {rec.epoch}"
+            if not ok:
+                unconfirmed[agent_id] = why
+                log.warning("agent %s stays stopped: %s", agent_id, why)
+        if not lease.may_run():
+            return  # (the lease ended meanwhile: the keeper stops again and asks for a new one)
+        self._unconfirmed = unconfirmed
+        self._lease_why = None
+        for agent_id in self.view.store.agent_ids():
+            if self.view.state(agent_id) is AgentState.FROZEN and \
+                    shown(self.decision(agent_id), still=self._held(agent_id)) is AgentState.ACTIVE:
+                self.view.resume(agent_id)
+                if self.processes is not None:
+                    await self.processes.on_resume(agent_id)
+        log.info("fleet lease held: %d agent(s) not confirmed by the directory", len(unconfirmed))
 
     # -- the move driver's hooks (capsulefs.move.host.AgentHooks) ----------------------
     async def freeze(self, agent_id: str) -> None:

@@ -13,9 +13,11 @@ Rules:
     stands) happens only when a request comes, never while building: it goes
     through :class:`_Upcalls`, which reaches the component built later by
     name. Those are the construction cycles, all of them, in one place.
-  * The fleet components (capsulefs/fleet/) are wired here too, once the
-    daemon serves them: a new field of :class:`Mounted` and a service of
-    the daemon (see "fleet" below).
+  * The fleet components (capsulefs/fleet/member.py) are built here when
+    the mount has a directory: the host lease keeper is a service of the
+    daemon, its listener the agents' lifecycle owner (through
+    :class:`_Upcalls`: the keeper is built after it); the directory
+    authority is kept on :class:`Mounted` for the moves through it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from capsulefs.agents import grants
 from capsulefs.agents.isolation import Isolation
@@ -42,6 +45,10 @@ from capsulefs.mount.ops import Operations
 from capsulefs.move.host import MoveHost, holders_dir
 from capsulefs.move.mount_moves import MountMoves
 from capsulefs.peer.identity import load_or_create_identity
+
+if TYPE_CHECKING:
+    from capsulefs.core.fleet.config import FleetConfig
+    from capsulefs.fleet.member import FleetMember
 
 __all__ = ["MountConfig", "Mounted", "compose"]
 
@@ -61,6 +68,8 @@ class MountConfig:
     notify: Callable[[str], bool] = sd_notify
     grace: float = 5.0  # seconds an agent has to stop at a step boundary
     retry_pause: float = 1.0  # between a move's retries
+    #: The fleet's directory (``mount --directory``); None: peer-to-peer.
+    fleet: FleetConfig | None = None
     #: More services started after the daemon's own (tests).
     services: tuple[Service, ...] = ()
     #: More components told before the unmount, after the runtime (tests).
@@ -78,6 +87,7 @@ class Mounted:
     moves: MountMoves
     runtime: AgentRuntime | None  # None: `--no-run`
     isolation: Isolation | None  # None: `--no-run`
+    fleet: FleetMember | None = None  # None: peer-to-peer
 
 
 def compose(cfg: MountConfig) -> Mounted:
@@ -86,8 +96,10 @@ def compose(cfg: MountConfig) -> Mounted:
     mountpoint = os.path.abspath(cfg.mountpoint)  # (CAPSULE_DIR is under it: never relative)
     store = HostStore.open(state_dir)
     grants.ensure(state_dir, store)  # (before a move brings an agent in: see grants)
-    host_id = load_or_create_identity(state_dir).host_id
-    up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops)
+    identity = load_or_create_identity(state_dir)
+    host_id = identity.host_id
+    up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops,
+                  fleet=lambda: fleet)
 
     isolation = Isolation.detect(state_dir, on_new_owner=up.owner_changed) if cfg.run_agents else None
     isolated = isolation is not None and isolation.enabled
@@ -126,8 +138,14 @@ def compose(cfg: MountConfig) -> Mounted:
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)
-    # fleet: the fleet directory's components (capsulefs/fleet/) are built here and their
-    # services appended, once the daemon serves them.
+    fleet = None
+    if cfg.fleet is not None:  # (imported only here: a peer-to-peer mount never loads httpx)
+        from capsulefs.fleet.member import FleetMember
+
+        address = f"{cfg.listen[0]}:{cfg.listen[1]}" if cfg.listen else "-"  # ("-": accepts no moves)
+        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up)
+        agents.lease_pending("fleet: waiting for a lease from the directory")
+        services.append(fleet.serve)
     services += cfg.services
     stopping += cfg.stopping
     agents.show_all()  # (before the mount serves: as the holder records and the evidence so far say)
@@ -135,18 +153,21 @@ def compose(cfg: MountConfig) -> Mounted:
                     stopping=stopping, runtime_info=[moves], allow_other=cfg.allow_other or isolated,
                     options=cfg.options, notify=cfg.notify)
     return Mounted(daemon=daemon, view=view, ops=ops, agents=agents, moves=moves, runtime=runtime,
-                   isolation=isolation)
+                   isolation=isolation, fleet=fleet)
 
 
 class _Upcalls:
     """The calls that go against the order of construction, each at request
     time only, to the component built later that carries it out: the view's
     control files, its new agents and status sections; the lifecycle
-    owner's standing, move guard and processes; isolation's new owners."""
+    owner's standing, move guard and processes; isolation's new owners; the
+    fleet lease keeper's listener."""
 
     def __init__(self, *, agents: Callable[[], Agents], moves: Callable[[], MountMoves],
-                 runtime: Callable[[], AgentRuntime | None], ops: Callable[[], Operations]) -> None:
+                 runtime: Callable[[], AgentRuntime | None], ops: Callable[[], Operations],
+                 fleet: Callable[[], FleetMember | None]) -> None:
         self._agents, self._moves, self._runtime, self._ops = agents, moves, runtime, ops
+        self._fleet = fleet
 
     def _run(self) -> AgentRuntime:
         runtime = self._runtime()
@@ -199,6 +220,18 @@ class _Upcalls:
 
     async def on_remove(self, agent_id: str) -> None:
         await self._run().on_remove(agent_id)
+
+    async def on_fence(self, agent_id: str) -> None:
+        await self._run().on_fence(agent_id)
+
+    # the fleet lease keeper's (capsulefs/fleet/keeper.py: LeaseListener)
+    async def stop(self, why: str) -> None:
+        await self._agents().lease_lost(why)
+
+    async def regained(self, lease_id: int) -> None:
+        fleet = self._fleet()
+        assert fleet is not None  # (the listener of its keeper only)
+        await self._agents().lease_regained(fleet.authority, fleet.keeper)
 
     # isolation's (capsulefs/agents/isolation.py): an agent got its own uid
     def owner_changed(self, agent_id: str) -> None:

@@ -1,0 +1,92 @@
+"""A host's fleet configuration: which directory it is a member of, in the state dir.
+
+Rules:
+  * ``capsulefs mount --directory etcd://HOST:PORT[,...]`` saves it as
+    ``STATE/fleet.json`` (one small JSON object, written atomically);
+    later commands (``fleet ls``, ``fleet hosts``, a mount without
+    ``--directory``) default to it. No file: peer-to-peer (the default).
+  * The file is outside input when read: the strict loader, every field
+    checked, one line naming the problem (:class:`FleetConfigError`).
+
+Theory of operation: :func:`load` reads it (None if absent), :func:`save`
+writes it; :func:`make` checks what a person typed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from capsulefs.core.capsule import format as fmt
+from capsulefs.core.fleet.directory import Layout
+from capsulefs.core.fleet.errors import FleetAddressError, FleetError
+from capsulefs.core.fleet.etcd._ops import parse_endpoints
+from capsulefs.core.fsutil import atomic_write
+
+__all__ = ["CONFIG_FILE", "DEFAULT_PREFIX", "FleetConfig", "FleetConfigError", "config_path", "load", "make", "save"]
+
+CONFIG_FILE = "fleet.json"
+DEFAULT_PREFIX = "/capsulefs/"
+MAX_CONFIG_BYTES = 64 * 1024
+
+
+class FleetConfigError(FleetError):
+    """The saved fleet configuration (or a flag for it) is not usable."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    directory: str  # etcd://HOST:PORT[,...] (checked)
+    prefix: str = DEFAULT_PREFIX  # the fleet's key prefix in etcd
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.prefix.encode("utf-8"))
+
+
+def make(directory: str, prefix: str | None = None) -> FleetConfig:
+    """A configuration from flags; FleetConfigError naming what is wrong."""
+    prefix = DEFAULT_PREFIX if prefix is None else prefix
+    try:
+        parse_endpoints(directory)
+    except FleetAddressError as exc:
+        raise FleetConfigError(str(exc)) from None
+    if not prefix.isprintable() or len(prefix) > 200:
+        raise FleetConfigError(f"directory prefix {prefix[:80]!r} is not 1-200 printable characters")
+    try:
+        Layout(prefix.encode("utf-8"))
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise FleetConfigError(str(exc)) from None
+    return FleetConfig(directory=directory, prefix=prefix)
+
+
+def config_path(state_dir: str) -> str:
+    return os.path.join(state_dir, CONFIG_FILE)
+
+
+def load(state_dir: str) -> FleetConfig | None:
+    """The saved configuration, None if there is none (peer-to-peer)."""
+    path = config_path(state_dir)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FleetConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise FleetConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    doc = fmt.load_json(data, path, error=FleetConfigError)
+    if not isinstance(doc, dict) or set(doc) - {"directory", "prefix"} or not isinstance(doc.get("directory"), str) \
+            or not isinstance(doc.get("prefix", DEFAULT_PREFIX), str):
+        raise FleetConfigError(f"{path}: not an object of \"directory\" and \"prefix\" strings")
+    try:
+        return make(doc["directory"], doc.get("prefix", DEFAULT_PREFIX))
+    except FleetConfigError as exc:
+        raise FleetConfigError(f"{path}: {exc}") from None
+
+
+def save(state_dir: str, cfg: FleetConfig) -> None:
+    doc = {"directory": cfg.directory, "prefix": cfg.prefix}
+    atomic_write(config_path(state_dir), (json.dumps(doc) + "\n").encode())

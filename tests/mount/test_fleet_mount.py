@@ -1,0 +1,161 @@
+"""A mount in the fleet mode (``mount --directory etcd://...``) against a
+real etcd, with a running agent: etcd killed with -9, the agent's process is
+gone and its working memory refuses writes before the host's lease can
+expire, and the status says why; etcd back, the agent runs and takes writes
+again. An agent the directory gives to another host meanwhile stays stopped."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from mount_kit import capsulefs, mounted, needs_fuse, new_reference_agent
+from mount_kit import status as agent_status
+
+from capsulefs.core.fleet import directory as fd
+from capsulefs.fleet.directory import read_hosts
+from capsulefs.fleet.etcd import open_etcd
+from capsulefs.testing.stub_provider import serve
+from fleet_kit import KillableEtcd, killable_etcd
+from helpers import HANG, wait_until
+
+pytestmark = [needs_fuse]
+
+PREFIX = "/capsulefs-mount-test/"
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[KillableEtcd]:
+    with killable_etcd() as server:
+        yield server
+
+
+def _hosts(spec: str) -> list:
+    async def run() -> list:
+        async with open_etcd(spec, timeout=HANG) as etcd:
+            return await read_hosts(etcd, fd.Layout(PREFIX.encode()))
+
+    return trio.run(run)
+
+
+def _put_agent(spec: str, agent_id: str, entry: fd.AgentEntry) -> None:
+    async def run() -> None:
+        async with open_etcd(spec, timeout=HANG) as etcd:
+            await etcd.put(fd.Layout(PREFIX.encode()).agent(agent_id), entry.encode())
+
+    trio.run(run)
+
+
+def _revoke(spec: str, lease_id: int) -> None:
+    async def run() -> None:
+        async with open_etcd(spec, timeout=HANG) as etcd:
+            await etcd.revoke(lease_id)
+
+    trio.run(run)
+
+
+def _write_memory(agent: Path, text: str) -> int:
+    """0 if a write of working memory is taken, else its errno."""
+    try:
+        (agent / "memory" / "working_memory.md").write_text(text)
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _running(agent: Path) -> int | None:
+    run = agent_status(agent)["run"]
+    return run["pid"] if run["state"] == "running" else None
+
+
+def test_etcd_killed_stops_the_agent_read_only_before_the_lease_ends_and_back(
+        tmp_path: Path, etcd_server: KillableEtcd) -> None:
+    with serve() as (url, _stub):
+        state = new_reference_agent(tmp_path, url)
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt, "--directory", etcd_server.spec, "--directory-prefix", PREFIX):
+            agent = mnt / "pilot"
+            wait_until(lambda: _running(agent), "the agent to run once the host has a lease")
+            pid = _running(agent)
+            assert pid is not None
+            assert _write_memory(agent, "# notes\nbefore etcd died\n") == 0
+            # later commands know the directory (saved in the state dir); the agent is claimed
+            rows = json.loads("[" + ",".join(capsulefs("--state", str(state), "fleet", "ls", "--json")
+                                             .stdout.splitlines()) + "]")
+            assert [r["agent_id"] for r in rows] == [agent_status(agent)["agent_id"]]
+            assert rows[0]["state"] == "held" and rows[0]["holder_alive"] and rows[0]["epoch"] >= 1
+
+            # etcd's own answer: the lease has ttl (whole) seconds left when asked at `asked`
+            asked = time.monotonic()
+            (host,) = _hosts(etcd_server.spec)
+            assert host.lease_ttl is not None
+            etcd_server.kill()
+
+            wait_until(lambda: _gone(pid) and _write_memory(agent, "after\n") == errno.EROFS,
+                       "the agent's process gone and its working memory read-only")
+            stopped = time.monotonic()
+            assert stopped < asked + host.lease_ttl, (stopped - asked, host.lease_ttl)
+            st = agent_status(agent)
+            assert st["state"] == "frozen" and st["run"]["state"] != "running"
+            assert st["run"]["detail"].startswith("fleet lease lost: "), st["run"]
+            table = capsulefs("--state", str(state), "status").stdout
+            assert "pilot: not running: fleet lease lost: " in table, table
+
+            etcd_server.start()
+            wait_until(lambda: _running(agent), "the agent to run again with a new lease")
+            assert _running(agent) != pid
+            assert agent_status(agent)["state"] == "active"
+            assert _write_memory(agent, "# notes\nafter etcd came back\n") == 0
+            assert "after etcd came back" in (agent / "memory" / "working_memory.md").read_text()
+
+
+def test_an_agent_the_directory_names_elsewhere_stays_stopped_after_a_new_lease(
+        tmp_path: Path, etcd_server: KillableEtcd) -> None:
+    with serve() as (url, _stub):
+        state = new_reference_agent(tmp_path, url, "kept")
+        spec = tmp_path / "spec.json"  # (new_reference_agent's; the second agent runs it too)
+        capsulefs("--state", str(state), "new", "taken", "--spec", str(spec))
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt, "--directory", etcd_server.spec, "--directory-prefix", PREFIX):
+            kept, taken = mnt / "kept", mnt / "taken"
+            wait_until(lambda: _running(kept) and _running(taken), "both agents to run")
+            taken_pid = _running(taken)
+            assert taken_pid is not None
+            # another host takes "taken" over in the directory; this host's lease ends
+            (host,) = _hosts(etcd_server.spec)
+            _put_agent(etcd_server.spec, agent_status(taken)["agent_id"], fd.AgentEntry(host_id="host-b", epoch=9))
+            lease_id = _lease_of(etcd_server.spec, host.host_id)
+            _revoke(etcd_server.spec, lease_id)
+
+            wait_until(lambda: _gone(taken_pid) and _write_memory(taken, "x\n") == errno.EROFS,
+                       "the taken agent stopped and read-only")
+            wait_until(lambda: _running(kept) and _lease_of(etcd_server.spec, host.host_id) not in (None, lease_id),
+                       "the kept agent to run again under a new lease")
+            assert _write_memory(kept, "# notes\nstill mine\n") == 0
+            st = agent_status(taken)
+            assert st["state"] == "frozen" and _running(taken) is None
+            assert "the directory does not name this host" in st["run"]["detail"], st["run"]
+            assert _write_memory(taken, "x\n") == errno.EROFS
+
+
+def _lease_of(spec: str, host_id: str) -> int | None:
+    async def run() -> int | None:
+        async with open_etcd(spec, timeout=HANG) as etcd:
+            kv = await etcd.get(fd.Layout(PREFIX.encode()).host(host_id))
+            return None if kv is None else kv.lease
+
+    return trio.run(run)
