@@ -7,6 +7,9 @@ capsulefs reads them (each with the strict loader, one error naming the file):
     accepted is an object of services, each an object of NAME: value strings;
     a refusal never holds a value (they are secrets).
   * secret-grants.json: what is accepted maps agent ids to lists of names.
+  * fleet.json (``mount --directory``): what is accepted names an etcd
+    address that parses and a prefix the layout takes; a refusal is one
+    FleetConfigError line naming the file.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from capsulefs.agents.keychain import StateFileKeyring
 from capsulefs.core.store.layout import SECRETS_FILE
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.fleet import config as fleet_config
+from capsulefs.core.fleet.etcd._ops import parse_endpoints
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.store.layout import STORE_FILE
 
@@ -70,8 +75,25 @@ def _run_grants(data: bytes, scratch: Path) -> None:
     assert all(fmt.is_agent_id(k) and all(isinstance(n, str) for n in v) for k, v in loaded.items()), loaded
 
 
+def _fleet_seeds() -> list[bytes]:
+    return [b'{"directory": "etcd://127.0.0.1:2379,[::1]:2379", "prefix": "/capsulefs/"}\n',
+            b'{"directory": "etcd://etcd-a.example:2379"}']
+
+
+def _run_fleet(data: bytes, scratch: Path) -> None:
+    (scratch / fleet_config.CONFIG_FILE).write_bytes(data)
+    try:
+        cfg = fleet_config.load(str(scratch))
+    except CapsuleError as exc:
+        assert isinstance(exc, fleet_config.FleetConfigError), repr(exc)
+        assert fleet_config.CONFIG_FILE in str(exc) and "\n" not in str(exc), str(exc)
+        raise
+    assert cfg is not None and parse_endpoints(cfg.directory) and cfg.layout.prefix == cfg.prefix.encode()
+
+
 TARGETS = [
     Target("host_store_json", _store_seeds, _run_store),
     Target("host_secrets_json", _secrets_seeds, _run_secrets),
     Target("host_grants_json", _grants_seeds, _run_grants),
+    Target("host_fleet_json", _fleet_seeds, _run_fleet),
 ]

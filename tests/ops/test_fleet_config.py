@@ -1,0 +1,64 @@
+"""The fleet configuration in the state dir (``mount --directory``, core/fleet/config.py):
+bad flags and a bad file are one line each, nothing written; ``fleet ls`` and
+``fleet hosts`` default to the saved directory, and say so when there is none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from capsulefs.core.fleet import config
+
+from cli_kit import run_cli
+
+
+def test_mount_refuses_a_bad_directory_flag_in_one_line_and_saves_nothing(tmp_path: Path) -> None:
+    state, mnt = tmp_path / "state", tmp_path / "mnt"
+    mnt.mkdir()
+    for flags, words in [(["--directory", "http://127.0.0.1:2379"], "not an etcd address"),
+                         (["--directory", "etcd://127.0.0.1:99999"], "not HOST:PORT"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--directory-prefix", "capsulefs"],
+                          "starts and ends with '/'"),
+                         (["--directory-prefix", "/p/"], "--directory-prefix needs --directory")]:
+        proc = run_cli("mount", str(mnt), *flags, state=state)
+        assert proc.returncode == 1, proc
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("capsulefs: error: ") and words in line, line
+        assert not (state / config.CONFIG_FILE).exists()
+
+
+def test_the_saved_file_is_read_strictly(tmp_path: Path) -> None:
+    assert config.load(str(tmp_path)) is None  # (no file: peer-to-peer)
+    config.save(str(tmp_path), config.make("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/"))
+    assert config.load(str(tmp_path)) == config.FleetConfig("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/")
+    path = tmp_path / config.CONFIG_FILE
+    for data, words in [(b'{"directory": "etcd://a:1", "directory": "etcd://b:1"}', "appears twice"),
+                        (b'{"directory": "etcd://a:1", "extra": 1}', "not an object of"),
+                        (b'["etcd://a:1"]', "not an object of"),
+                        (b'{"directory": "etcd://a"}', "not HOST:PORT"),
+                        (b'{"directory": "etcd://a:1", "prefix": "/x"}', "starts and ends"),
+                        (b"\xff", "not UTF-8")]:
+        path.write_bytes(data)
+        try:
+            config.load(str(tmp_path))
+        except config.FleetConfigError as exc:
+            assert str(path) in str(exc) and words.lower() in str(exc).lower() and "\n" not in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{data!r} was accepted")
+
+
+def test_fleet_commands_default_to_the_saved_directory(tmp_path: Path) -> None:
+    from fleet_kit import free_ports
+
+    state = tmp_path / "state"
+    proc = run_cli("fleet", "ls", state=state)
+    assert proc.returncode != 0 and "no --directory given and none saved" in proc.stderr, proc
+    (port,) = free_ports(1)  # (nothing listens there: the command says it could not reach it)
+    state.mkdir()
+    config.save(str(state), config.make(f"etcd://127.0.0.1:{port}", "/fleet-b/"))
+    for cmd in ("ls", "hosts"):
+        proc = run_cli("fleet", cmd, "--json", state=state)
+        assert proc.returncode == 1 and proc.stdout == "", proc
+        (line,) = proc.stderr.splitlines()
+        assert f"127.0.0.1:{port}" in line, line
+    assert json.loads((state / config.CONFIG_FILE).read_bytes())["prefix"] == "/fleet-b/"
