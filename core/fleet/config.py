@@ -23,10 +23,10 @@ from capsulefs.core.fleet.directory import Layout
 from capsulefs.core.fleet.errors import FleetAddressError, FleetError
 from capsulefs.core.fleet.etcd._ops import parse_endpoints
 from capsulefs.core.fsutil import atomic_write
+from capsulefs.core.store.layout import FLEET_FILE
 
-__all__ = ["CONFIG_FILE", "DEFAULT_PREFIX", "FleetConfig", "FleetConfigError", "config_path", "load", "make", "save"]
+__all__ = ["DEFAULT_PREFIX", "FleetConfig", "FleetConfigError", "config_path", "load", "make", "save"]
 
-CONFIG_FILE = "fleet.json"
 DEFAULT_PREFIX = "/capsulefs/"
 MAX_CONFIG_BYTES = 64 * 1024
 
@@ -62,7 +62,7 @@ def make(directory: str, prefix: str | None = None) -> FleetConfig:
 
 
 def config_path(state_dir: str) -> str:
-    return os.path.join(state_dir, CONFIG_FILE)
+    return os.path.join(state_dir, FLEET_FILE)
 
 
 def load(state_dir: str) -> FleetConfig | None:

@@ -30,13 +30,15 @@ other module spells a name of this table.
                             (capsulefs/agents/sandbox_dir, isolation, process)
   ``mount/``                the daemon's work: scratch/, snapshots/, its
                             runtime and lock files (capsulefs/daemon/daemon)
+  ``fleet.json``            the fleet's directory this host is a member of,
+                            if any (core/fleet/config)
   ========================= ==================================================
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "AGENTS_DIR", "GC_LOCK", "GRANTS_FILE", "GRANTS_LOCK", "GRANTS_MADE", "HOLDERS_DIR", "JOURNAL_TIP_DIR",
+    "AGENTS_DIR", "FLEET_FILE", "GC_LOCK", "GRANTS_FILE", "GRANTS_LOCK", "GRANTS_MADE", "HOLDERS_DIR", "JOURNAL_TIP_DIR",
     "LOGS_DIR", "OBJECTS_DIR", "PEERS_FILE", "RECOVERY_DIR", "SANDBOXES_DIR", "SECRETS_FILE", "STAGING_DIR",
     "STORE_FILE", "TIMELINE_DIR", "TLS_DIR", "TLS_PEERS_DIR", "WORK_DIR",
 ]
@@ -60,3 +62,4 @@ GRANTS_MADE = ".grants-made"
 LOGS_DIR = "logs"
 SANDBOXES_DIR = "sandboxes"
 WORK_DIR = "mount"
+FLEET_FILE = "fleet.json"

@@ -81,12 +81,12 @@ def _fleet_seeds() -> list[bytes]:
 
 
 def _run_fleet(data: bytes, scratch: Path) -> None:
-    (scratch / fleet_config.CONFIG_FILE).write_bytes(data)
+    (scratch / layout.FLEET_FILE).write_bytes(data)
     try:
         cfg = fleet_config.load(str(scratch))
     except CapsuleError as exc:
         assert isinstance(exc, fleet_config.FleetConfigError), repr(exc)
-        assert fleet_config.CONFIG_FILE in str(exc) and "\n" not in str(exc), str(exc)
+        assert layout.FLEET_FILE in str(exc) and "\n" not in str(exc), str(exc)
         raise
     assert cfg is not None and parse_endpoints(cfg.directory) and cfg.layout.prefix == cfg.prefix.encode()
 

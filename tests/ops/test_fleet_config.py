@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from capsulefs.core.fleet import config
+from capsulefs.core.store import layout
 
 from cli_kit import run_cli
 
@@ -24,14 +25,14 @@ def test_mount_refuses_a_bad_directory_flag_in_one_line_and_saves_nothing(tmp_pa
         assert proc.returncode == 1, proc
         (line,) = proc.stderr.splitlines()
         assert line.startswith("capsulefs: error: ") and words in line, line
-        assert not (state / config.CONFIG_FILE).exists()
+        assert not (state / layout.FLEET_FILE).exists()
 
 
 def test_the_saved_file_is_read_strictly(tmp_path: Path) -> None:
     assert config.load(str(tmp_path)) is None  # (no file: peer-to-peer)
     config.save(str(tmp_path), config.make("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/"))
     assert config.load(str(tmp_path)) == config.FleetConfig("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/")
-    path = tmp_path / config.CONFIG_FILE
+    path = tmp_path / layout.FLEET_FILE
     for data, words in [(b'{"directory": "etcd://a:1", "directory": "etcd://b:1"}', "appears twice"),
                         (b'{"directory": "etcd://a:1", "extra": 1}', "not an object of"),
                         (b'["etcd://a:1"]', "not an object of"),
@@ -61,4 +62,4 @@ def test_fleet_commands_default_to_the_saved_directory(tmp_path: Path) -> None:
         assert proc.returncode == 1 and proc.stdout == "", proc
         (line,) = proc.stderr.splitlines()
         assert f"127.0.0.1:{port}" in line, line
-    assert json.loads((state / config.CONFIG_FILE).read_bytes())["prefix"] == "/fleet-b/"
+    assert json.loads((state / layout.FLEET_FILE).read_bytes())["prefix"] == "/fleet-b/"
