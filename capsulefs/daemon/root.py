@@ -44,6 +44,7 @@ from capsulefs.daemon.metrics_file import MetricsFile
 from capsulefs.mount.ops import Operations
 from capsulefs.move.host import MoveHost, holders_dir
 from capsulefs.move.mount_moves import MountMoves
+from capsulefs.testing import seams
 from capsulefs.peer.identity import load_or_create_identity
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class MountConfig:
     notify: Callable[[str], bool] = sd_notify
     grace: float = 5.0  # seconds an agent has to stop at a step boundary
     retry_pause: float = 1.0  # between a move's retries
+    call_timeout: float = 120.0  # seconds a move's call may take before it is a timeout
     #: The fleet's directory (``mount --directory``); None: peer-to-peer.
     fleet: FleetConfig | None = None
     #: More services started after the daemon's own (tests).
@@ -133,8 +135,11 @@ def compose(cfg: MountConfig) -> Mounted:
         services += [runtime.serve, Steering(runtime, state_dir).serve]  # (steering: spec and grant changes)
         stopping.append(runtime)
     # After the runtime: moves may activate agents, which the runtime then starts.
-    moves = MountMoves(MoveHost.open(state_dir, hooks=agents), agents, listen=cfg.listen,
-                       retry_pause=cfg.retry_pause)
+    move_host = MoveHost.open(state_dir, hooks=agents)
+    # Test seams (capsulefs/testing/seams.py), selected by a test's environment only.
+    seams.crash_seam(move_host, os.environ.get(seams.CRASH_ENV))
+    moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
+                       call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout)
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)

@@ -19,22 +19,13 @@ Rules:
     holds the agent's move lock and is refused at once while this service
     runs a move of it, so a removal and a move never overlap.
 
-The test seam ``CAPSULEFS_TEST_CRASH_AT=<side>:<state>`` (test-only, read once
-at daemon start) makes the daemon ``os._exit(137)`` right after it durably
-wrote that holder state: source:frozen, source:committing, source:retired,
-source:held (rolled back), target:offered, target:verified, target:prepared,
-target:held (activated, before the reply). tests/daemons/test_move_daemons.py uses it
-to kill a real daemon at each phase of a move.
-
-The test seam ``CAPSULEFS_TEST_CALL_TIMEOUT=SECONDS`` (test-only, read once at
-daemon start) replaces the 120 s a move's call may take before it is a
-timeout, so tests/daemons/test_move_daemon_errors.py can see ETIMEDOUT quickly.
+Its test seams (a crash at a chosen holder state, a shorter call timeout) are
+in capsulefs/testing/seams.py; the composition root installs them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,7 +38,7 @@ from capsulefs.core import metrics
 from capsulefs.core.move.cause import Cause
 from capsulefs.core.view import errors as le
 from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.core.store.holder import HolderState
 from capsulefs.core.store.story import story
 from capsulefs.move.doubt import abandon_move, learn_holder
 from capsulefs.move.source import MoveControl, MoveResult, move_agent, resume_moves
@@ -61,69 +52,7 @@ from capsulefs.peer.book import Peer, PeerBookError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "MountMoves"]
-
-CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
-CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
-
-_SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
-_TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
-
-
-class _CrashingHolders(HolderBook):
-    """Test seam: exit right after a chosen holder state is durable."""
-
-    def __init__(self, root: str, side: str, state: HolderState) -> None:
-        super().__init__(root)
-        self.side, self.state = side, state
-
-    def put(self, record: HolderRecord) -> None:
-        prev = self.get(record.agent_id)
-        super().put(record)
-        if record.state is not self.state:
-            return
-        prev_state = prev.state if prev is not None else None
-        if record.state in _SOURCE_STATES or prev_state in (HolderState.FROZEN, HolderState.COMMITTING):
-            side = "source"
-        elif record.state in _TARGET_STATES or prev_state in _TARGET_STATES:
-            side = "target"
-        else:
-            return
-        if side == self.side:
-            log.warning("test seam %s: exiting after %s:%s of %s", CRASH_ENV, side, record.state.value,
-                        record.agent_id)
-            logging.shutdown()
-            os._exit(137)
-
-
-def crash_seam(host: MoveHost, value: str | None) -> None:
-    """Install the test-only crash seam if ``value`` (``side:state``) is set."""
-    if not value:
-        return
-    side, _, state = value.partition(":")
-    if side not in ("source", "target"):
-        raise FormatError(f"{CRASH_ENV}={value!r}: the side must be source or target")
-    try:
-        st = HolderState(state)
-    except ValueError:
-        raise FormatError(f"{CRASH_ENV}={value!r}: {state!r} is not a holder state") from None
-    log.warning("test seam %s=%s is set: this daemon will exit there", CRASH_ENV, value)
-    host.holders = _CrashingHolders(host.holders.directory, side, st)
-
-
-def _test_call_timeout(value: str | None) -> float | None:
-    """The test-only seam CAPSULEFS_TEST_CALL_TIMEOUT, in seconds (None if unset)."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: not a number of seconds") from None
-    if not seconds > 0:
-        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: must be above 0")
-    log.warning("test seam %s=%s is set: a move's call times out after %gs", CALL_TIMEOUT_ENV, value, seconds)
-    return seconds
-
+__all__ = ["MountMoves"]
 
 @dataclass
 class _Running:
@@ -148,9 +77,8 @@ class MountMoves:
                  call_timeout: float = 120.0, retry_pause: float = 1.0) -> None:
         self.agents = agents
         self.host = host
-        crash_seam(self.host, os.environ.get(CRASH_ENV))
         self.listen = listen
-        self.call_timeout = _test_call_timeout(os.environ.get(CALL_TIMEOUT_ENV)) or call_timeout
+        self.call_timeout = call_timeout
         self.retry_pause = retry_pause
         self.port: int | None = None  # bound, once serving
         #: Who else holds what: checked before an agent runs, and while it runs.

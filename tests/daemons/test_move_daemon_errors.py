@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.store.holder import HolderBook, HolderState
-from capsulefs.move.mount_moves import CALL_TIMEOUT_ENV
+from capsulefs.testing.seams import CALL_TIMEOUT_ENV
 from helpers import bound
 from mount_kit import needs_fuse
 from test_move_daemons import Host, hosts, make_agent, start_all, verify_on, wait_for, wait_holding, write_move  # noqa: F401

@@ -4,7 +4,7 @@ Each host is its own state directory and mount point, ``capsulefs init``'d,
 with the other added as a peer. Moves are asked for the way a user does:
 ``echo B > MNT_A/agent/.control/move``. Daemons are killed with SIGKILL at
 each durable step of a move (the test seam CAPSULEFS_TEST_CRASH_AT, see
-capsulefs/move/mount_moves.py) and restarted; the end state must have exactly one
+capsulefs/testing/seams.py) and restarted; the end state must have exactly one
 holder, no staging left, a capsule that verifies and a journal that lost
 nothing. Every test unmounts and kills what it started, even on failure.
 """
