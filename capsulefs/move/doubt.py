@@ -24,7 +24,8 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store.kept import keep_copy
 from capsulefs.core.store.learning import learn_from_peers
-from capsulefs.move.host import MoveHost, result_to_answer
+from capsulefs.core.move.wire import result_to_answer
+from capsulefs.move.host import MoveHost
 from capsulefs.move.source import Connector
 from capsulefs.peer.client import open_peer
 from capsulefs.peer.errors import PeerError

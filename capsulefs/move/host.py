@@ -7,8 +7,8 @@ Rules:
   * All move work on one agent, source or target side, holds that agent's
     lock (:meth:`MoveHost.lock`), so the holder record is read and written
     by one task at a time. Different agents move concurrently.
-  * The wire form of every answer is defined here once
-    (:func:`answer_to_result`, :func:`result_to_answer`); docs/wire.md lists it.
+  * The wire form of every call name and answer is core/move/wire.py's,
+    beside the move machines (docs/wire.md lists it).
 """
 
 from __future__ import annotations
@@ -17,21 +17,18 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
-from capsulefs.core import move as mv
-from capsulefs.core.errors import FormatError
-from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held, unknown
+from capsulefs.core.store.holder import HolderBook, HolderRecord, new_held, unknown
 from capsulefs.core.store.layout import HOLDERS_DIR
-from capsulefs.core.store.learning import PeerView
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import Identity, load_or_create_identity
 from capsulefs.peer.book import PeerBook
 
-__all__ = ["AgentHooks", "MoveHost", "NoHooks", "answer_to_result", "holders_dir", "new_agent_files",
-           "record_imported", "record_new_agent", "result_to_answer"]
+__all__ = ["AgentHooks", "MoveHost", "NoHooks", "holders_dir", "new_agent_files", "record_imported",
+           "record_new_agent"]
 
 
 def holders_dir(state_dir: str | os.PathLike[str]) -> str:
@@ -153,56 +150,3 @@ class MoveHost:
 
     def lock(self, agent_id: str) -> trio.Lock:
         return self._locks.setdefault(agent_id, trio.Lock())
-
-
-# -- the wire form of answers -------------------------------------------------------------
-
-
-def answer_to_result(answer: object) -> dict[str, Any]:
-    match answer:
-        case mv.OfferReply():
-            return {"accepted": answer.accepted, "missing": list(answer.missing), "highest": answer.highest,
-                    "held_there": answer.held_there, "reason": answer.reason}
-        case mv.BlobReply():
-            return {"sha": answer.sha, "ok": answer.ok, "reason": answer.reason}
-        case mv.VerifyReply():
-            return {"ok": answer.ok, "bad": list(answer.bad), "reason": answer.reason}
-        case mv.PrepareReply():
-            return {"ok": answer.ok, "reason": answer.reason}
-        case mv.ActivateReply() | mv.StatusReply():
-            return {"outcome": answer.outcome.value}
-        case mv.AbortReply():
-            return {}
-        case mv.FenceReply():
-            v = answer.view
-            return {"host": v.host, "state": None if v.state is None else v.state.value, "epoch": v.epoch,
-                    "held_epoch": v.held_epoch, "activated": list(v.activated)}
-    raise TypeError(f"not an answer: {answer!r}")
-
-
-def result_to_answer(call: mv.Call, agent_id: str, epoch: int, r: dict[str, Any]) -> object:
-    """Parse a reply's result; raise FormatError if it is malformed."""
-    try:
-        match call:
-            case mv.Call.OFFER:
-                return mv.OfferReply(agent_id=agent_id, epoch=epoch, accepted=r["accepted"], missing=tuple(r["missing"]),
-                                     highest=r["highest"], held_there=r["held_there"], reason=r["reason"])
-            case mv.Call.BLOB:
-                return mv.BlobReply(agent_id=agent_id, epoch=epoch, sha=r["sha"], ok=r["ok"], reason=r["reason"])
-            case mv.Call.VERIFY:
-                return mv.VerifyReply(agent_id=agent_id, epoch=epoch, ok=r["ok"], bad=tuple(r["bad"]), reason=r["reason"])
-            case mv.Call.PREPARE:
-                return mv.PrepareReply(agent_id=agent_id, epoch=epoch, ok=r["ok"], reason=r["reason"])
-            case mv.Call.ACTIVATE:
-                return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome(r["outcome"]))
-            case mv.Call.STATUS:
-                return mv.StatusReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome(r["outcome"]))
-            case mv.Call.ABORT:
-                return mv.AbortReply(agent_id=agent_id, epoch=epoch)
-            case mv.Call.FENCE:
-                view = PeerView(host=r["host"], state=None if r["state"] is None else HolderState(r["state"]),
-                                epoch=r["epoch"], held_epoch=r["held_epoch"], activated=tuple(r["activated"]))
-                return mv.FenceReply(agent_id=agent_id, view=view)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"malformed {call.value} reply: {exc!r}") from None
-    raise AssertionError(call)

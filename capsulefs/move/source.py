@@ -46,8 +46,8 @@ from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
-from capsulefs.move.host import MoveHost, result_to_answer
-from capsulefs.move.target import BLOBS_CALL
+from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
+from capsulefs.move.host import MoveHost
 from capsulefs.move.read_ahead import read_ahead
 from capsulefs.peer.client import PeerConnection, open_peer
 from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError

@@ -44,12 +44,12 @@ from capsulefs.peer.client import open_peer
 from capsulefs.peer.errors import CallFailed, PeerError
 from capsulefs.peer.framing import Payload
 from capsulefs.peer.server import PeerHandler
+from capsulefs.core.move.wire import HOLDS_CALL
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ASK_TIMEOUT", "HOLDS_CALL", "PERIOD", "Standings"]
+__all__ = ["ASK_TIMEOUT", "PERIOD", "Standings"]
 
-HOLDS_CALL = "holds"
 #: Seconds between two rounds of asking every peer (each round: one message per peer).
 PERIOD = 2.0
 #: Longest one ask (connect, handshake, call) may take.

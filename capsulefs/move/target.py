@@ -51,7 +51,8 @@ from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.store.story import story
-from capsulefs.move.host import MoveHost, answer_to_result
+from capsulefs.core.move.wire import BLOBS_CALL, answer_to_result
+from capsulefs.move.host import MoveHost
 from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload
 from capsulefs.peer.server import PeerHandler, serve_peers
@@ -63,12 +64,11 @@ from capsulefs.peer.book import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BLOBS_CALL", "MoveService", "ServingMoves", "serve_moves"]
+__all__ = ["MoveService", "ServingMoves", "serve_moves"]
 
 DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness only)
 
 
-BLOBS_CALL = "blobs"  # the wire name of Call.BLOB: many pieces per call
 
 
 class MoveService:
