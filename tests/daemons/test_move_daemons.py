@@ -144,9 +144,9 @@ class Host:
             return None
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        """Unmount (the daemon exits once its mount is gone), wait for the
+        daemon, kill it if it does not exit, and unmount what a dead one left."""
+        if self.proc is not None and self.proc.poll() is None:
             force_unmount(self.mnt)
             try:
                 self.proc.wait(timeout=WAIT)
@@ -184,15 +184,13 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
         yield a, b
     finally:
         for h in (a, b):
-            force_unmount(h.mnt)  # the daemon exits once its mount is gone
-            if h.proc is not None:
-                try:
-                    h.proc.wait(timeout=WAIT)
-                except subprocess.TimeoutExpired:
-                    h.proc.kill()
-                    h.proc.wait()
-            force_unmount(h.mnt)
-    for h in (a, b):
+            h.stop()
+    no_tracebacks(a, b)
+
+
+def no_tracebacks(*hosts: Host) -> None:
+    """After a test: no daemon's log holds a traceback."""
+    for h in hosts:
         text = h.log.read_text(errors="replace") if h.log.exists() else ""
         assert "Traceback" not in text, text
 

@@ -33,7 +33,7 @@ import pytest
 
 from capsulefs.core.store.holder import HolderState
 from helpers import bound
-from test_move_daemons import (WAIT, Host, force_unmount, new_ticker_agent, start_all, ticker_pids, together, wait_for,
+from test_move_daemons import (WAIT, Host, no_tracebacks, new_ticker_agent, start_all, ticker_pids, together, wait_for,
                                wait_holding, write_move)
 
 pytestmark = pytest.mark.fuse
@@ -114,17 +114,8 @@ def three(tmp_path: Path) -> Iterator[tuple[Host, Host, Host]]:
         yield hosts
     finally:
         for h in hosts:
-            force_unmount(h.mnt)
-            if h.proc is not None:
-                try:
-                    h.proc.wait(timeout=WAIT)
-                except subprocess.TimeoutExpired:
-                    h.proc.kill()
-                    h.proc.wait()
-            force_unmount(h.mnt)
-    for h in hosts:
-        text = h.log.read_text(errors="replace") if h.log.exists() else ""
-        assert "Traceback" not in text, text
+            h.stop()
+    no_tracebacks(*hosts)
 
 
 def runs_only_on(script: Path, label: str) -> bool:
