@@ -115,9 +115,16 @@ def side_from_tar(path: str, scratch: str) -> Iterator[Side]:
 def side_from_agent(agent: object) -> Side:
     """An agent of the host store (an AgentHandle): its files as they are now,
     the journal up to its last whole line."""
-    from .archive import frozen_manifest, snapshot_files
+    from .archive import snapshot_files
 
-    files = snapshot_files(agent)  # type: ignore[arg-type]
+    return _agent_side(agent, snapshot_files(agent))  # type: ignore[arg-type]
+
+
+def _agent_side(agent: object, files: dict[str, bytes]) -> Side:
+    """One side of a merge from an agent's ``files`` as read (its journal
+    checked line by line: a line that does not parse refuses the merge)."""
+    from .archive import frozen_manifest
+
     manifest = frozen_manifest(agent, files)  # type: ignore[arg-type]
     label = f"agent {manifest.name}"
     try:
@@ -294,7 +301,7 @@ def merge_into_agent(agent: object, other: Side) -> Plan:
     the journal, projections and index written (``write_files``: the blobs
     listed in the manifest before any file names them). The journal only
     gains lines: every line the agent had stays, byte for byte."""
-    from .archive import _read_files, frozen_manifest
+    from .archive import _read_files
     from ..store.holder import agent_files_lock
     from ..store.layout import HOLDERS_DIR
 
@@ -302,17 +309,11 @@ def merge_into_agent(agent: object, other: Side) -> Plan:
     agent_id = agent.agent_id  # type: ignore[attr-defined]
     with agent_files_lock(os.path.join(store.root, HOLDERS_DIR), agent_id, shared=False), store.writing():
         files = _read_files(agent)  # type: ignore[arg-type]
-        manifest = frozen_manifest(agent, files)  # type: ignore[arg-type]
-        label = f"agent {manifest.name}"
-        try:
-            check_lines(split_lines(files.get(fmt.JOURNAL, b"")), f"{label}: journal")
-        except FormatError as exc:
-            raise MergeRefused(str(exc)) from None
-        mine = Side(label=label, manifest=manifest, files=files, blobs=manifest.blobs(), blob_path=store.blob_file)
+        mine = _agent_side(agent, files)
         plan = plan_merge(mine, other)
         old = files.get(fmt.JOURNAL, b"")
         if not set(split_lines(old)) <= set(split_lines(plan.files[fmt.JOURNAL])):
-            raise MergeRefused(f"the merge would drop lines of {label}'s journal: nothing written")
+            raise MergeRefused(f"the merge would drop lines of {mine.label}'s journal: nothing written")
         for sha, read in plan.blobs.items():
             if not store.has_blob(sha):
                 store.put_blob(read(), expect=sha)
