@@ -94,12 +94,7 @@ class Appender(Follower):
             data = records[0].line + b"\n"
             start = self._size
             if self.ring_path is None:
-                try:
-                    self._write_all(data)
-                    self._sync()
-                except BaseException:
-                    self._undo(start)
-                    raise
+                self._write_synced(data, start)
             else:
                 self._commit_with_ring(data)
             self._state.take(records)
@@ -187,12 +182,7 @@ class Appender(Follower):
                     data = b"\n".join(lines)
                 end = self._size + len(data)
                 if self.ring_path is None:
-                    try:
-                        self._write_all(data)
-                        self._sync()
-                    except BaseException:
-                        self._undo(self._size)
-                        raise
+                    self._write_synced(data, self._size)
                 else:
                     self._commit_with_ring(data)
                 if state is None:
@@ -244,12 +234,7 @@ class Appender(Follower):
             # longer ends here), and a chain already there stays a prefix.
             if ring is not None:
                 ring.forget()
-            try:
-                self._write_all(data)
-                self._sync()
-            except BaseException:
-                self._undo(start)
-                raise
+            self._write_synced(data, start)
             self.checkpoints += 1
             return
         assert self._id is not None
@@ -311,6 +296,16 @@ class Appender(Follower):
             if n <= 0:  # pragma: no cover - a regular file never does this
                 raise OSError(errno.EIO, "short write", self.path)
             view = view[n:]
+
+    def _write_synced(self, data: bytes, start: int) -> None:
+        """Write ``data`` at the end (``start``) and fdatasync it; on any
+        failure cut the file back to ``start`` (nothing was acknowledged)."""
+        try:
+            self._write_all(data)
+            self._sync()
+        except BaseException:
+            self._undo(start)
+            raise
 
     def _undo(self, size: int) -> None:
         # The group was not acknowledged: cut whatever part of it reached the file.
