@@ -120,7 +120,8 @@ class Child:
     trio's ``open_process`` forks in a worker thread, which would make
     PDEATHSIG fire when that thread retires. Forking here takes a millisecond
     on the event loop; waiting costs nothing (the pidfd becomes readable when
-    the process exits). Many tasks may wait; one of them watches the pidfd."""
+    the process exits). Many tasks may wait; one of them watches the pidfd,
+    and only it closes the pidfd once it is watched."""
 
     def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], output: int | None = None,
                  preexec: Callable[[], None] = die_with_parent, kill_rest: Callable[[], None] | None = None) -> None:
@@ -162,7 +163,12 @@ class Child:
                 await trio.lowlevel.wait_readable(self._pidfd)
             finally:
                 self._waiting = False
-        if self._pidfd >= 0:
+        # Closed only with nobody watching it: a waiter that sees the exit
+        # before the event loop has reported the pidfd readable (a busy
+        # machine) would otherwise close it under the watcher, which the
+        # kernel then drops from epoll: the watcher, the run's own task,
+        # would never wake. It wakes (the pidfd stays readable) and closes it.
+        if self._pidfd >= 0 and not self._waiting:
             os.close(self._pidfd)
             self._pidfd = -1
         return self._popen.returncode
