@@ -46,7 +46,7 @@ def test_test_sh_fails_only_for_a_mount_left_under_its_own_run(tmp_path: Path, l
     try:
         proc = subprocess.run(["bash", str(REPO / "scripts" / "test.sh"), str(test)],
                               capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                              env={**os.environ, "CAPSULEFS_LINT": "0"})
+                              env={**os.environ, "CAPSULEFS_LINT": "0", "CAPSULEFS_TEST_WORKERS": "0"})
         mnt = Path(out.read_text())
         run_root = mnt.parent
         assert str(elsewhere) not in proc.stderr
