@@ -26,6 +26,7 @@ from capsulefs.core.store.layout import HOLDERS_DIR
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import Identity, load_or_create_identity
 from capsulefs.peer.book import PeerBook
+from capsulefs.peer.finder import BookPeers, PeerFinder
 
 __all__ = ["AgentHooks", "MoveHost", "NoHooks", "holders_dir", "new_agent_files", "record_imported",
            "record_new_agent"]
@@ -130,10 +131,18 @@ class MoveHost:
     identity: Identity
     peers: PeerBook
     hooks: AgentHooks = field(default_factory=NoHooks)
+    #: Who a move's target is and who may call this host's move service: the
+    #: pinned peers (default), or the directory's live hosts in the fleet mode.
+    finder: PeerFinder | None = None
     _locks: dict[str, trio.Lock] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.finder is None:
+            self.finder = BookPeers(self.peers)
+
     @classmethod
-    def open(cls, state_dir: str | os.PathLike[str], hooks: AgentHooks | None = None) -> "MoveHost":
+    def open(cls, state_dir: str | os.PathLike[str], hooks: AgentHooks | None = None,
+             finder: PeerFinder | None = None) -> "MoveHost":
         root = os.fspath(state_dir)
         store = HostStore.open(root)
         return cls(
@@ -142,7 +151,13 @@ class MoveHost:
             identity=load_or_create_identity(root),
             peers=PeerBook(root),
             hooks=hooks if hooks is not None else NoHooks(),
+            finder=finder,
         )
+
+    @property
+    def peer_finder(self) -> PeerFinder:
+        assert self.finder is not None  # (set in __post_init__)
+        return self.finder
 
     @property
     def me(self) -> str:

@@ -48,7 +48,8 @@ from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
 from capsulefs.move.target import MoveService, serve_moves
 from capsulefs.peer.errors import PeerError
-from capsulefs.peer.book import Peer, PeerBookError
+from capsulefs.peer.book import Peer
+from capsulefs.peer.finder import PeerLookupFailed, UnknownPeer
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +191,17 @@ class MountMoves:
                               f"on both hosts; let the move end, or abandon it, then remove it")
 
     # -- the mount's Mover ------------------------------------------------------------
-    def _peer(self, target: str) -> Peer:
+    async def _peer(self, target: str) -> Peer:
+        """The target named (a pinned peer, or a live host in the directory: the host's finder)."""
         try:
-            return self.host.peers.find(target)
-        except (PeerBookError, NotFoundError, FormatError) as exc:
-            names = ", ".join(p.name for p in self.host.peers.peers()) or "none; see 'capsulefs peer add'"
-            raise FormatError(f".control/move: {target!r} is not a known peer ({exc}); peers: {names}") from None
+            return await self.host.peer_finder.find(target)
+        except UnknownPeer as exc:
+            raise FormatError(f".control/move: {exc}") from None
+        except PeerLookupFailed as exc:
+            raise le.MoveFailed(Cause.UNREACHABLE, f".control/move: {target!r}: {exc}") from None
 
     async def move(self, agent_id: str, target: str) -> None:
-        peer = self._peer(target)
+        peer = await self._peer(target)
         if agent_id in self._running:
             raise le.MoveBusy(f"agent {agent_id} is already moving to {self._running[agent_id].target}")
         if self._nursery is None:

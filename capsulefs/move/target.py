@@ -423,7 +423,7 @@ async def serve_moves(
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run_intakes)
             handler = wrap(service) if wrap is not None else service
-            bound = await nursery.start(partial(serve_peers, host.identity, host.peers, handler,
+            bound = await nursery.start(partial(serve_peers, host.identity, host.peer_finder, handler,
                                                 host=listen_host, port=port))
             nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
             task_status.started(ServingMoves(bound, service))

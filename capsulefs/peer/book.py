@@ -18,13 +18,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-
 from capsulefs.core.errors import CapsuleError, ExistsError, NotFoundError
 from capsulefs.core.capsule.format import check_host_id
 from capsulefs.core.fsutil import atomic_write, makedirs_durable
-from capsulefs.peer.identity import HOST_ID_LENGTH, host_id_from_der
+from capsulefs.peer.identity import HOST_ID_LENGTH, IdentityError, cert_from_pem
 from capsulefs.core.store.layout import PEERS_FILE, TLS_DIR, TLS_PEERS_DIR
 
 __all__ = ["DEFAULT_PORT", "Peer", "PeerBook", "PeerBookError", "parse_address"]
@@ -142,15 +139,13 @@ class PeerBook:
     def learn_cert(self, cert_pem: bytes) -> str:
         """Keep a peer's certificate if its digest is a pinned id; return the id."""
         try:
-            cert = x509.load_pem_x509_certificate(cert_pem)
-        except ValueError as exc:
-            raise PeerBookError(f"not a PEM certificate: {exc}") from None
-        der = cert.public_bytes(serialization.Encoding.DER)
-        host_id = host_id_from_der(der)
+            host_id, pem = cert_from_pem(cert_pem)
+        except IdentityError as exc:
+            raise PeerBookError(str(exc)) from None
         if self.by_id(host_id) is None:
             raise NotFoundError(f"host {host_id} is not a configured peer")
         makedirs_durable(self.certs_dir, 0o700)
-        atomic_write(self.certs_dir / f"{host_id}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        atomic_write(self.certs_dir / f"{host_id}.pem", pem)
         return host_id
 
     def trusted_pems(self) -> list[bytes]:

@@ -44,6 +44,7 @@ __all__ = [
     "HOST_ID_LENGTH",
     "Identity",
     "IdentityError",
+    "cert_from_pem",
     "host_id_from_der",
     "identity_path",
     "load_identity",
@@ -65,6 +66,17 @@ def host_id_from_der(cert_der: bytes) -> str:
     """The host id that names a certificate: base32(sha256(DER)), no padding."""
     digest = hashlib.sha256(cert_der).digest()
     return base64.b32encode(digest).decode("ascii").rstrip("=")
+
+
+def cert_from_pem(cert_pem: bytes) -> tuple[str, bytes]:
+    """A peer's certificate (PEM, hostile): its host id and its canonical PEM.
+    Raises IdentityError if it is not one PEM certificate."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise IdentityError(f"not a PEM certificate: {exc}") from None
+    der = cert.public_bytes(serialization.Encoding.DER)
+    return host_id_from_der(der), cert.public_bytes(serialization.Encoding.PEM)
 
 
 def identity_path(state_dir: str | os.PathLike[str]) -> Path:

@@ -2,11 +2,12 @@
 
 Rules:
   * The server asks for a client certificate and trusts, as anchors, only
-    the certificates of configured peers it has learned; after the
-    handshake it compares the digest with the pinned ids again, so a
-    removed peer is refused. An unknown or mismatched peer is refused
-    before any call. A link without a certificate may only ``introduce``
-    its host (kept if its digest is a configured peer's id).
+    the certificates of peers it has learned; after the handshake it asks
+    its :class:`~capsulefs.peer.finder.PeerFinder` whether the digest is a
+    peer's id, so a removed peer (a host gone from the directory) is
+    refused. An unknown or mismatched peer is refused before any call. A
+    link without a certificate may only ``introduce`` its host (kept if its
+    digest is a peer's id: a pinned peer, or a live host in the directory).
   * Anyone who reaches the port can finish a TLS handshake without a
     certificate, so until the peer is known the server gives a link little:
     its hello (and an introduction) must arrive within the handshake
@@ -28,6 +29,7 @@ import trio
 
 from capsulefs.core.errors import CapsuleError
 from capsulefs.peer.book import Peer, PeerBook
+from capsulefs.peer.finder import BookPeers, PeerFinder, PeerLookupFailed
 from capsulefs.peer.errors import CallFailed, PeerError, PeerProtocolError, map_errors
 from capsulefs.peer.framing import PROTOCOL, Framer, Payload
 from capsulefs.peer.identity import Identity, host_id_from_der
@@ -66,13 +68,13 @@ class PeerHandler(Protocol):
 @dataclass
 class _ServerState:
     identity: Identity
-    book: PeerBook
+    peers: PeerFinder
     handler: PeerHandler
     handshake_timeout: float
 
 
 async def _serve_connection(state: _ServerState, tcp: trio.SocketStream) -> None:
-    tls = TLSStream(tcp, server_context(state.identity, state.book.trusted_pems()), server_side=True)
+    tls = TLSStream(tcp, server_context(state.identity, state.peers.trusted_pems()), server_side=True)
     what = "incoming peer link"
     try:
         with trio.move_on_after(state.handshake_timeout) as scope:
@@ -115,7 +117,13 @@ async def _greet(state: _ServerState, framer: Framer, der: bytes | None) -> Peer
         await _serve_introduction(state, framer)
         return None
     peer_id = host_id_from_der(der)
-    peer = state.book.by_id(peer_id)
+    try:
+        peer = await state.peers.by_id(peer_id)
+    except PeerLookupFailed as exc:
+        log.warning("refused a link from host %s: %s", peer_id, exc)
+        await framer.send({"type": "error", "id": None, "code": "unknown-peer",
+                           "message": f"host {peer_id} cannot be checked now: {exc}"})
+        return None
     if peer is None:
         log.warning("refused a link from unknown host %s", peer_id)
         await framer.send({"type": "error", "id": None, "code": "unknown-peer",
@@ -160,7 +168,7 @@ async def _serve_introduction(state: _ServerState, framer: Framer) -> None:
         return
     pem = (header.get("args") or {}).get("cert_pem")
     try:
-        host_id = state.book.learn_cert(pem.encode("ascii") if isinstance(pem, str) and pem.isascii() else b"")
+        host_id = await state.peers.learn_cert(pem.encode("ascii") if isinstance(pem, str) and pem.isascii() else b"")
     except CapsuleError as exc:
         log.warning("refused an introduction: %s", exc)
         await framer.send({"type": "error", "id": header.get("id"), "code": "unknown-peer", "message": str(exc)})
@@ -171,7 +179,7 @@ async def _serve_introduction(state: _ServerState, framer: Framer) -> None:
 
 async def serve_peers(
     identity: Identity,
-    book: PeerBook,
+    peers: PeerBook | PeerFinder,
     handler: PeerHandler,
     *,
     host: str = "0.0.0.0",
@@ -179,10 +187,12 @@ async def serve_peers(
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve peer links forever; ``started(port)`` once listening."""
+    """Serve peer links forever; ``started(port)`` once listening. ``peers``
+    says who may call (a ``PeerBook`` is taken as its :class:`BookPeers`)."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
-    state = _ServerState(identity, book, handler, handshake_timeout)
+    state = _ServerState(identity, BookPeers(peers) if isinstance(peers, PeerBook) else peers, handler,
+                         handshake_timeout)
 
     async def one(tcp: trio.SocketStream) -> None:
         try:
