@@ -38,7 +38,7 @@ from capsulefs.move.doubt import abandon_move, learn_holder
 from capsulefs.move.source import MoveControl, move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import serve_moves
-from capsulefs.peer.book import DEFAULT_PORT, parse_address
+from capsulefs.peer.book import DEFAULT_PORT, Peer, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,26 @@ class _Bar:
             print(file=sys.stderr)
 
 
+def _target(state: str, host: MoveHost, name: str) -> Peer:
+    """The peer named: a live host of the directory in the fleet mode (the
+    state dir's fleet.json; the daemon checks it again), else a pinned peer."""
+    from capsulefs.core.fleet import config
+
+    fleet = config.load(state)
+    if fleet is None:
+        return host.peers.find(name)
+    from capsulefs.fleet.etcd import open_etcd  # (httpx: only in the fleet mode)
+    from capsulefs.fleet.peers import DirectoryPeers
+
+    directory, layout = fleet.directory, fleet.layout
+
+    async def find() -> Peer:
+        async with open_etcd(directory) as etcd:
+            return await DirectoryPeers(etcd, layout, me=host.me).find(name)
+
+    return trio.run(find)
+
+
 def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -> int:
     """Move or abandon by writing the agent's control files in the daemon's mount."""
     agent = host.store.find(args.agent)
@@ -99,7 +119,7 @@ def _through_daemon(args: argparse.Namespace, host: MoveHost, mountpoint: str) -
         return 0
     if not args.peer:
         raise CapsuleError("move: name the peer to move to (see 'capsulefs peer ls')")
-    peer = host.peers.find(args.peer)
+    peer = _target(state_dir(args), host, args.peer)
     running = _read_move_status(control) or {}
     if running.get("phase") not in (None, "idle") and running.get("outcome") is None:
         # The kernel serialises writes to one file: ours would wait behind the running move's.

@@ -17,7 +17,9 @@ Rules:
     the mount has a directory: the host lease keeper is a service of the
     daemon, its listener the agents' lifecycle owner (through
     :class:`_Upcalls`: the keeper is built after it); the directory
-    authority is kept on :class:`Mounted` for the moves through it.
+    authority is kept on :class:`Mounted` for the moves through it. The
+    move host's peer finder is chosen here: the directory's live hosts
+    (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from capsulefs.mount.ops import Operations
 from capsulefs.move.host import MoveHost, holders_dir
 from capsulefs.move.mount_moves import MountMoves
 from capsulefs.testing import seams
+from capsulefs.peer.finder import PeerFinder
 from capsulefs.peer.identity import load_or_create_identity
 
 if TYPE_CHECKING:
@@ -134,8 +137,18 @@ def compose(cfg: MountConfig) -> Mounted:
                                isolation=isolation, grace=cfg.grace)
         services += [runtime.serve, Steering(runtime, state_dir).serve]  # (steering: spec and grant changes)
         stopping.append(runtime)
+    fleet = None
+    finder: PeerFinder | None = None  # who a move's target is, and who calls: the pinned peers (the default)...
+    if cfg.fleet is not None:  # (imported only here: a peer-to-peer mount never loads httpx)
+        from capsulefs.fleet.member import FleetMember
+        from capsulefs.fleet.peers import DirectoryPeers
+
+        address = f"{cfg.listen[0]}:{cfg.listen[1]}" if cfg.listen else "-"  # ("-": accepts no moves)
+        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up)
+        agents.lease_pending("fleet: waiting for a lease from the directory")
+        finder = DirectoryPeers(fleet.client, cfg.fleet.layout, me=host_id)  # ...or the directory's live hosts
     # After the runtime: moves may activate agents, which the runtime then starts.
-    move_host = MoveHost.open(state_dir, hooks=agents)
+    move_host = MoveHost.open(state_dir, hooks=agents, finder=finder)
     # Test seams (capsulefs/testing/seams.py), selected by a test's environment only.
     seams.crash_seam(move_host, os.environ.get(seams.CRASH_ENV))
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
@@ -143,13 +156,7 @@ def compose(cfg: MountConfig) -> Mounted:
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)
-    fleet = None
-    if cfg.fleet is not None:  # (imported only here: a peer-to-peer mount never loads httpx)
-        from capsulefs.fleet.member import FleetMember
-
-        address = f"{cfg.listen[0]}:{cfg.listen[1]}" if cfg.listen else "-"  # ("-": accepts no moves)
-        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up)
-        agents.lease_pending("fleet: waiting for a lease from the directory")
+    if fleet is not None:
         services.append(fleet.serve)
     services += cfg.services
     stopping += cfg.stopping

@@ -3,11 +3,13 @@ and the tier addresses a person types. Bad input raises a CapsuleError."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fleet import directory, etcd
 from capsulefs.core.fleet.s3_wire import error_for, parse_list_v2, parse_tier_url
+from capsulefs.fleet.peers import peer_of
 
 from . import Target
 
@@ -77,6 +79,27 @@ def _run_records(data: bytes, scratch: Path) -> None:
     directory.decode_host(data)
 
 
+_LAYOUT = directory.Layout(b"/f/")
+_HOST_SHA = "5d" * 32
+_HOST_ID = base64.b32encode(bytes.fromhex(_HOST_SHA)).decode().rstrip("=")  # (a daemon's id for that certificate)
+
+
+def _host_seeds() -> list[bytes]:
+    return [directory.HostEntry(host_id=_HOST_ID, address="10.0.0.1:7714", cert_sha256=_HOST_SHA).encode(),
+            directory.HostEntry(host_id=_HOST_ID, address="[::1]:7714", cert_sha256=_HOST_SHA).encode(),
+            directory.HostEntry(host_id=_HOST_ID, address="-", cert_sha256=_HOST_SHA).encode()]
+
+
+def _run_host_peer(data: bytes, scratch: Path) -> None:
+    """A host record read from the directory, as the fleet's peer finder takes it (a target, a link's check)."""
+    for key, lease in ((_LAYOUT.host(_HOST_ID), 7), (_LAYOUT.hosts + data[:60], 7), (_LAYOUT.host(_HOST_ID), 0)):
+        try:
+            peer_of(_LAYOUT, etcd.KeyValue(key=key, value=data, create_revision=1, mod_revision=1, version=1,
+                                           lease=lease))
+        except CapsuleError:
+            pass
+
+
 def _run_range(data: bytes, scratch: Path) -> None:
     etcd.decode_range(data)
 
@@ -135,4 +158,5 @@ TARGETS = [
     Target("fleet-s3-error", _s3_error_seeds, _run_s3_error),
     Target("fleet-addresses", _url_seeds, _run_urls),
     Target("fleet-directory-records", _record_seeds, _run_records),
+    Target("fleet-host-peers", _host_seeds, _run_host_peer),
 ]
