@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from capsulefs.cli import UsageError
 from capsulefs.cli.common import state_dir
 from capsulefs.core.errors import CapsuleError
 
@@ -121,6 +122,7 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) ->
         metrics_file=args.metrics_file,
         metrics_interval=args.metrics_interval,
         fleet=args.fleet_config,
+        advertise=args.advertise,
     )).daemon
 
     async def main() -> None:
@@ -142,10 +144,35 @@ def _fleet_config(args: argparse.Namespace) -> FleetConfig | None:
         if args.directory_prefix is not None:
             raise config.FleetConfigError("--directory-prefix needs --directory")
         return config.load(state_dir(args))
-    cfg = config.make(args.directory, args.directory_prefix)
-    os.makedirs(state_dir(args), exist_ok=True)
-    config.save(state_dir(args), cfg)
-    return cfg
+    return config.make(args.directory, args.directory_prefix)
+
+
+def _save_fleet_config(args: argparse.Namespace) -> None:
+    """Save ``--directory`` once every flag was checked."""
+    from capsulefs.core.fleet import config
+
+    if args.directory is not None:
+        os.makedirs(state_dir(args), exist_ok=True)
+        config.save(state_dir(args), args.fleet_config)
+
+
+def _advertised(args: argparse.Namespace) -> str | None:
+    """The address published in the directory for other hosts (fleet mode
+    with --listen): --advertise, else --listen's, which must then be one
+    another host can reach. UsageError: one line."""
+    from capsulefs.peer.book import parse_address
+
+    if args.advertise is not None and (args.fleet_config is None or not args.listen):
+        raise UsageError("--advertise needs the fleet mode (--directory) and --listen")
+    if args.fleet_config is None or not args.listen:
+        return None
+    given = args.advertise if args.advertise is not None else args.listen
+    host, port = parse_address(given, listen=True)
+    if host in ("0.0.0.0", "::", "*") or port == 0:
+        flag = "--advertise" if args.advertise is not None else "--listen"
+        raise UsageError(f"{flag} {given}: other hosts cannot reach this host there (a wildcard host or port 0); "
+                         f"give --advertise HOST:PORT, the address they reach --listen at")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -163,6 +190,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             print(f"capsulefs: error: {why}", file=sys.stderr)
             return 1
     args.fleet_config = _fleet_config(args)
+    args.advertise = _advertised(args)
+    _save_fleet_config(args)
     if args.background:
         return _background(args)
     _configure_logging(args)
@@ -377,6 +406,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "use it); agents run only while this host's lease there lives. Default: peer-to-peer, "
                         "or the directory saved by an earlier mount")
     p.add_argument("--directory-prefix", metavar="PREFIX", help="the fleet's key prefix in etcd (default /capsulefs/)")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="fleet mode: the address other hosts reach this host's --listen at, published in the "
+                        "directory (default: the --listen address, which then must name a host and a port)")
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")

@@ -75,6 +75,9 @@ class MountConfig:
     call_timeout: float = 120.0  # seconds a move's call may take before it is a timeout
     #: The fleet's directory (``mount --directory``); None: peer-to-peer.
     fleet: FleetConfig | None = None
+    #: The address published in the directory for other hosts to reach ``listen`` (``mount --advertise``);
+    #: None: ``listen``'s.
+    advertise: str | None = None
     #: More services started after the daemon's own (tests).
     services: tuple[Service, ...] = ()
     #: More components told before the unmount, after the runtime (tests).
@@ -143,7 +146,7 @@ def compose(cfg: MountConfig) -> Mounted:
         from capsulefs.fleet.member import FleetMember
         from capsulefs.fleet.peers import DirectoryPeers
 
-        address = f"{cfg.listen[0]}:{cfg.listen[1]}" if cfg.listen else "-"  # ("-": accepts no moves)
+        address = cfg.advertise or _address(cfg.listen)
         fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up)
         agents.lease_pending("fleet: waiting for a lease from the directory")
         finder = DirectoryPeers(fleet.client, cfg.fleet.layout, me=host_id)  # ...or the directory's live hosts
@@ -166,6 +169,14 @@ def compose(cfg: MountConfig) -> Mounted:
                     options=cfg.options, notify=cfg.notify)
     return Mounted(daemon=daemon, view=view, ops=ops, agents=agents, moves=moves, runtime=runtime,
                    isolation=isolation, fleet=fleet)
+
+
+def _address(listen: tuple[str, int] | None) -> str:
+    """``HOST:PORT`` (``[v6]:PORT``) of the listen address; ``-`` when the host accepts no moves."""
+    if listen is None:
+        return "-"
+    host, port = listen
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Upcalls:

@@ -20,7 +20,15 @@ def test_mount_refuses_a_bad_directory_flag_in_one_line_and_saves_nothing(tmp_pa
                          (["--directory", "etcd://127.0.0.1:99999"], "not HOST:PORT"),
                          (["--directory", "etcd://127.0.0.1:2379", "--directory-prefix", "capsulefs"],
                           "starts and ends with '/'"),
-                         (["--directory-prefix", "/p/"], "--directory-prefix needs --directory")]:
+                         (["--directory-prefix", "/p/"], "--directory-prefix needs --directory"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--listen", "0.0.0.0:7714"],
+                          "--listen 0.0.0.0:7714: other hosts cannot reach this host there"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--listen", "127.0.0.1:0"],
+                          "give --advertise HOST:PORT"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--listen", "0.0.0.0:7714", "--advertise",
+                           "[::]:7714"], "--advertise [::]:7714: other hosts cannot reach"),
+                         (["--listen", "127.0.0.1:7714", "--advertise", "10.0.0.1:7714"],
+                          "--advertise needs the fleet mode")]:
         proc = run_cli("mount", str(mnt), *flags, state=state)
         assert proc.returncode == 1, proc
         (line,) = proc.stderr.splitlines()
