@@ -100,6 +100,10 @@ def _run_daemon(args: argparse.Namespace, on_ready: Callable[[bool], None] | Non
     # One daemon per state directory, for its whole life: a second would run
     # every agent a second time on this host.
     with holding_state(state_dir(args), doing=f"mounting it on {args.mountpoint}"):
+        if args.directory is not None:  # (under the state's lock: a mount refused as second changes nothing)
+            from capsulefs.core.fleet import config
+
+            config.save(state_dir(args), args.fleet_config)
         return _serve(args, on_ready)
 
 
@@ -136,8 +140,9 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[bool], None] | None) ->
 
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig | None:
-    """``--directory`` (saved in the state dir for later commands), else the
-    saved one, else None: peer-to-peer. FleetConfigError: one line."""
+    """``--directory`` (checked here; saved in the state dir for later
+    commands by the daemon, once it holds the state: :func:`_run_daemon`),
+    else the saved one, else None: peer-to-peer. FleetConfigError: one line."""
     from capsulefs.core.fleet import config
 
     if args.directory is None:
@@ -145,15 +150,6 @@ def _fleet_config(args: argparse.Namespace) -> FleetConfig | None:
             raise config.FleetConfigError("--directory-prefix needs --directory")
         return config.load(state_dir(args))
     return config.make(args.directory, args.directory_prefix)
-
-
-def _save_fleet_config(args: argparse.Namespace) -> None:
-    """Save ``--directory`` once every flag was checked."""
-    from capsulefs.core.fleet import config
-
-    if args.directory is not None:
-        os.makedirs(state_dir(args), exist_ok=True)
-        config.save(state_dir(args), args.fleet_config)
 
 
 def _advertised(args: argparse.Namespace) -> str | None:
@@ -191,7 +187,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
             return 1
     args.fleet_config = _fleet_config(args)
     args.advertise = _advertised(args)
-    _save_fleet_config(args)
     if args.background:
         return _background(args)
     _configure_logging(args)

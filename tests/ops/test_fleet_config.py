@@ -71,3 +71,28 @@ def test_fleet_commands_default_to_the_saved_directory(tmp_path: Path) -> None:
         (line,) = proc.stderr.splitlines()
         assert f"127.0.0.1:{port}" in line, line
     assert json.loads((state / layout.FLEET_FILE).read_bytes())["prefix"] == "/fleet-b/"
+
+
+def test_a_mount_refused_as_the_second_on_a_state_changes_no_fleet_file(tmp_path: Path) -> None:
+    """fleet.json is written only once the mount holds the state: a second
+    mount racing the first (refused at the state's lock) leaves it as it was,
+    or absent."""
+    from capsulefs.daemon.daemon import holding_state
+
+    state, mnt = tmp_path / "state", tmp_path / "mnt"
+    mnt.mkdir()
+    with holding_state(str(state), doing="serving it (the first mount, in this test)"):
+        proc = run_cli("mount", str(mnt), "--directory", "etcd://127.0.0.1:2379", state=state)
+        assert proc.returncode == 1, proc
+        (line,) = proc.stderr.splitlines()
+        assert "already holds" in line and "refused" in line, line
+        assert not (state / layout.FLEET_FILE).exists()
+
+        first = config.make("etcd://10.0.0.1:2379", "/fleet-a/")
+        config.save(str(state), first)
+        before = (state / layout.FLEET_FILE).read_bytes()
+        proc = run_cli("mount", str(mnt), "--directory", "etcd://10.9.9.9:2379", "--directory-prefix", "/fleet-b/",
+                       state=state)
+        assert proc.returncode == 1 and "already holds" in proc.stderr, proc
+        assert (state / layout.FLEET_FILE).read_bytes() == before
+        assert config.load(str(state)) == first
