@@ -17,7 +17,9 @@ Rules:
     keeps its process-level states (starting, running, backing off) itself.
   * In the fleet mode (``mount --directory``) this is the host lease
     keeper's listener too (through root.py's upcalls): while the host has no
-    live lease every agent is held still (read-only, not run), and after a
+    live lease every agent is held still (read-only, not run; the view's
+    write guard asks the keeper before every write, so a daemon paused past
+    its lease's deadline takes no write once it resumes), and after a
     new lease each runs again only once the directory names this host at
     the epoch it holds (:meth:`Agents.lease_regained`). docs/fleet.md.
 
@@ -193,15 +195,30 @@ class Agents:
         """Before the mount serves, in the fleet mode: nothing runs until the first lease."""
         self._lease_why = why
 
+    def lease_lapsed(self, why: str) -> str:
+        """The view's write guard found the lease's deadline passed before
+        the keeper stopped the host (the daemon was paused past it): every
+        shown agent read-only now, synchronously, so no write is acknowledged
+        (the keeper's task, runnable since its deadline passed, stops the
+        processes next: :meth:`lease_lost`). Returns why no write is taken."""
+        if self._lease_why is None:
+            self._lease_why = f"fleet lease lost: {why}"
+            self._freeze_all()
+            log.warning("write refused, every agent read-only: %s", self._lease_why)
+        return self._lease_why
+
+    def _freeze_all(self) -> None:
+        for agent_id in self.view.store.agent_ids():
+            if self.view.state(agent_id) is AgentState.ACTIVE:
+                self.view.freeze(agent_id)
+
     async def lease_lost(self, why: str) -> None:
         """The host may no longer run agents: every shown agent read-only at
         once (a write fails with EROFS), then every process stopped, all at
         once, without a workspace commit. The keeper gives this its stop
         window (docs/fleet.md, the lease timing argument)."""
         self._lease_why = f"fleet lease lost: {why}"
-        for agent_id in self.view.store.agent_ids():
-            if self.view.state(agent_id) is AgentState.ACTIVE:
-                self.view.freeze(agent_id)
+        self._freeze_all()
         log.warning("every agent read-only and stopping: %s", self._lease_why)
         if self.processes is not None:
             processes = self.processes

@@ -16,9 +16,10 @@ Rules:
   * The fleet components (capsulefs/fleet/member.py) are built here when
     the mount has a directory: the host lease keeper is a service of the
     daemon, its listener the agents' lifecycle owner (through
-    :class:`_Upcalls`: the keeper is built after it); the directory
-    authority is kept on :class:`Mounted` for the moves through it. The
-    move host's peer finder is chosen here: the directory's live hosts
+    :class:`_Upcalls`: the keeper is built after it), and the view asks it
+    before every write it acknowledges (the view's write guard); the
+    directory authority is kept on :class:`Mounted` for the moves through it.
+    The move host's peer finder is chosen here: the directory's live hosts
     (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
 """
 
@@ -36,6 +37,7 @@ from capsulefs.agents import grants
 from capsulefs.agents.isolation import Isolation
 from capsulefs.agents.runtime import AgentRuntime
 from capsulefs.agents.steering import Steering
+from capsulefs.core.fleet.lease import DEFAULT_TIMING
 from capsulefs.core.store.holder import HolderBook
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.store.lifecycle import Decision
@@ -127,6 +129,7 @@ def compose(cfg: MountConfig) -> Mounted:
         new_agents=up,
         mover=up,
         remover=up,
+        write_guard=up if cfg.fleet is not None else None,  # (the fleet lease, before every write)
     )
     ops = Operations(view)
     entries = KernelEntries(ops)
@@ -147,7 +150,8 @@ def compose(cfg: MountConfig) -> Mounted:
         from capsulefs.fleet.peers import DirectoryPeers
 
         address = cfg.advertise or _address(cfg.listen)
-        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up)
+        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up,
+                            timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING)
         agents.lease_pending("fleet: waiting for a lease from the directory")
         finder = DirectoryPeers(fleet.client, cfg.fleet.layout, me=host_id)  # ...or the directory's live hosts
     # After the runtime: moves may activate agents, which the runtime then starts.
@@ -184,7 +188,7 @@ class _Upcalls:
     time only, to the component built later that carries it out: the view's
     control files, its new agents and status sections; the lifecycle
     owner's standing, move guard and processes; isolation's new owners; the
-    fleet lease keeper's listener."""
+    fleet lease keeper's listener and the view's write guard."""
 
     def __init__(self, *, agents: Callable[[], Agents], moves: Callable[[], MountMoves],
                  runtime: Callable[[], AgentRuntime | None], ops: Callable[[], Operations],
@@ -246,6 +250,14 @@ class _Upcalls:
 
     async def on_fence(self, agent_id: str) -> None:
         await self._run().on_fence(agent_id)
+
+    # the view's write guard (core/view/control.py: WriteGuard), in the fleet mode only
+    def refuses_writes(self) -> str | None:
+        fleet = self._fleet()
+        assert fleet is not None  # (the guard of a fleet mount only)
+        if fleet.keeper.may_run():
+            return None
+        return self._agents().lease_lapsed(fleet.keeper.why_not())
 
     # the fleet lease keeper's (capsulefs/fleet/keeper.py: LeaseListener)
     async def stop(self, why: str) -> None:

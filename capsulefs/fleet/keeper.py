@@ -105,6 +105,14 @@ class HostLeaseKeeper:
         """May this host run agents and acknowledge writes now? (Check before each.)"""
         return not self._stopped and self._core.may_run(trio.current_time())
 
+    def why_not(self) -> str:
+        """Why :meth:`may_run` is false, in words (a refused write's reason)."""
+        stop_at = self._core.stop_at
+        if self._stopped or stop_at is None:
+            return "this host has no lease from the directory"
+        return (f"lease {self._core.lease_id:x} not renewed in time: its deadline passed "
+                f"{trio.current_time() - stop_at:.1f}s ago (was the host paused?)")
+
     async def wait_alive(self) -> None:
         """Until the host holds a lease (the first, or a new one after a stop)."""
         await self._alive.wait()

@@ -13,6 +13,11 @@ to kill a real daemon at each phase of a move.
 The test seam ``CAPSULEFS_TEST_CALL_TIMEOUT=SECONDS`` (test-only, read once at
 daemon start) replaces the 120 s a move's call may take before it is a
 timeout, so tests/daemons/test_move_daemon_errors.py can see ETIMEDOUT quickly.
+
+The test seam ``CAPSULEFS_TEST_LEASE_TIMING=TTL,RENEW_EVERY,RENEW_TIMEOUT,STOP_WITHIN``
+(test-only, read once at daemon start, fleet mode only) replaces the host
+lease's timing (core/fleet/lease.py: 10 s, 2 s, 1.5 s, 2 s), so
+tests/mount/test_fleet_mount.py can pause a daemon past its run window in seconds.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ import logging
 import os
 
 from capsulefs.core.errors import FormatError
+from capsulefs.core.fleet.lease import LeaseTiming
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.move.host import MoveHost
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "call_timeout_seam", "crash_seam"]
+__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "call_timeout_seam", "crash_seam",
+           "lease_timing_seam"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
 CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
+LEASE_TIMING_ENV = "CAPSULEFS_TEST_LEASE_TIMING"
 
 _SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
 _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
@@ -88,3 +96,19 @@ def call_timeout_seam(value: str | None) -> float | None:
         raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: must be above 0")
     log.warning("test seam %s=%s is set: a move's call times out after %gs", CALL_TIMEOUT_ENV, value, seconds)
     return seconds
+
+
+def lease_timing_seam(value: str | None) -> LeaseTiming | None:
+    """The test-only seam CAPSULEFS_TEST_LEASE_TIMING (None if unset)."""
+    if not value:
+        return None
+    parts = value.split(",")
+    try:
+        ttl, renew_every, renew_timeout, stop_within = int(parts[0]), *map(float, parts[1:])
+        timing = LeaseTiming(ttl=ttl, renew_every=renew_every, renew_timeout=renew_timeout, stop_within=stop_within)
+    except (ValueError, TypeError) as exc:
+        raise FormatError(f"{LEASE_TIMING_ENV}={value!r}: not TTL,RENEW_EVERY,RENEW_TIMEOUT,STOP_WITHIN "
+                          f"of a usable lease ({exc})") from None
+    log.warning("test seam %s=%s is set: the host lease runs for %.2fs after each answered keepalive",
+                LEASE_TIMING_ENV, value, timing.run_window(timing.ttl))
+    return timing

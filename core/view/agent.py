@@ -102,6 +102,8 @@ class AgentHost(Protocol):
 
     def check_writable(self, agent_id: str) -> None: ...
 
+    def check_lease(self) -> None: ...
+
 
 class LiveAgent:
     def __init__(self, host: AgentHost, agent_id: str) -> None:

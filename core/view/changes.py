@@ -41,6 +41,7 @@ class Changes(Attributes):
         if parent.kind is Kind.ROOT:
             if self.failsafe is not None:
                 raise ReadOnly(f"the mount went read-only after an internal error: {self.failsafe}")
+            self.check_lease()
             fmt.check_agent_name(name)
             agent = self.store.create_agent(name, host_id=self.host_id, agent_id=self.new_agent_id())
             log.info("created agent %s (%s)", name, agent.agent_id)

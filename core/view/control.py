@@ -6,6 +6,8 @@ Rules:
     :data:`MAX_CONTROL_LINE` bytes); anything else is a FormatError and changes nothing.
   * ``move``/``abandon``/``learn`` and ``remove`` are carried out by the daemon
     (:class:`Mover`, :class:`Remover`); without one they fail with NotSupported.
+    Each is refused with ReadOnly while the view's :class:`WriteGuard` refuses
+    writes (the fleet mode's lease), as every write is.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class NewAgents(Protocol):
     an agent never runs and cannot move)."""
 
     def created(self, agent_id: str, epoch: int) -> None: ...
+
+
+class WriteGuard(Protocol):
+    """Whether this host may acknowledge a write now: asked before every
+    write the view takes and every control command that changes state (the
+    daemon's, in the fleet mode: the host lease's deadline by its keeper,
+    docs/fleet.md, "The lease timing argument"). It must be cheap: a
+    monotonic clock read and a compare while all is well."""
+
+    def refuses_writes(self) -> str | None:
+        """None while writes may be acknowledged; else why not (ReadOnly's message)."""
 
 
 class Owners(Protocol):
@@ -110,6 +123,7 @@ class MoveHandle(Handle):
         if self.mover is None:
             raise NotSupported(MOVE_UNAVAILABLE)
         line = control_line(bytes(data), f".control/{self.what}")
+        self.agent.host.check_lease()
         if self.what == "move":
             await self.mover.move(self.agent.agent_id, line)
         elif self.what == "learn":
@@ -144,6 +158,7 @@ class RemoveHandle(Handle):
         if self.remover is None:
             raise NotSupported(REMOVE_UNAVAILABLE)
         check_removal(bytes(data), self.agent.agent_id)
+        self.agent.host.check_lease()
         await self.remover.remove(self.agent.agent_id)
         return len(data)
 

@@ -28,7 +28,9 @@ Rules:
     (see snapshots).
   * Writes fail with ReadOnly while the agent is frozen (a move is under
     way) or once the view went read-only after an internal error
-    (:meth:`LiveHost.enter_failsafe`, never undone while mounted). A
+    (:meth:`LiveHost.enter_failsafe`, never undone while mounted), and
+    while the view's write guard refuses them (the fleet mode's lease:
+    ``control.WriteGuard``, asked before every write is acknowledged). A
     retired agent is not shown at all; nor is a removed one (REMOVED, whose
     open handles then write nothing) until its id is in the store again.
 

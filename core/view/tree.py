@@ -22,7 +22,7 @@ from ..fsutil import thread_start
 from ..store.host_store import HostStore
 from .agent import LiveAgent
 from .blobcheck import BlobChecks
-from .control import Mover, NewAgents, Owners, Remover
+from .control import Mover, NewAgents, Owners, Remover, WriteGuard
 from .errors import NotADirectory, ReadOnly
 from .nodes import CONTROL, CONTROL_FILES, HOST_CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
 from .scratch import ScratchArea
@@ -56,6 +56,7 @@ class Tree:
         new_agents: NewAgents | None = None,
         mover: Mover | None = None,
         remover: Remover | None = None,
+        write_guard: WriteGuard | None = None,
     ) -> None:
         self.store = store
         self.host_id = fmt.check_host_id(host_id)
@@ -97,6 +98,9 @@ class Tree:
         #: Carries out writes to ``.control/remove`` (the daemon); None: they
         #: fail with EOPNOTSUPP.
         self.remover = remover
+        #: Asked before every write is acknowledged (the fleet mode's lease:
+        #: :meth:`check_lease`); None: writes depend on nothing outside the view.
+        self.write_guard = write_guard
 
     def state(self, agent_id: str) -> AgentState:
         st = self._states.get(agent_id, AgentState.ACTIVE)
@@ -152,6 +156,17 @@ class Tree:
             raise NotFoundError(f"agent {agent_id} was removed from this host")
         if self.state(agent_id) is not AgentState.ACTIVE:
             raise ReadOnly(f"agent {agent_id} is {self.state(agent_id).value} (a move is under way); no writes")
+        if self.write_guard is not None:
+            self.check_lease()
+
+    def check_lease(self) -> None:
+        """ReadOnly if the host may not acknowledge a write now: in the fleet
+        mode, once its lease's deadline passed (a daemon paused past it, a
+        paused VM), even before the lease keeper's task has run to stop the agents."""
+        if self.write_guard is not None:
+            why = self.write_guard.refuses_writes()
+            if why is not None:
+                raise ReadOnly(why)
 
     def agent(self, agent_id: str) -> LiveAgent:
         a = self._agents.get(agent_id)

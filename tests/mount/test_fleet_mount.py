@@ -2,13 +2,18 @@
 real etcd, with a running agent: etcd killed with -9, the agent's process is
 gone and its working memory refuses writes before the host's lease can
 expire, and the status says why; etcd back, the agent runs and takes writes
-again. An agent the directory gives to another host meanwhile stays stopped."""
+again. An agent the directory gives to another host meanwhile stays stopped.
+A daemon paused (SIGSTOP, as a paused VM) past its lease's deadline refuses
+the first write after it resumes."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import signal
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +23,11 @@ import trio
 from mount_kit import capsulefs, mounted, needs_fuse, new_reference_agent
 from mount_kit import status as agent_status
 
+from capsulefs.core.capsule import format as fmt
 from capsulefs.core.fleet import directory as fd
 from capsulefs.fleet.directory import read_hosts
 from capsulefs.fleet.etcd import open_etcd
+from capsulefs.testing import seams
 from capsulefs.testing.stub_provider import serve
 from fleet_kit import KillableEtcd, killable_etcd
 from helpers import HANG, wait_until
@@ -159,3 +166,94 @@ def _lease_of(spec: str, host_id: str) -> int | None:
             return None if kv is None else kv.lease
 
     return trio.run(run)
+
+
+#: A short host lease for the paused-daemon test (the seam capsulefs.testing.seams.LEASE_TIMING_ENV):
+#: a 4 s TTL, a keepalive every 0.5 s given 1 s, 1.5 s to stop: a run window of 2.42 s.
+SHORT_LEASE = "4,0.5,1,1.5"
+#: Write syscall numbers, to see a write blocked in the kernel (waiting on the paused daemon).
+_WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(os.uname().machine)
+
+
+def _blocked_in_write(tid: int) -> bool:
+    """Is thread ``tid`` of this process inside write(2) (waiting for the FUSE daemon's answer)?"""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except FileNotFoundError:
+        return False  # (the thread ended: its write was answered)
+    return bool(fields) and fields[0] not in ("running", "-1") and \
+        (_WRITE_SYSCALL is None or fields[0] == str(_WRITE_SYSCALL))
+
+
+def _append(fd_: int, text: str, answer: dict[str, int]) -> None:
+    """Append one note to the journal open as ``fd_``; ``answer``: the thread's id, then the errno (0: taken)."""
+    answer["tid"] = threading.get_native_id()
+    try:
+        os.write(fd_, json.dumps({"kind": "note", "text": text}).encode() + b"\n")
+    except OSError as exc:
+        answer["errno"] = exc.errno or -1
+    else:
+        answer["errno"] = 0
+
+
+def _paused_round(daemon: subprocess.Popen, agent: Path, round_: int, pause: float) -> None:
+    """One round: the agent runs; the daemon is stopped ``pause`` seconds with
+    a journal append waiting on it; once it resumes the append fails with
+    EROFS, nothing of it is in the journal, and the agent's process stops."""
+    journal = agent / fmt.JOURNAL
+    wait_until(lambda: _running(agent), "the agent to run under a lease")
+    pid = _running(agent)
+    assert pid is not None
+    fd_ = os.open(journal, os.O_WRONLY | os.O_APPEND)
+    answer: dict[str, int] = {}
+    try:
+        _append(fd_, f"round {round_}: before the pause", answer)
+        assert answer["errno"] == 0
+        answer.clear()
+        daemon.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            writer = threading.Thread(target=_append, args=(fd_, f"round {round_}: queued in the pause", answer))
+            writer.start()
+            wait_until(lambda: "tid" in answer and _blocked_in_write(answer["tid"]),
+                       "the append to wait on the paused daemon")
+            assert "errno" not in answer
+            time.sleep(max(0.0, paused + pause - time.monotonic()))  # (the pause itself: the stimulus)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        writer.join(HANG)
+        assert answer.get("errno") == errno.EROFS, (round_, answer)
+    finally:
+        try:
+            os.close(fd_)
+        except OSError:
+            pass  # (a close of a read-only agent's journal may report it again)
+    wait_until(lambda: _gone(pid), "the agent's process stopped")
+    text = journal.read_text()
+    assert f"round {round_}: before the pause" in text and "queued in the pause" not in text
+
+
+def test_a_daemon_paused_past_its_lease_deadline_refuses_the_first_write_after_it_resumes(
+        tmp_path: Path, etcd_server: KillableEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon is stopped (SIGSTOP) longer than its lease's run window with
+    a journal append queued in the kernel; once it resumes (SIGCONT) that
+    append fails with EROFS, nothing of it is in the journal, and the agent's
+    process is stopped; with a new lease the agent runs and takes writes
+    again. Which task trio runs first after the pause, the append's or the
+    lease keeper's, is the scheduler's choice: the check before every write
+    makes the answer the same, and three rounds give both orders a chance
+    (tests/daemons/test_fleet_member.py checks the write-first order alone)."""
+    timing = seams.lease_timing_seam(SHORT_LEASE)
+    assert timing is not None
+    pause = timing.run_window(timing.ttl) + timing.renew_every + timing.renew_timeout + 0.5  # (past any deadline)
+    monkeypatch.setenv(seams.LEASE_TIMING_ENV, SHORT_LEASE)
+    with serve() as (url, _stub):
+        state = new_reference_agent(tmp_path, url)
+        mnt = tmp_path / "mnt"
+        with mounted(state, mnt, "--directory", etcd_server.spec, "--directory-prefix", PREFIX) as daemon:
+            agent = mnt / "pilot"
+            for round_ in range(3):
+                _paused_round(daemon, agent, round_, pause)
+            wait_until(lambda: _running(agent), "the agent to run again under a new lease")
+            assert _write_memory(agent, "# notes\nafter the pauses\n") == 0
