@@ -31,6 +31,7 @@ below; all of it runs on the daemon's trio loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -83,15 +84,27 @@ class AgentProcesses(Protocol):
 class Directory(Protocol):
     """The fleet's holder authority (capsulefs/fleet/authority.py's DirectoryAuthority)."""
 
+    @property
+    def batch(self) -> int:
+        """The most agents one :meth:`confirm_batch` reads."""
+        ...
+
     async def claim(self, agent_id: str, epoch: int) -> bool: ...
 
-    async def confirm(self, agent_id: str, epoch: int) -> bool: ...
+    async def confirm_batch(self, held: Mapping[str, int]) -> dict[str, bool | None]:
+        """For each agent (id -> epoch held): named at it (True), not (False),
+        no entry (None); one round trip, under a live lease."""
+        ...
 
 
 class LeaseView(Protocol):
     """Whether the host's lease lets it run agents now (the lease keeper)."""
 
     def may_run(self) -> bool: ...
+
+    async def renew_if_due(self) -> None:
+        """A keepalive now if one is due (a long task in the keeper's loop
+        holds its keepalives up otherwise); may stop the host."""
 
 
 class MoveGuard(Protocol):
@@ -229,22 +242,41 @@ class Agents:
     async def lease_regained(self, directory: Directory, lease: LeaseView) -> None:
         """A new lease: each agent this host holds runs again only if the
         directory names this host at its epoch (an agent with no entry yet is
-        claimed at it first); the others stay read-only and stopped, saying why."""
-        unconfirmed: dict[str, str] = {}
+        claimed at it first); the others stay read-only and stopped, saying
+        why. The agents are read a batch at a time (``directory.batch`` a
+        round trip), and the lease is kept alive between requests (this runs
+        in the keeper's loop), so thousands of agents never outlast it."""
+        held: dict[str, int] = {}
         for agent_id in self.view.store.agent_ids():
             rec = self.holders.get(agent_id)
-            if rec is None or rec.state is not HolderState.HELD:
-                continue  # (the lifecycle holds it still: a move, a doubt, no record)
+            if rec is not None and rec.state is HolderState.HELD:  # (else the lifecycle holds it still)
+                held[agent_id] = rec.epoch
+        ids = list(held)
+        unconfirmed: dict[str, str] = {}
+        for start in range(0, len(ids), directory.batch):
+            batch = {agent_id: held[agent_id] for agent_id in ids[start: start + directory.batch]}
+            await lease.renew_if_due()
+            if not lease.may_run():
+                return  # (the lease ended meanwhile: the keeper stops again and asks for a new one)
             try:
-                ok = await directory.confirm(agent_id, rec.epoch) or (
-                    await directory.claim(agent_id, rec.epoch) and await directory.confirm(agent_id, rec.epoch))
+                named = await directory.confirm_batch(batch)
+                claimed: dict[str, int] = {}
+                for agent_id, ok in named.items():
+                    if ok is None:  # no entry yet: claim it at its epoch, then read it again
+                        await lease.renew_if_due()
+                        if await directory.claim(agent_id, batch[agent_id]):
+                            claimed[agent_id] = batch[agent_id]
+                if claimed:
+                    await lease.renew_if_due()
+                    named.update(await directory.confirm_batch(claimed))
             except CapsuleError as exc:
-                ok, why = False, f"fleet: the directory did not answer about it: {exc}"
+                named, why = {}, f"fleet: the directory did not answer about it: {exc}"
             else:
-                why = f"fleet: the directory does not name this host at epoch {rec.epoch}"
-            if not ok:
-                unconfirmed[agent_id] = why
-                log.warning("agent %s stays stopped: %s", agent_id, why)
+                why = ""
+            for agent_id, epoch in batch.items():
+                if not named.get(agent_id):
+                    unconfirmed[agent_id] = why or f"fleet: the directory does not name this host at epoch {epoch}"
+                    log.warning("agent %s stays stopped: %s", agent_id, unconfirmed[agent_id])
         if not lease.may_run():
             return  # (the lease ended meanwhile: the keeper stops again and asks for a new one)
         self._unconfirmed = unconfirmed

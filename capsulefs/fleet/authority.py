@@ -19,14 +19,15 @@ Rules:
 Theory of operation: the source calls :meth:`begin` after the freeze (the
 read its commit compares against), :meth:`commit` as its ``activate`` and
 :meth:`settle` as its ``status``; the target calls :meth:`confirm` before it
-activates (and any holder before it runs an agent again after a new lease),
+activates (and any holder before it runs an agent again after a new lease,
+:meth:`confirm_batch`: 128 agents a round trip),
 and :meth:`gate` when a prepared move sat idle or it restarted.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +35,7 @@ import trio
 
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.fleet.errors import DirectoryError, DirectoryUnavailable
-from capsulefs.core.fleet.etcd import Compare, KeyValue, Op, TxnResult
+from capsulefs.core.fleet.etcd import Compare, KeyValue, Op, Range, RangeResult, TxnResult
 from capsulefs.core.move import Outcome
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ __all__ = ["CommitInDoubt", "DirectoryAuthority", "DirectoryClient", "LeaseView"
 
 SETTLE_WITHIN = 5.0  # seconds commit() tries to settle a lost answer before it reports the move in doubt
 SETTLE_PAUSE = 0.2  # seconds between its tries
+#: Agents read in one Txn by confirm_batch: etcd's default limit of operations per Txn (--max-txn-ops).
+CONFIRM_BATCH = 128
 
 
 class DirectoryClient(Protocol):
@@ -126,6 +129,38 @@ class DirectoryAuthority:
         except NotTheHolder:
             return False
         return fd.may_run(kv, self.host_id, epoch)
+
+    #: The most agents :meth:`confirm_batch` reads at once.
+    batch = CONFIRM_BATCH
+
+    async def confirm_batch(self, held: Mapping[str, int]) -> dict[str, bool | None]:
+        """:meth:`confirm` for up to :attr:`batch` agents (id -> the epoch this
+        host holds) in one round trip: one Txn of a Range of each agent's key,
+        read at one revision, under a live lease (before it was sent and when
+        its answer came; else NotTheHolder). For each agent: True if the
+        directory names this host at its epoch, False if it names another
+        holder or epoch (or the record does not parse), None if the agent
+        has no entry (claim it, then confirm it)."""
+        if len(held) > self.batch:
+            raise ValueError(f"{len(held)} agents to confirm in one Txn, more than {self.batch}")
+        ids = list(held)
+        if not ids:
+            return {}
+        if not self._lease.may_run():
+            raise NotTheHolder(f"{len(ids)} agent(s): host {self.host_id} has no live lease")
+        result = await self._client.txn((), [Range(key=self._layout.agent(a)) for a in ids])
+        if not self._lease.may_run():
+            raise NotTheHolder(f"{len(ids)} agent(s): host {self.host_id}'s lease ended during the read")
+        out: dict[str, bool | None] = {}
+        for agent_id, answer in zip(ids, result.responses, strict=True):
+            assert isinstance(answer, RangeResult)  # (the client checks each answer against its operation)
+            kv = answer.kvs[0] if answer.kvs else None
+            try:
+                out[agent_id] = None if kv is None else fd.may_run(kv, self.host_id, held[agent_id])
+            except DirectoryError as exc:
+                log.warning("agent %s: its directory record does not parse: %s", agent_id, exc)
+                out[agent_id] = False
+        return out
 
     # -- the source --------------------------------------------------------------------
     async def begin(self, agent_id: str, held_epoch: int, target: str, epoch: int) -> Ticket:

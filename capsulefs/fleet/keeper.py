@@ -25,6 +25,9 @@ lease, grant one (retrying every ``renew_every``); with one, sleep until the
 next keepalive is due or until ``stop_at``, whichever comes first; send it
 within ``min(send + renew_timeout, stop_at)``. ``may_run`` and ``deadline``
 are read by any task between checkpoints (they only read the sans-IO keeper).
+The listener's ``regained`` runs inside that loop: it calls
+:meth:`HostLeaseKeeper.renew_if_due` between its requests to the directory,
+so the keepalives go on however many agents it confirms.
 """
 
 from __future__ import annotations
@@ -113,6 +116,18 @@ class HostLeaseKeeper:
         return (f"lease {self._core.lease_id:x} not renewed in time: its deadline passed "
                 f"{trio.current_time() - stop_at:.1f}s ago (was the host paused?)")
 
+    async def renew_if_due(self) -> None:
+        """A keepalive now if one is due (or the stop, if the deadline
+        passed): for the listener's long work inside the keeper's loop
+        (``regained`` confirming thousands of agents), which holds the
+        keepalives up otherwise. May stop the host (listener.stop)."""
+        stop_at, last = self._core.stop_at, self._last_sent
+        if self._stopped or stop_at is None or last is None:
+            return
+        now = trio.current_time()
+        if now >= stop_at or now >= max(last + self._timing.renew_every, self._next_try):
+            await self._keep()
+
     async def wait_alive(self) -> None:
         """Until the host holds a lease (the first, or a new one after a stop)."""
         await self._alive.wait()
@@ -154,7 +169,8 @@ class HostLeaseKeeper:
             old, self._given_up = self._given_up, 0
             await self._revoke(old)
         await self._listener.regained(lease.id)
-        self._alive.set()
+        if not self._stopped:  # (a keepalive during regained may have found the lease gone)
+            self._alive.set()
 
     async def _revoke(self, lease_id: int) -> None:
         """End a lease this host gave up (its key is under the new one now): best effort."""

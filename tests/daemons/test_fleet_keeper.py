@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.testing
 
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.fleet.lease import DEFAULT_TIMING
@@ -188,4 +189,44 @@ async def test_a_keepalive_that_hangs_stops_the_host_at_its_deadline(etcd_server
         with trio.fail_after(HANG):
             await host.got_lease.wait()
         assert keeper.lease_id != first and keeper.may_run()
+        nursery.cancel_scope.cancel()
+
+
+class SlowRegain(Host):
+    """A listener whose ``regained`` works through ``batches`` requests to a
+    slow directory, ``each`` seconds apiece (trio's mock clock jumped), and
+    asks the keeper for a keepalive if one is due between them, as the
+    daemon's confirmation of thousands of agents does."""
+
+    def __init__(self, clock: trio.testing.MockClock, batches: int, each: float) -> None:
+        super().__init__()
+        self.clock, self.batches, self.each = clock, batches, each
+        self.keeper: HostLeaseKeeper | None = None
+        self.alive_after: list[bool] = []
+
+    async def regained(self, lease_id: int) -> None:
+        assert self.keeper is not None
+        if not self.alive_after:  # (the first lease only)
+            for _ in range(self.batches):
+                self.clock.jump(self.each)
+                await self.keeper.renew_if_due()
+                self.alive_after.append(self.keeper.may_run())
+        await super().regained(lease_id)
+
+
+async def test_a_regained_longer_than_the_run_window_keeps_the_lease_alive(
+        etcd_server: KillableEtcd, mock_clock: trio.testing.MockClock) -> None:
+    mock_clock.rate = 1  # (as time runs, but for the jumps: the directory's slow answers)
+    layout = fd.Layout(b"/capsulefs-test/" + secrets.token_hex(4).encode() + b"/")
+    timing = DEFAULT_TIMING
+    host = SlowRegain(mock_clock, batches=12, each=timing.renew_every * 0.75)
+    assert host.batches * host.each > timing.run_window(timing.ttl)
+    async with open_etcd(etcd_server.spec) as etcd, trio.open_nursery() as nursery:
+        keeper = host.keeper = HostLeaseKeeper(etcd, layout, fd.HostEntry(host_id=ME, address="a:1"), host, timing)
+        await nursery.start(keeper.serve)
+        with trio.fail_after(HANG):
+            await keeper.wait_alive()
+        assert host.alive_after == [True] * host.batches, host.alive_after
+        assert keeper.leases == 1 and keeper.renewals >= 5  # (one every 2 s of the 18: 6, less a margin)
+        assert host.regained_leases == [keeper.lease_id] and not host.stopped.is_set()
         nursery.cancel_scope.cancel()
