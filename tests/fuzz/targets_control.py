@@ -89,8 +89,14 @@ class _RecordingMover:
         self.calls.append(("learn", agent_id))
 
 
+class _View:
+    def check_lease(self) -> None:
+        pass  # (a view without a write guard, as a peer-to-peer mount's)
+
+
 class _Agent:
     agent_id = AGENT_ID
+    host = _View()
 
 
 def _complete(coro: Coroutine[Any, Any, int]) -> int:
@@ -109,7 +115,7 @@ def _learn_seeds() -> list[bytes]:
 
 def _run_learn(data: bytes, scratch: Path) -> None:
     mover = _RecordingMover()
-    handle = MoveHandle(_Agent(), "learn", mover)  # type: ignore[arg-type]  # (it reads the agent's id only)
+    handle = MoveHandle(_Agent(), "learn", mover)  # type: ignore[arg-type]  # (it reads the agent's id and view only)
     try:
         written = _complete(handle.write_async(0, data))
     except BaseException:
