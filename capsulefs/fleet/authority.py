@@ -82,7 +82,9 @@ class Ticket:
 
     agent_id: str
     move: fd.Move
-    seen: KeyValue  # the agent's key as read by begin(): the commit compares its mod_revision
+    #: The agent's key as read by begin(): the commit compares its mod_revision.
+    #: None for a move rebuilt from its record after a restart (ticket()): only settle() may use it.
+    seen: KeyValue | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +176,16 @@ class DirectoryAuthority:
         move = fd.Move(source=self.host_id, held_epoch=held_epoch, target=target, epoch=epoch)
         return Ticket(agent_id, move, kv)
 
+    def ticket(self, agent_id: str, held_epoch: int, target: str, epoch: int) -> Ticket:
+        """A move whose commit may have been sent, rebuilt from the source's
+        record (COMMITTING) after a restart: for :meth:`settle` only."""
+        move = fd.Move(source=self.host_id, held_epoch=held_epoch, target=target, epoch=epoch)
+        return Ticket(agent_id, move, None)
+
     async def commit(self, ticket: Ticket) -> Verdict:
         """The point of no return: one Txn. If its answer is lost, settle it (the fence)."""
+        if ticket.seen is None:
+            raise DirectoryError(f"agent {ticket.agent_id}: a commit needs the read its move began with")
         t = fd.commit_txn(self._layout, ticket.agent_id, ticket.seen, ticket.move.target, ticket.move.epoch)
         try:
             result = await self._txn(t)
@@ -217,12 +227,19 @@ class DirectoryAuthority:
     async def gate(self, agent_id: str, epoch: int, source: str) -> Outcome:
         """A prepared move that sat idle, or a target that restarted: ACTIVE if
         the directory names this host at ``epoch`` (read under its lease), else
-        NEVER once no commit of the move can apply (the source's entry fenced)."""
+        NEVER once no commit of the move can apply (the source's entry fenced).
+        NotTheHolder if the entry names this host but the lease did not let the
+        read count (ask again); DirectoryUnavailable: no answer."""
         for _ in range(8):  # each round lost a race with another writer of the key
             kv = await self._client.get(self._layout.agent(agent_id))
             entry = None if kv is None else fd.decode_agent(kv.value)
             if entry is not None and entry.names(self.host_id, epoch):
-                return Outcome.ACTIVE if await self.confirm(agent_id, epoch) else Outcome.NEVER
+                if await self.confirm(agent_id, epoch):
+                    return Outcome.ACTIVE
+                # (never NEVER here: the entry names this host; only its lease, or a race, kept the read
+                # from counting: ask again under a live lease)
+                raise NotTheHolder(f"agent {agent_id}: the directory names {self.host_id} at epoch {epoch}, "
+                                   f"but not in a read made under a live lease: ask again")
             if kv is None or entry is None or entry.host_id != source:
                 return Outcome.NEVER  # the entry moved on: no commit of this move can apply
             if (await self._txn(fd.fence_txn(self._layout, agent_id, kv))).succeeded:

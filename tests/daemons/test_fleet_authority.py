@@ -148,6 +148,14 @@ async def test_a_prepared_target_activates_only_once_named_and_else_fences(world
     # a commit applied: the gate says active
     ticket = await world.src.begin(AGENT, 3, "tgt", 4)
     assert (await world.src.commit(ticket)).outcome is Outcome.ACTIVE
+    # named, but not under a live lease (a target just restarted): never "never", ask again
+    tgt_lease = Lease()
+    tgt_lease.alive = False
+    restarted = DirectoryAuthority(world.etcd, world.layout, "tgt", tgt_lease)
+    with pytest.raises(NotTheHolder, match="ask again"):
+        await restarted.gate(AGENT, 4, "src")
+    tgt_lease.alive = True
+    assert await restarted.gate(AGENT, 4, "src") is Outcome.ACTIVE
     assert await world.tgt.gate(AGENT, 4, "src") is Outcome.ACTIVE
 
 
