@@ -42,6 +42,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -59,6 +60,10 @@ from ..frozen import Frozen
 from .agent import AgentHandle
 from .blobs import BlobStore
 from .layout import AGENTS_DIR, STAGING_DIR, STORE_FILE
+
+#: A file in a staging area that makes it survive a restart (the sweep spares
+#: it): a move prepared in the fleet mode, which the directory may name already.
+STAGING_KEEP = "keep"
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +144,14 @@ class HostStore(BlobStore):
     def _sweep_staging(self) -> None:
         # Staging areas belong to an operation that a crash ended; nothing in
         # them was ever acknowledged. Only areas no live process holds are
-        # removed: each holder keeps an flock on its area's lock file.
+        # removed: each holder keeps an flock on its area's lock file. An
+        # area holding STAGING_KEEP (a prepared move the fleet's directory may
+        # name already) is spared: its owner takes it back or removes it.
         for name in os.listdir(self.staging_dir):
             path = os.path.join(self.staging_dir, name)
             lock = path + ".lock" if not name.endswith(".lock") else path
+            if os.path.exists(os.path.join(lock[:-len(".lock")], STAGING_KEEP)):
+                continue
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError:
@@ -325,10 +334,27 @@ class HostStore(BlobStore):
         remove_tree(trash)
 
     # -- staging ---------------------------------------------------------------
+    def kept_staging(self) -> list[str]:
+        """The staging areas a restart spared (they hold STAGING_KEEP), by path."""
+        return sorted(os.path.join(self.staging_dir, n) for n in os.listdir(self.staging_dir)
+                      if not n.endswith(".lock") and os.path.exists(os.path.join(self.staging_dir, n, STAGING_KEEP)))
+
+    def remove_kept(self, area: str) -> None:
+        """Remove a staging area a restart spared (its owner is done with it)."""
+        if os.path.dirname(os.path.abspath(area)) != os.path.abspath(self.staging_dir):
+            raise StoreError(f"{area} is not a staging area of {self.root}")
+        with contextlib.suppress(FileNotFoundError):  # (first: from here on a sweep may remove the rest)
+            os.unlink(os.path.join(area, STAGING_KEEP))
+        remove_tree(area, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(area + ".lock")
+        fsync_dir(self.staging_dir)
+
     @contextmanager
     def staging(self, label: str) -> Iterator[str]:
         """A private scratch directory inside the store, removed on exit
-        (unless it was consumed, e.g. renamed by install_agent)."""
+        (unless it was consumed, e.g. renamed by install_agent, or its owner
+        marked it kept with STAGING_KEEP: then :meth:`remove_kept` removes it)."""
         name = f"{label}-{os.urandom(6).hex()}"
         path = os.path.join(self.staging_dir, name)
         lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -337,7 +363,7 @@ class HostStore(BlobStore):
         try:
             yield path
         finally:
-            if os.path.isdir(path):
+            if os.path.isdir(path) and not os.path.exists(os.path.join(path, STAGING_KEEP)):
                 remove_tree(path, ignore_errors=True)
             os.unlink(path + ".lock")
             os.close(lock_fd)

@@ -13,7 +13,7 @@ import pytest
 from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CorruptBlobError, ExistsError, NotFoundError, StoreError
-from capsulefs.core.store.host_store import HostStore
+from capsulefs.core.store.host_store import STAGING_KEEP, HostStore
 
 from helpers import HOST, make_agent
 
@@ -125,6 +125,25 @@ def test_staging_left_by_a_crash_is_swept(state_dir: Path) -> None:
     (leftover / "half").write_bytes(b"x")
     HostStore.open(state_dir)
     assert not leftover.exists()
+
+
+def test_a_kept_staging_area_left_by_a_crash_is_spared_then_removed(state_dir: Path) -> None:
+    """A move prepared in the fleet mode (the directory may name this host
+    already) marks its staging area kept: a restart's sweep spares it (and
+    only it) until its owner removes it."""
+    store = HostStore.open(state_dir)
+    kept = Path(store.staging_dir) / "move-dead-2-abc"
+    (kept / "capsule").mkdir(parents=True)
+    (kept / STAGING_KEEP).write_bytes(b"")
+    plain = Path(store.staging_dir) / "move-dead-3-abc"
+    plain.mkdir()
+    store = HostStore.open(state_dir)
+    assert kept.is_dir() and not plain.exists()
+    assert store.kept_staging() == [str(kept)]
+    store.remove_kept(str(kept))
+    assert not kept.exists() and store.kept_staging() == []
+    with pytest.raises(StoreError):
+        store.remove_kept(str(state_dir))
 
 
 def test_adopted_files_become_blobs_and_their_directories_are_synced_once(store: HostStore, tmp_path: Path) -> None:
