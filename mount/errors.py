@@ -81,6 +81,7 @@ MOVE_ERRNO: dict[Cause, int] = {
     Cause.CONNECTION_REFUSED: errno.ECONNREFUSED,
     Cause.TIMEOUT: errno.ETIMEDOUT,
     Cause.ABANDONED: errno.ECANCELED,
+    Cause.NOT_HOLDER: errno.EPERM,
 }
 QUIET = frozenset({errno.ENOENT, errno.ENODATA, errno.EEXIST})
 #: Refusals that editors and copy tools provoke as a matter of course (vim

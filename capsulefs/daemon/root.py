@@ -18,7 +18,8 @@ Rules:
     daemon, its listener the agents' lifecycle owner (through
     :class:`_Upcalls`: the keeper is built after it), and the view asks it
     before every write it acknowledges (the view's write guard); the
-    directory authority is kept on :class:`Mounted` for the moves through it.
+    directory authority and the lease are given to the moves (a
+    ``capsulefs.move.fleet.Fleet``; None in peer-to-peer mode).
     The move host's peer finder is chosen here: the directory's live hosts
     (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
 """
@@ -46,6 +47,7 @@ from capsulefs.daemon.agents import Agents
 from capsulefs.daemon.daemon import Daemon, KernelEntries, Service, Stopping, sd_notify, work_dir
 from capsulefs.daemon.metrics_file import MetricsFile
 from capsulefs.mount.ops import Operations
+from capsulefs.move.fleet import Fleet
 from capsulefs.move.host import MoveHost, holders_dir
 from capsulefs.move.mount_moves import MountMoves
 from capsulefs.testing import seams
@@ -158,8 +160,11 @@ def compose(cfg: MountConfig) -> Mounted:
     move_host = MoveHost.open(state_dir, hooks=agents, finder=finder)
     # Test seams (capsulefs/testing/seams.py), selected by a test's environment only.
     seams.crash_seam(move_host, os.environ.get(seams.CRASH_ENV))
+    moves_fleet = None if fleet is None else Fleet(
+        seams.lose_commit_seam(fleet.authority, os.environ.get(seams.LOSE_COMMIT_ENV)), fleet.keeper)
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
-                       call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout)
+                       call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout,
+                       fleet=moves_fleet)
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)

@@ -19,6 +19,10 @@ Rules:
     holds the agent's move lock and is refused at once while this service
     runs a move of it, so a removal and a move never overlap.
 
+In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` in the constructor)
+the moves go through the directory (capsulefs/move/fleet.py) and an agent made
+through the mount is claimed in it at once.
+
 Its test seams (a crash at a chosen holder state, a shorter call timeout) are
 in capsulefs/testing/seams.py; the composition root installs them.
 """
@@ -41,6 +45,7 @@ from capsulefs.core.errors import CapsuleError, FormatError, NotFoundError
 from capsulefs.core.store.holder import HolderState
 from capsulefs.core.store.story import story
 from capsulefs.move.doubt import abandon_move, learn_holder
+from capsulefs.move.fleet import Fleet
 from capsulefs.move.source import MoveControl, MoveResult, move_agent, resume_moves
 from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.nodes import AgentState
@@ -75,8 +80,9 @@ class MountMoves:
     through the mount (``created``)."""
 
     def __init__(self, host: MoveHost, agents: MoveAgents, *, listen: tuple[str, int] | None = None,
-                 call_timeout: float = 120.0, retry_pause: float = 1.0) -> None:
+                 call_timeout: float = 120.0, retry_pause: float = 1.0, fleet: Fleet | None = None) -> None:
         self.agents = agents
+        self.fleet = fleet  # None: peer-to-peer
         self.host = host
         self.listen = listen
         self.call_timeout = call_timeout
@@ -92,6 +98,19 @@ class MountMoves:
         """An agent was made through the mount (mkdir): this host holds it."""
         record_new_agent(self.host.store.root, agent_id, epoch)
         self.standings.created(agent_id)
+        if self.fleet is not None and self._nursery is not None:
+            self._nursery.start_soon(self._claim, agent_id, epoch)
+
+    async def _claim(self, agent_id: str, epoch: int) -> None:
+        """Fleet mode: a new agent is named in the directory now, not at the next new lease."""
+        assert self.fleet is not None
+        try:
+            claimed = await self.fleet.directory.claim(agent_id, epoch)
+        except CapsuleError as exc:  # (the next new lease claims it: Agents.lease_regained)
+            log.warning("agent %s: could not claim it in the directory: %s", agent_id, exc)
+            return
+        log.info("agent %s: %s in the directory at epoch %d", agent_id,
+                 "claimed" if claimed else "already named", epoch)
 
     def runtime_info(self) -> dict[str, object]:
         """For the daemon's runtime file: the port peers' moves reach (None: none)."""
@@ -102,11 +121,13 @@ class MountMoves:
         async with trio.open_nursery() as nursery:
             if self.listen is not None:
                 serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
-                                                      port=self.listen[1], wrap=self.standings.around))
+                                                      port=self.listen[1], wrap=self.standings.around,
+                                                      fleet=self.fleet))
                 self.port = serving.port
                 log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
             else:
-                await MoveService(self.host).recover()  # refuse pending moves a crash left, as serve_moves does
+                # refuse pending moves a crash left, as serve_moves does
+                await MoveService(self.host, fleet=self.fleet).recover()
             # The moves in doubt are registered before any new move may start
             # (move() refuses until _nursery is set), so none can take their place.
             pending = self._in_doubt()
@@ -133,7 +154,8 @@ class MountMoves:
         try:
             # Only the moves in doubt at start: one begun since has its own driver.
             results = await resume_moves(self.host, call_timeout=self.call_timeout, retry_pause=self.retry_pause,
-                                         control_for=lambda a: pending[a].control, agent_ids=list(pending))
+                                         control_for=lambda a: pending[a].control, agent_ids=list(pending),
+                                         fleet=self.fleet)
         finally:
             for agent_id, running in pending.items():
                 if self._running.get(agent_id) is running:
@@ -225,7 +247,7 @@ class MountMoves:
         async def run() -> None:
             try:
                 box.append(await move_agent(self.host, agent_id, peer, call_timeout=self.call_timeout,
-                                            retry_pause=self.retry_pause, control=control))
+                                            retry_pause=self.retry_pause, control=control, fleet=self.fleet))
             except (PeerError, CapsuleError, OSError) as exc:  # could not start, or failed outside the machine
                 log.warning("move of %s to %s failed: %s", agent_id, peer.name, exc)
                 box.append(exc)
@@ -286,4 +308,18 @@ class MountMoves:
             new = abandon_move(self.host.holders, agent_id, me=self.host.me, why=why)
         log.warning("agent %s: move abandoned by the operator (%s), held again at epoch %d; %s",
                     agent_id, why, new.held_epoch, risk)
+        if self.fleet is not None and not await self._named(agent_id, new.held_epoch or 0):
+            return
         await self.agents.resume(agent_id)
+
+    async def _named(self, agent_id: str, epoch: int) -> bool:
+        """Fleet mode: may the agent run here again (the directory names this host at ``epoch``)?"""
+        assert self.fleet is not None
+        try:
+            if await self.fleet.directory.confirm(agent_id, epoch):
+                return True
+            why = f"the directory does not name this host at epoch {epoch}"
+        except CapsuleError as exc:
+            why = f"the directory did not answer: {exc}"
+        log.warning("agent %s: %s: it stays frozen here (until the next new lease asks again)", agent_id, why)
+        return False

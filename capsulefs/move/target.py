@@ -25,10 +25,20 @@ Rules:
   * Blobs the target already had are checked for presence and size at
     verify; the store only ever names a blob after hashing it.
 
+  * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) a
+    prepared move activates only once the directory names this host at its
+    epoch: the source's ``activate`` is a nudge (``confirm``, then activate;
+    else "unknown"), and a prepared move that sits idle, restarted, or is
+    asked ``status`` asks the directory's ``gate`` before it ever refuses.
+    Its staging area holds STAGING_KEEP from prepare on, so a restart
+    spares it (docs/fleet.md, "A move through the directory").
+
 Theory of operation: the staging areas of moves in progress live in
 ``self._incoming``, keyed by (agent_id, epoch), each owning its staging
 context. A crash loses them; on restart :meth:`MoveService.recover` feeds
-TargetRestarted to every record, which refuses every pending move.
+TargetRestarted to every record, which refuses every pending move (in the
+fleet mode a prepared one keeps its area, in ``self._kept``, until the
+directory's gate decides).
 """
 
 from __future__ import annotations
@@ -47,11 +57,14 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import metrics
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
+from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState
+from capsulefs.core.store.host_store import STAGING_KEEP
 from capsulefs.core.store.story import story
 from capsulefs.core.move.wire import BLOBS_CALL, answer_to_result
+from capsulefs.move.fleet import Fleet
 from capsulefs.move.host import MoveHost
 from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload
@@ -67,6 +80,9 @@ log = logging.getLogger(__name__)
 __all__ = ["MoveService", "ServingMoves", "serve_moves"]
 
 DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness only)
+#: Fleet mode: a prepared move idle this long asks the directory (the nudge may have been lost).
+FLEET_GATE_AFTER = 10.0
+FLEET_GATE_EVERY = 2.0  # fleet mode: how often idle moves are looked at
 
 
 
@@ -74,8 +90,11 @@ DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness o
 class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
-    def __init__(self, host: MoveHost, *, deep_verify: bool = False) -> None:
+    def __init__(self, host: MoveHost, *, deep_verify: bool = False, fleet: Fleet | None = None) -> None:
         self.host = host
+        self.fleet = fleet  # None: peer-to-peer
+        #: Fleet mode: the staging areas of prepared moves a restart spared, by (agent_id, epoch).
+        self._kept: dict[tuple[str, int], str] = {}
         self.deep_verify = deep_verify  # re-hash blobs the target already had
         self._incoming: dict[tuple[str, int], Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
@@ -103,6 +122,8 @@ class MoveService:
             async with self.host.lock(agent_id):
                 return await self._blobs(peer.host_id, agent_id, epoch, args.get("items"), payload), b""
         async with self.host.lock(agent_id):
+            if self.fleet is not None and which in (mv.Call.ACTIVATE, mv.Call.STATUS):
+                return answer_to_result(await self._through_directory(which, peer.host_id, agent_id, epoch)), b""
             event = await self._event(which, peer.host_id, agent_id, epoch, args, payload)
             answer = await self.run(agent_id, event)
             offered = self._offered.pop((agent_id, epoch), None)
@@ -141,6 +162,93 @@ class MoveService:
             case mv.Call.FENCE:
                 return mv.FenceRequested(agent_id=agent_id, source=source)
         raise AssertionError(which)
+
+    # -- the fleet's directory (docs/fleet.md, "A move through the directory") ------------------
+    async def _through_directory(self, which: mv.Call, source: str, agent_id: str, epoch: int) -> object:
+        """Fleet mode, under the agent's lock: the source's activate (its
+        nudge, after the directory's verdict) or status. A move prepared here
+        activates only once the directory names this host at its epoch."""
+        rec = self.record(agent_id)
+        prepared = (rec is not None and rec.state is HolderState.PREPARED and rec.epoch == epoch
+                    and rec.peer == source)
+        if which is mv.Call.ACTIVATE:
+            if prepared and await self._named(agent_id, epoch):
+                return await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source))
+            if prepared:  # (a nudge only ever activates: never refuse on it)
+                return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
+            return await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source))
+        if prepared:
+            assert rec is not None
+            match await self._gated(rec):
+                case mv.Outcome.ACTIVE:
+                    return mv.StatusReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.ACTIVE)
+                case None:
+                    return mv.StatusReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
+        return await self.run(agent_id, mv.StatusRequested(agent_id=agent_id, epoch=epoch, source=source))
+
+    async def _named(self, agent_id: str, epoch: int) -> bool:
+        """Does the directory, read under this host's live lease, name it at ``epoch``?"""
+        assert self.fleet is not None
+        try:
+            return await self.fleet.directory.confirm(agent_id, epoch)
+        except DirectoryError as exc:
+            log.warning("agent %s: the directory did not say whether epoch %d is this host's: %s",
+                        agent_id, epoch, exc)
+            return False
+
+    async def _gated(self, rec: HolderRecord) -> mv.Outcome | None:
+        """A prepared move (under the agent's lock) asks the directory's gate:
+        ACTIVE: activated now; NEVER: refused (no commit of it can apply any
+        more); None: no answer yet, it stays prepared."""
+        assert self.fleet is not None and rec.peer is not None
+        agent_id, epoch, source = rec.agent_id, rec.epoch, rec.peer
+        try:
+            outcome = await self.fleet.directory.gate(agent_id, epoch, source)
+        except DirectoryError as exc:
+            log.info("agent %s: the prepared move at epoch %d waits for the directory: %s", agent_id, epoch, exc)
+            return None
+        if outcome is mv.Outcome.ACTIVE:
+            log.info("agent %s: the directory names this host at epoch %d: activating", agent_id, epoch)
+            await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source), record=rec)
+        elif outcome is mv.Outcome.NEVER:
+            log.info("agent %s: no commit of the move at epoch %d can apply: refusing it", agent_id, epoch)
+            await self.run(agent_id, mv.Expired(agent_id=agent_id), record=rec)
+        return outcome
+
+    async def _gate_prepared(self, now: float) -> None:
+        """Fleet mode: every prepared move idle for FLEET_GATE_AFTER, or kept
+        over a restart, asks the directory (its nudge may never come)."""
+        idle = {k for k, inc in self._incoming.items() if now - inc.last_activity >= FLEET_GATE_AFTER}
+        keys = set(self._kept) | idle
+        for agent_id, epoch in sorted(keys):
+            async with self.host.lock(agent_id):
+                rec = self.host.holders.get(agent_id)
+                if rec is not None and rec.state is HolderState.PREPARED and rec.epoch == epoch:
+                    await self._gated(rec)
+                elif (agent_id, epoch) in self._kept:
+                    await self._close(agent_id, epoch)
+
+    async def _keep_prepared(self) -> None:
+        """After a restart (fleet mode): take back the staging area of each
+        prepared move (the directory may name this host already); remove the
+        areas no prepared record owns."""
+        for area in await trio.to_thread.run_sync(self.host.store.kept_staging):
+            name = os.path.basename(area)
+            owner = None
+            for agent_id in self.host.holders.agent_ids():
+                rec = self.host.holders.get(agent_id)
+                if (rec is not None and rec.state is HolderState.PREPARED
+                        and name.startswith(f"move-{agent_id}-{rec.epoch}-") and (agent_id, rec.epoch) not in self._kept
+                        and os.path.isdir(os.path.join(area, "capsule"))):
+                    owner = (agent_id, rec.epoch)
+                    break
+            if owner is None or self.fleet is None:
+                log.info("removing the staging area %s (no prepared move owns it)", area)
+                await trio.to_thread.run_sync(self.host.store.remove_kept, area)
+            else:
+                log.info("agent %s: the move prepared at epoch %d kept its staging area: the directory decides",
+                         *owner)
+                self._kept[owner] = area
 
     # -- blobs ----------------------------------------------------------------------------------
     async def _blobs(self, source: str, agent_id: str, epoch: int, items: Any, payload: Payload) -> dict[str, Any]:
@@ -289,7 +397,12 @@ class MoveService:
                 self.spare.close()  # (the intakes have ended: their nursery is done)
                 self.spare = None
 
-    async def _close(self, agent_id: str, epoch: int) -> None:
+    async def _close(self, agent_id: str, epoch: int, *, keep: bool = False) -> None:
+        """The move's staging area goes (``keep``: the daemon stops; a kept
+        one, of a prepared move in the fleet mode, stays for the next start)."""
+        kept = self._kept.pop((agent_id, epoch), None)
+        if kept is not None and not keep:
+            await trio.to_thread.run_sync(self.host.store.remove_kept, kept)
         inc = self._incoming.pop((agent_id, epoch), None)
         if inc is not None:
             with trio.CancelScope(shield=True):  # the staging area goes only once nothing writes in it
@@ -305,10 +418,14 @@ class MoveService:
                 # Removing the staging area is a file per piece: in a thread,
                 # off the event loop (waited for: it is gone when we return).
                 await trio.to_thread.run_sync(inc.stack.close)
+                if not keep and os.path.exists(os.path.join(inc.area, STAGING_KEEP)):
+                    await trio.to_thread.run_sync(self.host.store.remove_kept, inc.area)
 
     async def aclose_all(self) -> None:
-        for key in list(self._incoming):
-            await self._close(*key)
+        """The daemon stops: every intake ends and its staging area goes, but
+        a kept one (a prepared move in the fleet mode) stays for the next start."""
+        for key in list(self._incoming) + list(self._kept):
+            await self._close(*key, keep=True)
 
     def _missing(self, manifest: fmt.Manifest, have: frozenset[str]) -> tuple[str, ...]:
         return missing(self.host.store, manifest, have)
@@ -332,14 +449,17 @@ class MoveService:
         try:
             await trio.to_thread.run_sync(inc.build, self.host.me)
             await self.host.hooks.prepare(agent_id, inc.capsule_dir)
+            if self.fleet is not None:  # (the directory may name this host from PREPARED on: survive a restart)
+                await trio.to_thread.run_sync(atomic_write, os.path.join(inc.area, STAGING_KEEP), b"")
         except (CapsuleError, OSError) as exc:
             return False, str(exc)
         inc.last_activity = trio.current_time()
         return True, ""
 
     async def _install(self, agent_id: str, epoch: int) -> None:
-        inc = self._incoming[(agent_id, epoch)]
-        await trio.to_thread.run_sync(self.host.store.install_agent, inc.capsule_dir)
+        inc = self._incoming.get((agent_id, epoch))
+        capsule_dir = inc.capsule_dir if inc is not None else os.path.join(self._kept[(agent_id, epoch)], "capsule")
+        await trio.to_thread.run_sync(self.host.store.install_agent, capsule_dir)
         await self._close(agent_id, epoch)
 
     # -- recovery and expiry -----------------------------------------------------------------------
@@ -347,6 +467,7 @@ class MoveService:
         """After a restart: mark agents without a record UNKNOWN and freeze
         every UNKNOWN one (read-only until ``capsulefs move --learn``), refuse
         every pending move, drop leftovers, re-activate held agents."""
+        await self._keep_prepared()
         present = set(self.host.store.agent_ids())
         # (off the loop: it may wait for a `capsulefs import` to record its agent)
         in_doubt = await trio.to_thread.run_sync(self.host.holders.reconcile, present)
@@ -374,13 +495,21 @@ class MoveService:
                     # kept the record HELD): nothing to start.
                     log.warning("agent %s is recorded as held here but its files are gone; not started", agent_id)
                     continue
+                if rec.state is HolderState.PREPARED and (agent_id, rec.epoch) in self._kept:
+                    continue  # (fleet mode: the directory's gate decides, once the host has a lease)
                 await self.run(agent_id, mv.TargetRestarted(agent_id=agent_id))
 
     async def expire_idle(self, ttl: float = DEFAULT_IDLE_TTL) -> None:
         now = trio.current_time()
+        if self.fleet is not None:
+            await self._gate_prepared(now)
         for (agent_id, epoch), inc in list(self._incoming.items()):
             if now - inc.last_activity >= ttl:
                 async with self.host.lock(agent_id):
+                    rec = self.host.holders.get(agent_id)
+                    if (self.fleet is not None and rec is not None and rec.state is HolderState.PREPARED
+                            and rec.epoch == epoch):
+                        continue  # (the directory decides: _gate_prepared)
                     log.info("refusing the idle move of %s at epoch %d", agent_id, epoch)
                     await self.run(agent_id, mv.Expired(agent_id=agent_id))
                     await self._close(agent_id, epoch)
@@ -410,6 +539,7 @@ async def serve_moves(
     port: int = DEFAULT_PORT,
     idle_ttl: float = DEFAULT_IDLE_TTL,
     wrap: Callable[[MoveService], PeerHandler] | None = None,
+    fleet: Fleet | None = None,
     task_status: trio.TaskStatus[ServingMoves] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The target side of a daemon: recover, then answer move calls forever.
@@ -417,7 +547,7 @@ async def serve_moves(
     ``started()`` reports the bound port once it listens. ``wrap`` may put
     something around the service (tests put a fault injector there).
     """
-    service = MoveService(host)
+    service = MoveService(host, fleet=fleet)
     await service.recover()
     try:
         async with trio.open_nursery() as nursery:
@@ -425,7 +555,8 @@ async def serve_moves(
             handler = wrap(service) if wrap is not None else service
             bound = await nursery.start(partial(serve_peers, host.identity, host.peer_finder, handler,
                                                 host=listen_host, port=port))
-            nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=max(1.0, idle_ttl / 10)))
+            every = FLEET_GATE_EVERY if fleet is not None else max(1.0, idle_ttl / 10)
+            nursery.start_soon(partial(service.serve_expiry, ttl=idle_ttl, every=every))
             task_status.started(ServingMoves(bound, service))
     finally:
         with trio.CancelScope(shield=True):

@@ -18,6 +18,12 @@ The test seam ``CAPSULEFS_TEST_LEASE_TIMING=TTL,RENEW_EVERY,RENEW_TIMEOUT,STOP_W
 (test-only, read once at daemon start, fleet mode only) replaces the host
 lease's timing (core/fleet/lease.py: 10 s, 2 s, 1.5 s, 2 s), so
 tests/mount/test_fleet_mount.py can pause a daemon past its run window in seconds.
+
+The test seam ``CAPSULEFS_TEST_LOSE_COMMIT=applied|unsent`` (test-only, fleet
+mode, read once at daemon start) loses the answer of the first move's commit
+Txn, after etcd applied it (``applied``) or without sending it (``unsent``):
+the move is in doubt and its status question, the directory's settle, decides
+(tests/daemons/test_fleet_moves.py).
 """
 
 from __future__ import annotations
@@ -25,19 +31,27 @@ from __future__ import annotations
 import logging
 import os
 
+from typing import TYPE_CHECKING
+
 from capsulefs.core.errors import FormatError
 from capsulefs.core.fleet.lease import LeaseTiming
+from capsulefs.core.move import Outcome
 from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.move.fleet import MoveDirectory
 from capsulefs.move.host import MoveHost
+
+if TYPE_CHECKING:
+    from capsulefs.fleet.authority import Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "call_timeout_seam", "crash_seam",
-           "lease_timing_seam"]
+__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "LOSE_COMMIT_ENV", "LosingCommit",
+           "call_timeout_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
 CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
 LEASE_TIMING_ENV = "CAPSULEFS_TEST_LEASE_TIMING"
+LOSE_COMMIT_ENV = "CAPSULEFS_TEST_LOSE_COMMIT"
 
 _SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
 _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
@@ -112,3 +126,54 @@ def lease_timing_seam(value: str | None) -> LeaseTiming | None:
     log.warning("test seam %s=%s is set: the host lease runs for %.2fs after each answered keepalive",
                 LEASE_TIMING_ENV, value, timing.run_window(timing.ttl))
     return timing
+
+
+class LosingCommit:
+    """Test seam: the directory, except that the first commit's answer is lost
+    (after it was applied, or without sending it)."""
+
+    def __init__(self, inner: MoveDirectory, *, applied: bool) -> None:
+        self._inner = inner
+        self._applied = applied
+        self._spent = False
+
+    async def commit(self, ticket: Ticket) -> Verdict:
+        from capsulefs.fleet.authority import CommitInDoubt
+
+        if self._spent:
+            return await self._inner.commit(ticket)
+        self._spent = True
+        if self._applied:
+            verdict = await self._inner.commit(ticket)
+            log.warning("test seam %s: the commit's answer (%s) is lost", LOSE_COMMIT_ENV, verdict.outcome.value)
+        else:
+            log.warning("test seam %s: the commit is lost before it was sent", LOSE_COMMIT_ENV)
+        raise CommitInDoubt(ticket, f"test seam {LOSE_COMMIT_ENV}: no answer")
+
+    async def begin(self, agent_id: str, held_epoch: int, target: str, epoch: int) -> Ticket:
+        return await self._inner.begin(agent_id, held_epoch, target, epoch)
+
+    async def settle(self, ticket: Ticket) -> Verdict:
+        return await self._inner.settle(ticket)
+
+    def ticket(self, agent_id: str, held_epoch: int, target: str, epoch: int) -> Ticket:
+        return self._inner.ticket(agent_id, held_epoch, target, epoch)
+
+    async def confirm(self, agent_id: str, epoch: int) -> bool:
+        return await self._inner.confirm(agent_id, epoch)
+
+    async def gate(self, agent_id: str, epoch: int, source: str) -> Outcome:
+        return await self._inner.gate(agent_id, epoch, source)
+
+    async def claim(self, agent_id: str, epoch: int) -> bool:
+        return await self._inner.claim(agent_id, epoch)
+
+
+def lose_commit_seam(directory: MoveDirectory, value: str | None) -> MoveDirectory:
+    """The directory the moves use: ``directory``, or the test-only LosingCommit if ``value`` is set."""
+    if not value:
+        return directory
+    if value not in ("applied", "unsent"):
+        raise FormatError(f"{LOSE_COMMIT_ENV}={value!r}: must be applied or unsent")
+    log.warning("test seam %s=%s is set: the first commit's answer will be lost", LOSE_COMMIT_ENV, value)
+    return LosingCommit(directory, applied=value == "applied")

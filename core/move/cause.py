@@ -25,6 +25,7 @@ class Cause(enum.Enum):
     CONNECTION_REFUSED = "connection-refused"
     TIMEOUT = "timeout"
     ABANDONED = "abandoned"
+    NOT_HOLDER = "not-holder"
 
     @property
     def meaning(self) -> str:
@@ -38,8 +39,10 @@ MEANING: dict[Cause, str] = {
                    "or could not do a call; or the agent is not held here",
     Cause.STALE: "the target has seen a newer epoch: another host may hold the agent",
     Cause.CORRUPT: "content arrived corrupt at the target, or could not be read here",
-    Cause.UNREACHABLE: "the target could not be reached, or the link broke",
+    Cause.UNREACHABLE: "the target (or the fleet's directory) could not be reached, or the link broke",
     Cause.CONNECTION_REFUSED: "nothing listens at the target's address",
     Cause.TIMEOUT: "the target did not answer in time",
     Cause.ABANDONED: "an operator abandoned the move",
+    Cause.NOT_HOLDER: "the fleet's directory does not name this host as the agent's holder (or this host has no "
+                      "live lease)",
 }
