@@ -250,7 +250,8 @@ class Agents:
         for agent_id in self.view.store.agent_ids():
             rec = self.holders.get(agent_id)
             if rec is not None and rec.state is HolderState.HELD:  # (else the lifecycle holds it still)
-                held[agent_id] = rec.epoch
+                # (the epoch it holds: after a rolled-back move the record's epoch is the fence above it)
+                held[agent_id] = rec.held_epoch if rec.held_epoch is not None else rec.epoch
         ids = list(held)
         unconfirmed: dict[str, str] = {}
         for start in range(0, len(ids), directory.batch):
