@@ -123,6 +123,16 @@ def ticker_agent_running_on_a(a: Host, b: Host, tmp_path: Path, etcd: EtcdServer
     return agent_id, script, shared
 
 
+def wait_running(script: Path, h: Host) -> None:
+    """Until the ticker runs on ``h`` only (else the error says what ``h`` says of the agent)."""
+    try:
+        wait_for(lambda: runs_only_on(script, f"mnt-{h.name}"), f"the ticker running on {h.name} only")
+    except AssertionError as exc:
+        status = h.status("walker") if (h.mnt / "walker").exists() else "not shown"
+        lines = [line for line in h.log.read_text(errors="replace").splitlines() if "DEBUG" not in line]
+        raise AssertionError(f"{exc}\n{h.name}'s status of walker: {status}\n" + "\n".join(lines[-40:])) from None
+
+
 def never_two(sampler: Sampler) -> None:
     sampler.stop()
     assert sampler.samples, "the sampler took no sample"
@@ -213,8 +223,7 @@ def test_the_source_killed_at_each_phase(fleet_hosts: tuple[Host, Host], tmp_pat
         holder = a if ends_on == "a" else b
         assert record(holder, agent_id) == (HolderState.HELD, epoch)
         assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
-        label = f"mnt-{ends_on}"
-        wait_for(lambda: runs_only_on(script, label), f"the ticker running on {ends_on} only")
+        wait_running(script, holder)
         wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
     finally:
         never_two(sampler)
@@ -255,7 +264,7 @@ def test_the_target_killed_at_a_prepared_move(fleet_hosts: tuple[Host, Host], tm
         assert holder is {"a": a, "b": b}[ends_on]
         assert record(holder, agent_id) == (HolderState.HELD, epoch)
         assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
-        wait_for(lambda: runs_only_on(script, f"mnt-{ends_on}"), f"the ticker running on {ends_on} only")
+        wait_running(script, holder)
         wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
     finally:
         never_two(sampler)
@@ -285,7 +294,7 @@ def test_a_commit_whose_reply_is_lost_is_settled_by_the_directory(
             holder, epoch = a, 1
         assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
         assert settled_on(a, b, agent_id) is holder
-        wait_for(lambda: runs_only_on(script, f"mnt-{holder.name}"), f"the ticker running on {holder.name} only")
+        wait_running(script, holder)
         if lost == "unsent":  # B's prepared move sat idle: the directory's gate refused it
             wait_for(lambda: record(b, agent_id) == (HolderState.REFUSED, 2), "b refusing its prepared move")
         wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
