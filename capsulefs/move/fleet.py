@@ -17,7 +17,9 @@ Rules:
     agent again only once the directory names it (``confirm``, under a
     live lease): the entry may have moved on meanwhile.
 
-Theory of operation: the real objects are capsulefs/fleet/authority.py's
+Theory of operation: :class:`SourceCalls` makes one move's calls for the
+source's driver and turns each answer into the event its machine is fed;
+:func:`named` and :func:`gate` are the target's questions. The real objects are capsulefs/fleet/authority.py's
 ``DirectoryAuthority`` and capsulefs/fleet/keeper.py's ``HostLeaseKeeper``,
 built by the composition root; the simulation (capsulefs/testing/fleet_sim.py)
 drives the same machines through the same calls.
@@ -25,15 +27,22 @@ drives the same machines through the same calls.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import trio
+
+from capsulefs.core import move as mv
+from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.move import Outcome
 
 if TYPE_CHECKING:  # (the fleet's modules load only in the fleet mode)
     from capsulefs.fleet.authority import Ticket, Verdict
 
-__all__ = ["Fleet", "LeaseWait", "MoveDirectory"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Fleet", "LeaseWait", "MoveDirectory", "SourceCalls", "gate", "named"]
 
 
 class MoveDirectory(Protocol):
@@ -68,3 +77,94 @@ class Fleet:
 
     directory: MoveDirectory
     lease: LeaseWait
+
+
+class SourceCalls:
+    """One move's calls to the directory, for the source's driver
+    (capsulefs/move/source.py): each returns the event its machine is fed."""
+
+    def __init__(self, fleet: Fleet, *, committing: bool) -> None:
+        self.fleet = fleet
+        self.ticket: Ticket | None = None  # the directory's read after the freeze (begin)
+        self.commit_sent = committing  # the directory's entry may name the target
+        self.cause: mv.Cause | None = None  # why the directory (or a refused offer) ended the move
+
+    async def begin(self, c: mv.Send, held_epoch: int) -> object | None:
+        """After the freeze, before the offer: the read the commit compares
+        against. None if the directory names this host; else the failure the
+        machine rolls back on."""
+        from capsulefs.fleet.authority import NotTheHolder  # (the fleet's modules: in the fleet mode only)
+
+        try:
+            self.ticket = await self.fleet.directory.begin(c.agent_id, held_epoch, c.target, c.epoch)
+            return None
+        except NotTheHolder as exc:
+            self.cause, why = mv.Cause.NOT_HOLDER, str(exc)
+        except DirectoryError as exc:
+            self.cause, why = mv.Cause.UNREACHABLE, f"the directory did not answer: {exc}"
+        log.warning("move of %s: %s; rolling back", c.agent_id, why)
+        return mv.IoFailure(reason=why)
+
+    async def commit(self, c: mv.Send) -> object:
+        """The point of no return: the directory's commit Txn (a lost answer is settled by the fence)."""
+        self.commit_sent = True
+        if self.ticket is None:  # (not reached: activate follows begin; asking status is always safe)
+            return mv.IoFailure(reason="the directory's read of the move is missing")
+        try:
+            verdict = await self.fleet.directory.commit(self.ticket)
+        except DirectoryError as exc:  # in doubt (CommitInDoubt), or an answer that says nothing
+            log.warning("move of %s: the commit to %s is in doubt: %s", c.agent_id, c.target, exc)
+            return mv.IoFailure(reason=f"the directory: {exc}")
+        return mv.ActivateReply(agent_id=c.agent_id, epoch=c.epoch, outcome=verdict.outcome)
+
+    async def settle(self, c: mv.Send, held_epoch: int) -> object:
+        """The status question, asked of the directory: did the commit apply? (read, else fence)"""
+        ticket = self.ticket or self.fleet.directory.ticket(c.agent_id, held_epoch, c.target, c.epoch)
+        try:
+            verdict = await self.fleet.directory.settle(ticket)
+        except DirectoryError as exc:
+            log.warning("move of %s: the directory did not settle the commit yet: %s", c.agent_id, exc)
+            return mv.IoFailure(reason=f"the directory: {exc}")
+        log.info("move of %s to %s at epoch %d settled: %s (%s)", c.agent_id, c.target, c.epoch,
+                 verdict.outcome.value, verdict.why)
+        return mv.StatusReply(agent_id=c.agent_id, epoch=c.epoch, outcome=verdict.outcome)
+
+    async def may_resume(self, agent_id: str, held_epoch: int, retry_pause: float) -> bool:
+        """A rollback after the commit was sent: may the agent run here again?
+        Only once the directory, read under a live lease, names this host at
+        the epoch it holds (the entry may have moved on: a takeover)."""
+        while True:
+            await self.fleet.lease.wait_alive()
+            try:
+                if await self.fleet.directory.confirm(agent_id, held_epoch):
+                    return True
+            except DirectoryError as exc:
+                log.warning("agent %s: asking the directory before it runs again: %s", agent_id, exc)
+                await trio.sleep(retry_pause)
+                continue
+            if self.fleet.lease.may_run():
+                log.warning("agent %s: the move rolled back, but the directory does not name this host at "
+                            "epoch %d: it stays frozen here", agent_id, held_epoch)
+                return False
+            # (the lease ended during the read: ask again under the next)
+
+
+async def named(fleet: Fleet, agent_id: str, epoch: int) -> bool:
+    """A target: does the directory, read under this host's live lease, name it at ``epoch``?"""
+    try:
+        return await fleet.directory.confirm(agent_id, epoch)
+    except DirectoryError as exc:
+        log.warning("agent %s: the directory did not say whether epoch %d is this host's: %s", agent_id, epoch, exc)
+        return False
+
+
+async def gate(fleet: Fleet, agent_id: str, epoch: int, source: str) -> Outcome | None:
+    """A prepared target asks the directory's gate: ACTIVE (activate), NEVER
+    (refuse: no commit of the move can apply), None (no answer yet: wait)."""
+    try:
+        outcome = await fleet.directory.gate(agent_id, epoch, source)
+    except DirectoryError as exc:
+        log.info("agent %s: the prepared move at epoch %d waits for the directory: %s", agent_id, epoch, exc)
+        return None
+    log.info("agent %s: the directory's gate for the move prepared at epoch %d: %s", agent_id, epoch, outcome.value)
+    return outcome

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -52,11 +52,10 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
 from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
-from capsulefs.move.fleet import Fleet
+from capsulefs.move.fleet import Fleet, SourceCalls
 from capsulefs.move.host import MoveHost
 from capsulefs.move.read_ahead import read_ahead
 from capsulefs.peer.client import PeerConnection, open_peer
@@ -64,9 +63,6 @@ from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, Remot
 from capsulefs.peer.book import Peer
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from capsulefs.fleet.authority import Ticket
 
 __all__ = ["Connector", "MoveControl", "MoveResult", "move_agent", "resume_moves"]
 
@@ -115,11 +111,9 @@ class _Driver:
                  call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl,
                  fleet: Fleet | None = None) -> None:
         self.host = host
-        self.fleet = fleet  # None: peer-to-peer, the target answers activate and status
-        self.ticket: Ticket | None = None  # fleet mode: the directory's read after the freeze (begin)
-        #: Fleet mode: the commit may have been sent (the directory's entry may name the target).
-        self.commit_sent = machine.state is mv.SourceState.RESTARTED_COMMITTING
-        self.fleet_cause: mv.Cause | None = None  # fleet mode: why the directory or a refusal ended it
+        # None: peer-to-peer, the target answers activate and status
+        self.directory = None if fleet is None else SourceCalls(
+            fleet, committing=machine.state is mv.SourceState.RESTARTED_COMMITTING)
         self.raise_fence = 0  # fleet mode: the epoch a refused offer named (the rollback keeps it)
         self.m = machine
         self.peer = peer
@@ -269,51 +263,7 @@ class _Driver:
         self.link_error, self.failed_here = exc, True
         return mv.IoFailure(reason=f"reading the agent here: {exc}")
 
-    # -- the fleet's directory (docs/fleet.md, "A move through the directory") ----------
-    async def _begin(self, c: mv.Send) -> object | None:
-        """After the freeze, before the offer: the read the commit compares
-        against. None if the directory names this host; else the failure
-        the machine rolls back on."""
-        from capsulefs.fleet.authority import NotTheHolder  # (the fleet's modules: in the fleet mode only)
-
-        assert self.fleet is not None
-        try:
-            self.ticket = await self.fleet.directory.begin(c.agent_id, self.m.record.held_epoch or 0, c.target,
-                                                           c.epoch)
-            return None
-        except NotTheHolder as exc:
-            self.fleet_cause, why = mv.Cause.NOT_HOLDER, str(exc)
-        except DirectoryError as exc:
-            self.fleet_cause, why = mv.Cause.UNREACHABLE, f"the directory did not answer: {exc}"
-        log.warning("move of %s: %s; rolling back", c.agent_id, why)
-        return mv.IoFailure(reason=why)
-
-    async def _commit(self, c: mv.Send) -> object:
-        """The point of no return: the directory's commit Txn (its lost reply settled by the fence)."""
-        assert self.fleet is not None
-        if self.ticket is None:  # (not reached: activate follows begin; asking status is always safe)
-            return mv.IoFailure(reason="the directory's read of the move is missing")
-        try:
-            verdict = await self.fleet.directory.commit(self.ticket)
-        except DirectoryError as exc:  # in doubt (CommitInDoubt), or an answer that says nothing
-            log.warning("move of %s: the commit to %s is in doubt: %s", c.agent_id, self.peer.name, exc)
-            return mv.IoFailure(reason=f"the directory: {exc}")
-        return mv.ActivateReply(agent_id=c.agent_id, epoch=c.epoch, outcome=verdict.outcome)
-
-    async def _settle(self, c: mv.Send) -> object:
-        """The status question, asked of the directory: did the commit apply? (read, else fence)"""
-        assert self.fleet is not None
-        ticket = self.ticket or self.fleet.directory.ticket(c.agent_id, self.m.record.held_epoch or 0, c.target,
-                                                            c.epoch)
-        try:
-            verdict = await self.fleet.directory.settle(ticket)
-        except DirectoryError as exc:
-            log.warning("move of %s: the directory did not settle the commit yet: %s", c.agent_id, exc)
-            return mv.IoFailure(reason=f"the directory: {exc}")
-        log.info("move of %s to %s at epoch %d settled: %s (%s)", c.agent_id, self.peer.name, c.epoch,
-                 verdict.outcome.value, verdict.why)
-        return mv.StatusReply(agent_id=c.agent_id, epoch=c.epoch, outcome=verdict.outcome)
-
+    # -- the fleet's directory (capsulefs/move/fleet.py) ----------------------------------
     async def _nudge(self, c: mv.Send) -> None:
         """The directory names the target: tell it (its activate call) so it
         reads that now, rather than once its prepared move sat idle. Best
@@ -325,35 +275,12 @@ class _Driver:
         log.info("move of %s: nudged %s to activate epoch %d: %s", c.agent_id, self.peer.name, c.epoch,
                  getattr(getattr(answer, "outcome", None), "value", type(answer).__name__))
 
-    async def _resume_if_named(self, agent_id: str) -> None:
-        """A rollback after the commit was sent: the agent runs here again only
-        once the directory, read under a live lease, names this host at the
-        epoch it holds (the entry may have moved on: a takeover)."""
-        assert self.fleet is not None
-        held = self.m.record.held_epoch or 0
-        while True:
-            await self.fleet.lease.wait_alive()
-            try:
-                named = await self.fleet.directory.confirm(agent_id, held)
-            except DirectoryError as exc:
-                log.warning("agent %s: asking the directory before it runs again: %s", agent_id, exc)
-                await trio.sleep(self.retry_pause)
-                continue
-            if named:
-                await self.host.hooks.resume(agent_id)
-                return
-            if self.fleet.lease.may_run():
-                log.warning("agent %s: the move rolled back, but the directory does not name this host at "
-                            "epoch %d: it stays frozen here", agent_id, held)
-                return
-            # (the lease ended during the read: ask again under the next)
-
     def _refused_offer(self, reply: mv.OfferReply) -> object:
         """Fleet mode: the directory, not the target's records, says who holds
         the agent; a refused offer rolls back and raises this host's fence to
         the epoch the target named (the next move goes above it)."""
-        self.fleet_cause = mv.Cause.REFUSED
-        self.raise_fence = reply.highest
+        assert self.directory is not None
+        self.directory.cause, self.raise_fence = mv.Cause.REFUSED, reply.highest
         return mv.IoFailure(reason=f"offer refused: {reply.reason}")
 
     # -- snapshot ---------------------------------------------------------------------
@@ -396,8 +323,8 @@ class _Driver:
                 return mv.Cause.STALE
             case mv.SourceState.ABANDONED:
                 return mv.Cause.ABANDONED
-        if self.fleet_cause is not None:
-            return self.fleet_cause
+        if self.directory is not None and self.directory.cause is not None:
+            return self.directory.cause
         match ev:
             case mv.OperatorAbandon():
                 return mv.Cause.ABANDONED
@@ -448,8 +375,9 @@ class _Driver:
                     if self.raise_fence > rec.epoch and rec.state is HolderState.HELD:
                         rec = rec.with_(epoch=self.raise_fence)
                     self.host.holders.put(rec)
-                case mv.Resume() if self.fleet is not None and self.commit_sent:
-                    await self._resume_if_named(c.agent_id)
+                case mv.Resume() if self.directory is not None and self.directory.commit_sent:
+                    if await self.directory.may_resume(c.agent_id, m.record.held_epoch or 0, self.retry_pause):
+                        await self.host.hooks.resume(c.agent_id)
                 case mv.Resume():
                     await self.host.hooks.resume(c.agent_id)
                 case mv.Retire():
@@ -477,25 +405,24 @@ class _Driver:
                             self.sent += 1
                         queue.extend(self._feed(event))
                     self._progress("transferring")
-                case mv.Send(call=mv.Call.OFFER) if self.fleet is not None and self.ticket is None:
-                    failed = await self._begin(c)
+                case mv.Send(call=mv.Call.OFFER) if self.directory is not None and self.directory.ticket is None:
+                    failed = await self.directory.begin(c, m.record.held_epoch or 0)
                     if failed is None:
                         queue.appendleft(c)  # the directory names this host: offer as always
                     else:
                         queue.extend(self._feed(failed))
-                case mv.Send(call=mv.Call.ACTIVATE) if self.fleet is not None:
+                case mv.Send(call=mv.Call.ACTIVATE) if self.directory is not None:
                     self._progress("activate")
-                    self.commit_sent = True
-                    event = await self._commit(c)
+                    event = await self.directory.commit(c)
                     queue.extend(self._feed(event))
                     if isinstance(event, mv.ActivateReply) and event.outcome is mv.Outcome.ACTIVE:
                         await self._nudge(c)  # (before the retire: a crash there leaves the target told)
-                case mv.Send(call=mv.Call.STATUS) if self.fleet is not None:
+                case mv.Send(call=mv.Call.STATUS) if self.directory is not None:
                     if await self._pause_before_status():
                         queue.extend(self._feed(mv.OperatorAbandon(why=self.control.abandon_reason or "")))
                         continue
                     self._progress("in doubt")
-                    event = await self._settle(c)
+                    event = await self.directory.settle(c, m.record.held_epoch or 0)
                     queue.extend(self._feed(event))
                     if isinstance(event, mv.StatusReply) and event.outcome is mv.Outcome.ACTIVE:
                         await self._nudge(c)
@@ -510,7 +437,7 @@ class _Driver:
                     answer = await self._call(c)
                     if isinstance(answer, mv.VerifyReply) and answer.bad:
                         answer = await self._diagnose(answer)
-                    if self.fleet is not None and isinstance(answer, mv.OfferReply) and not answer.accepted:
+                    if self.directory is not None and isinstance(answer, mv.OfferReply) and not answer.accepted:
                         answer = self._refused_offer(answer)
                     queue.extend(self._feed(answer))
                 case _:

@@ -57,14 +57,13 @@ from capsulefs.core.capsule import format as fmt
 from capsulefs.core import metrics
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, FormatError
-from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.store.host_store import STAGING_KEEP
 from capsulefs.core.store.story import story
 from capsulefs.core.move.wire import BLOBS_CALL, answer_to_result
-from capsulefs.move.fleet import Fleet
+from capsulefs.move.fleet import Fleet, gate, named
 from capsulefs.move.host import MoveHost
 from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload
@@ -172,7 +171,7 @@ class MoveService:
         prepared = (rec is not None and rec.state is HolderState.PREPARED and rec.epoch == epoch
                     and rec.peer == source)
         if which is mv.Call.ACTIVATE:
-            if prepared and await self._named(agent_id, epoch):
+            if prepared and self.fleet is not None and await named(self.fleet, agent_id, epoch):
                 return await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source))
             if prepared:  # (a nudge only ever activates: never refuse on it)
                 return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
@@ -186,32 +185,16 @@ class MoveService:
                     return mv.StatusReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
         return await self.run(agent_id, mv.StatusRequested(agent_id=agent_id, epoch=epoch, source=source))
 
-    async def _named(self, agent_id: str, epoch: int) -> bool:
-        """Does the directory, read under this host's live lease, name it at ``epoch``?"""
-        assert self.fleet is not None
-        try:
-            return await self.fleet.directory.confirm(agent_id, epoch)
-        except DirectoryError as exc:
-            log.warning("agent %s: the directory did not say whether epoch %d is this host's: %s",
-                        agent_id, epoch, exc)
-            return False
-
     async def _gated(self, rec: HolderRecord) -> mv.Outcome | None:
         """A prepared move (under the agent's lock) asks the directory's gate:
         ACTIVE: activated now; NEVER: refused (no commit of it can apply any
         more); None: no answer yet, it stays prepared."""
         assert self.fleet is not None and rec.peer is not None
         agent_id, epoch, source = rec.agent_id, rec.epoch, rec.peer
-        try:
-            outcome = await self.fleet.directory.gate(agent_id, epoch, source)
-        except DirectoryError as exc:
-            log.info("agent %s: the prepared move at epoch %d waits for the directory: %s", agent_id, epoch, exc)
-            return None
+        outcome = await gate(self.fleet, agent_id, epoch, source)
         if outcome is mv.Outcome.ACTIVE:
-            log.info("agent %s: the directory names this host at epoch %d: activating", agent_id, epoch)
             await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source), record=rec)
         elif outcome is mv.Outcome.NEVER:
-            log.info("agent %s: no commit of the move at epoch %d can apply: refusing it", agent_id, epoch)
             await self.run(agent_id, mv.Expired(agent_id=agent_id), record=rec)
         return outcome
 
