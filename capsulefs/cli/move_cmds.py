@@ -33,6 +33,7 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.store.learning import force_hold
 from capsulefs.core.store.story import story
+from capsulefs.core.fleet import config as fleet_config
 from capsulefs.daemon.daemon import find_daemon, holding_state
 from capsulefs.move.doubt import abandon_move, learn_holder
 from capsulefs.move.source import MoveControl, move_agent, resume_moves
@@ -206,6 +207,10 @@ def cmd_move(args: argparse.Namespace) -> int:
                 raise CapsuleError(f"{flag} runs without a daemon ({why}): "
                                    f"unmount first ('capsulefs umount {daemon['mountpoint']}')")
         return _through_daemon(args, host, str(daemon["mountpoint"]))
+    if (args.resume or not (args.learn or args.force_hold or args.abandon)) and fleet_config.load(state) is not None:
+        # (without the daemon's directory calls and lease the move would be one the directory never sees)
+        raise CapsuleError("in the fleet mode a move goes through the mount's daemon, which holds the host's lease "
+                           "and asks the directory: mount first ('capsulefs mount MNT')")
     if args.resume:
         doing = "resuming interrupted moves"
     else:

@@ -96,3 +96,16 @@ def test_a_mount_refused_as_the_second_on_a_state_changes_no_fleet_file(tmp_path
         assert proc.returncode == 1 and "already holds" in proc.stderr, proc
         assert (state / layout.FLEET_FILE).read_bytes() == before
         assert config.load(str(state)) == first
+
+
+def test_a_move_without_the_daemon_is_refused_in_the_fleet_mode(tmp_path: Path) -> None:
+    """Only the daemon asks the directory (and holds the lease): an offline
+    move or resume would be one the directory never sees."""
+    state = tmp_path / "state"
+    run_cli("init", state=state, check=True)
+    config.save(str(state), config.make("etcd://127.0.0.1:2379"))
+    for args in (["move", "walker", "b"], ["move", "walker", "--resume"]):
+        proc = run_cli(*args, state=state)
+        assert proc.returncode == 1, proc
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("capsulefs: error: in the fleet mode a move goes through the mount's daemon"), line
