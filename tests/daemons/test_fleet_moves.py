@@ -55,12 +55,10 @@ def etcd() -> Iterator[EtcdServer]:
 
 @pytest.fixture
 def fleet_hosts(tmp_path: Path, etcd: EtcdServer) -> Iterator[tuple[Host, Host]]:
-    """Two hosts in one fleet (STATE/fleet.json names the etcd), each the other's peer."""
+    """Two hosts in one fleet (STATE/fleet.json names the etcd); they find each other in the directory."""
     a, b = Host.init_all(tmp_path, "a", "b")
     for h in (a, b):
         fleet_config.save(str(h.state), fleet_config.make(etcd.spec, PREFIX))
-    together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
-             ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
     try:
         yield a, b
     finally:
@@ -119,6 +117,7 @@ def ticker_agent_running_on_a(a: Host, b: Host, tmp_path: Path, etcd: EtcdServer
     wait_holding(a, "walker")
     wait_for(lambda: runs_only_on(script, "mnt-a"), "the ticker running on a")
     assert entry(etcd, agent_id) == fd.AgentEntry(host_id=a.host_id, epoch=1)
+    wait_for(lambda: lease_of(etcd, b) is not None, "b's record in the directory (a move's target is found there)")
     add_messages(a, "walker", 5)
     return agent_id, script, shared
 
@@ -162,7 +161,7 @@ def test_a_move_through_the_directory_and_a_new_lease_on_the_target(
     sampler = Sampler(script)
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
-        assert write_move(a.mnt, "walker", "b\n") == 0
+        assert write_move(a.mnt, "walker", f"{b.host_id}\n") == 0
         # the directory names the target at the new epoch; the source retired it
         assert entry(etcd, agent_id) == fd.AgentEntry(host_id=b.host_id, epoch=2)
         assert record(a, agent_id) == (HolderState.RETIRED, 2) and record(b, agent_id) == (HolderState.HELD, 2)
@@ -212,7 +211,7 @@ def test_the_source_killed_at_each_phase(fleet_hosts: tuple[Host, Host], tmp_pat
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
         result: list[int] = []
-        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
+        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", f"{b.host_id}\n")))
         writer.start()
         a.wait_killed()
         writer.join(timeout=HANG)
@@ -254,7 +253,7 @@ def test_the_target_killed_at_a_prepared_move(fleet_hosts: tuple[Host, Host], tm
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
         result: list[int] = []
-        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", "b\n")))
+        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", f"{b.host_id}\n")))
         writer.start()
         b.wait_killed()
         writer.join(timeout=HANG)
@@ -282,7 +281,7 @@ def test_a_commit_whose_reply_is_lost_is_settled_by_the_directory(
     sampler = Sampler(script)
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
-        got = write_move(a.mnt, "walker", "b\n")
+        got = write_move(a.mnt, "walker", f"{b.host_id}\n")
         move = a.status("walker")["move"] if lost == "unsent" else None
         if lost == "applied":
             assert got == 0
