@@ -38,7 +38,7 @@ from capsulefs.testing.seams import LOSE_COMMIT_ENV
 from fleet_kit import EtcdServer, etcd_or_skip
 from helpers import HANG
 from test_move_daemons import (Host, add_messages, make_agent, new_ticker_agent, no_tracebacks, start_all, ticker_pids,
-                               together, verify_on, wait_for, wait_holding, write_move)
+                               verify_on, wait_for, wait_holding, write_move)
 from test_stale_run import Sampler
 
 pytestmark = pytest.mark.fuse
