@@ -8,7 +8,6 @@ of the CLI does not pay for them.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -19,11 +18,6 @@ if TYPE_CHECKING:
     from capsulefs.fleet.blobcheck import Report
     from capsulefs.core.fleet.directory import Layout
     from capsulefs.fleet.directory import AgentRow, HostRow
-
-ACCESS_KEY = "AWS_ACCESS_KEY_ID"
-SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
-SESSION_TOKEN = "AWS_SESSION_TOKEN"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     fleet = sub.add_parser("fleet", help="the fleet mode's engines: a directory on etcd, a blob tier on S3")
@@ -59,37 +53,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
 
 
-def _credentials(args: argparse.Namespace) -> tuple[str, str, str | None]:
-    access, secret = os.environ.get(ACCESS_KEY), os.environ.get(SECRET_KEY)
-    if access and secret:
-        return access, secret, os.environ.get(SESSION_TOKEN) or None
-    from capsulefs.agents import keychain
-
-    try:
-        found = keychain.fetch(state_dir(args), [ACCESS_KEY, SECRET_KEY])
-    except keychain.MissingSecret:
-        raise UsageError(f"no credentials for the blob tier: set {ACCESS_KEY} and {SECRET_KEY} in the "
-                         f"environment, or in the keychain with 'capsulefs secret set NAME'") from None
-    return found[ACCESS_KEY], found[SECRET_KEY], None
-
-
 def cmd_check_blobs(args: argparse.Namespace) -> int:
     import trio
 
     from capsulefs.core.fleet.s3_wire import parse_tier_url
-    from capsulefs.core.fleet.sigv4 import Credentials
     from capsulefs.fleet.blobcheck import check_blob_tier
+    from capsulefs.fleet.credentials import tier_credentials, tier_region
     from capsulefs.fleet.s3 import open_s3
 
     if args.writers < 2 or args.writers > 64:
         raise UsageError("--writers is 2 to 64")
     tier = parse_tier_url(args.url)
-    access, secret, token = _credentials(args)
-    try:
-        creds = Credentials(access, secret, token)
-    except ValueError as exc:
-        raise UsageError(f"unusable blob tier credentials: {exc}") from None
-    region = args.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    creds = tier_credentials(state_dir(args))
+    region = args.region or tier_region()
 
     async def run() -> Report:
         async with open_s3(tier, creds, region=region, timeout=args.timeout,

@@ -145,11 +145,20 @@ def _fleet_config(args: argparse.Namespace) -> FleetConfig | None:
     else the saved one, else None: peer-to-peer. FleetConfigError: one line."""
     from capsulefs.core.fleet import config
 
+    from capsulefs.fleet.credentials import tier_credentials
+
     if args.directory is None:
-        if args.directory_prefix is not None:
-            raise config.FleetConfigError("--directory-prefix needs --directory")
-        return config.load(state_dir(args))
-    return config.make(args.directory, args.directory_prefix)
+        for flag, value in (("--directory-prefix", args.directory_prefix), ("--blobs", args.blobs)):
+            if value is not None:
+                raise config.FleetConfigError(f"{flag} needs --directory")
+        saved = config.load(state_dir(args))
+        if saved is not None and saved.blobs is not None:
+            tier_credentials(state_dir(args))  # (said here, before a fork: one line on the terminal)
+        return saved
+    cfg = config.make(args.directory, args.directory_prefix, args.blobs)
+    if cfg.blobs is not None:
+        tier_credentials(state_dir(args))  # (before the daemon saves it: nothing written for a mount that cannot run)
+    return cfg
 
 
 def _advertised(args: argparse.Namespace) -> str | None:
@@ -404,6 +413,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--advertise", metavar="HOST:PORT",
                    help="fleet mode: the address other hosts reach this host's --listen at, published in the "
                         "directory (default: the --listen address, which then must name a host and a port)")
+    p.add_argument("--blobs", metavar="http[s]://HOST:PORT/BUCKET[/PREFIX]",
+                   help="with --directory: the fleet's blob tier (S3); every blob stored here is put there, and a "
+                        "move between hosts on it sends host to host only what it lacks. Credentials: "
+                        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from the environment, else the host keychain")
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a capsulefs mount (the daemon then exits)")

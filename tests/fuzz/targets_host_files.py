@@ -8,7 +8,8 @@ capsulefs reads them (each with the strict loader, one error naming the file):
     a refusal never holds a value (they are secrets).
   * secret-grants.json: what is accepted maps agent ids to lists of names.
   * fleet.json (``mount --directory``): what is accepted names an etcd
-    address that parses and a prefix the layout takes; a refusal is one
+    address that parses, a prefix the layout takes and, if any, a blob tier
+    URL that parses (``--blobs``); a refusal is one
     FleetConfigError line naming the file.
 """
 
@@ -77,7 +78,8 @@ def _run_grants(data: bytes, scratch: Path) -> None:
 
 def _fleet_seeds() -> list[bytes]:
     return [b'{"directory": "etcd://127.0.0.1:2379,[::1]:2379", "prefix": "/capsulefs/"}\n',
-            b'{"directory": "etcd://etcd-a.example:2379"}']
+            b'{"directory": "etcd://etcd-a.example:2379"}',
+            b'{"directory": "etcd://127.0.0.1:2379", "prefix": "/f/", "blobs": "https://s3.example:9000/fleet-blobs/eu"}']
 
 
 def _run_fleet(data: bytes, scratch: Path) -> None:
@@ -89,6 +91,7 @@ def _run_fleet(data: bytes, scratch: Path) -> None:
         assert layout.FLEET_FILE in str(exc) and "\n" not in str(exc), str(exc)
         raise
     assert cfg is not None and parse_endpoints(cfg.directory) and cfg.layout.prefix == cfg.prefix.encode()
+    assert cfg.blobs is None or cfg.tier is not None  # (a saved tier URL parses)
 
 
 TARGETS = [

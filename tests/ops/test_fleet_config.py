@@ -5,6 +5,7 @@ bad flags and a bad file are one line each, nothing written; ``fleet ls`` and
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from capsulefs.core.fleet import config
@@ -28,8 +29,18 @@ def test_mount_refuses_a_bad_directory_flag_in_one_line_and_saves_nothing(tmp_pa
                          (["--directory", "etcd://127.0.0.1:2379", "--listen", "0.0.0.0:7714", "--advertise",
                            "[::]:7714"], "--advertise [::]:7714: other hosts cannot reach"),
                          (["--listen", "127.0.0.1:7714", "--advertise", "10.0.0.1:7714"],
-                          "--advertise needs the fleet mode")]:
-        proc = run_cli("mount", str(mnt), *flags, state=state)
+                          "--advertise needs the fleet mode"),
+                         (["--blobs", "http://127.0.0.1:8333/fleet-blobs"], "--blobs needs --directory"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--blobs", "s3://fleet-blobs/eu"],
+                          "http://HOST[:PORT]/BUCKET[/PREFIX]"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--blobs", "http://k:s@127.0.0.1:8333/fleet-blobs"],
+                          "carries no credentials"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--blobs", "http://127.0.0.1:8333/Bad_Bucket"],
+                          "not an S3 bucket name"),
+                         (["--directory", "etcd://127.0.0.1:2379", "--blobs", "http://127.0.0.1:8333/fleet-blobs"],
+                          "no credentials for the blob tier")]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        proc = run_cli("mount", str(mnt), *flags, state=state, env=env)
         assert proc.returncode == 1, proc
         (line,) = proc.stderr.splitlines()
         assert line.startswith("capsulefs: error: ") and words in line, line
@@ -40,12 +51,19 @@ def test_the_saved_file_is_read_strictly(tmp_path: Path) -> None:
     assert config.load(str(tmp_path)) is None  # (no file: peer-to-peer)
     config.save(str(tmp_path), config.make("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/"))
     assert config.load(str(tmp_path)) == config.FleetConfig("etcd://10.0.0.1:2379,10.0.0.2:2379", "/fleet-a/")
+    config.save(str(tmp_path), config.make("etcd://10.0.0.1:2379", None, "https://s3.example:9000/fleet-blobs/eu"))
+    saved = config.load(str(tmp_path))
+    assert saved is not None and saved.blobs == "https://s3.example:9000/fleet-blobs/eu"
+    assert saved.tier is not None and (saved.tier.bucket, saved.tier.prefix) == ("fleet-blobs", "eu/")
     path = tmp_path / layout.FLEET_FILE
     for data, words in [(b'{"directory": "etcd://a:1", "directory": "etcd://b:1"}', "appears twice"),
                         (b'{"directory": "etcd://a:1", "extra": 1}', "not an object of"),
                         (b'["etcd://a:1"]', "not an object of"),
                         (b'{"directory": "etcd://a"}', "not HOST:PORT"),
                         (b'{"directory": "etcd://a:1", "prefix": "/x"}', "starts and ends"),
+                        (b'{"directory": "etcd://a:1", "blobs": null}', "not an object of"),
+                        (b'{"directory": "etcd://a:1", "blobs": "s3://bucket"}', "/BUCKET[/PREFIX]"),
+                        (b'{"directory": "etcd://a:1", "blobs": "http://a:b@h:1/bucket"}', "no credentials"),
                         (b"\xff", "not UTF-8")]:
         path.write_bytes(data)
         try:
