@@ -303,6 +303,12 @@ MOVE_PHASE_SECONDS = REGISTRY.histogram("capsulefs_move_phase_seconds", "Seconds
                                         "from this host took (freezing, offer, transferring, verify, prepare, "
                                         "activate, in_doubt, abort).", ["phase"],
                                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800))
+TIER_PENDING = REGISTRY.gauge("capsulefs_tier_pending_blobs",
+                              "Blobs stored here and not yet known to be in the blob tier (mount --blobs).")
+TIER_PUTS = REGISTRY.counter("capsulefs_tier_puts_total", "Blobs this daemon put to the blob tier, by outcome "
+                             "(stored; present: the tier had it; failed: retried later).", ["outcome"])
+TIER_BYTES = REGISTRY.counter("capsulefs_tier_bytes_total", "Blob bytes between this daemon and the blob tier: "
+                              "put (stored by this daemon) or fetched (for a move here).", ["direction"])
 for _direction in ("sent", "received"):
     MOVE_BYTES.touch(_direction)
 for _file in ("working_memory.md", "spec.json", "index.json"):

@@ -22,6 +22,9 @@ Rules:
     ``capsulefs.move.fleet.Fleet``; None in peer-to-peer mode).
     The move host's peer finder is chosen here: the directory's live hosts
     (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
+    With a blob tier, the uploader is another service, told of each blob by
+    the store (through :class:`_Upcalls`: the store is built first), and the
+    moves get the tier's fetch for the offers they receive.
 """
 
 from __future__ import annotations
@@ -106,12 +109,14 @@ def compose(cfg: MountConfig) -> Mounted:
     """Build a mount's daemon and everything it serves (see the module's rules)."""
     state_dir = os.path.abspath(cfg.state_dir)
     mountpoint = os.path.abspath(cfg.mountpoint)  # (CAPSULE_DIR is under it: never relative)
-    store = HostStore.open(state_dir)
+    fleet: FleetMember | None = None
+    up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops,
+                  fleet=lambda: fleet)
+    # The blob tier's uploader is told of every blob the store places (the fleet is built later).
+    store = HostStore.open(state_dir, on_blob=up.blob_stored if cfg.fleet and cfg.fleet.blobs else None)
     grants.ensure(state_dir, store)  # (before a move brings an agent in: see grants)
     identity = load_or_create_identity(state_dir)
     host_id = identity.host_id
-    up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops,
-                  fleet=lambda: fleet)
 
     isolation = Isolation.detect(state_dir, on_new_owner=up.owner_changed) if cfg.run_agents else None
     isolated = isolation is not None and isolation.enabled
@@ -153,23 +158,26 @@ def compose(cfg: MountConfig) -> Mounted:
 
         address = cfg.advertise or _address(cfg.listen)
         fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up,
-                            timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING)
+                            timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING,
+                            store=store)
         agents.lease_pending("fleet: waiting for a lease from the directory")
         finder = DirectoryPeers(fleet.client, cfg.fleet.layout, me=host_id)  # ...or the directory's live hosts
     # After the runtime: moves may activate agents, which the runtime then starts.
-    move_host = MoveHost.open(state_dir, hooks=agents, finder=finder)
+    move_host = MoveHost.open(state_dir, hooks=agents, finder=finder, store=store)
     # Test seams (capsulefs/testing/seams.py), selected by a test's environment only.
     seams.crash_seam(move_host, os.environ.get(seams.CRASH_ENV))
     moves_fleet = None if fleet is None else Fleet(
         seams.lose_commit_seam(fleet.authority, os.environ.get(seams.LOSE_COMMIT_ENV)), fleet.keeper)
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
                        call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout,
-                       fleet=moves_fleet)
+                       fleet=moves_fleet, tier=fleet.tier_offers if fleet is not None else None)
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)
     if fleet is not None:
         services.append(fleet.serve)
+        if fleet.uploader is not None:
+            services.append(fleet.serve_tier)
     services += cfg.services
     stopping += cfg.stopping
     agents.show_all()  # (before the mount serves: as the holder records and the evidence so far say)
@@ -263,6 +271,12 @@ class _Upcalls:
         if fleet.keeper.may_run():
             return None
         return self._agents().lease_lapsed(fleet.keeper.why_not())
+
+    # the host store's (core/store/blobs.py: on_blob; any thread)
+    def blob_stored(self, sha256: str) -> None:
+        fleet = self._fleet()
+        if fleet is not None:
+            fleet.blob_stored(sha256)
 
     # the fleet lease keeper's (capsulefs/fleet/keeper.py: LeaseListener)
     async def stop(self, why: str) -> None:

@@ -77,7 +77,11 @@ class TierError(CapsuleError):
 
 
 class TierFetchError(TierError):
-    """Some blobs could not be fetched from the tier (the verified others were stored)."""
+    """Some blobs could not be fetched from the tier (the verified others were stored: ``report``)."""
+
+    def __init__(self, message: str, report: FetchReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report if report is not None else FetchReport()
 
 
 @dataclass
@@ -189,7 +193,7 @@ class TierBlobs:
         if failures:
             first = next(iter(failures.items()))
             raise TierFetchError(f"{len(failures)} of {len(missing)} blob(s) not fetched from the tier; "
-                                 f"blob {first[0]}: {first[1]}")
+                                 f"blob {first[0]}: {first[1]}", report)
         return report
 
     def _adopt(self, done: list[tuple[str, str]]) -> None:

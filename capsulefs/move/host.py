@@ -142,9 +142,10 @@ class MoveHost:
 
     @classmethod
     def open(cls, state_dir: str | os.PathLike[str], hooks: AgentHooks | None = None,
-             finder: PeerFinder | None = None) -> "MoveHost":
+             finder: PeerFinder | None = None, *, store: HostStore | None = None) -> "MoveHost":
+        """``store``: the daemon's own (its blob tier uploader is told of the blobs a move adopts)."""
         root = os.fspath(state_dir)
-        store = HostStore.open(root)
+        store = store if store is not None else HostStore.open(root)
         return cls(
             store=store,
             holders=HolderBook(holders_dir(root)),

@@ -51,7 +51,7 @@ from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
-from capsulefs.move.target import MoveService, serve_moves
+from capsulefs.move.target import MoveService, TierFetch, serve_moves
 from capsulefs.peer.errors import PeerError
 from capsulefs.peer.book import Peer
 from capsulefs.peer.finder import PeerLookupFailed, UnknownPeer
@@ -80,9 +80,11 @@ class MountMoves:
     through the mount (``created``)."""
 
     def __init__(self, host: MoveHost, agents: MoveAgents, *, listen: tuple[str, int] | None = None,
-                 call_timeout: float = 120.0, retry_pause: float = 1.0, fleet: Fleet | None = None) -> None:
+                 call_timeout: float = 120.0, retry_pause: float = 1.0, fleet: Fleet | None = None,
+                 tier: TierFetch | None = None) -> None:
         self.agents = agents
         self.fleet = fleet  # None: peer-to-peer
+        self.tier = tier  # a blob tier's fetch for the offers this host receives (fleet mode); None: peer-to-peer
         self.host = host
         self.listen = listen
         self.call_timeout = call_timeout
@@ -122,7 +124,7 @@ class MountMoves:
             if self.listen is not None:
                 serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
                                                       port=self.listen[1], wrap=self.standings.around,
-                                                      fleet=self.fleet))
+                                                      fleet=self.fleet, tier=self.tier))
                 self.port = serving.port
                 log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
             else:

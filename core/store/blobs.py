@@ -14,6 +14,12 @@ Rules:
     (``gc.lock``) across both steps (:meth:`BlobStore.writing`); gc
     (:meth:`capsulefs.core.store.host_store.HostStore.gc`) holds the exclusive
     lock, so it never sees a blob whose reference is still being written.
+  * ``on_blob`` (given at construction) is told the name of every blob this
+    object placed in objects/ once it is durable there (a blob the store had
+    already is not told again). It is called in the thread that stored it,
+    so it must be quick and thread-safe (the daemon's blob tier uploader
+    queues the name). Blobs other processes store are not told: the
+    uploader finds them when it reconciles at its start.
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ QUARANTINE_DIR = ".corrupt"
 class BlobStore:
     """A state directory's objects/ and the lock that holds gc off. Safe to share between processes."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, on_blob: Callable[[str], None] | None = None) -> None:
         self.root = os.path.abspath(root)
         self.objects_dir = os.path.join(self.root, OBJECTS_DIR)
         self._lock_path = os.path.join(self.root, GC_LOCK)
         self._tlock = threading.local()
+        self._on_blob = on_blob
 
     # -- locking -----------------------------------------------------------
     @contextmanager
@@ -140,6 +147,7 @@ class BlobStore:
         can commit them together."""
         items = list(items)
         touched: set[str] = set()
+        placed: list[str] = []
         with self.writing():
             self.make_blob_dirs(sha for _, sha in items)
             for path, sha in items:
@@ -150,11 +158,15 @@ class BlobStore:
                 os.chmod(path, 0o444)
                 os.replace(path, dest)
                 touched.add(os.path.dirname(dest))
+                placed.append(sha)
             if touched:
                 if sync_dirs is not None:
                     sync_dirs(sorted(touched))
                 else:
                     fsync_each(touched, fsync_dir)
+        if self._on_blob is not None:
+            for sha in placed:
+                self._on_blob(sha)
 
     def make_blob_dirs(self, shas: Iterable[str]) -> None:
         """Create the directories (``objects/xx``) that these blobs will be
@@ -182,6 +194,8 @@ class BlobStore:
         os.chmod(tmp, 0o444)
         os.replace(tmp, dest)
         fsync_dir(os.path.dirname(dest))
+        if self._on_blob is not None:
+            self._on_blob(sha)
 
     def _holds_copy(self, dest: str, new: str) -> bool:
         """Whether the object ``dest`` is there to deduplicate the new, hashed

@@ -47,7 +47,7 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -97,14 +97,16 @@ class HostStore(BlobStore):
     """A host's state directory: its blobs (:class:`BlobStore`), agents and
     staging areas. Safe to share between processes."""
 
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
+    def __init__(self, root: str, *, on_blob: Callable[[str], None] | None = None) -> None:
+        super().__init__(root, on_blob=on_blob)
         self.agents_dir = os.path.join(self.root, AGENTS_DIR)
         self.staging_dir = os.path.join(self.root, STAGING_DIR)
 
     # -- opening -----------------------------------------------------------
     @classmethod
-    def open(cls, root: str | os.PathLike[str], *, create: bool = True) -> "HostStore":
+    def open(cls, root: str | os.PathLike[str], *, create: bool = True,
+             on_blob: Callable[[str], None] | None = None) -> "HostStore":
+        """The store at ``root`` (made if ``create``); ``on_blob``: see :class:`BlobStore`."""
         root = os.fspath(root)
         meta = os.path.join(root, STORE_FILE)
         if not os.path.exists(meta):
@@ -120,7 +122,7 @@ class HostStore(BlobStore):
         layout = fmt.load_json_object(data, meta, error=StoreError).get("layout")
         if type(layout) is not int or layout != LAYOUT:
             raise StoreError(f"{meta}: store layout {layout!r} is not supported (this capsulefs reads {LAYOUT})")
-        store = cls(root)
+        store = cls(root, on_blob=on_blob)
         for d in (store.objects_dir, store.agents_dir, store.staging_dir):
             makedirs_durable(d)
         store._sweep_staging()

@@ -97,6 +97,7 @@ class Host:
         self.log = root / f"daemon-{name}.log"
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.extra: tuple[str, ...] = ()  # more `capsulefs mount` flags (the fleet tests)
         self.mnt.mkdir()
         if said is None:
             said = capsulefs("--state", str(self.state), "init").stdout  # "...: initialised; host id ID"
@@ -125,7 +126,7 @@ class Host:
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
                 [CAPSULEFS, "-v", "mount", str(self.mnt), "--state", str(self.state),
-                 *([] if run else ["--no-run"]), "--listen", f"127.0.0.1:{self.port}"],
+                 *([] if run else ["--no-run"]), "--listen", f"127.0.0.1:{self.port}", *self.extra],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
 
     def wait_started(self) -> None:
