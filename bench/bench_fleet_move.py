@@ -9,8 +9,9 @@ round, each with a fresh pair of hosts:
   * tier: both mounts name one real SeaweedFS (``weed mini``) with
     ``--blobs``; the source's uploader has put every blob before the move
     (the bench waits for its record), so the target fetches them from the
-    tier and the peer link carries the manifest, the capsule's small files
-    and what the tier lacks (nothing here);
+    tier, in the warm-up before the freeze (capsulefs/move/warm.py), and the
+    peer link carries the manifest, the capsule's small files and what the
+    tier lacks (nothing here);
   * baseline: the same mounts without ``--blobs``: every blob goes over the
     peer link.
 
@@ -47,7 +48,7 @@ from fleet_kit import EtcdServer, WeedServer, running_etcd, running_weed  # noqa
 from prom_kit import parse, value  # noqa: E402
 from test_move_daemons import Host, together, wait_for, write_move  # noqa: E402
 
-PHASES = ("freezing", "offer", "transferring", "verify", "prepare", "activate")
+PHASES = ("freezing", "offer", "transferring", "verify", "prepare", "activate")  # from the freeze to activate
 BOUND_EXTRA = 64 * 1024
 
 
@@ -81,7 +82,7 @@ def metrics(h: Host) -> dict:
 
 def phase_sum(before: dict, after: dict) -> dict[str, float]:
     return {p: value(after, "capsulefs_move_phase_seconds_sum", phase=p)
-            - value(before, "capsulefs_move_phase_seconds_sum", phase=p) for p in PHASES}
+            - value(before, "capsulefs_move_phase_seconds_sum", phase=p) for p in PHASES + ("warming",)}
 
 
 def one_move(root: Path, etcd: EtcdServer, weed: WeedServer, mode: str, mib: int, nblobs: int) -> dict:
@@ -133,7 +134,7 @@ def one_move(root: Path, etcd: EtcdServer, weed: WeedServer, mode: str, mib: int
         "fetched": value(after_b, "capsulefs_tier_bytes_total", direction="fetched")
         - value(before_b, "capsulefs_tier_bytes_total", direction="fetched"),
         "bound": manifest + journal + BOUND_EXTRA, "manifest": manifest, "journal": journal,
-        "freeze_to_activate_s": sum(phases.values()), "phases": phases,
+        "freeze_to_activate_s": sum(phases[p] for p in PHASES), "phases": phases,
     }
 
 
@@ -163,13 +164,15 @@ def main() -> None:
     print(f"a move of an agent listing {args.mib} MiB in {args.blobs} blobs between two daemons "
           f"(load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f})")
     print(f"{'mode':9} {'link bytes':>12} {'bound':>9} {'within':>6} {'tier fetched':>13} "
-          f"{'freeze->activate':>16} {'offer':>8} {'move wall':>9} {'upload':>8}")
+          f"{'freeze->activate':>16} {'offer':>8} {'warm-up':>9} {'move wall':>9} {'upload':>8}")
     for res in results:
         print(f"{res['mode']:9} {res['sent']:12,.0f} {res['bound']:9,} {str(res['sent'] <= res['bound']):>6} "
               f"{res['fetched']:13,.0f} {res['freeze_to_activate_s'] * 1000:13,.0f} ms "
-              f"{res['phases']['offer'] * 1000:5,.0f} ms {res['wall_s']:8.2f}s {res['upload_s']:7.1f}s")
+              f"{res['phases']['offer'] * 1000:5,.0f} ms {res['phases']['warming']:8.2f}s "
+              f"{res['wall_s']:8.2f}s {res['upload_s']:7.1f}s")
     print("(bound: manifest + journal + 64 KiB; freeze->activate: the source's phases freezing..activate, "
-          "target 200 ms; offer: where the target fetches from the tier)")
+          "target 200 ms; warm-up: before the freeze, the target fetches from the tier what the agent's manifest "
+          "lists; offer: the target fetches what is still missing)")
 
 
 if __name__ == "__main__":

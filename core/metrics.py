@@ -300,8 +300,8 @@ MOVE_BYTES = REGISTRY.counter("capsulefs_move_bytes_total", "Bytes of moves: sen
                               "included) by this host as a source, received (blob bytes) as a target.",
                               ["direction"])
 MOVE_PHASE_SECONDS = REGISTRY.histogram("capsulefs_move_phase_seconds", "Seconds each phase of a move away "
-                                        "from this host took (freezing, offer, transferring, verify, prepare, "
-                                        "activate, in_doubt, abort).", ["phase"],
+                                        "from this host took (warming with a blob tier, freezing, offer, "
+                                        "transferring, verify, prepare, activate, in_doubt, abort).", ["phase"],
                                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800))
 TIER_PENDING = REGISTRY.gauge("capsulefs_tier_pending_blobs",
                               "Blobs stored here and not yet known to be in the blob tier (mount --blobs).")

@@ -249,7 +249,8 @@ class MountMoves:
         async def run() -> None:
             try:
                 box.append(await move_agent(self.host, agent_id, peer, call_timeout=self.call_timeout,
-                                            retry_pause=self.retry_pause, control=control, fleet=self.fleet))
+                                            retry_pause=self.retry_pause, control=control, fleet=self.fleet,
+                                            warm=self.tier is not None))
             except (PeerError, CapsuleError, OSError) as exc:  # could not start, or failed outside the machine
                 log.warning("move of %s to %s failed: %s", agent_id, peer.name, exc)
                 box.append(exc)

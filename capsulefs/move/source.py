@@ -58,6 +58,7 @@ from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
 from capsulefs.move.fleet import Fleet, SourceCalls
 from capsulefs.move.host import MoveHost
 from capsulefs.move.read_ahead import read_ahead
+from capsulefs.move.warm import warm_target
 from capsulefs.peer.client import PeerConnection, open_peer
 from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError
 from capsulefs.peer.book import Peer
@@ -467,10 +468,20 @@ class _Local:
 
 async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Connector = open_peer,
                      call_timeout: float = 120.0, retry_pause: float = 1.0, max_retry_pause: float = 60.0,
-                     control: MoveControl | None = None, fleet: Fleet | None = None) -> MoveResult:
+                     control: MoveControl | None = None, fleet: Fleet | None = None,
+                     warm: bool = False) -> MoveResult:
     """Move ``agent_id`` from this host to ``target``; return once it moved,
     rolled back, or was abandoned. Blocks as long as the move is in doubt.
-    ``fleet``: the directory answers at the point of no return (docs/fleet.md)."""
+    ``fleet``: the directory answers at the point of no return (docs/fleet.md).
+    ``warm``: first ask the target to fetch the agent's blobs from the blob
+    tier, while the agent still runs (capsulefs/move/warm.py)."""
+    control = control or MoveControl()
+    if warm:
+        if control.on_progress is not None:
+            control.on_progress("warming", 0, 0, 0)
+        await warm_target(host, agent_id, target, connect=connect, timeout=call_timeout)
+        if control.on_progress is not None:
+            control.on_progress("freezing", 0, 0, 0)
     async with host.lock(agent_id):
         record = host.holders.get(agent_id)
         if record is None:
@@ -479,7 +490,7 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
         if machine.state is not mv.SourceState.IDLE:
             raise mv.MoveError(f"agent {agent_id} is already moving ({record.state.value}); see 'capsulefs move --resume'")
         driver = _Driver(host, machine, target, connect=connect, call_timeout=call_timeout, retry_pause=retry_pause,
-                         max_retry_pause=max_retry_pause, control=control or MoveControl(), fleet=fleet)
+                         max_retry_pause=max_retry_pause, control=control, fleet=fleet)
         await driver.run(mv.MoveRequested(target=target.host_id))
         return _result(driver)
 

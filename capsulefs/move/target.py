@@ -28,7 +28,9 @@ Rules:
     fetches, before an offer is answered, what the tier holds of the
     blobs this host lacks, so the answer names only what the source must
     send; whatever it fetched is kept from gc by the ``keep`` stack until
-    the move's staging manifest is written. None: peer-to-peer.
+    the move's staging manifest is written. None: peer-to-peer. The same
+    fetch answers a ``warm`` call, which a source on the tier sends before
+    it freezes the agent (capsulefs/move/warm.py).
 
   * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) a
     prepared move activates only once the directory names this host at its
@@ -75,6 +77,7 @@ from capsulefs.peer.framing import Payload
 from capsulefs.peer.server import PeerHandler, serve_peers
 from capsulefs.move.intake import Intake
 from capsulefs.move.staging import Incoming, adopt, missing
+from capsulefs.move.warm import WARM_CALL, answer_warm
 from capsulefs.move.writers import SpareHelper
 from capsulefs.move.pieces import Piece
 from capsulefs.peer.book import DEFAULT_PORT, Peer
@@ -120,6 +123,8 @@ class MoveService:
 
     # -- the peer-link entry point --------------------------------------------------------
     async def __call__(self, peer: Peer, call: str, args: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:
+        if call == WARM_CALL:  # (advice before a move's freeze, outside the move machines: capsulefs/move/warm.py)
+            return await answer_warm(self.tier, args), b""
         try:
             which = mv.Call.BLOB if call == BLOBS_CALL else mv.Call(call)
             if which is mv.Call.BLOB and call != BLOBS_CALL:

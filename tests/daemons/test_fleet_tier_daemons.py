@@ -9,7 +9,8 @@ a real etcd and a real SeaweedFS (``weed mini``) started by the fixtures, two
     nothing new puts nothing (the record of what the tier holds).
   * A move between two hosts on the tier sends host to host only what the
     tier lacks (the link's byte counters in both hosts' metrics); the target
-    fetches the rest from the tier and the agent verifies there.
+    fetches the rest from the tier, before the source freezes the agent (the
+    warm-up), and the agent verifies there.
   * A blob whose copy in the tier has the wrong bytes is refused on fetch,
     the source sends it, and the move completes with the right bytes.
 """
@@ -300,6 +301,9 @@ def test_a_move_sends_host_to_host_only_what_the_tier_lacks(hosts: tuple[Host, H
     assert BLOB <= sent < BLOB + 128 * 1024, sent  # (the manifest, the calls' framing)
     wait_for(lambda: tier.has(lacking), "the blob the tier lacked, put there by B once it had it")
     assert b.staging() == []
+    # The target fetched from the tier before the freeze (the warm-up), not while the agent was frozen.
+    assert _moved(before_a, after_a, "capsulefs_move_phase_seconds_count", phase="warming") == 1
+    assert "warm-up of " + agent_id + " on b: fetched from the tier" in a.log.read_text()
 
 
 def test_a_tier_blob_with_wrong_bytes_is_refused_and_the_source_sends_it(hosts: tuple[Host, Host], tier: Tier,

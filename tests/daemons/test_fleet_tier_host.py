@@ -157,3 +157,24 @@ def test_the_record_survives_a_torn_append(tmp_path: Path) -> None:
     assert record.load() == {a}
     record.add([b, c])
     assert record.load() == {a, b, c}
+
+
+async def test_a_warm_call_is_checked_and_fetches_only_on_a_tier(s3: S3Client, tmp_path: Path) -> None:
+    from capsulefs.move.warm import answer_warm
+    from capsulefs.peer.errors import CallFailed
+
+    tier = BlobTier(s3)
+    source = HostStore.open(tmp_path / "a")
+    shas = [source.put_blob(os.urandom(3000)) for _ in range(3)]
+    await TierBlobs(tier, source).put_many(shas)
+    target = HostStore.open(tmp_path / "b")
+    manifest = _manifest(shas)
+    args = {"agent_id": manifest.agent_id, "manifest": manifest.to_bytes().decode()}
+    for bad, words in [({}, "agent"), ({**args, "manifest": "{"}, "valid manifest"),
+                       ({**args, "agent_id": "f" * 32}, "sent to warm")]:
+        with pytest.raises(CallFailed, match=words):
+            await answer_warm(None, bad)
+    assert await answer_warm(None, args) == {"tier": False}  # (peer-to-peer: nothing fetched)
+    assert not any(target.has_blob(sha) for sha in shas)
+    assert await answer_warm(TierOffers(TierBlobs(tier, target), target), args) == {"tier": True}
+    assert all(target.has_blob(sha) for sha in shas) and os.listdir(target.staging_dir) == []
