@@ -170,6 +170,8 @@ def main() -> None:
               f"{res['fetched']:13,.0f} {res['freeze_to_activate_s'] * 1000:13,.0f} ms "
               f"{res['phases']['offer'] * 1000:5,.0f} ms {res['phases']['warming']:8.2f}s "
               f"{res['wall_s']:8.2f}s {res['upload_s']:7.1f}s")
+    for res in results:
+        print(f"  {res['mode']:9} phases (ms): " + ", ".join(f"{p} {res['phases'][p] * 1000:,.0f}" for p in PHASES))
     print("(bound: manifest + journal + 64 KiB; freeze->activate: the source's phases freezing..activate, "
           "target 200 ms; warm-up: before the freeze, the target fetches from the tier what the agent's manifest "
           "lists; offer: the target fetches what is still missing)")
