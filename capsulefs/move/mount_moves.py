@@ -51,7 +51,8 @@ from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
-from capsulefs.move.target import MoveService, TierFetch, serve_moves
+from capsulefs.move.target import MoveService, serve_moves
+from capsulefs.move.warm import TierFetch
 from capsulefs.peer.errors import PeerError
 from capsulefs.peer.book import Peer
 from capsulefs.peer.finder import PeerLookupFailed, UnknownPeer

@@ -24,13 +24,10 @@ Rules:
     written before any blob is adopted, keeps them).
   * Blobs the target already had are checked for presence and size at
     verify; the store only ever names a blob after hashing it.
-  * On a blob tier (fleet mode, ``mount --blobs``) a :class:`TierFetch`
-    fetches, before an offer is answered, what the tier holds of the
-    blobs this host lacks, so the answer names only what the source must
-    send; whatever it fetched is kept from gc by the ``keep`` stack until
-    the move's staging manifest is written. None: peer-to-peer. The same
-    fetch answers a ``warm`` call, which a source on the tier sends before
-    it freezes the agent (capsulefs/move/warm.py).
+  * On a blob tier (fleet mode, ``mount --blobs``) an offer is answered
+    only after the store fetched from the tier what it holds of the blobs
+    this host lacks, and a ``warm`` call before the freeze does the same
+    (capsulefs/move/warm.py: :class:`~capsulefs.move.warm.TierOnOffer`).
 
   * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) a
     prepared move activates only once the directory names this host at its
@@ -52,11 +49,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -77,29 +74,20 @@ from capsulefs.peer.framing import Payload
 from capsulefs.peer.server import PeerHandler, serve_peers
 from capsulefs.move.intake import Intake
 from capsulefs.move.staging import Incoming, adopt, missing
-from capsulefs.move.warm import WARM_CALL, answer_warm
+from capsulefs.move.warm import WARM_CALL, TierFetch, TierOnOffer, answer_warm
 from capsulefs.move.writers import SpareHelper
 from capsulefs.move.pieces import Piece
 from capsulefs.peer.book import DEFAULT_PORT, Peer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MoveService", "ServingMoves", "TierFetch", "serve_moves"]
+__all__ = ["MoveService", "ServingMoves", "serve_moves"]
 
 DEFAULT_IDLE_TTL = 600.0  # a pending move idle this long is refused (liveness only)
 #: Fleet mode: a prepared move idle this long asks the directory (the nudge may have been lost).
 FLEET_GATE_AFTER = 10.0
 FLEET_GATE_EVERY = 2.0  # fleet mode: how often idle moves are looked at
 
-
-
-
-class TierFetch(Protocol):
-    """Fetches into the store, before an offer is answered, what a blob tier
-    holds of the offered manifest's blobs (capsulefs/fleet/tier_moves.py);
-    what it fetched stays protected from gc until ``keep`` closes."""
-
-    async def fetch_for_offer(self, manifest: fmt.Manifest, keep: ExitStack) -> None: ...
 
 
 class MoveService:
@@ -113,7 +101,7 @@ class MoveService:
         self._kept: dict[tuple[str, int], str] = {}
         self.deep_verify = deep_verify  # re-hash blobs the target already had
         self.tier = tier  # fleet mode with a blob tier; None: peer-to-peer
-        self._tier_keep: dict[tuple[str, int], ExitStack] = {}  # what the tier fetched for an offer being judged
+        self._on_offer = TierOnOffer(tier)
         self._incoming: dict[tuple[str, int], Incoming] = {}
         self.served: list[str] = []  # names of the calls served, for tests and logs
         self._offered: dict[tuple[str, int], fmt.Manifest] = {}  # manifests of offers being judged
@@ -141,7 +129,7 @@ class MoveService:
         if which is mv.Call.BLOB:
             async with self.host.lock(agent_id):
                 return await self._blobs(peer.host_id, agent_id, epoch, args.get("items"), payload), b""
-        async with self.host.lock(agent_id), self._keeping(agent_id, epoch):
+        async with self.host.lock(agent_id), self._on_offer.keeping(agent_id, epoch):
             if self.fleet is not None and which in (mv.Call.ACTIVATE, mv.Call.STATUS):
                 return answer_to_result(await self._through_directory(which, peer.host_id, agent_id, epoch)), b""
             event = await self._event(which, peer.host_id, agent_id, epoch, args, payload)
@@ -151,18 +139,6 @@ class MoveService:
                 assert offered is not None
                 self._open(agent_id, epoch, peer.host_id, offered)
         return answer_to_result(answer), b""
-
-    @asynccontextmanager
-    async def _keeping(self, agent_id: str, epoch: int) -> AsyncIterator[None]:
-        """For one call: what a blob tier fetched for its offer stays kept
-        from gc until the call ends (by then the move's own staging manifest
-        names it, or the offer was refused)."""
-        with ExitStack() as keep:
-            self._tier_keep[(agent_id, epoch)] = keep
-            try:
-                yield
-            finally:
-                del self._tier_keep[(agent_id, epoch)]
 
     async def _event(self, which: mv.Call, source: str, agent_id: str, epoch: int, args: dict[str, Any],
                      payload: Payload) -> object:
@@ -175,8 +151,7 @@ class MoveService:
                 if manifest.agent_id != agent_id:
                     raise CallFailed("bad-request", f"manifest of {manifest.agent_id} offered as {agent_id}")
                 self._offered[(agent_id, epoch)] = manifest
-                if self.tier is not None:
-                    await self.tier.fetch_for_offer(manifest, self._tier_keep[(agent_id, epoch)])
+                await self._on_offer.fetch(agent_id, epoch, manifest)
                 inc = self._incoming.get((agent_id, epoch))
                 have = frozenset(inc.sent) if inc is not None else frozenset()
                 # A stat per blob: in a thread, so that a manifest of many

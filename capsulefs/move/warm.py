@@ -19,15 +19,20 @@ Rules:
 
 Theory of operation: :func:`warm_target` (the source, one connection of its
 own before the move's) and :func:`answer_warm` (the target's move service,
-before the call reaches the move machine, which does not know it).
+before the call reaches the move machine, which does not know it); and
+:class:`TierOnOffer`, the target's use of the tier when an offer comes:
+what it fetched is kept from gc (by the ``keep`` stack) until the offer's
+call ends, by when the move's own staging manifest names it, or the offer
+was refused.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -39,11 +44,42 @@ from capsulefs.peer.errors import CallFailed
 if TYPE_CHECKING:
     from capsulefs.move.host import MoveHost
     from capsulefs.move.source import Connector
-    from capsulefs.move.target import TierFetch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WARM_CALL", "answer_warm", "warm_target"]
+
+class TierFetch(Protocol):
+    """Fetches into the store, before an offer is answered, what a blob tier
+    holds of the offered manifest's blobs (capsulefs/fleet/tier_moves.py);
+    what it fetched stays protected from gc until ``keep`` closes."""
+
+    async def fetch_for_offer(self, manifest: fmt.Manifest, keep: ExitStack) -> None: ...
+
+
+class TierOnOffer:
+    """The move service's use of a blob tier (None: peer-to-peer) for the offers it judges."""
+
+    def __init__(self, tier: TierFetch | None) -> None:
+        self.tier = tier
+        self._keep: dict[tuple[str, int], ExitStack] = {}  # what the tier fetched for an offer being judged
+
+    @asynccontextmanager
+    async def keeping(self, agent_id: str, epoch: int) -> AsyncIterator[None]:
+        """For one call: what the tier fetched for its offer stays kept from gc until the call ends."""
+        with ExitStack() as keep:
+            self._keep[(agent_id, epoch)] = keep
+            try:
+                yield
+            finally:
+                del self._keep[(agent_id, epoch)]
+
+    async def fetch(self, agent_id: str, epoch: int, manifest: fmt.Manifest) -> None:
+        """Before an offer is answered: fill the store from the tier (within :meth:`keeping`)."""
+        if self.tier is not None:
+            await self.tier.fetch_for_offer(manifest, self._keep[(agent_id, epoch)])
+
+
+__all__ = ["WARM_CALL", "TierFetch", "TierOnOffer", "answer_warm", "warm_target"]
 
 WARM_CALL = "warm"
 

@@ -40,7 +40,7 @@ from fleet_kit import EtcdServer, WeedServer, etcd_or_skip, free_ports, weed_or_
 from helpers import HANG
 from mount_kit import needs_fuse
 from prom_kit import parse, value
-from test_move_daemons import Host, no_tracebacks, together, verify_on, wait_for, write_move
+from test_move_daemons import Host, no_tracebacks, verify_on, wait_for, write_move
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -111,8 +111,6 @@ def fleet_flags(etcd: EtcdServer, tier_url: str) -> tuple[str, ...]:
 @pytest.fixture
 def hosts(tmp_path: Path, etcd: EtcdServer, tier: Tier) -> Iterator[tuple[Host, Host]]:
     a, b = Host.init_all(tmp_path, "a", "b")
-    together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
-             ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
     flags = fleet_flags(etcd, tier.url)
     a.extra = b.extra = flags
     try:
@@ -288,7 +286,8 @@ def test_a_move_sends_host_to_host_only_what_the_tier_lacks(hosts: tuple[Host, H
     b.start()
     wait_for(lambda: active(a, "carrier"), "the agent active under A's lease")
     before_a, before_b = metrics(a), metrics(b)
-    assert write_move(a.mnt, "carrier", "b\n") == 0
+    wait_for(lambda: b.host_id in a.cli("fleet", "hosts").stdout, "b in the directory (a move's target is found there)")
+    assert write_move(a.mnt, "carrier", f"{b.host_id}\n") == 0
     after_a, after_b = metrics(a), metrics(b)
 
     assert a.holder(agent_id) is HolderState.RETIRED and b.holder(agent_id) is HolderState.HELD
@@ -303,7 +302,7 @@ def test_a_move_sends_host_to_host_only_what_the_tier_lacks(hosts: tuple[Host, H
     assert b.staging() == []
     # The target fetched from the tier before the freeze (the warm-up), not while the agent was frozen.
     assert _moved(before_a, after_a, "capsulefs_move_phase_seconds_count", phase="warming") == 1
-    assert "warm-up of " + agent_id + " on b: fetched from the tier" in a.log.read_text()
+    assert f"warm-up of {agent_id} on {b.host_id}: fetched from the tier" in a.log.read_text()
 
 
 def test_a_tier_blob_with_wrong_bytes_is_refused_and_the_source_sends_it(hosts: tuple[Host, Host], tier: Tier,
@@ -317,7 +316,8 @@ def test_a_tier_blob_with_wrong_bytes_is_refused_and_the_source_sends_it(hosts: 
     b.start()
     wait_for(lambda: active(a, "carrier"), "the agent active under A's lease")
     before_b = metrics(b)
-    assert write_move(a.mnt, "carrier", "b\n") == 0
+    wait_for(lambda: b.host_id in a.cli("fleet", "hosts").stdout, "b in the directory (a move's target is found there)")
+    assert write_move(a.mnt, "carrier", f"{b.host_id}\n") == 0
     after_b = metrics(b)
     assert b.holder(agent_id) is HolderState.HELD
     assert _moved(before_b, after_b, "capsulefs_tier_bytes_total", direction="fetched") == BLOB * (len(shas) - 1)
