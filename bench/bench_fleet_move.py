@@ -46,7 +46,7 @@ from capsulefs.core.store.host_store import HostStore  # noqa: E402
 from capsulefs.fleet.uploader import RECORD_DIR  # noqa: E402
 from fleet_kit import EtcdServer, WeedServer, running_etcd, running_weed  # noqa: E402
 from prom_kit import parse, value  # noqa: E402
-from test_move_daemons import Host, together, wait_for, write_move  # noqa: E402
+from test_move_daemons import Host, wait_for, write_move  # noqa: E402
 
 PHASES = ("freezing", "offer", "transferring", "verify", "prepare", "activate")  # from the freeze to activate
 BOUND_EXTRA = 64 * 1024
@@ -88,8 +88,6 @@ def phase_sum(before: dict, after: dict) -> dict[str, float]:
 def one_move(root: Path, etcd: EtcdServer, weed: WeedServer, mode: str, mib: int, nblobs: int) -> dict:
     root.mkdir()
     a, b = Host.init_all(root, "a", "b")
-    together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
-             ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
     flags: tuple[str, ...] = ("--directory", etcd.spec, "--directory-prefix", f"/bench-{secrets.token_hex(4)}/")
     if mode == "tier":
         bucket = "bench-" + secrets.token_hex(4)
@@ -116,10 +114,11 @@ def one_move(root: Path, etcd: EtcdServer, weed: WeedServer, mode: str, mib: int
             wait_for(lambda: recorded(a) >= nblobs, "the source's blobs in the tier", timeout=3600)
         upload_s = time.monotonic() - t0
         wait_for(lambda: a.status("carrier")["state"] == "active", "the agent active on A")
+        wait_for(lambda: b.host_id in a.cli("fleet", "hosts").stdout, "B in the directory (the target is found there)")
         manifest, journal = small_files(a, agent_id)
         before_a, before_b = metrics(a), metrics(b)
         t1 = time.monotonic()
-        rc = write_move(a.mnt, "carrier", "b\n")
+        rc = write_move(a.mnt, "carrier", f"{b.host_id}\n")
         wall = time.monotonic() - t1
         assert rc == 0, f"the move failed: {os.strerror(rc)}\n{a.log.read_text()[-3000:]}"
         after_a, after_b = metrics(a), metrics(b)
