@@ -155,6 +155,15 @@ class Agents:
         for agent_id in self.view.store.agent_ids():
             self.view.set_state(agent_id, shown(self.decision(agent_id), still=self._held(agent_id)))
 
+    def arrived(self, agent_id: str) -> AgentState | None:
+        """How to show an agent that appeared in the store while the mount
+        serves (``capsulefs import``; core/view/control.py's Arrivals): as
+        :meth:`show_all` would, from its holder record now; None while it
+        has none yet (an import writes it right after the files)."""
+        if self.holders.get(agent_id) is None:
+            return None
+        return shown(self.decision(agent_id), still=self._held(agent_id))
+
     def _as_decided(self, agent_id: str) -> None:
         """After the mount showed an agent writable (a resume, an activate):
         read-only again if the lifecycle says so (in doubt)."""

@@ -46,6 +46,7 @@ from capsulefs.core.store.holder import HolderBook
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.store.lifecycle import Decision
 from capsulefs.core.view.host import LiveHost
+from capsulefs.core.view.nodes import AgentState
 from capsulefs.daemon.agents import Agents
 from capsulefs.daemon.daemon import Daemon, KernelEntries, Service, Stopping, sd_notify, work_dir
 from capsulefs.daemon.metrics_file import MetricsFile
@@ -137,6 +138,7 @@ def compose(cfg: MountConfig) -> Mounted:
         mover=up,
         remover=up,
         write_guard=up if cfg.fleet is not None else None,  # (the fleet lease, before every write)
+        arrivals=up,
     )
     ops = Operations(view)
     entries = KernelEntries(ops)
@@ -199,7 +201,7 @@ def _address(listen: tuple[str, int] | None) -> str:
 class _Upcalls:
     """The calls that go against the order of construction, each at request
     time only, to the component built later that carries it out: the view's
-    control files, its new agents and status sections; the lifecycle
+    control files, its new agents, its arrivals and status sections; the lifecycle
     owner's standing, move guard and processes; isolation's new owners; the
     fleet lease keeper's listener and the view's write guard."""
 
@@ -229,6 +231,9 @@ class _Upcalls:
 
     def created(self, agent_id: str, epoch: int) -> None:
         self._moves().created(agent_id, epoch)
+
+    def arrived(self, agent_id: str) -> AgentState | None:
+        return self._agents().arrived(agent_id)
 
     def record_status(self, agent_id: str) -> dict[str, object]:
         return self._agents().record_status(agent_id)

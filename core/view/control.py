@@ -19,6 +19,7 @@ from ..render import PROVIDER_ALIASES, PROVIDERS
 from .agent import MOVE_UNAVAILABLE, LiveAgent
 from .errors import NotSupported
 from .handles import Handle
+from .nodes import AgentState
 
 #: Longest line accepted by ``.control/model``, ``.control/move``, ``.control/abandon`` and ``.control/remove``.
 MAX_CONTROL_LINE = 1024
@@ -69,6 +70,17 @@ class WriteGuard(Protocol):
 
     def refuses_writes(self) -> str | None:
         """None while writes may be acknowledged; else why not (ReadOnly's message)."""
+
+
+class Arrivals(Protocol):
+    """Who decides how an agent the view has not been told about is shown,
+    the first time a request sees it (the daemon's lifecycle owner): one
+    another process put in the store while the mount serves (``capsulefs
+    import``), or a move installed before activating it. ``arrived`` returns
+    what its holder record and the lifecycle say, or None while it has no
+    record yet (an import is installing it): shown read-only, asked again."""
+
+    def arrived(self, agent_id: str) -> AgentState | None: ...
 
 
 class Owners(Protocol):

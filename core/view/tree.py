@@ -22,7 +22,7 @@ from ..fsutil import thread_start
 from ..store.host_store import HostStore
 from .agent import LiveAgent
 from .blobcheck import BlobChecks
-from .control import Mover, NewAgents, Owners, Remover, WriteGuard
+from .control import Arrivals, Mover, NewAgents, Owners, Remover, WriteGuard
 from .errors import NotADirectory, ReadOnly
 from .nodes import CONTROL, CONTROL_FILES, HOST_CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
 from .scratch import ScratchArea
@@ -57,6 +57,7 @@ class Tree:
         mover: Mover | None = None,
         remover: Remover | None = None,
         write_guard: WriteGuard | None = None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         self.store = store
         self.host_id = fmt.check_host_id(host_id)
@@ -101,16 +102,40 @@ class Tree:
         #: Asked before every write is acknowledged (the fleet mode's lease:
         #: :meth:`check_lease`); None: writes depend on nothing outside the view.
         self.write_guard = write_guard
+        #: Decides how an agent the view was not told about is shown (None:
+        #: active, as without a daemon's lifecycle; tests of the view alone).
+        self.arrivals = arrivals
+        #: Agents whose state the view was told (``set_state``): any other is
+        #: an arrival, decided once, the first time a request sees it.
+        self._told: set[str] = set()
 
     def state(self, agent_id: str) -> AgentState:
-        st = self._states.get(agent_id, AgentState.ACTIVE)
+        st = self._states.get(agent_id)
         if st is AgentState.REMOVED and os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
             del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
+            self._told.discard(agent_id)
+            st = None
+        if st is not None:
+            return st
+        if agent_id in self._told or self.arrivals is None:
             return AgentState.ACTIVE
-        return st
+        return self._arrived(agent_id)
+
+    def _arrived(self, agent_id: str) -> AgentState:
+        """An agent the view was not told about: shown as the lifecycle decides
+        (once: from then on the lifecycle's hooks change it), read-only while
+        it cannot decide yet (no holder record)."""
+        assert self.arrivals is not None
+        shown = self.arrivals.arrived(agent_id)
+        if shown is None:
+            return AgentState.FROZEN
+        log.info("agent %s appeared in the store", agent_id)
+        self.set_state(agent_id, shown)
+        return shown
 
     def set_state(self, agent_id: str, state: AgentState) -> None:
         fmt.check_agent_id(agent_id)
+        self._told.add(agent_id)
         if state is AgentState.ACTIVE:
             self._states.pop(agent_id, None)
         else:

@@ -17,7 +17,8 @@ from capsulefs.core.view.nodes import AgentState
 from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.peer.book import Peer, PeerBook
 from capsulefs.peer.identity import load_or_create_identity
-from helpers import make_agent
+from capsulefs.move.host import record_imported, record_new_agent
+from helpers import HOST, make_agent
 
 
 def closed_port() -> int:
@@ -70,6 +71,41 @@ async def test_an_agent_without_a_record_is_read_only_from_the_first_request(sto
     with pytest.raises(ReadOnly):
         m.view.check_writable(agent_id)
     assert m.agents.may_run(agent_id)[0] is False
+    m.view.close()
+
+
+async def test_an_agent_that_appears_while_the_mount_serves_is_shown_as_its_record_says(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """``capsulefs import`` beside the daemon installs the files, then the
+    holder record: read-only in between (no record: another host may hold
+    it), then as the record says from the next request on: held here,
+    writable and runs; a copy another host holds (UNKNOWN), read-only."""
+    m = _mounted(state_dir, tmp_path)
+    foreign = make_agent(store, "alice", held=False)  # files (naming another host), no record yet
+    assert m.view.state(foreign.agent_id) is AgentState.FROZEN
+    with pytest.raises(ReadOnly):
+        m.view.check_writable(foreign.agent_id)
+    assert m.agents.may_run(foreign.agent_id)[0] is False
+    me = load_or_create_identity(state_dir).host_id
+    mine = store.create_agent("mine", host_id=me, agent_id="b" * 32)
+    assert m.view.state(mine.agent_id) is AgentState.FROZEN
+    record_new_agent(state_dir, mine.agent_id, mine.manifest().holder.epoch)
+    assert (m.view.state(mine.agent_id), m.agents.may_run(mine.agent_id)) == (AgentState.ACTIVE, (True, ""))
+    m.view.check_writable(mine.agent_id)
+    record_imported(state_dir, foreign.agent_id, HOST, 1)  # the manifest names another host: in doubt
+    assert m.view.state(foreign.agent_id) is AgentState.FROZEN
+    ok, why = m.agents.may_run(foreign.agent_id)
+    assert not ok and why.startswith("in-doubt"), why
+    m.view.close()
+
+
+async def test_an_agent_that_appears_while_the_fleet_lease_is_lost_is_read_only(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    m = _mounted(state_dir, tmp_path)
+    await m.agents.lease_lost("the directory did not answer")
+    agent_id = make_agent(store, "alice").agent_id  # held here, as `capsulefs new` makes it
+    assert m.view.state(agent_id) is AgentState.FROZEN
+    assert m.agents.may_run(agent_id) == (False, "fleet lease lost: the directory did not answer")
     m.view.close()
 
 
