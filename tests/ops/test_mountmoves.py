@@ -138,8 +138,10 @@ async def test_removing_a_held_agent_forgets_it_everywhere(wired: tuple[Mounted,
     assert live.snapshots.names(agent_id) == []
     with pytest.raises(NotFoundError, match="removed"):
         live.check_writable(agent_id)  # a handle still open on it writes nothing
-    make_agent(live.store, "alice")  # the same id in the store again (an import): a new agent, shown
-    assert live.state(agent_id).value == "active" and live.names() == {"alice": agent_id}
+    make_agent(live.store, "alice")  # the same id in the store again (an import): a new agent, shown,
+    # as its record says: in doubt (another host may have imported the same export and taken it meanwhile)
+    assert live.state(agent_id).value == "frozen" and live.names() == {"alice": agent_id}
+    assert m.agents.record_status(agent_id)["state"] == "unknown"
 
 
 async def test_an_agent_in_doubt_does_not_move(store: HostStore, state_dir: Path, tmp_path: Path) -> None:
