@@ -170,6 +170,7 @@ def compose(cfg: MountConfig) -> Mounted:
     seams.crash_seam(move_host, os.environ.get(seams.CRASH_ENV))
     moves_fleet = None if fleet is None else Fleet(
         seams.lose_commit_seam(fleet.authority, os.environ.get(seams.LOSE_COMMIT_ENV)), fleet.keeper)
+    seams.stop_seam(move_host, os.environ.get(seams.STOP_ENV))
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
                        call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout,
                        fleet=moves_fleet, tier=fleet.tier_offers if fleet is not None else None)

@@ -8,7 +8,10 @@ at daemon start) makes the daemon ``os._exit(137)`` right after it durably
 wrote that holder state: source:frozen, source:committing, source:retired,
 source:held (rolled back), target:offered, target:verified, target:prepared,
 target:held (activated, before the reply). tests/daemons/test_move_daemons.py uses it
-to kill a real daemon at each phase of a move.
+to kill a real daemon at each phase of a move. ``CAPSULEFS_TEST_STOP_AT=<side>:<state>``
+(test-only, read once at daemon start) stops the daemon instead (SIGSTOP to
+itself), the first time only: the test makes a fault meanwhile (a partition,
+tests/daemons/test_fleet_netns.py) and lets it go on with SIGCONT.
 
 The test seam ``CAPSULEFS_TEST_CALL_TIMEOUT=SECONDS`` (test-only, read once at
 daemon start) replaces the 120 s a move's call may take before it is a
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from typing import TYPE_CHECKING
 
@@ -46,9 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "LOSE_COMMIT_ENV", "LosingCommit",
-           "call_timeout_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam"]
+           "STOP_ENV", "call_timeout_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam", "stop_seam"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
+STOP_ENV = "CAPSULEFS_TEST_STOP_AT"
 CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
 LEASE_TIMING_ENV = "CAPSULEFS_TEST_LEASE_TIMING"
 LOSE_COMMIT_ENV = "CAPSULEFS_TEST_LOSE_COMMIT"
@@ -58,11 +63,13 @@ _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARE
 
 
 class CrashingHolders(HolderBook):
-    """Test seam: exit right after a chosen holder state is durable."""
+    """Test seam: exit right after a chosen holder state is durable (with
+    ``stop``: stop, with SIGSTOP to this process, the first time only)."""
 
-    def __init__(self, root: str, side: str, state: HolderState) -> None:
+    def __init__(self, root: str, side: str, state: HolderState, *, stop: bool = False) -> None:
         super().__init__(root)
         self.side, self.state = side, state
+        self.stop, self.stopped = stop, False
 
     def put(self, record: HolderRecord) -> None:
         prev = self.get(record.agent_id)
@@ -76,26 +83,45 @@ class CrashingHolders(HolderBook):
             side = "target"
         else:
             return
-        if side == self.side:
+        if side == self.side and self.stop:
+            if not self.stopped:
+                self.stopped = True
+                log.warning("test seam %s: stopping (SIGSTOP) after %s:%s of %s", STOP_ENV, side,
+                            record.state.value, record.agent_id)
+                os.kill(os.getpid(), signal.SIGSTOP)
+        elif side == self.side:
             log.warning("test seam %s: exiting after %s:%s of %s", CRASH_ENV, side, record.state.value,
                         record.agent_id)
             logging.shutdown()
             os._exit(137)
 
 
+def _side_state(env: str, value: str) -> tuple[str, HolderState]:
+    side, _, state = value.partition(":")
+    if side not in ("source", "target"):
+        raise FormatError(f"{env}={value!r}: the side must be source or target")
+    try:
+        return side, HolderState(state)
+    except ValueError:
+        raise FormatError(f"{env}={value!r}: {state!r} is not a holder state") from None
+
+
 def crash_seam(host: MoveHost, value: str | None) -> None:
     """Install the test-only crash seam if ``value`` (``side:state``) is set."""
     if not value:
         return
-    side, _, state = value.partition(":")
-    if side not in ("source", "target"):
-        raise FormatError(f"{CRASH_ENV}={value!r}: the side must be source or target")
-    try:
-        st = HolderState(state)
-    except ValueError:
-        raise FormatError(f"{CRASH_ENV}={value!r}: {state!r} is not a holder state") from None
+    side, st = _side_state(CRASH_ENV, value)
     log.warning("test seam %s=%s is set: this daemon will exit there", CRASH_ENV, value)
     host.holders = CrashingHolders(host.holders.directory, side, st)
+
+
+def stop_seam(host: MoveHost, value: str | None) -> None:
+    """Install the test-only stop seam if ``value`` (``side:state``) is set."""
+    if not value:
+        return
+    side, st = _side_state(STOP_ENV, value)
+    log.warning("test seam %s=%s is set: this daemon will stop itself there once", STOP_ENV, value)
+    host.holders = CrashingHolders(host.holders.directory, side, st, stop=True)
 
 
 def call_timeout_seam(value: str | None) -> float | None:
