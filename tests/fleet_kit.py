@@ -229,13 +229,17 @@ def running_etcd() -> Iterator[EtcdServer]:
 
 class KillableEtcd:
     """One etcd member that a test can kill -9 and start again on the same
-    ports and data directory (so its leases and keys survive, as etcd's do)."""
+    ports and data directory (so its leases and keys survive, as etcd's do).
+    ``host`` and ``ports`` (client, peer) place it elsewhere than on free
+    ports of 127.0.0.1: tests/netns_kit.py starts it in a network namespace
+    of its own (``node.call(etcd.start)``)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> None:
         assert ETCD is not None
         self.root = root
-        self.client_port, self.peer_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.host = host
+        self.client_port, self.peer_port = ports or free_ports(2)
+        self.url = f"http://{host}:{self.client_port}"
         self.proc: subprocess.Popen | None = None
         self._watch: EngineWatch | None = None
         self.starts = 0
@@ -246,7 +250,7 @@ class KillableEtcd:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         self.starts += 1
         log = self.root / f"run{self.starts}.log"
         argv = [ETCD, "--name", "capsulefs-test", "--data-dir", str(self.root / "etcd"),

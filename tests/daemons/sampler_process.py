@@ -1,9 +1,10 @@
 """The agent-process sampler of test_stale_run.py, as a process of its own
 (so the test's own work never delays a sample): ``python sampler_process.py
-OUT`` (SCRIPT in $SAMPLE_SCRIPT, so that this process is not one of them) appends ``TIME LABEL,LABEL`` to OUT every few ms, one line per
-sample, each label the host (mount) of a live process running SCRIPT, until
-its stdin closes. As root it runs real-time (SCHED_FIFO 1; it sleeps between
-samples).
+OUT`` (SCRIPT in $SAMPLE_SCRIPT, so that this process is not one of them)
+appends ``TIME LABEL,LABEL`` to OUT every few ms, one line per sample, each
+label the host (mount) of a live process running SCRIPT (with $SAMPLE_AGENTS
+set, ``HOST/AGENT``), until its stdin closes. As root it runs real-time
+(SCHED_FIFO 1; it sleeps between samples).
 
 A process seen not to run SCRIPT once it is a few seconds old is not looked
 at again (a young one may still exec into it), and only a python's command
@@ -29,7 +30,9 @@ def label_of(script: bytes, pid: str) -> str | None:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     except OSError:
         return None
-    return os.path.basename(os.path.dirname(env.get(b"CAPSULE_DIR", b"?").decode()))
+    capsule = env.get(b"CAPSULE_DIR", b"?").decode()
+    host = os.path.basename(os.path.dirname(capsule))
+    return f"{host}/{os.path.basename(capsule)}" if os.environ.get("SAMPLE_AGENTS") else host
 
 
 def comm_of(pid: str) -> bytes | None:

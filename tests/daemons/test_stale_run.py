@@ -51,11 +51,14 @@ class Sampler:
     """The agent's processes on every host, sampled every few ms by a process
     of its own (sampler_process.py): when, and on which hosts."""
 
-    def __init__(self, script: Path) -> None:
+    def __init__(self, script: Path, *, per_agent: bool = False) -> None:
+        """``per_agent``: each label is ``HOST/AGENT`` (the mount's and the agent's names), not ``HOST``."""
         self.samples: list[tuple[float, frozenset[str]]] = []
+        env = dict(os.environ, SAMPLE_SCRIPT=str(script))
+        if per_agent:
+            env["SAMPLE_AGENTS"] = "1"
         self._proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "sampler_process.py")],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=dict(os.environ, SAMPLE_SCRIPT=str(script)))
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
