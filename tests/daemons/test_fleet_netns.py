@@ -29,6 +29,12 @@ from typing import TypeVar
 import pytest
 import trio
 
+from capsulefs.agents import grants
+from capsulefs.core.capsule.spec import parse_spec
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.move.host import new_agent_files, record_new_agent
+from capsulefs.peer.book import Peer, PeerBook
+from capsulefs.peer.identity import load_or_create_identity
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
@@ -38,8 +44,7 @@ from helpers import HANG
 from mount_kit import CAPSULEFS, check_chains, needs_fuse
 from mount_kit import status as agent_status
 from netns_kit import Network, Node, leftovers, open_network, unavailable
-from test_move_daemons import (TICKER, Host, force_unmount, no_tracebacks, start_all, together, wait_for,
-                               write_move)
+from test_move_daemons import TICKER, Host, force_unmount, no_tracebacks, start_all, wait_for, write_move
 from test_stale_run import Sampler
 
 T = TypeVar("T")
@@ -276,25 +281,38 @@ def write_memory(host: NsHost, name: str, text: str) -> int:
     return 0
 
 
-def new_ticker_agents(tmp_path: Path, hosts: dict[str, NsHost], agents: dict[str, tuple[str, ...]]) -> Path:
-    """Each host's ``agents``, made with ``capsulefs new`` (the daemons not
-    started yet), the ticker their entrypoint; the ticker's path."""
-    script, shared, spec = tmp_path / "ticker.py", tmp_path / "ticks.log", tmp_path / "ticker-spec.json"
+def ticker_spec(tmp_path: Path) -> tuple[Path, dict]:
+    """The ticker script (the sampler looks for its path) and a spec running it."""
+    script, shared = tmp_path / "ticker.py", tmp_path / "ticks.log"
     script.write_text(TICKER)
     shared.touch()
     shared.chmod(0o666)  # (as root each host runs each agent as a uid of its own)
-    spec.write_text(json.dumps({"version": 1, "entrypoint": [sys.executable, str(script), str(shared)]}))
-    for i in range(max(len(names) for names in agents.values())):
-        together(*(["--state", str(hosts[h].state), "new", names[i], "--spec", str(spec)]
-                   for h, names in agents.items() if i < len(names)))
-    return script
+    return script, parse_spec(json.dumps({"version": 1, "entrypoint": [sys.executable, str(script), str(shared)]})
+                              .encode())
+
+
+def new_host(state: Path, names: tuple[str, ...], spec: dict) -> str:
+    """What ``capsulefs init`` and ``capsulefs new NAME --spec`` for each of
+    ``names`` do, in this process (the CLI is not under test here, and a
+    process each costs seconds on a loaded machine); the host id."""
+    store = HostStore.open(state)
+    grants.ensure(str(state), store)
+    me = load_or_create_identity(state).host_id
+    for name in names:
+        agent_id = os.urandom(16).hex()
+        with new_agent_files(state, agent_id):
+            agent = store.create_agent(name, host_id=me, agent_id=agent_id, spec=spec)
+            record_new_agent(state, agent.agent_id, agent.manifest().holder.epoch)
+    return me
 
 
 def pin_peers(hosts: list[NsHost]) -> None:
-    """Each host a peer of every other, at its address in its namespace."""
-    for step in range(1, len(hosts)):
-        together(*(["--state", str(h.state), "peer", "add", o.name, f"{o.node.address}:{o.port}", o.host_id]
-                   for i, h in enumerate(hosts) for o in [hosts[(i + step) % len(hosts)]]))
+    """Each host a peer of every other, at its address in its namespace (``capsulefs peer add``'s book)."""
+    for h in hosts:
+        book = PeerBook(h.state)
+        for o in hosts:
+            if o is not h:
+                book.add(Peer(name=o.name, address=f"{o.node.address}:{o.port}", host_id=o.host_id))
 
 
 @contextmanager
@@ -312,12 +330,12 @@ def running_fleet(tmp_path: Path, agents: dict[str, tuple[str, ...]], *, directo
         if etcd_node is not None:
             (tmp_path / "etcd").mkdir()
             etcd = KillableEtcd(tmp_path / "etcd", host=etcd_node.address, ports=ETCD_PORTS)
-        said = together(*(["--state", str(tmp_path / f"state-{name}"), "init"] for name in agents))
-        hosts = {name: NsHost(tmp_path, name, net.nodes[name], etcd.spec if etcd else None, out)
-                 for name, out in zip(agents, said, strict=True)}
+        script, spec = ticker_spec(tmp_path)
+        hosts = {name: NsHost(tmp_path, name, net.nodes[name], etcd.spec if etcd else None,
+                              "host id " + new_host(tmp_path / f"state-{name}", names, spec))
+                 for name, names in agents.items()}
         if peers:
             pin_peers(list(hosts.values()))
-        script = new_ticker_agents(tmp_path, hosts, agents)
         sampler = Sampler(script, per_agent=True)
         f = Fleet(net=net, etcd=etcd, etcd_node=etcd_node, hosts=hosts, sampler=sampler,
                   where={name: hosts[h] for h, names in agents.items() for name in names})
