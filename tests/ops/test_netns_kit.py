@@ -5,6 +5,8 @@ process behind."""
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
 from pathlib import Path
 
@@ -61,7 +63,7 @@ from netns_kit import open_network
 def test_fails_inside(request):
     with open_network("x", "y", tag={tag!r}) as net:
         proc = net.nodes["x"].popen(["sleep", "600"])
-        request.addfinalizer(proc.wait)  # (reaped once the network's teardown killed it)
+        request.addfinalizer(lambda: proc.wait(timeout=10))  # (reaped once the network's teardown killed it)
         with open({pidfile!r}, "w") as f:
             f.write(str(proc.pid))
         net.partition(net.nodes["x"], net.nodes["y"])
@@ -74,8 +76,12 @@ def test_a_failing_body_leaves_no_namespace_and_no_process(pytester: pytest.Pyte
     pytester.syspathinsert(Path(__file__).parents[1])
     pytester.makepyfile(test_inner=INNER.format(tag=tag, pidfile=str(pidfile)))
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    pid = int(pidfile.read_text())
+    if Path(f"/proc/{pid}").exists():  # (the check below fails: leave nothing behind meanwhile)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"the process {pid} started in the network was still there after the test")
     result.assert_outcomes(failed=1)
     assert "the body fails" in result.stdout.str()
     assert leftovers(tag) == []
-    pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists(), f"the process {pid} started in the network is still there"
