@@ -127,10 +127,6 @@ class Node:
         """A process started in this node's network namespace."""
         return self.call(lambda: subprocess.Popen(argv, **kwargs))  # type: ignore[call-overload]
 
-    def pids(self) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
-
     def __repr__(self) -> str:
         return f"Node({self.name} {self.address})"
 
@@ -185,7 +181,7 @@ class Network:
 
     def close(self) -> None:
         """Kill every process still in a namespace of this network, then delete the namespaces."""
-        pids = {pid for ns in self._made for pid in _ns_pids(ns)}
+        pids = {pid for ns in self._made for pid in _ns_pids(ns)} - {os.getpid()}
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
