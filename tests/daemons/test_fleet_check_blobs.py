@@ -15,7 +15,6 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -28,16 +27,11 @@ from capsulefs.core.fleet.sigv4 import Credentials
 from capsulefs.fleet.blobcheck import IF_MATCH, RACING, READ_AFTER_WRITE, SEQUENTIAL, check_blob_tier
 from capsulefs.fleet.s3 import open_s3
 from cli_kit import REPO, run_cli
-from fleet_kit import WeedServer, weed_or_skip
+from fleet_kit import WeedServer
 
 DEADLINE = 120  # seconds: bounds a hang, never paces a test
 RACE_WINDOW = 2.0  # how long the racy stand-in holds a create open for a second writer
 
-
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    with weed_or_skip() as server:
-        yield server
 
 
 class Mode(enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -27,14 +27,9 @@ from capsulefs.core.fleet.errors import (
 from capsulefs.core.fleet.s3_wire import parse_tier_url
 from capsulefs.core.fleet.sigv4 import Credentials
 from capsulefs.fleet.s3 import BlobTier, S3Client, open_s3
-from fleet_kit import WeedServer, free_ports, weed_or_skip
+from fleet_kit import WeedServer, free_ports
 from helpers import HANG
 
-
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    with weed_or_skip() as server:
-        yield server
 
 
 def creds(weed: WeedServer) -> Credentials:

@@ -6,35 +6,18 @@ through the store's durable path."""
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import trio
 
 from capsulefs.core.errors import CorruptBlobError
-from capsulefs.core.fleet.s3_wire import parse_tier_url
-from capsulefs.core.fleet.sigv4 import Credentials
 from capsulefs.core.store.host_store import HostStore
-from capsulefs.fleet.s3 import BlobTier, S3Client, open_s3
+from capsulefs.fleet.s3 import BlobTier, S3Client
 from capsulefs.fleet.tier import TierBlobs, TierFetchError
-from fleet_kit import WeedServer, weed_or_skip
 
 
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    with weed_or_skip() as server:
-        yield server
-
-
-@pytest.fixture
-async def s3(weed_server: WeedServer) -> AsyncIterator[S3Client]:
-    bucket = "tier-" + secrets.token_hex(4)
-    creds = Credentials(weed_server.access_key, weed_server.secret_key)
-    async with open_s3(parse_tier_url(weed_server.tier_url(bucket, "eu")), creds) as client:
-        assert await client.create_bucket() is True
-        yield client
 
 
 class Counting:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,23 +23,10 @@ from capsulefs.fleet.s3 import BlobTier, S3Client, open_s3
 from capsulefs.fleet.tier import TierBlobs
 from capsulefs.fleet.tier_moves import TierOffers
 from capsulefs.fleet.uploader import TierRecord, TierUploader
-from fleet_kit import WeedServer, free_ports, weed_or_skip
+from fleet_kit import free_ports
 from helpers import HANG
 
 
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    with weed_or_skip() as server:
-        yield server
-
-
-@pytest.fixture
-async def s3(weed_server: WeedServer) -> AsyncIterator[S3Client]:
-    bucket = "host-" + secrets.token_hex(4)
-    creds = Credentials(weed_server.access_key, weed_server.secret_key)
-    async with open_s3(parse_tier_url(weed_server.tier_url(bucket, "eu")), creds) as client:
-        assert await client.create_bucket() is True
-        yield client
 
 
 class CountingPuts:
