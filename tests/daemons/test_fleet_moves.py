@@ -132,6 +132,17 @@ def wait_running(script: Path, h: Host) -> None:
         raise AssertionError(f"{exc}\n{h.name}'s status of walker: {status}\n" + "\n".join(lines[-40:])) from None
 
 
+def move_while_killed(a: Host, b: Host, dies: Host) -> int:
+    """``echo B > a/walker/.control/move`` while ``dies`` is killed by its crash seam: the write's errno."""
+    result: list[int] = []
+    writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", f"{b.host_id}\n")))
+    writer.start()
+    dies.wait_killed()
+    writer.join(timeout=HANG)
+    assert not writer.is_alive() and len(result) == 1, "the move's write did not return"
+    return result[0]
+
+
 def never_two(sampler: Sampler) -> None:
     sampler.stop()
     assert sampler.samples, "the sampler took no sample"
@@ -210,12 +221,7 @@ def test_the_source_killed_at_each_phase(fleet_hosts: tuple[Host, Host], tmp_pat
     sampler = Sampler(script)
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
-        result: list[int] = []
-        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", f"{b.host_id}\n")))
-        writer.start()
-        a.wait_killed()
-        writer.join(timeout=HANG)
-        assert not writer.is_alive() and result and result[0] != 0  # its daemon died under it
+        assert move_while_killed(a, b, a) != 0  # its daemon died under it
         a.start(run=True)
         held = settled_on(a, b, agent_id)
         assert held is {"a": a, "b": b}[ends_on]
@@ -248,16 +254,13 @@ def test_the_target_killed_at_a_prepared_move(fleet_hosts: tuple[Host, Host], tm
     start_all(a, b)
     wait_holding(a, "walker")
     wait_for(lambda: runs_only_on(script, "mnt-a"), "the ticker running on a")
+    wait_for(lambda: lease_of(etcd, b) is not None, "b's record in the directory (a move's target is found there)")
     add_messages(a, "walker", 5)
     sampler = Sampler(script)
     try:
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
-        result: list[int] = []
-        writer = threading.Thread(target=lambda: result.append(write_move(a.mnt, "walker", f"{b.host_id}\n")))
-        writer.start()
-        b.wait_killed()
-        writer.join(timeout=HANG)
-        assert not writer.is_alive() and len(result) == 1 and (result[0] == 0) == (ends_on == "b"), result
+        got = move_while_killed(a, b, b)
+        assert (got == 0) == (ends_on == "b"), got
         b.start(run=True)
         holder = settled_on(a, b, agent_id)
         assert holder is {"a": a, "b": b}[ends_on]
