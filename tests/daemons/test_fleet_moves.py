@@ -37,7 +37,7 @@ from capsulefs.fleet.etcd import open_etcd
 from capsulefs.testing.seams import LOSE_COMMIT_ENV
 from fleet_kit import EtcdServer, etcd_or_skip
 from helpers import HANG
-from test_move_daemons import (Host, add_messages, make_agent, new_ticker_agent, no_tracebacks, start_all, ticker_pids,
+from test_move_daemons import (Host, add_messages, make_agent, new_ticker_agent, two_hosts, start_all, ticker_pids,
                                verify_on, wait_for, wait_holding, write_move)
 from test_stale_run import Sampler
 
@@ -56,15 +56,10 @@ def etcd() -> Iterator[EtcdServer]:
 @pytest.fixture
 def fleet_hosts(tmp_path: Path, etcd: EtcdServer) -> Iterator[tuple[Host, Host]]:
     """Two hosts in one fleet (STATE/fleet.json names the etcd); they find each other in the directory."""
-    a, b = Host.init_all(tmp_path, "a", "b")
-    for h in (a, b):
-        fleet_config.save(str(h.state), fleet_config.make(etcd.spec, PREFIX))
-    try:
-        yield a, b
-    finally:
+    with two_hosts(tmp_path) as (a, b):
         for h in (a, b):
-            h.stop()
-    no_tracebacks(a, b)
+            fleet_config.save(str(h.state), fleet_config.make(etcd.spec, PREFIX))
+        yield a, b
 
 
 def entry(etcd: EtcdServer, agent_id: str) -> fd.AgentEntry | None:
@@ -130,6 +125,18 @@ def wait_running(script: Path, h: Host) -> None:
         status = h.status("walker") if (h.mnt / "walker").exists() else "not shown"
         lines = [line for line in h.log.read_text(errors="replace").splitlines() if "DEBUG" not in line]
         raise AssertionError(f"{exc}\n{h.name}'s status of walker: {status}\n" + "\n".join(lines[-40:])) from None
+
+
+def ends_held_by(a: Host, b: Host, etcd: EtcdServer, agent_id: str, script: Path, name: str, epoch: int) -> Host:
+    """Until one host holds the agent: it must be ``name`` at ``epoch``, by its record and the directory's
+    entry, run the ticker alone, and neither host keep a staging area. That host."""
+    holder = settled_on(a, b, agent_id)
+    assert holder is {"a": a, "b": b}[name]
+    assert record(holder, agent_id) == (HolderState.HELD, epoch)
+    assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
+    wait_running(script, holder)
+    wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
+    return holder
 
 
 def move_while_killed(a: Host, b: Host, dies: Host) -> int:
@@ -223,13 +230,7 @@ def test_the_source_killed_at_each_phase(fleet_hosts: tuple[Host, Host], tmp_pat
         wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
         assert move_while_killed(a, b, a) != 0  # its daemon died under it
         a.start(run=True)
-        held = settled_on(a, b, agent_id)
-        assert held is {"a": a, "b": b}[ends_on]
-        holder = a if ends_on == "a" else b
-        assert record(holder, agent_id) == (HolderState.HELD, epoch)
-        assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
-        wait_running(script, holder)
-        wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
+        holder = ends_held_by(a, b, etcd, agent_id, script, ends_on, epoch)
     finally:
         never_two(sampler)
     other = b if holder is a else a
@@ -262,12 +263,7 @@ def test_the_target_killed_at_a_prepared_move(fleet_hosts: tuple[Host, Host], tm
         got = move_while_killed(a, b, b)
         assert (got == 0) == (ends_on == "b"), got
         b.start(run=True)
-        holder = settled_on(a, b, agent_id)
-        assert holder is {"a": a, "b": b}[ends_on]
-        assert record(holder, agent_id) == (HolderState.HELD, epoch)
-        assert entry(etcd, agent_id) == fd.AgentEntry(host_id=holder.host_id, epoch=epoch)
-        wait_running(script, holder)
-        wait_for(lambda: a.staging() == [] and b.staging() == [], "no staging left")
+        holder = ends_held_by(a, b, etcd, agent_id, script, ends_on, epoch)
     finally:
         never_two(sampler)
     verify_on(holder, "walker", tmp_path, 5)

@@ -17,6 +17,7 @@ a real etcd and a real SeaweedFS (``weed mini``) started by the fixtures, two
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -40,7 +41,7 @@ from fleet_kit import EtcdServer, WeedServer, etcd_or_skip, free_ports, weed_or_
 from helpers import HANG
 from mount_kit import needs_fuse
 from prom_kit import parse, value
-from test_move_daemons import Host, no_tracebacks, verify_on, wait_for, write_move
+from test_move_daemons import Host, no_tracebacks, two_hosts, verify_on, wait_for, write_move
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -110,15 +111,9 @@ def fleet_flags(etcd: EtcdServer, tier_url: str) -> tuple[str, ...]:
 
 @pytest.fixture
 def hosts(tmp_path: Path, etcd: EtcdServer, tier: Tier) -> Iterator[tuple[Host, Host]]:
-    a, b = Host.init_all(tmp_path, "a", "b")
-    flags = fleet_flags(etcd, tier.url)
-    a.extra = b.extra = flags
-    try:
+    with two_hosts(tmp_path) as (a, b):
+        a.extra = b.extra = fleet_flags(etcd, tier.url)
         yield a, b
-    finally:
-        for h in (a, b):
-            h.stop()
-    no_tracebacks(a, b)
 
 
 def metrics(h: Host) -> dict:
@@ -229,7 +224,7 @@ def forwarder(weed: WeedServer) -> Iterator[Forwarder]:
 def test_a_blob_written_through_the_mount_is_put_to_the_tier(hosts: tuple[Host, Host], tier: Tier) -> None:
     a, _b = hosts
     a.start()
-    (a.mnt / "writer").mkdir()
+    wait_for(lambda: made_agent(a, "writer"), "a new agent taken (EROFS until the host's first lease)")
     wait_for(lambda: active(a, "writer"), "the new agent active under the host's lease")
     sha = put_through_mount(a, "writer", os.urandom(100_000))
     wait_for(lambda: tier.has(sha), "the blob in the tier")
@@ -245,7 +240,7 @@ def test_blobs_stored_while_the_tier_was_down_are_put_at_the_next_start(
     a.extra = fleet_flags(etcd, f"http://127.0.0.1:{forwarder.port}/{tier.bucket}/eu")  # (nothing listens yet)
     try:
         a.start()
-        (a.mnt / "writer").mkdir()
+        wait_for(lambda: made_agent(a, "writer"), "a new agent taken (EROFS until the host's first lease)")
         wait_for(lambda: active(a, "writer"), "the new agent active under the host's lease")
         sha = put_through_mount(a, "writer", os.urandom(50_000))  # (taken at once: the tier is down)
         wait_for(lambda: value(metrics(a), "capsulefs_tier_puts_total", outcome="failed") >= 1,
@@ -269,6 +264,17 @@ def test_blobs_stored_while_the_tier_was_down_are_put_at_the_next_start(
     finally:
         a.stop()
     no_tracebacks(a)
+
+
+def made_agent(h: Host, name: str) -> bool:
+    """mkdir of a new agent in the mount; False while the fleet mount refuses writes (no lease yet)."""
+    try:
+        (h.mnt / name).mkdir()
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        return False
+    return True
 
 
 def _moved(before: dict, after: dict, name: str, **labels: str) -> float:

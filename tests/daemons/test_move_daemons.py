@@ -20,6 +20,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -176,17 +177,26 @@ class Host:
         return agent_status(self.mnt / agent)
 
 
-@pytest.fixture
-def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
+@contextmanager
+def two_hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
+    """Hosts a and b made (not started); at the end both stopped (and unmounted), and, after a test
+    that passed, neither daemon's log has a traceback."""
     a, b = Host.init_all(tmp_path, "a", "b")
-    together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
-             ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
     try:
         yield a, b
     finally:
         for h in (a, b):
             h.stop()
     no_tracebacks(a, b)
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[Host, Host]]:
+    """Two peer-to-peer hosts, each the other's pinned peer."""
+    with two_hosts(tmp_path) as (a, b):
+        together(["--state", str(a.state), "peer", "add", "b", f"127.0.0.1:{b.port}", b.host_id],
+                 ["--state", str(b.state), "peer", "add", "a", f"127.0.0.1:{a.port}", a.host_id])
+        yield a, b
 
 
 def no_tracebacks(*hosts: Host) -> None:
