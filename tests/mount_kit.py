@@ -130,3 +130,13 @@ def check_chains(data: bytes) -> list[Record]:
 def status(agent: Path) -> dict:
     """An agent's ``.control/status`` on a mount."""
     return json.loads((agent / ".control" / "status").read_bytes())
+
+
+def write_errno(path: Path, data: bytes, mode: str = "wb") -> int:
+    """Write ``data`` to ``path`` (opened with ``mode``) through a mount: 0, or the errno it failed with."""
+    try:
+        with open(path, mode) as f:
+            f.write(data)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0

@@ -16,20 +16,12 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import load_or_create_identity
 from helpers import wait_until
-from mount_kit import capsulefs, mounted, needs_fuse, status
+from mount_kit import capsulefs, mounted, needs_fuse, status, write_errno
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
 SPEC = {"version": 1, "entrypoint": ["sh", "-c", "exec sleep 600"]}
 
-
-def _write_errno(path: Path, data: bytes) -> int:
-    try:
-        with open(path, "ab") as f:
-            f.write(data)
-    except OSError as exc:
-        return exc.errno or 0
-    return 0
 
 
 def _export_from(tmp_path: Path, name: str, holder: str | None) -> Path:
@@ -67,7 +59,7 @@ def test_an_agent_another_host_holds_imported_beside_the_daemon_is_read_only_and
 
         # Read-only, as any agent this host does not hold: nothing reaches its files.
         before = (state_dir / "agents" / agent_id / fmt.WORKING_MEMORY).read_bytes()
-        assert _write_errno(mnt / "foreign" / fmt.WORKING_MEMORY, b"written on the wrong host\n") == errno.EROFS
+        assert write_errno(mnt / "foreign" / fmt.WORKING_MEMORY, b"written on the wrong host\n", "ab") == errno.EROFS
         assert (state_dir / "agents" / agent_id / fmt.WORKING_MEMORY).read_bytes() == before
         st = status(mnt / "foreign")
         assert st["state"] == "frozen" and st["writable"] is False
@@ -80,7 +72,7 @@ def test_an_agent_another_host_holds_imported_beside_the_daemon_is_read_only_and
         wait_until(lambda: status(mnt / "mine")["run"]["state"] == "running", "the held import to run")
         st = status(mnt / "mine")
         assert st["state"] == "active" and st["writable"] is True and st["record"]["state"] == "held"
-        assert _write_errno(mnt / "mine" / fmt.WORKING_MEMORY, b"- a note\n") == 0
+        assert write_errno(mnt / "mine" / fmt.WORKING_MEMORY, b"- a note\n", "ab") == 0
         assert (mnt / "mine" / fmt.WORKING_MEMORY).read_bytes().endswith(b"- a note\n")
 
         run = status(mnt / "foreign")["run"]

@@ -17,7 +17,7 @@ from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.move.host import record_new_agent
 from helpers import HOST, make_agent, wait_until
-from mount_kit import capsulefs, mounted, needs_fuse, status
+from mount_kit import capsulefs, mounted, needs_fuse, status, write_errno
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -34,14 +34,6 @@ def _rm(state: Path, *args: str) -> subprocess.CompletedProcess:
 def _ls(state: Path) -> list[str]:
     return [r["name"] for r in json.loads(capsulefs("--state", str(state), "ls", "--json").stdout)]
 
-
-def _write_errno(path: Path, data: bytes) -> int:
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as exc:
-        return exc.errno or 0
-    return 0
 
 
 def _settled(state: Path, agent_dir: Path) -> None:
@@ -176,7 +168,7 @@ def test_rm_is_refused_while_the_agent_is_in_a_move(store: HostStore, state_dir:
         assert "removing it now could lose it on both hosts" in out.stderr and "--abandon" in out.stderr
         # The daemon refuses on its own too (not only the CLI's check).
         remove = mnt / "mover" / ".control" / "remove"
-        assert _write_errno(remove, agent.agent_id.encode() + b"\n") == errno.EBUSY
+        assert write_errno(remove, agent.agent_id.encode() + b"\n") == errno.EBUSY
         assert os.listdir(mnt) == ["mover"] and _ls(state_dir) == ["mover"]
         assert capsulefs("verify", str(mnt / "mover")).stdout.startswith("OK:")
     assert sorted(p.name for p in (state_dir / "agents" / agent.agent_id).rglob("*")) == files_before
@@ -191,7 +183,7 @@ def test_a_bad_token_is_einval_and_removes_nothing(store: HostStore, state_dir: 
     with mounted(state_dir, mnt):
         remove = mnt / "alice" / ".control" / "remove"
         for data in (b"\n", b"yes\n", b"alice\n", agent.agent_id.upper().encode() + b"\n", b"x" * 4000):
-            assert _write_errno(remove, data) == errno.EINVAL, data
+            assert write_errno(remove, data) == errno.EINVAL, data
         stray = subprocess.run(["bash", "-c", f"echo > {remove}"], capture_output=True, text=True)
         assert stray.returncode != 0 and "Invalid argument" in stray.stderr
         assert os.listdir(mnt) == ["alice"] and _ls(state_dir) == ["alice"]
