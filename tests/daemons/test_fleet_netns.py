@@ -11,7 +11,7 @@ one agent running on two hosts. A writer appends an event to every agent's
 journal through its mount every 50 ms; every append that was acknowledged
 must be in the capsule of the host that holds the agent at the end.
 
-The hosts' lease is 5 s (the test seam CAPSULEFS_TEST_LEASE_TTL: a keepalive
+The hosts' lease is 5 s (the test seam CAPSULEFS_TEST_LEASE_TIMING: a keepalive
 every second, the agents stopped 2.9 s after the send of the last one
 answered), so a host cut from etcd stops in about 3 s. docs/fleet.md,
 "Several daemons in network namespaces".
@@ -46,7 +46,7 @@ from capsulefs.fleet.etcd import EtcdClient, open_etcd
 from capsulefs.move.host import new_agent_files, record_new_agent
 from capsulefs.peer.book import Peer, PeerBook
 from capsulefs.peer.identity import load_or_create_identity
-from capsulefs.testing.seams import CALL_TIMEOUT_ENV, CRASH_ENV, LEASE_TTL_ENV, STOP_ENV
+from capsulefs.testing.seams import CALL_TIMEOUT_ENV, CRASH_ENV, LEASE_TIMING_ENV, STOP_ENV
 from fleet_kit import ETCD, KillableEtcd
 from helpers import HANG
 from mount_kit import CAPSULEFS, check_chains, needs_fuse
@@ -85,7 +85,7 @@ class NsHost(Host):
         the test seams CAPSULEFS_TEST_CRASH_AT / CAPSULEFS_TEST_STOP_AT."""
         assert run
         env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSULEFS_TEST_")}
-        env[LEASE_TTL_ENV] = str(LEASE_TTL)
+        env[LEASE_TIMING_ENV] = f"{LEASE_TTL},1,1,2"  # (TTL, a keepalive every second, each given a second, 2 s to stop)
         env[CALL_TIMEOUT_ENV] = str(CALL_TIMEOUT)
         if crash_at:
             env[CRASH_ENV] = crash_at
