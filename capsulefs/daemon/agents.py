@@ -21,7 +21,10 @@ Rules:
     write guard asks the keeper before every write, so a daemon paused past
     its lease's deadline takes no write once it resumes), and after a
     new lease each runs again only once the directory names this host at
-    the epoch it holds (:meth:`Agents.lease_regained`). docs/fleet.md.
+    the epoch it holds (:meth:`Agents.lease_regained`); an agent this host
+    holds that arrives while the host has a lease (``capsulefs import``) runs
+    only once the directory names this host too (claimed first if it has no
+    entry: :meth:`Agents.confirm_arrivals`). docs/fleet.md.
 
 Theory of operation: one object, built by the composition root
 (capsulefs/daemon/root.py) with its collaborators typed by the Protocols
@@ -31,6 +34,7 @@ below; all of it runs on the daemon's trio loop.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -138,6 +142,13 @@ class Agents:
         self._lease_why: str | None = None
         #: Fleet mode: agents the directory did not confirm after the last new lease, and why.
         self._unconfirmed: dict[str, str] = {}
+        #: Fleet mode (from :meth:`lease_pending`): the held agents that arrived, for :meth:`confirm_arrivals`.
+        self._arrivals: trio.MemorySendChannel[tuple[str, int]] | None = None
+        self._arrivals_in: trio.MemoryReceiveChannel[tuple[str, int]] | None = None
+        #: Fleet mode: held agents that arrived while the host had no lease (the next new lease asks about them).
+        self._arrived_unleased: set[str] = set()
+        #: Agents made through the mount not yet shown (claimed at creation: capsulefs/move/mount_moves.py).
+        self._made: set[str] = set()
 
     def _held(self, agent_id: str) -> bool:
         """Held still: by a move, by the host's lost lease, or by the directory."""
@@ -160,9 +171,76 @@ class Agents:
         serves (``capsulefs import``; core/view/control.py's Arrivals): as
         :meth:`show_all` would, from its holder record now; None while it
         has none yet (an import writes it right after the files)."""
-        if self.holders.get(agent_id) is None:
+        rec = self.holders.get(agent_id)
+        if rec is None:
             return None
+        if agent_id in self._made:  # (made through the mount, not arrived: claimed at creation)
+            self._made.discard(agent_id)
+        elif rec.state is HolderState.HELD and self._lease_why is None:
+            self._await_directory(agent_id, rec.held_epoch if rec.held_epoch is not None else rec.epoch)
+        elif rec.state is HolderState.HELD and self._arrivals is not None:
+            self._arrived_unleased.add(agent_id)  # (the next new lease asks about it with the others)
         return shown(self.decision(agent_id), still=self._held(agent_id))
+
+    def made(self, agent_id: str) -> None:
+        """An agent was made through the mount (``mkdir``): not an arrival
+        (the moves claim it in the directory at creation)."""
+        self._made.add(agent_id)
+
+    def _await_directory(self, agent_id: str, epoch: int) -> None:
+        """Fleet mode: a held agent that arrived under a live lease is held
+        still until the directory names this host at ``epoch`` (asked by
+        :meth:`confirm_arrivals`)."""
+        if self._arrivals is None or agent_id in self._unconfirmed:
+            return
+        self._unconfirmed[agent_id] = (f"fleet: waiting for the directory to name this host at epoch {epoch} "
+                                       f"(the agent arrived while the daemon served)")
+        self._arrivals.send_nowait((agent_id, epoch))
+
+    async def confirm_arrivals(self, directory: Directory, lease: LeaseView, *, retry_pause: float = 1.0,
+                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Fleet mode, a service of the daemon: each held agent that arrived
+        while the host has a lease is claimed at its epoch if the directory
+        has no entry for it, then runs only once the directory names this host
+        at that epoch (as :meth:`lease_regained` does for the agents present
+        at a new lease); else it stays read-only and stopped, saying why."""
+        assert self._arrivals_in is not None  # (lease_pending made it: the fleet mode)
+        task_status.started()
+        async with self._arrivals_in:
+            async for agent_id, epoch in self._arrivals_in:
+                await self._confirm_arrival(directory, lease, agent_id, epoch, retry_pause)
+
+    async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, epoch: int,
+                               retry_pause: float) -> None:
+        waiting = self._unconfirmed.get(agent_id)
+        while True:
+            if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None:
+                return  # (a new lease decided it meanwhile, or the host lost its lease: the next one decides)
+            try:
+                named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
+                if named is None and await directory.claim(agent_id, epoch):
+                    named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
+            except CapsuleError as exc:
+                if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None:
+                    return  # (as above)
+                waiting = self._unconfirmed[agent_id] = f"fleet: the directory did not answer about it: {exc}"
+                log.warning("agent %s (arrived) waits: %s; asking again", agent_id, waiting)
+                await trio.sleep(retry_pause)
+                continue
+            break
+        if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None or not lease.may_run():
+            return  # (as above: the answer no longer counts)
+        if not named:
+            self._unconfirmed[agent_id] = f"fleet: the directory does not name this host at epoch {epoch}"
+            log.warning("agent %s (arrived) stays stopped: %s", agent_id, self._unconfirmed[agent_id])
+            return
+        del self._unconfirmed[agent_id]
+        log.info("agent %s (arrived): the directory names this host at epoch %d", agent_id, epoch)
+        if agent_id in self.view.store.agent_ids() and self.view.state(agent_id) is AgentState.FROZEN and \
+                shown(self.decision(agent_id), still=self._held(agent_id)) is AgentState.ACTIVE:
+            self.view.resume(agent_id)
+            if self.processes is not None:
+                await self.processes.on_resume(agent_id)
 
     def _as_decided(self, agent_id: str) -> None:
         """After the mount showed an agent writable (a resume, an activate):
@@ -216,6 +294,7 @@ class Agents:
     def lease_pending(self, why: str) -> None:
         """Before the mount serves, in the fleet mode: nothing runs until the first lease."""
         self._lease_why = why
+        self._arrivals, self._arrivals_in = trio.open_memory_channel[tuple[str, int]](math.inf)
 
     def lease_lapsed(self, why: str) -> str:
         """The view's write guard found the lease's deadline passed before
@@ -291,6 +370,11 @@ class Agents:
             return  # (the lease ended meanwhile: the keeper stops again and asks for a new one)
         self._unconfirmed = unconfirmed
         self._lease_why = None
+        arrived, self._arrived_unleased = self._arrived_unleased, set()
+        for agent_id in sorted(arrived - held.keys()):  # (arrived during the questions: asked about next)
+            rec = self.holders.get(agent_id)
+            if rec is not None and rec.state is HolderState.HELD:
+                self._await_directory(agent_id, rec.held_epoch if rec.held_epoch is not None else rec.epoch)
         for agent_id in self.view.store.agent_ids():
             if self.view.state(agent_id) is AgentState.FROZEN and \
                     shown(self.decision(agent_id), still=self._held(agent_id)) is AgentState.ACTIVE:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from capsulefs.agents import grants
@@ -179,6 +180,7 @@ def compose(cfg: MountConfig) -> Mounted:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)
     if fleet is not None:
         services.append(fleet.serve)
+        services.append(partial(agents.confirm_arrivals, fleet.authority, fleet.keeper))
         if fleet.uploader is not None:
             services.append(fleet.serve_tier)
     services += cfg.services
@@ -231,6 +233,7 @@ class _Upcalls:
         await self._agents().remove(agent_id)
 
     def created(self, agent_id: str, epoch: int) -> None:
+        self._agents().made(agent_id)
         self._moves().created(agent_id, epoch)
 
     def arrived(self, agent_id: str) -> AgentState | None:

@@ -4,7 +4,8 @@ gone and its working memory refuses writes before the host's lease can
 expire, and the status says why; etcd back, the agent runs and takes writes
 again. An agent the directory gives to another host meanwhile stays stopped.
 A daemon paused (SIGSTOP, as a paused VM) past its lease's deadline refuses
-the first write after it resumes."""
+the first write after it resumes. A held agent imported while the daemon
+serves runs only once the directory names this host (claimed if new)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from mount_kit import status as agent_status
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.fleet import directory as fd
+from capsulefs.core.store.holder import HolderBook
+from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.directory import read_hosts
 from capsulefs.fleet.etcd import open_etcd
+from capsulefs.peer.identity import load_or_create_identity
 from capsulefs.testing import seams
 from capsulefs.testing.stub_provider import serve
 from fleet_kit import KillableEtcd, killable_etcd
@@ -257,3 +261,59 @@ def test_a_daemon_paused_past_its_lease_deadline_refuses_the_first_write_after_i
                 _paused_round(daemon, agent, round_, pause)
             wait_until(lambda: _running(agent), "the agent to run again under a new lease")
             assert _write_memory(agent, "# notes\nafter the pauses\n") == 0
+
+
+#: An agent's entrypoint for the import test (no provider needed).
+SLEEPER = {"version": 1, "entrypoint": ["sh", "-c", "exec sleep 600"]}
+
+
+def _held_export(tmp_path: Path, name: str, holder: str, agent_id: str) -> Path:
+    """A capsule tar of agent ``name`` whose manifest names ``holder`` (a copy
+    of an agent that host holds, as an export from it carries it)."""
+    other = tmp_path / f"other-{name}"
+    HostStore.open(other).create_agent(name, host_id=holder, agent_id=agent_id, spec=SLEEPER)
+    tar = tmp_path / f"{name}.tar"
+    capsulefs("--state", str(other), "export", name, "-o", str(tar))
+    return tar
+
+
+def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_this_host(
+        tmp_path: Path, etcd_server: KillableEtcd) -> None:
+    state = tmp_path / "state"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SLEEPER))
+    capsulefs("--state", str(state), "new", "bystander", "--spec", str(spec))
+    me = load_or_create_identity(state).host_id
+    fresh_id, taken_id = os.urandom(16).hex(), os.urandom(16).hex()
+    fresh = _held_export(tmp_path, "fresh", me, fresh_id)
+    taken = _held_export(tmp_path, "taken", me, taken_id)
+    # the directory already names another host for "taken" (this copy is stale)
+    _put_agent(etcd_server.spec, taken_id, fd.AgentEntry(host_id="host-b", epoch=9))
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt, "--directory", etcd_server.spec, "--directory-prefix", PREFIX):
+        wait_until(lambda: _running(mnt / "bystander"), "the host's lease (its agent runs)")
+
+        out = capsulefs("--state", str(state), "import", str(taken))
+        assert "held" in out.stdout.splitlines()[1], out.stdout
+        wait_until(lambda: "taken" in os.listdir(mnt), "the imported agent in the mount")
+        wait_until(lambda: "the directory does not name this host at epoch"
+                   in (agent_status(mnt / "taken")["run"].get("detail") or ""),
+                   "the directory's answer about the stale import")
+        st = agent_status(mnt / "taken")
+        assert st["state"] == "frozen" and st["writable"] is False and _running(mnt / "taken") is None, st
+        assert _write_memory(mnt / "taken", "written on the wrong host\n") == errno.EROFS
+        table = capsulefs("--state", str(state), "status").stdout
+        assert "taken: not running: fleet: the directory does not name this host at epoch" in table, table
+
+        out = capsulefs("--state", str(state), "import", str(fresh))
+        assert "held" in out.stdout.splitlines()[1], out.stdout
+        wait_until(lambda: "fresh" in os.listdir(mnt) and _running(mnt / "fresh"), "the fresh import to run")
+        # claimed: the directory names this host at the epoch its record holds
+        rows = {r["agent_id"]: r for r in (json.loads(line) for line in capsulefs(
+            "--state", str(state), "fleet", "ls", "--json").stdout.splitlines())}
+        assert rows[fresh_id]["holder"] == me and rows[fresh_id]["state"] == "held", rows[fresh_id]
+        assert rows[fresh_id]["epoch"] == HolderBook(state / "holders").get(fresh_id).epoch
+        assert rows[taken_id]["holder"] == "host-b" and rows[taken_id]["epoch"] == 9, rows[taken_id]
+        assert _write_memory(mnt / "fresh", "# notes\nmine\n") == 0
+        # and the stale one still does not run
+        assert _running(mnt / "taken") is None and agent_status(mnt / "taken")["state"] == "frozen"
