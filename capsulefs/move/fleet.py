@@ -11,15 +11,15 @@ Rules:
     target (the target's ``activate`` call), which activates only once it
     reads that the directory names it at the new epoch (``confirm``).
   * A prepared target asks ``gate`` before it ever refuses (idle, restarted,
-    asked for status): named -> activate; else refuse only once no commit
-    of the move can apply.
+    asked for status, asked by a peer to fence the agent): named -> activate;
+    else refuse only once no commit of the move can apply.
   * After its commit was sent, a source whose move rolled back runs the
     agent again only once the directory names it (``confirm``, under a
     live lease): the entry may have moved on meanwhile.
 
 Theory of operation: :class:`SourceCalls` makes one move's calls for the
 source's driver and turns each answer into the event its machine is fed;
-:func:`named` and :func:`gate` are the target's questions. The real objects are capsulefs/fleet/authority.py's
+:func:`named`, :func:`gate` and :func:`gate_before_fence` are the target's questions. The real objects are capsulefs/fleet/authority.py's
 ``DirectoryAuthority`` and capsulefs/fleet/keeper.py's ``HostLeaseKeeper``,
 built by the composition root; the simulation (capsulefs/testing/fleet_sim.py)
 drives the same machines through the same calls.
@@ -28,6 +28,7 @@ drives the same machines through the same calls.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,13 +37,15 @@ import trio
 from capsulefs.core import move as mv
 from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.move import Outcome
+from capsulefs.core.store.holder import HolderRecord, HolderState
+from capsulefs.peer.errors import CallFailed
 
 if TYPE_CHECKING:  # (the fleet's modules load only in the fleet mode)
     from capsulefs.fleet.authority import Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fleet", "LeaseWait", "MoveDirectory", "SourceCalls", "gate", "named"]
+__all__ = ["Fleet", "LeaseWait", "MoveDirectory", "SourceCalls", "gate", "gate_before_fence", "named"]
 
 
 class MoveDirectory(Protocol):
@@ -168,3 +171,18 @@ async def gate(fleet: Fleet, agent_id: str, epoch: int, source: str) -> Outcome 
         return None
     log.info("agent %s: the directory's gate for the move prepared at epoch %d: %s", agent_id, epoch, outcome.value)
     return outcome
+
+
+async def gate_before_fence(rec: HolderRecord | None, gated: Callable[[HolderRecord], Awaitable[Outcome | None]],
+                            asker: str) -> None:
+    """A target asked by a peer to fence the agent (it learns who holds it),
+    under the agent's lock: a move prepared here is decided by the
+    directory's gate (``gated``: activated, or refused), never by the peer's
+    word; no answer yet -> CallFailed (the peer asks again; the move stays
+    prepared). A move not yet prepared is left to the fence, which refuses
+    it: no commit can name this host before its prepare was answered."""
+    if rec is None or rec.state is not HolderState.PREPARED:
+        return
+    if await gated(rec) is None:
+        raise CallFailed("unavailable", f"agent {rec.agent_id}: a move to this host is prepared and the "
+                                        f"directory has not decided it yet; {asker} may ask again")

@@ -32,8 +32,8 @@ Rules:
   * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) a
     prepared move activates only once the directory names this host at its
     epoch: the source's ``activate`` is a nudge (``confirm``, then activate;
-    else "unknown"), and a prepared move that sits idle, restarted, or is
-    asked ``status`` asks the directory's ``gate`` before it ever refuses.
+    else "unknown"), and a prepared move idle, restarted, asked ``status``
+    or fenced by a peer asks the directory's ``gate`` before it ever refuses.
     Its staging area holds STAGING_KEEP from prepare on, so a restart
     spares it (docs/fleet.md, "A move through the directory").
 
@@ -67,7 +67,7 @@ from capsulefs.core.store.holder import HolderRecord, HolderState
 from capsulefs.core.store.host_store import STAGING_KEEP
 from capsulefs.core.store.story import story
 from capsulefs.core.move.wire import BLOBS_CALL, answer_to_result
-from capsulefs.move.fleet import Fleet, gate, named
+from capsulefs.move.fleet import Fleet, gate, gate_before_fence, named
 from capsulefs.move.host import MoveHost
 from capsulefs.peer.errors import CallFailed
 from capsulefs.peer.framing import Payload
@@ -132,6 +132,8 @@ class MoveService:
         async with self.host.lock(agent_id), self._on_offer.keeping(agent_id, epoch):
             if self.fleet is not None and which in (mv.Call.ACTIVATE, mv.Call.STATUS):
                 return answer_to_result(await self._through_directory(which, peer.host_id, agent_id, epoch)), b""
+            if self.fleet is not None and which is mv.Call.FENCE:  # (the directory decides a prepared move)
+                await gate_before_fence(self.record(agent_id), self._gated, peer.host_id)
             event = await self._event(which, peer.host_id, agent_id, epoch, args, payload)
             answer = await self.run(agent_id, event)
             offered = self._offered.pop((agent_id, epoch), None)
