@@ -2,15 +2,19 @@
 move prepared on this host is decided by the directory's gate, never by the
 peer's word. The directory is a fake at the seam capsulefs/move/fleet.py
 names (``MoveDirectory``); the move service, its store and its holder
-records are real."""
+records are real (and, for a move the directory names this host for, a
+real move between two hosts stopped at prepared)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+from helpers import HANG
 
 from capsulefs.core import move as mv
 from capsulefs.core.fleet.errors import DirectoryUnreachable
@@ -21,7 +25,8 @@ from capsulefs.move.target import MoveService
 from capsulefs.peer.book import Peer
 from capsulefs.peer.errors import CallFailed
 
-from test_move_driver import Hooks
+from test_move_driver import Fault, Hooks, World
+from test_move_driver import world as world  # (the fixture: a real move between two hosts)
 
 AGENT = "ab" * 16
 
@@ -91,3 +96,25 @@ async def test_peer_to_peer_the_fence_refuses_a_prepared_move_as_before(tmp_path
     await fence(service, source)
     rec = b.holders.get(AGENT)
     assert rec is not None and rec.state is HolderState.REFUSED
+
+
+async def test_a_prepared_move_the_directory_names_this_host_for_is_activated_then_the_fence_answers(
+        world: World) -> None:  # noqa: F811  (the fixture imported above)
+    # A real move stops at prepared: every activate and status of the source is lost on its way.
+    world.target.faults = [Fault("activate", "before", times=10**6), Fault("status", "before", times=10**6)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(world.move, retry_pause=0.01))
+        with trio.fail_after(HANG):
+            while (rec := world.b.holders.get(world.agent_id)) is None or rec.state is not HolderState.PREPARED:
+                await trio.sleep(0.01)
+            while "status:before" not in world.target.fired:
+                await trio.sleep(0.01)
+        # (the target is in the fleet mode from now on; the directory names it at the move's epoch)
+        directory = Directory(answer=mv.Outcome.ACTIVE)
+        world.service_b.fleet = Fleet(directory, Lease())  # type: ignore[arg-type]
+        result, _ = await world.service_b(Peer(name="c", address="127.0.0.1:1", host_id=world.a.me), "fence",
+                                          {"agent_id": world.agent_id}, None)  # type: ignore[arg-type]
+        nursery.cancel_scope.cancel()  # (the source, still asking)
+    assert directory.asked == [(world.agent_id, 2, world.a.me)]
+    assert result["state"] == "held" and result["held_epoch"] == 2, result
+    assert world.agent_id in world.hooks_b.running
