@@ -11,9 +11,9 @@ one agent running on two hosts. A writer appends an event to every agent's
 journal through its mount every 50 ms; every append that was acknowledged
 must be in the capsule of the host that holds the agent at the end.
 
-The hosts' lease is 5 s (the test seam CAPSULEFS_TEST_LEASE_TIMING: a keepalive
-every second, the agents stopped 2.9 s after the send of the last one
-answered), so a host cut from etcd stops in about 3 s. docs/fleet.md,
+The hosts' lease is 5 s (the test seam CAPSULEFS_TEST_LEASE_TIMING=5,1,1,2:
+a keepalive every second, the agents stopped 2.9 s after the send of the
+last one answered), so a host cut from etcd stops in about 3 s. docs/fleet.md,
 "Several daemons in network namespaces".
 """
 
@@ -60,7 +60,8 @@ T = TypeVar("T")
 _NO_NETNS = unavailable()
 pytestmark = [pytest.mark.fuse, needs_fuse, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]
 
-LEASE_TTL = 5
+#: The hosts' lease (CAPSULEFS_TEST_LEASE_TIMING: TTL, keepalive every, each given, stop within; seconds)
+LEASE_TIMING = "5,1,1,2"
 CALL_TIMEOUT = 2.0  # seconds a move's call waits for its answer (CAPSULEFS_TEST_CALL_TIMEOUT)
 PREFIX = "/capsulefs-netns/"
 LAYOUT = fd.Layout(PREFIX.encode())
@@ -85,7 +86,7 @@ class NsHost(Host):
         the test seams CAPSULEFS_TEST_CRASH_AT / CAPSULEFS_TEST_STOP_AT."""
         assert run
         env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSULEFS_TEST_")}
-        env[LEASE_TIMING_ENV] = f"{LEASE_TTL},1,1,2"  # (TTL, a keepalive every second, each given a second, 2 s to stop)
+        env[LEASE_TIMING_ENV] = LEASE_TIMING
         env[CALL_TIMEOUT_ENV] = str(CALL_TIMEOUT)
         if crash_at:
             env[CRASH_ENV] = crash_at
