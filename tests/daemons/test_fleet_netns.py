@@ -494,51 +494,159 @@ def test_a_host_killed_and_restored_from_a_backup_never_runs_the_agent_given_awa
 #: (side, the holder state after which that side's daemon is stopped while the partition is made)
 PHASES = [("source", "frozen"), ("source", "committing"), ("source", "retired"),
           ("target", "offered"), ("target", "verified"), ("target", "prepared"), ("target", "held")]
-#: How the hosts learn who holds an agent. "fleet" (a move's commit as the directory's Txn) comes with the
-#: moves through the directory (issue 30's next slice): then ``directory=True`` below, and the same checks.
-MODES = ["peer-to-peer"]
+#: How the hosts learn who holds an agent: pinned peers, or the directory (a move's commit is its Txn).
+MODES = ["peer-to-peer", "fleet"]
+#: The phases the fleet mode runs (each test costs 10-20 s): the ones where the directory changes
+#: what happens. Committing: the commit Txn reaches etcd while the target is cut off, so the
+#: target learns it from the directory (its gate), not from the source's nudge. Prepared: the
+#: prepare's answer is lost, the source rolls back, the target's gate refuses. Held: the target
+#: activated, its answer to the nudge is lost, the source retires by the directory's word. Before
+#: the commit (frozen, offered, verified) a fleet move is a peer-to-peer one rolled back; after it
+#: (retired) nothing is asked of the target any more.
+FLEET_PHASES = [("source", "committing"), ("target", "prepared"), ("target", "held")]
+PARTITION_CASES = [(m, side, st) for m in MODES for side, st in PHASES
+                   if m == "peer-to-peer" or (side, st) in FLEET_PHASES]
 PENDING = (HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED)  # (a target's, before it activates)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("side", "state"), PHASES, ids=[f"{s}-{p}" for s, p in PHASES])
+def move_target(f: Fleet, host: NsHost) -> str:
+    """What ``.control/move`` takes to name ``host``: its host id in the
+    fleet mode (found in the directory, once its key is there), else its
+    peer name."""
+    if f.etcd is None:
+        return host.name
+    wait_for(lambda: f.lease_of(host) is not None, f"{host.name}'s key in the directory")
+    return host.host_id
+
+
+@pytest.mark.parametrize(("mode", "side", "state"), PARTITION_CASES,
+                         ids=[f"{m}-{s}-{p}" for m, s, p in PARTITION_CASES])
 def test_a_partition_between_two_hosts_at_each_phase_of_a_move(tmp_path: Path, mode: str, side: str,
                                                                state: str) -> None:
     """A moves its running agent to B; the daemon on one side is stopped
     right after it made a phase durable (the stop seam), A and B are cut
-    from each other, and that daemon goes on: each side's calls fail or
-    time out (2 s). The partition is healed once the source has rolled back
-    or waits in doubt. Then exactly one host holds the agent and runs it,
-    no staging is left, nothing acknowledged is lost, and no sample ever
-    saw it run on both."""
+    from each other (in the fleet mode both still reach etcd), and that
+    daemon goes on: each side's calls fail or time out (2 s). The partition
+    is healed once the source has rolled back or waits in doubt (in the
+    fleet mode: once its move ended, the commit judged by etcd). Then
+    exactly one host holds the agent and runs it (in the fleet mode, the
+    one the directory names), no staging is left, nothing acknowledged is
+    lost, and no sample ever saw it run on both."""
     stopped = "a" if side == "source" else "b"
-    with running_fleet(tmp_path, {"a": ("ada",), "b": ()}, directory=mode == "fleet", peers=True,
+    fleet = mode == "fleet"
+    with running_fleet(tmp_path, {"a": ("ada",), "b": ()}, directory=fleet, peers=not fleet,
                        stop_at={stopped: f"{side}:{state}"}) as f:
         a, b = f.hosts["a"], f.hosts["b"]
         ada = a.agent_id("ada")
+        target = move_target(f, b)
         wait_for(lambda: len(f.writer.acked["ada"]) >= 3, "a few appends to ada")  # type: ignore[union-attr]
         result: list[int] = []
-        mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", "b\n")))
+        mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", target + "\n")))
         mover.start()
         victim = f.hosts[stopped]
         wait_for(victim.stopped, f"{victim.name} stopped after {side}:{state}")
         f.net.partition(a.node, b.node)
         victim.go_on()
-        wait_for(lambda: not mover.is_alive() or a.holder(ada) is HolderState.COMMITTING,
-                 "the move to end, or the source to wait in doubt")
+        if fleet:  # (the source reaches etcd: it is never in doubt for long, its move ends cut off)
+            mover.join(timeout=HANG)
+        else:
+            wait_for(lambda: not mover.is_alive() or a.holder(ada) is HolderState.COMMITTING,
+                     "the move to end, or the source to wait in doubt")
         f.net.heal(a.node, b.node)
         mover.join(timeout=HANG)
         assert not mover.is_alive()
-        holders = lambda: (a.holder(ada), b.holder(ada))  # noqa: E731
-        settled = wait_for(lambda: holders().count(HolderState.HELD) == 1 and
-                           a.holder(ada) in (HolderState.HELD, HolderState.RETIRED) and holders(),
-                           "one holder, the source settled")
-        holder, other = (a, b) if settled[0] is HolderState.HELD else (b, a)
-        wait_for(lambda: f.runs("ada") == {holder.name}, f"ada running on {holder.name}")
+        holder = settled(f, ada, pending_ok=not fleet)
         assert (result == [0]) == (holder is b), (result, holder.name)
-        # A target the source could not tell to abort keeps its pending record and staging until
-        # it expires (target.DEFAULT_IDLE_TTL, 10 min; docs/move.md): nothing runs from them.
-        assert holder.staging() == [] and (other.staging() == [] or other.holder(ada) in PENDING), \
-            (holder.staging(), other.staging(), other.holder(ada))
+        f.where["ada"] = holder
+        check_acknowledged(f)
+
+
+def settled(f: Fleet, ada: str, *, pending_ok: bool) -> NsHost:
+    """Until exactly one of A and B holds ``ada`` and the source is settled;
+    then checks that it runs there only (in the fleet mode: the host the
+    directory names, at the epoch of its record, and the other host has no
+    pending move left), and that no staging is left; the holder."""
+    a, b = f.hosts["a"], f.hosts["b"]
+    holders = lambda: (a.holder(ada), b.holder(ada))  # noqa: E731
+    fleet = f.etcd is not None
+    states = wait_for(lambda: holders().count(HolderState.HELD) == 1 and
+                      a.holder(ada) in (HolderState.HELD, HolderState.RETIRED) and
+                      (pending_ok or not set(holders()) & set(PENDING)) and holders(),
+                      "one holder, the source settled" + ("" if pending_ok else ", no move pending"))
+    holder, other = (a, b) if states[0] is HolderState.HELD else (b, a)
+    wait_for(lambda: f.runs("ada") == {holder.name}, f"ada running on {holder.name}")
+    if fleet:
+        rec = HolderBook(holder.state / "holders").get(ada)
+        assert rec is not None and rec.held_epoch is not None
+        assert f.entry(ada) == fd.AgentEntry(host_id=holder.host_id, epoch=rec.held_epoch)
+    # Peer-to-peer, a target the source could not tell to abort keeps its pending record and staging
+    # until it expires (target.DEFAULT_IDLE_TTL, 10 min; docs/move.md): nothing runs from them.
+    # In the fleet mode its gate asks the directory within seconds.
+    wait_for(lambda: holder.staging() == [] and (other.staging() == [] or other.holder(ada) in PENDING),
+             "no staging left but a pending target's")
+    assert pending_ok or other.staging() == [], other.staging()
+    return holder
+
+
+# -- kill -9 of the source or of etcd at a fleet move's point of no return ------------------
+
+#: (what is killed, when): "sent": the commit Txn sent to etcd (paused: it holds the request),
+#: no answer yet; "committed": the directory names the target, which has not activated yet (cut
+#: from the source, it waits for its gate).
+KILLS = [("source", "sent"), ("source", "committed"), ("etcd", "committed")]
+
+
+@pytest.mark.parametrize(("killed", "when"), KILLS, ids=[f"{k}-{w}" for k, w in KILLS])
+def test_kill_9_at_a_fleet_moves_point_of_no_return(tmp_path: Path, killed: str, when: str) -> None:
+    """A moves its running agent to B through the directory; A's daemon
+    stops itself once COMMITTING is durable (the stop seam), and either
+    etcd is paused (``sent``: A's commit goes out and gets no answer, A
+    says it is in doubt) or A and B are cut from each other (``committed``:
+    A's commit applies, its nudge cannot reach B, B waits prepared). Then
+    A's daemon or etcd is killed with -9 and started again (healed). In the
+    end exactly one host runs the agent, the one the directory names at its
+    record's epoch; no move is left pending, no staging; nothing
+    acknowledged is lost; never two runners."""
+    with running_fleet(tmp_path, {"a": ("ada",), "b": ()}, directory=True, stop_at={"a": "source:committing"}) as f:
+        assert f.etcd is not None and f.etcd_node is not None
+        a, b = f.hosts["a"], f.hosts["b"]
+        ada = a.agent_id("ada")
+        target = move_target(f, b)
+        wait_for(lambda: len(f.writer.acked["ada"]) >= 3, "a few appends to ada")  # type: ignore[union-attr]
+        result: list[int] = []
+        mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", target + "\n")))
+        mover.start()
+        wait_for(a.stopped, "A stopped after source:committing")
+        if when == "sent":
+            f.etcd.pause()
+            a.go_on()
+            wait_for(lambda: f"the commit to {b.host_id} is in doubt" in a.log.read_text(errors="replace"),
+                     "A's commit sent and unanswered")
+        else:
+            f.net.partition(a.node, b.node)
+            a.go_on()
+            wait_for(lambda: f.entry(ada) == fd.AgentEntry(host_id=b.host_id, epoch=2), "the commit applied")
+            assert b.holder(ada) is HolderState.PREPARED  # (B has not activated: it heard nothing)
+        if killed == "source":
+            f.writer.drop("ada")  # type: ignore[union-attr]
+            a.kill()
+        else:
+            f.etcd.kill()
+            wait_for(lambda: not f.runs("ada"), "nothing runs the agent while etcd is down")
+        mover.join(timeout=HANG)  # (killed under it, or its nudge timed out: B heard nothing from A)
+        assert not mover.is_alive()
+        if when == "sent":
+            f.etcd.resume()
+        else:
+            f.net.heal(a.node, b.node)
+        if killed == "source":
+            a.start()
+        else:
+            f.etcd_node.call(f.etcd.start)
+        holder = settled(f, ada, pending_ok=False)
+        if when == "committed":
+            assert holder is b
+        if killed == "etcd":
+            assert result == [0]  # (the commit's verdict was "active": the source retired the agent)
         f.where["ada"] = holder
         check_acknowledged(f)
