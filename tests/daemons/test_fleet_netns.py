@@ -2,8 +2,10 @@
 
 Three in the fleet mode, with a real etcd in another namespace: a host cut
 from etcd, etcd killed with -9, a host killed with -9 and restored from a
-backup. Two peer-to-peer: a partition between them at each phase of a move
-(the fleet mode a parametrization away, once moves go through the directory).
+backup. Two, peer-to-peer or in the fleet mode: a partition between them at
+each phase of a move (the fleet mode at three). Two in the fleet mode: kill
+-9 of the source or of etcd at a move's point of no return (the commit sent
+and unanswered; applied before the target activated).
 
 Each agent is a ticker process; a sampler (sampler_process.py) lists every
 host's agent processes every few ms, and the test fails if any sample shows
