@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from capsulefs.core.capsule import format as fmt
+from capsulefs.core.capsule.spec import default_spec, spec_bytes
 from capsulefs.core.store.host_store import HostStore
 from helpers import HANG, make_agent, wait_until
 from mount_kit import CAPSULEFS, capsulefs, daemon_pids, force_unmount, needs_fuse
@@ -54,8 +55,12 @@ def test_umount_helper_asks_the_daemon_or_unmounts_now(store: HostStore, state_d
     without -l/-f it goes through `capsulefs umount` (the daemon stops its
     agents, then unmounts, and says so in its log); with -l it unmounts
     from outside at once, and so with -N (a copy in another mount namespace,
-    which capsulefs umount cannot see; here our own)."""
-    make_agent(store, "alice")
+    which capsulefs umount cannot see; here our own). The agent runs nothing:
+    a running agent keeps files of the mount open, and an unmount that is not
+    lazy (-N alone) is then refused as busy, rightly (umount(8) does so too);
+    on a busy machine the reference agent was still starting when it came."""
+    agent = make_agent(store, "alice")
+    agent.write_files({fmt.SPEC: spec_bytes(default_spec(None))})  # (no entrypoint: nothing runs)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     env = dict(os.environ, CAPSULEFS=CAPSULEFS)
