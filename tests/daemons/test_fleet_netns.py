@@ -539,12 +539,7 @@ def test_a_partition_between_two_hosts_at_each_phase_of_a_move(tmp_path: Path, m
     with running_fleet(tmp_path, {"a": ("ada",), "b": ()}, directory=fleet, peers=not fleet,
                        stop_at={stopped: f"{side}:{state}"}) as f:
         a, b = f.hosts["a"], f.hosts["b"]
-        ada = a.agent_id("ada")
-        target = move_target(f, b)
-        wait_for(lambda: len(f.writer.acked["ada"]) >= 3, "a few appends to ada")  # type: ignore[union-attr]
-        result: list[int] = []
-        mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", target + "\n")))
-        mover.start()
+        ada, mover, result = start_moving_ada(f, a, b)
         victim = f.hosts[stopped]
         wait_for(victim.stopped, f"{victim.name} stopped after {side}:{state}")
         f.net.partition(a.node, b.node)
@@ -561,6 +556,18 @@ def test_a_partition_between_two_hosts_at_each_phase_of_a_move(tmp_path: Path, m
         assert (result == [0]) == (holder is b), (result, holder.name)
         f.where["ada"] = holder
         check_acknowledged(f)
+
+
+def start_moving_ada(f: Fleet, a: NsHost, b: NsHost) -> tuple[str, threading.Thread, list[int]]:
+    """Once a few appends to ``ada`` were acknowledged, ``echo B > a/ada/.control/move`` in a thread:
+    ada's id, the thread, and the list its write's errno goes into."""
+    ada = a.agent_id("ada")
+    target = move_target(f, b)
+    wait_for(lambda: len(f.writer.acked["ada"]) >= 3, "a few appends to ada")  # type: ignore[union-attr]
+    result: list[int] = []
+    mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", target + "\n")))
+    mover.start()
+    return ada, mover, result
 
 
 def settled(f: Fleet, ada: str, *, pending_ok: bool) -> NsHost:
@@ -612,12 +619,7 @@ def test_kill_9_at_a_fleet_moves_point_of_no_return(tmp_path: Path, killed: str,
     with running_fleet(tmp_path, {"a": ("ada",), "b": ()}, directory=True, stop_at={"a": "source:committing"}) as f:
         assert f.etcd is not None and f.etcd_node is not None
         a, b = f.hosts["a"], f.hosts["b"]
-        ada = a.agent_id("ada")
-        target = move_target(f, b)
-        wait_for(lambda: len(f.writer.acked["ada"]) >= 3, "a few appends to ada")  # type: ignore[union-attr]
-        result: list[int] = []
-        mover = threading.Thread(target=lambda: result.append(write_move(a.mnt, "ada", target + "\n")))
-        mover.start()
+        ada, mover, result = start_moving_ada(f, a, b)
         wait_for(a.stopped, "A stopped after source:committing")
         if when == "sent":
             f.etcd.pause()
