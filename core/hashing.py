@@ -38,6 +38,19 @@ def hash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
         return hash_stream(f)
 
 
+def hash_fd(fd: int) -> tuple[str, int]:
+    """(sha256 hex, size) of the whole file open as ``fd`` (read with pread:
+    the descriptor's offset is left as it was)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    size = 0
+    while data := os.pread(fd, CHUNK, size):
+        h.update(data)
+        size += len(data)
+    return h.hexdigest(), size
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None) -> Iterator[R]:
     """``map`` over a small thread pool, results in input order."""
     items = list(items)

@@ -31,7 +31,7 @@ import threading
 from enum import Enum
 
 from ..errors import CorruptBlobError
-from ..hashing import hash_file
+from ..hashing import hash_fd, hash_file
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ class BlobCheck:
         if self.verdict is Verdict.BAD:
             raise CorruptBlobError(self.path)
 
-    def served(self, offset: int, data: bytes) -> None:
+    def served(self, offset: int, data: bytes, fd: int | None = None) -> None:
         """Account for ``data`` read at ``offset``; raise if it may not be served.
 
-        Called after the bytes were read from the object and before they are
-        handed out.
+        Called after the bytes were read from the object (through ``fd``, the
+        reader's open descriptor, if given) and before they are handed out.
         """
         with self._lock:
             if self.verdict is Verdict.GOOD:
@@ -89,15 +89,21 @@ class BlobCheck:
                     return
             reaches_end = offset + len(data) >= self.size
         if reaches_end:
-            self.full_check()
+            self.full_check(fd)
 
-    def full_check(self) -> None:
-        """Hash the whole object now (slow); raise CorruptBlobError if bad."""
+    def full_check(self, fd: int | None = None) -> None:
+        """Hash the whole object now (slow); raise CorruptBlobError if bad.
+
+        With ``fd`` (a reader's descriptor of the object), the bytes that
+        reader is served are hashed, wherever the object's name went: a
+        reader of the store (a sandbox being built, an export) that finds
+        the blob damaged moves it to quarantine while the mount's reader
+        still has it open, and that reader must get EIO, not ENOENT."""
         if self.verdict is Verdict.GOOD:
             return
         if self.verdict is Verdict.BAD:
             raise CorruptBlobError(self.path)
-        actual, _size = hash_file(self.path)
+        actual, _size = hash_file(self.path) if fd is None else hash_fd(fd)
         with self._lock:
             self._decide(actual)
 

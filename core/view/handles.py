@@ -113,7 +113,7 @@ class BlobHandle(FileHandle):
 
     def read(self, offset: int, size: int) -> bytes:
         data = os.pread(self.fd, size, offset)
-        self.check.served(offset, data)
+        self.check.served(offset, data, self.fd)
         return data
 
 

@@ -147,6 +147,32 @@ async def test_corrupt_blob_gives_eio_and_the_mount_stays_up(c: Client, store: H
     assert any("quarantined in" in r.getMessage() and "repairs the store" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.expect_error_log
+@pytest.mark.capsule_left_broken("a blob is corrupted (and quarantined) on purpose")
+async def test_a_blob_quarantined_while_open_reads_eio_not_enoent(c: Client, store: HostStore) -> None:
+    # A reader of the store (the supervisor building a sandbox) finds the blob
+    # damaged and moves it aside while `cat` has it open: cat's read that
+    # reaches the end must judge the bytes it is served, and fail with EIO.
+    # (Issue 32: under load the judging re-opened the object by name and the
+    # read failed with ENOENT, "No such file or directory".)
+    agent = make_agent(store, "bob", workspace={"big": b"B" * 300_000})
+    sha = next(iter(agent.manifest().blobs()))
+    obj = store.blob_file(sha)
+    os.chmod(obj, 0o644)
+    data = Path(obj).read_bytes()
+    Path(obj).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    fi = await c.open(f"bob/{fmt.blob_path(sha)}")
+    try:
+        with pytest.raises(CorruptBlobError):
+            store.verify_blob(sha)  # quarantined: its name is gone from objects/
+        assert not os.path.exists(obj)
+        # out of order, as readahead and `tail` read: the last read judges the whole blob
+        assert await errno_of(c.ops.read(fi.fh, len(data) - 10, 10)) == errno.EIO
+        assert await errno_of(c.ops.read(fi.fh, 0, 10)) == errno.EIO  # and it stays bad
+    finally:
+        await c.ops.release(fi.fh)
+
+
 async def test_mkdir_creates_an_agent_rmdir_refuses(c: Client, store: HostStore) -> None:
     await c.mkdir("/carol")
     assert "carol" in await c.listdir("")
