@@ -44,6 +44,12 @@ class CorruptBlobError(IntegrityError):
         super().__init__(f"corrupt blob {path}: {why or 'content does not match its name'}{detail}")
 
 
+class BlobUnavailable(IntegrityError):
+    """A blob a manifest lists is not in the store and could not be fetched
+    back from the blob tier (lost, the tier down, or its copy wrong): that
+    file only, as a read error (EIO through the mount)."""
+
+
 class NotFoundError(CapsuleError):
     """An agent, blob or file that was asked for does not exist."""
 

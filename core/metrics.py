@@ -309,6 +309,13 @@ TIER_PUTS = REGISTRY.counter("capsulefs_tier_puts_total", "Blobs this daemon put
                              "(stored; present: the tier had it; failed: retried later).", ["outcome"])
 TIER_BYTES = REGISTRY.counter("capsulefs_tier_bytes_total", "Blob bytes between this daemon and the blob tier: "
                               "put (stored by this daemon) or fetched (for a move here).", ["direction"])
+TIER_CACHE_FETCHES = REGISTRY.counter("capsulefs_tier_cache_fetches_total",
+                                     "Evicted blobs (gc --tier-cache) a reader here needed, by outcome (fetched "
+                                     "back from the blob tier; failed: the reader got an error).", ["outcome"])
+TIER_CACHE_BYTES = REGISTRY.counter("capsulefs_tier_cache_fetched_bytes_total",
+                                    "Bytes of evicted blobs fetched back from the blob tier for a reader here.")
+for _outcome in ("fetched", "failed"):
+    TIER_CACHE_FETCHES.touch(_outcome)
 for _direction in ("sent", "received"):
     MOVE_BYTES.touch(_direction)
 for _file in ("working_memory.md", "spec.json", "index.json"):

@@ -17,7 +17,10 @@ Rules:
 
 Concurrency: the handlers never await between reading and updating shared
 state, so each runs atomically with respect to the others on the trio loop.
-Blob checks run in worker threads, started in the daemon's nursery
+An open of a blob evicted from the store (``gc --tier-cache``) awaits its
+fetch from the blob tier (``LiveHost.tier_cache``) and opens again; the
+tier down or its bytes wrong fail that open with EIO (BlobUnavailable),
+never the mount. Blob checks run in worker threads, started in the daemon's nursery
 (``Operations.nursery``); they touch only their ``BlobCheck`` (thread-safe).
 A durable journal append (fdatasync) runs inline: the kernel holds the
 inode lock across a write to one file anyway, so a worker thread would buy
@@ -43,7 +46,7 @@ from capsulefs.core.errors import CorruptBlobError, NotFoundError
 from capsulefs.core.view.nodes import Attr, Kind, Node, parent_dir
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.view.handles import Handle
-from capsulefs.core.view.errors import NotPermitted, NotSupported
+from capsulefs.core.view.errors import BlobEvicted, NotPermitted, NotSupported
 
 from .errors import fuse_op
 from .inodes import InodeTable
@@ -65,6 +68,10 @@ ROOT_TIMEOUT = 1.0
 #: this many seconds.
 MUTABLE_ATTR_TIMEOUT = 1.0
 BLKSIZE = 128 * 1024
+#: Opens of a blob evicted from the store (``gc --tier-cache``), each after
+#: fetching it back from the blob tier: more than one only if a gc evicted it
+#: again between the fetch and the open.
+EVICTED_OPENS = 3
 
 
 class Kernel(Protocol):
@@ -333,7 +340,16 @@ class Operations(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------------
     @fuse_op
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        handle = self.live.open(self.inodes.node(inode), flags, ctx.uid)
+        node = self.inodes.node(inode)
+        for attempt in range(1, EVICTED_OPENS + 1):
+            try:
+                handle = self.live.open(node, flags, ctx.uid)
+                break
+            except BlobEvicted as exc:
+                if self.live.tier_cache is None or attempt == EVICTED_OPENS:
+                    raise  # (EIO)
+                # The kernel's request waits for the fetch (bounded by the tier's timeout); other requests go on.
+                await self.live.tier_cache.ensure_local({exc.sha256: exc.size})
         if handle.check is not None:
             self._verify_in_background(handle.check)
         if not handle.keep_cache and not handle.direct_io:

@@ -34,6 +34,9 @@ class StoreHooks:
     def read_blob(self, sha: str):
         return self.store.iter_blob(sha)
 
+    async def fetch_evicted(self, agent_id: str, snapshot) -> None:
+        pass  # (no blob tier)
+
     def capsule_dir(self, agent_id: str) -> str:
         return os.path.join(self.capsule_root, self.agent(agent_id).name)
 

@@ -39,6 +39,11 @@ class Hooks(Protocol):
 
     def read_blob(self, sha256: str) -> Iterator[bytes]: ...
 
+    async def fetch_evicted(self, agent_id: str, snapshot: Mapping[str, str]) -> None:
+        """Before the sandbox is built from ``snapshot``: its blobs that ``gc
+        --tier-cache`` evicted are back in the store (fetched from the blob
+        tier), or a CapsuleError says which is not."""
+
     def capsule_dir(self, agent_id: str) -> str: ...
 
     def commit_workspace(self, agent_id: str, scan: workspace.ScanResult) -> None:

@@ -16,6 +16,10 @@ Rules:
     and stored there, with gc held off; then one step on the event loop,
     which no other request interleaves with, lists them, journals the event
     and writes the snapshot. A cancel stops it before that step, or not at all.
+  * On a blob tier, the workspace's blobs that ``gc --tier-cache`` evicted
+    are fetched back from the tier before the sandbox is built
+    (:meth:`AgentRuntime.fetch_evicted`); one that cannot be blocks the
+    start like any unreadable blob, with the reason in ``run.detail``.
   * ``.control/status`` gains a "run" section: the process state, pid,
     restarts, last exit, in words why it does not run, whether it runs
     isolated ("isolation"), and why it does not answer ("last_error",
@@ -48,6 +52,7 @@ from capsulefs.core.errors import CapsuleError
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.view.control import TierCache
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.journal.projections import apply_workspace_changes
 from capsulefs.move.host import holders_dir
@@ -72,9 +77,10 @@ class Lifecycle(Protocol):
 
 class AgentRuntime:
     def __init__(self, view: LiveHost, *, state_dir: str, mountpoint: str, lifecycle: Lifecycle,
-                 isolation: Isolation | None = None, grace: float = 5.0) -> None:
+                 isolation: Isolation | None = None, grace: float = 5.0, tier_cache: TierCache | None = None) -> None:
         self.live = view
         self.store = view.store
+        self.tier_cache = tier_cache  # blobs evicted here, fetched back before a sandbox build; None: no tier
         self.mountpoint = mountpoint
         self.lifecycle = lifecycle
         self.holders = HolderBook(holders_dir(state_dir))
@@ -91,7 +97,14 @@ class AgentRuntime:
         return fmt.parse_snapshot(self.store.agent(agent_id).read(fmt.SNAPSHOT))
 
     def read_blob(self, sha256: str) -> Iterator[bytes]:
+        self.store.touch_blob(sha256)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
         return self.store.iter_blob(sha256)
+
+    async def fetch_evicted(self, agent_id: str, snapshot: Mapping[str, str]) -> None:
+        if self.tier_cache is None:
+            return
+        sizes = await trio.to_thread.run_sync(lambda: self.store.agent(agent_id).manifest().blobs())
+        await self.tier_cache.ensure_local({sha: sizes[sha] for sha in set(snapshot.values()) if sha in sizes})
 
     def capsule_dir(self, agent_id: str) -> str:
         return os.path.join(self.mountpoint, self.store.agent(agent_id).name)

@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from capsulefs.agents import grants
+from capsulefs.cli import UsageError
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
 from capsulefs.move.host import holders_dir, new_agent_files, record_imported, record_new_agent
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
+from capsulefs.core.store.agent import AgentHandle
 from capsulefs.core.store.holder import HolderBook, HolderRecord
 from capsulefs.core.store.story import story
 from capsulefs.core.view.edit import MAX_EDIT_SIZE
@@ -160,9 +162,43 @@ def cmd_export(args: argparse.Namespace) -> int:
         with open(args.sign, "rb") as f:
             key = f.read()
         signing.load_private_key(key, args.sign)  # fail before writing anything
-    archive.export_agent(agent, args.output, mtime=now_seconds(), sign_key=key)
+    with _evicted_fetched(args, agent):
+        archive.export_agent(agent, args.output, mtime=now_seconds(), sign_key=key)
     print(f"exported {agent.name} to {args.output}{' (signed)' if key else ''}")
     return 0
+
+
+@contextmanager
+def _evicted_fetched(args: argparse.Namespace, agent: AgentHandle) -> Iterator[None]:
+    """On a host with a blob tier: the agent's blobs that ``gc --tier-cache``
+    evicted are fetched back from the tier (verified, stored durably), and its
+    manifest stays in a staging area until the block ends, so that no gc
+    evicts them meanwhile. Without a tier: nothing (a missing blob is lost)."""
+    from capsulefs.core.fleet import config as fleet_config
+
+    cfg = fleet_config.load(state_dir(args))
+    if cfg is None or cfg.tier is None:
+        yield
+        return
+    import trio
+
+    from capsulefs.core.capsule import format as fmt
+    from capsulefs.core.fsutil import atomic_write
+    from capsulefs.fleet.cache import open_tier_cache
+
+    store = agent.store
+    manifest = agent.manifest()
+    with store.staging("export") as area:
+        with store.writing():
+            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+        sizes = manifest.blobs()
+        if any(not store.has_blob(sha) for sha in sizes):
+            async def fetch() -> None:
+                async with open_tier_cache(store, cfg.blobs or "") as cache:
+                    await cache.ensure_local(sizes)
+
+            trio.run(fetch)
+        yield
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -195,9 +231,38 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = open_store(args).gc()
+    if args.tier_cache is None:
+        report = open_store(args).gc()
+        print(f"removed {report.removed} blob(s), freed {report.freed} bytes, kept {report.kept}")
+        return 0
+    from capsulefs.core.store.cache import parse_size
+
+    limit = parse_size(args.tier_cache)
+    tier = _tier_url(args, "gc --tier-cache")
+    from capsulefs.fleet.cache import EvictionPolicy
+    from capsulefs.fleet.uploader import TierRecord
+
+    store = open_store(args)
+    report, cache = store.gc_tier_cache(limit, EvictionPolicy(TierRecord(store.root, tier)))
     print(f"removed {report.removed} blob(s), freed {report.freed} bytes, kept {report.kept}")
+    print(f"evicted {cache.evicted} blob(s) held by the blob tier, freed {cache.evicted_bytes} bytes; "
+          f"cache: {cache.cached_bytes} bytes of listed blobs kept here (limit {cache.limit})")
+    if cache.over:
+        print(f"capsulefs: warning: the blobs kept here are {cache.cached_bytes} bytes, over the limit of "
+              f"{cache.limit}: the rest are not yet known to be in the blob tier, or a move or an export "
+              f"in flight uses them", file=sys.stderr)
     return 0
+
+
+def _tier_url(args: argparse.Namespace, what: str) -> str:
+    """The blob tier this host's fleet.json names (as the record of what it holds names it)."""
+    from capsulefs.core.fleet import config as fleet_config
+
+    cfg = fleet_config.load(state_dir(args))
+    if cfg is None or cfg.tier is None:
+        raise UsageError(f"{what}: this host has no blob tier ({fleet_config.config_path(state_dir(args))} names "
+                         f"none: a mount with --blobs saves it)")
+    return str(cfg.tier)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -235,6 +300,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("gc", help="delete blobs that no agent references")
+    p.add_argument("--tier-cache", metavar="SIZE",
+                   help="on a host with a blob tier: also delete local copies of blobs the tier holds, least "
+                        "recently read first, until the listed blobs kept here fit SIZE (like 10G, 500M); "
+                        "readers fetch them back")
     p.set_defaults(func=cmd_gc)
 
 

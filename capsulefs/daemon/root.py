@@ -23,8 +23,11 @@ Rules:
     The move host's peer finder is chosen here: the directory's live hosts
     (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
     With a blob tier, the uploader is another service, told of each blob by
-    the store (through :class:`_Upcalls`: the store is built first), and the
-    moves get the tier's fetch for the offers they receive.
+    the store (through :class:`_Upcalls`: the store is built first), the
+    moves get the tier's fetch for the offers they receive, and the readers
+    of blobs (the view and its adapter, the runtime's sandbox build, a
+    move's source) the tier cache, which fetches back what ``gc
+    --tier-cache`` evicted (so the fleet member is built before the view).
 """
 
 from __future__ import annotations
@@ -114,11 +117,20 @@ def compose(cfg: MountConfig) -> Mounted:
     fleet: FleetMember | None = None
     up = _Upcalls(agents=lambda: agents, moves=lambda: moves, runtime=lambda: runtime, ops=lambda: ops,
                   fleet=lambda: fleet)
-    # The blob tier's uploader is told of every blob the store places (the fleet is built later).
+    # The blob tier's uploader is told of every blob the store places (the fleet is built right after).
     store = HostStore.open(state_dir, on_blob=up.blob_stored if cfg.fleet and cfg.fleet.blobs else None)
     grants.ensure(state_dir, store)  # (before a move brings an agent in: see grants)
     identity = load_or_create_identity(state_dir)
     host_id = identity.host_id
+
+    if cfg.fleet is not None:  # (imported only here: a peer-to-peer mount never loads httpx)
+        from capsulefs.fleet.member import FleetMember
+
+        address = cfg.advertise or _address(cfg.listen)
+        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up,
+                            timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING,
+                            store=store)
+    tier_cache = fleet.tier_cache if fleet is not None else None  # (evicted blobs, fetched back for their readers)
 
     isolation = Isolation.detect(state_dir, on_new_owner=up.owner_changed) if cfg.run_agents else None
     isolated = isolation is not None and isolation.enabled
@@ -140,6 +152,7 @@ def compose(cfg: MountConfig) -> Mounted:
         remover=up,
         write_guard=up if cfg.fleet is not None else None,  # (the fleet lease, before every write)
         arrivals=up,
+        tier_cache=tier_cache,
     )
     ops = Operations(view)
     entries = KernelEntries(ops)
@@ -150,21 +163,15 @@ def compose(cfg: MountConfig) -> Mounted:
     stopping: list[Stopping] = []
     if cfg.run_agents:
         runtime = AgentRuntime(view, state_dir=state_dir, mountpoint=mountpoint, lifecycle=agents,
-                               isolation=isolation, grace=cfg.grace)
+                               isolation=isolation, grace=cfg.grace, tier_cache=tier_cache)
         services += [runtime.serve, Steering(runtime, state_dir).serve]  # (steering: spec and grant changes)
         stopping.append(runtime)
-    fleet = None
     finder: PeerFinder | None = None  # who a move's target is, and who calls: the pinned peers (the default)...
-    if cfg.fleet is not None:  # (imported only here: a peer-to-peer mount never loads httpx)
-        from capsulefs.fleet.member import FleetMember
+    if fleet is not None:
         from capsulefs.fleet.peers import DirectoryPeers
 
-        address = cfg.advertise or _address(cfg.listen)
-        fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up,
-                            timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING,
-                            store=store)
         agents.lease_pending("fleet: waiting for a lease from the directory")
-        finder = DirectoryPeers(fleet.client, cfg.fleet.layout, me=host_id)  # ...or the directory's live hosts
+        finder = DirectoryPeers(fleet.client, fleet.config.layout, me=host_id)  # ...or the directory's live hosts
     # After the runtime: moves may activate agents, which the runtime then starts.
     move_host = MoveHost.open(state_dir, hooks=agents, finder=finder, store=store)
     # Test seams (capsulefs/testing/seams.py), selected by a test's environment only.
@@ -174,7 +181,8 @@ def compose(cfg: MountConfig) -> Mounted:
     seams.stop_seam(move_host, os.environ.get(seams.STOP_ENV))
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
                        call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout,
-                       fleet=moves_fleet, tier=fleet.tier_offers if fleet is not None else None)
+                       fleet=moves_fleet, tier=fleet.tier_offers if fleet is not None else None,
+                       tier_cache=tier_cache)
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)

@@ -15,7 +15,9 @@ Rules:
     uploader (capsulefs/fleet/uploader.py), which the store tells of every
     blob it places (through the root's upcalls); ``tier_offers`` is the
     move service's fetch from the tier for the offers this host receives
-    (capsulefs/fleet/tier_moves.py). The uploader and the moves each have
+    (capsulefs/fleet/tier_moves.py); ``tier_cache`` gets blobs evicted by
+    ``gc --tier-cache`` back for their readers (capsulefs/fleet/cache.py).
+    The uploader, the moves and the readers each have
     their own bound on requests (a backlog of puts never holds up a move's
     fetch), over one connection pool, closed when the uploader ends.
 
@@ -36,6 +38,7 @@ from capsulefs.core.fleet.etcd._ops import parse_endpoints
 from capsulefs.core.fleet.lease import DEFAULT_TIMING, LeaseTiming
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.authority import DirectoryAuthority
+from capsulefs.fleet.cache import TierCache
 from capsulefs.fleet.credentials import tier_credentials, tier_region
 from capsulefs.fleet.etcd import EtcdClient
 from capsulefs.fleet.keeper import HostLeaseKeeper, LeaseListener
@@ -64,18 +67,22 @@ class FleetMember:
         self.authority = DirectoryAuthority(self.client, cfg.layout, host_id, self.keeper)
         self.uploader: TierUploader | None = None
         self.tier_offers: TierOffers | None = None
+        self.tier_cache: TierCache | None = None
         self._tier_http: httpx.AsyncClient | None = None
         if cfg.tier is not None:
             creds = tier_credentials(store.root)  # (TierCredentialsError: one line, before the mount)
-            pool = 2 * TIER_CONCURRENCY
+            pool = 3 * TIER_CONCURRENCY  # (the uploader's, the moves', the readers')
             self._tier_http = httpx.AsyncClient(timeout=TIER_TIMEOUT, trust_env=False,
                                                 limits=httpx.Limits(max_connections=pool,
                                                                     max_keepalive_connections=pool),
                                                 headers={"accept-encoding": "identity"})
             tier = BlobTier(S3Client(cfg.tier, creds, self._tier_http, region=tier_region()))
-            self.uploader = TierUploader(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store,
-                                         TierRecord(store.root, str(cfg.tier)))
+            record = TierRecord(store.root, str(cfg.tier))
+            self.uploader = TierUploader(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record)
             self.tier_offers = TierOffers(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, self.uploader)
+            # The readers' (the mount, the sandbox build, a move's source) fetch of evicted blobs.
+            self.tier_cache = TierCache(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record,
+                                        known=self.uploader)
 
     def blob_stored(self, sha256: str) -> None:
         """The store placed a blob (any thread): the uploader puts it to the tier."""

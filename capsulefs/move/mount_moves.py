@@ -48,6 +48,7 @@ from capsulefs.move.doubt import abandon_move, learn_holder
 from capsulefs.move.fleet import Fleet
 from capsulefs.move.source import MoveControl, MoveResult, move_agent, resume_moves
 from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
+from capsulefs.core.view.control import TierCache
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
@@ -82,8 +83,9 @@ class MountMoves:
 
     def __init__(self, host: MoveHost, agents: MoveAgents, *, listen: tuple[str, int] | None = None,
                  call_timeout: float = 120.0, retry_pause: float = 1.0, fleet: Fleet | None = None,
-                 tier: TierFetch | None = None) -> None:
+                 tier: TierFetch | None = None, tier_cache: TierCache | None = None) -> None:
         self.agents = agents
+        self.tier_cache = tier_cache  # blobs evicted here, fetched back for a move's source; None: no tier
         self.fleet = fleet  # None: peer-to-peer
         self.tier = tier  # a blob tier's fetch for the offers this host receives (fleet mode); None: peer-to-peer
         self.host = host
@@ -251,7 +253,7 @@ class MountMoves:
             try:
                 box.append(await move_agent(self.host, agent_id, peer, call_timeout=self.call_timeout,
                                             retry_pause=self.retry_pause, control=control, fleet=self.fleet,
-                                            warm=self.tier is not None))
+                                            warm=self.tier is not None, tier_cache=self.tier_cache))
             except (PeerError, CapsuleError, OSError) as exc:  # could not start, or failed outside the machine
                 log.warning("move of %s to %s failed: %s", agent_id, peer.name, exc)
                 box.append(exc)

@@ -13,6 +13,11 @@ Rules:
     agent runs here is decided only by the target's durable answer or an
     operator's abandon.
   * The driver holds the agent's lock from the first to the last command.
+  * On a blob tier (``tier_cache`` given), a blob ``gc --tier-cache``
+    evicted here is fetched back from the tier before it is sent (a blob
+    that cannot be is a local read error: the move rolls back), and the
+    frozen manifest sits in a staging area of the store for the move's
+    length, so gc evicts none of its blobs meanwhile.
   * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) the
     directory answers at the point of no return instead of the target: the
     key is read after the freeze (``begin``), ``activate`` is its commit Txn,
@@ -40,9 +45,10 @@ was in progress; :mod:`capsulefs.move.doubt` has the operator's way out
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,8 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
+from capsulefs.core.fsutil import atomic_write
+from capsulefs.core.view.control import TierCache
 from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
 from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
@@ -110,8 +118,12 @@ class MoveResult:
 class _Driver:
     def __init__(self, host: MoveHost, machine: mv.SourceMachine, peer: Peer, *, connect: Connector,
                  call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl,
-                 fleet: Fleet | None = None) -> None:
+                 fleet: Fleet | None = None, tier_cache: TierCache | None = None) -> None:
         self.host = host
+        #: With a blob tier: blobs evicted here (gc --tier-cache) are fetched back before they are sent,
+        #: and the frozen manifest is kept in a staging area meanwhile, so that gc evicts none of them.
+        self.tier_cache = tier_cache
+        self.pins = ExitStack()
         # None: peer-to-peer, the target answers activate and status
         self.directory = None if fleet is None else SourceCalls(
             fleet, committing=machine.state is mv.SourceState.RESTARTED_COMMITTING)
@@ -182,6 +194,13 @@ class _Driver:
         try:
             items = [(c.sha, self._size(c.sha)) for c in batch if c.sha is not None]
             total = sum(size for _, size in items)
+            if self.tier_cache is not None:  # (blobs gc --tier-cache evicted here: back from the tier first)
+                try:
+                    await self.tier_cache.ensure_local({sha: size for sha, size in items if sha not in self.files})
+                except CapsuleError as exc:
+                    log.error("move of %s: %s", first.agent_id, exc)
+                    self.failed_here = True
+                    return [mv.IoFailure(reason=f"reading the agent here: {exc}")]
             conn = await self._conn()
             args = {"agent_id": first.agent_id, "epoch": first.epoch, "items": items}
             with trio.fail_after(self.call_timeout):
@@ -294,6 +313,10 @@ class _Driver:
         self.manifest = archive.frozen_manifest(agent, files)
         self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
         self.blob_sizes = self.manifest.blobs()
+        if self.tier_cache is not None:  # (gc evicts no blob a staging area names)
+            area = self.pins.enter_context(self.host.store.staging("tier-send"))
+            with self.host.store.writing():
+                atomic_write(os.path.join(area, fmt.MANIFEST), self.manifest.to_bytes())
 
     def _progress(self, phase: str) -> None:
         if self.control.on_progress is not None:
@@ -352,6 +375,7 @@ class _Driver:
             await self._run(first)
         finally:
             await self._drop()
+            self.pins.close()
 
     async def _run(self, first: object) -> None:
         m = self.m
@@ -469,12 +493,14 @@ class _Local:
 async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Connector = open_peer,
                      call_timeout: float = 120.0, retry_pause: float = 1.0, max_retry_pause: float = 60.0,
                      control: MoveControl | None = None, fleet: Fleet | None = None,
-                     warm: bool = False) -> MoveResult:
+                     warm: bool = False, tier_cache: TierCache | None = None) -> MoveResult:
     """Move ``agent_id`` from this host to ``target``; return once it moved,
     rolled back, or was abandoned. Blocks as long as the move is in doubt.
     ``fleet``: the directory answers at the point of no return (docs/fleet.md).
     ``warm``: first ask the target to fetch the agent's blobs from the blob
-    tier, while the agent still runs (capsulefs/move/warm.py)."""
+    tier, while the agent still runs (capsulefs/move/warm.py). ``tier_cache``:
+    blobs evicted here by ``gc --tier-cache`` are fetched back from the tier
+    before they are sent (capsulefs/fleet/cache.py)."""
     control = control or MoveControl()
     if warm:
         if control.on_progress is not None:
@@ -490,7 +516,7 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
         if machine.state is not mv.SourceState.IDLE:
             raise mv.MoveError(f"agent {agent_id} is already moving ({record.state.value}); see 'capsulefs move --resume'")
         driver = _Driver(host, machine, target, connect=connect, call_timeout=call_timeout, retry_pause=retry_pause,
-                         max_retry_pause=max_retry_pause, control=control, fleet=fleet)
+                         max_retry_pause=max_retry_pause, control=control, fleet=fleet, tier_cache=tier_cache)
         await driver.run(mv.MoveRequested(target=target.host_id))
         return _result(driver)
 

@@ -20,6 +20,9 @@ Rules:
     so it must be quick and thread-safe (the daemon's blob tier uploader
     queues the name). Blobs other processes store are not told: the
     uploader finds them when it reconciles at its start.
+  * A blob's access time is its last read, kept coarsely by its readers
+    (:meth:`BlobStore.touch_blob`, once a day at most): ``gc --tier-cache``
+    evicts the coldest first (:mod:`capsulefs.core.store.cache`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..errors import CorruptBlobError, NotFoundError
 from ..fsutil import TMP_PREFIX, fsync_dir, makedirs_durable
 from ..hashing import CHUNK, hash_file
 from ..linuxfs import fsync_each, path_identity
+from .cache import TOUCH_EVERY
 from .layout import GC_LOCK, OBJECTS_DIR
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,25 @@ class BlobStore:
 
     def has_blob(self, sha256: str) -> bool:
         return os.path.exists(self.blob_file(sha256))
+
+    def touch_blob(self, sha256: str, *, now_ns: int | None = None) -> None:
+        """A reader is about to read this blob: mark it as read now, coarsely.
+        Its object's access time is the store's record of its last read
+        (``gc --tier-cache`` evicts the coldest first): set explicitly, so
+        that it holds under ``noatime`` too, and at most once a day
+        (``cache.TOUCH_EVERY``; ``relatime`` updates it as often, ``strictatime``
+        more: either only keeps it fresher). Missing blob, or a store this
+        user may not change: nothing."""
+        import time
+
+        path = self.blob_file(sha256)
+        now = time.time_ns() if now_ns is None else now_ns
+        try:
+            st = os.stat(path)
+            if now - st.st_atime_ns >= TOUCH_EVERY * 1_000_000_000:
+                os.utime(path, ns=(now, st.st_mtime_ns))
+        except OSError as exc:
+            log.debug("blob %s: its read time not kept: %s", sha256, exc)
 
     def blob_size(self, sha256: str) -> int:
         try:

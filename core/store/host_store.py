@@ -33,7 +33,9 @@ Rules:
   * Garbage collection deletes blobs no agent, snapshot or staged move lists.
     It holds the exclusive ``gc.lock``; writers that add a blob and then a
     reference to it hold it shared (:meth:`BlobStore.writing`), so gc never
-    sees a blob whose reference is still being written.
+    sees a blob whose reference is still being written. On a host with a
+    blob tier, ``gc --tier-cache`` also deletes local copies of listed
+    blobs the tier holds, coldest first (:mod:`capsulefs.core.store.cache`).
   * Opening the store replays every agent's write-ahead ring into its
     journal if a crash left the journal behind, before anything reads a
     journal file. Installing or removing an agent removes its ring,
@@ -59,6 +61,7 @@ from ..journal.recovery import RingMismatch, forget_ring, holding_journal, journ
 from ..frozen import Frozen
 from .agent import AgentHandle
 from .blobs import BlobStore
+from .cache import CacheReport, Evictable, choose_evictions
 from .layout import AGENTS_DIR, STAGING_DIR, STORE_FILE
 
 #: A file in a staging area that makes it survive a restart (the sweep spares
@@ -179,22 +182,55 @@ class HostStore(BlobStore):
     def gc(self) -> GcReport:
         """Delete blobs that no agent lists."""
         with self._flock(fcntl.LOCK_EX):
-            referenced: set[str] = set()
-            for agent in self.agents():
-                referenced.update(agent.manifest().blobs())
-            referenced.update(self._snapshot_blobs())
-            referenced.update(self._staged_blobs())
-            removed = freed = kept = 0
-            for sha in list(self.all_blobs()):
-                if sha in referenced:
-                    kept += 1
-                    continue
-                path = self.blob_file(sha)
-                freed += os.stat(path).st_size
-                os.unlink(path)
-                removed += 1
-            sweep_temps(self.objects_dir)
-            return GcReport(removed=removed, freed=freed, kept=kept)
+            return self._collect(self._listed_blobs() | self._staged_blobs())
+
+    def gc_tier_cache(self, limit: int, rule: Evictable) -> tuple[GcReport, CacheReport]:
+        """What :meth:`gc` does, then, as a cache of the blob tier
+        (core/store/cache.py): delete the local copies of listed blobs that
+        ``rule`` lets go, coldest first, until the listed blobs kept here
+        fit ``limit`` bytes. Never a blob a staging area names."""
+        with self._flock(fcntl.LOCK_EX):
+            listed, staged = self._listed_blobs(), self._staged_blobs()
+            report = self._collect(listed | staged)
+            sizes: dict[str, int] = {}
+            atimes: dict[str, int] = {}
+            for sha in listed:
+                try:
+                    st = os.stat(self.blob_file(sha))
+                except FileNotFoundError:
+                    continue  # evicted before, or lost
+                sizes[sha], atimes[sha] = st.st_size, st.st_atime_ns
+            candidates = {sha for sha in sizes if sha not in staged and rule.may_evict(sha)}
+            evicted = choose_evictions(sizes, atimes, candidates, limit)
+            for sha in evicted:
+                os.unlink(self.blob_file(sha))
+            gone = sum(sizes[sha] for sha in evicted)
+            if evicted:
+                log.info("gc: evicted %d blob(s), %d bytes, held by the blob tier", len(evicted), gone)
+            return report, CacheReport(evicted=len(evicted), evicted_bytes=gone,
+                                       cached_bytes=sum(sizes.values()) - gone, limit=limit)
+
+    def _listed_blobs(self) -> set[str]:
+        """Blobs an agent's or a snapshot's manifest lists. Caller holds gc's lock."""
+        listed: set[str] = set()
+        for agent in self.agents():
+            listed.update(agent.manifest().blobs())
+        listed.update(self._snapshot_blobs())
+        return listed
+
+    def _collect(self, referenced: set[str]) -> GcReport:
+        """Delete every blob not in ``referenced``. Caller holds gc's exclusive lock."""
+        removed = freed = kept = 0
+        for sha in list(self.all_blobs()):
+            if sha in referenced:
+                kept += 1
+                continue
+            path = self.blob_file(sha)
+            freed += os.stat(path).st_size
+            os.unlink(path)
+            removed += 1
+        sweep_temps(self.objects_dir)
+        return GcReport(removed=removed, freed=freed, kept=kept)
 
     def _snapshot_blobs(self) -> set[str]:
         """Blobs listed by the mount's snapshots (mount/snapshots/*/*/manifest.json)."""

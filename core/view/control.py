@@ -12,6 +12,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from ..errors import FormatError
@@ -81,6 +82,19 @@ class Arrivals(Protocol):
     record yet (an import is installing it): shown read-only, asked again."""
 
     def arrived(self, agent_id: str) -> AgentState | None: ...
+
+
+class TierCache(Protocol):
+    """The local store as a cache of the fleet's blob tier (capsulefs/fleet/cache.py;
+    None without a tier): which missing blobs were evicted (the tier holds
+    them), and getting them back before a reader reads them."""
+
+    def evicted(self, sha256: str) -> bool:
+        """Missing here and named by the tier record (quick, any thread)."""
+
+    async def ensure_local(self, sizes: Mapping[str, int]) -> None:
+        """Fetch back the evicted blobs of ``sizes`` (digest -> size), verified;
+        BlobUnavailable naming the blob and why if one could not be."""
 
 
 class Owners(Protocol):

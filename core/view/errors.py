@@ -7,7 +7,7 @@ adapter maps each type to exactly one errno in ``capsulefs.mount.errors``
 
 from __future__ import annotations
 
-from ..errors import CapsuleError
+from ..errors import CapsuleError, IntegrityError
 from ..move.cause import Cause
 
 
@@ -45,6 +45,17 @@ class NotADirectory(CapsuleError):
 
 class TooLarge(CapsuleError):
     """A file would grow beyond what the capsule holds of it [EFBIG]."""
+
+
+class BlobEvicted(IntegrityError):
+    """A blob a capsule lists was evicted from the store (``gc --tier-cache``)
+    and the blob tier holds it: the adapter fetches it back (``TierCache``)
+    and opens again [EIO if it cannot]."""
+
+    def __init__(self, sha256: str, size: int) -> None:
+        super().__init__(f"blob {sha256} was evicted from the store (the blob tier holds it)")
+        self.sha256 = sha256
+        self.size = size
 
 
 # -- how a move asked for through ``.control/move`` ended (see docs/move.md) ----------

@@ -13,6 +13,9 @@ Rules:
     file in ``artifacts/blobs/`` named by the sha256 of its bytes adds a
     blob (``uploads``). All else is read-only; the capsule's shape
     never changes through the mount otherwise.
+  * A listed blob evicted from the store (``gc --tier-cache``: the blob
+    tier holds it) fails its open with :class:`BlobEvicted`; the adapter
+    fetches it back through the ``tier_cache`` and opens it again.
   * An edit of an editable file is buffered (one :class:`Edit` per file,
     shared by every descriptor writing it, like an inode's pages) and
     committed when a writer flushes (close) or fsyncs, or when a scratch
@@ -55,7 +58,7 @@ from ..capsule import format as fmt
 from ..errors import CorruptBlobError, NotFoundError
 from .changes import Changes
 from .control import ModelHandle, MoveHandle, RemoveHandle
-from .errors import AccessDenied, IsADirectory, NotPermitted, ReadOnly
+from .errors import AccessDenied, BlobEvicted, IsADirectory, NotPermitted, ReadOnly
 from .handles import BlobHandle, BytesHandle, EditHandle, FileHandle, Handle, JournalHandle, ScratchHandle, truncate_new
 from .nodes import EDITABLE, Kind, Node
 
@@ -88,9 +91,10 @@ class LiveHost(Changes):
                 sha = fmt.blob_name(node.rel) or ""
                 if write:  # the same bytes again: verified, and stored only if the store lacks them
                     return self._upload(node.agent, sha, exclusive=False)[1]
-                if sha not in self.agent(node.agent).blobs():
+                sizes = self.agent(node.agent).blobs()
+                if sha not in sizes:
                     raise NotFoundError(f"{node.rel}: not stored (yet)")
-                return self._blob_handle(sha)
+                return self._blob_handle(sha, sizes[sha])
             case Kind.MANIFEST:
                 if write:
                     raise NotPermitted("manifest.json is computed and read-only")
@@ -125,13 +129,17 @@ class LiveHost(Changes):
                 self._snap(node.agent, node.snap)
                 listed = fmt.blob_name(node.rel)
                 if listed is not None:
-                    return self._blob_handle(listed)
+                    return self._blob_handle(listed, self._snap(node.agent, node.snap).manifest.blobs().get(listed, 0))
                 return FileHandle(self.snapshots.file_path(node.agent, node.snap, node.rel), keep_cache=True)
         raise IsADirectory("is a directory")
 
-    def _blob_handle(self, sha: str) -> "BlobHandle":
+    def _blob_handle(self, sha: str, size: int) -> "BlobHandle":
         path = self.store.blob_file(sha)
+        self.store.touch_blob(sha)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
         try:
             return BlobHandle(self.blobs.get(sha, path))
-        except FileNotFoundError:  # a blob the capsule lists: quarantined after it was found damaged?
+        except FileNotFoundError:
+            if self.tier_cache is not None and self.tier_cache.evicted(sha):
+                raise BlobEvicted(sha, size) from None  # (the adapter fetches it back and opens again)
+            # A blob the capsule lists: quarantined after it was found damaged? Lost?
             raise CorruptBlobError(path, why=self.store.why_missing(sha)) from None

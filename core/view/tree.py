@@ -22,7 +22,7 @@ from ..fsutil import thread_start
 from ..store.host_store import HostStore
 from .agent import LiveAgent
 from .blobcheck import BlobChecks
-from .control import Arrivals, Mover, NewAgents, Owners, Remover, WriteGuard
+from .control import Arrivals, Mover, NewAgents, Owners, Remover, TierCache, WriteGuard
 from .errors import NotADirectory, ReadOnly
 from .nodes import CONTROL, CONTROL_FILES, HOST_CONTROL_FILES, SNAPSHOTS, AgentState, Kind, Node, build_tree
 from .scratch import ScratchArea
@@ -58,6 +58,7 @@ class Tree:
         remover: Remover | None = None,
         write_guard: WriteGuard | None = None,
         arrivals: Arrivals | None = None,
+        tier_cache: TierCache | None = None,
     ) -> None:
         self.store = store
         self.host_id = fmt.check_host_id(host_id)
@@ -105,6 +106,10 @@ class Tree:
         #: Decides how an agent the view was not told about is shown (None:
         #: active, as without a daemon's lifecycle; tests of the view alone).
         self.arrivals = arrivals
+        #: The store as a cache of the blob tier (``mount --blobs``): a listed
+        #: blob missing here that it says was evicted is BlobEvicted, which the
+        #: adapter fetches back; None (no tier): a missing blob is lost (EIO).
+        self.tier_cache = tier_cache
         #: Agents whose state the view was told (``set_state``): any other is
         #: an arrival, decided once, the first time a request sees it.
         self._told: set[str] = set()

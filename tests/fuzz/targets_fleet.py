@@ -1,5 +1,5 @@
 """Fuzz targets: the fleet engines' replies (etcd's JSON gateway, S3's XML)
-and the tier addresses a person types. Bad input raises a CapsuleError."""
+and the tier addresses and cache sizes a person types. Bad input raises a CapsuleError."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fleet import directory, etcd
 from capsulefs.core.fleet.s3_wire import error_for, parse_list_v2, parse_tier_url
+from capsulefs.core.store.cache import MAX_SIZE, SizeError, parse_size
 from capsulefs.fleet.peers import peer_of
 
 from . import Target
@@ -148,6 +149,21 @@ def _run_urls(data: bytes, scratch: Path) -> None:
     etcd.parse_endpoints(text)
 
 
+def _size_seeds() -> list[bytes]:
+    return [b"10G", b"500M", b"64KiB", b"123", b"1T", b"0"]
+
+
+def _run_size(data: bytes, scratch: Path) -> None:
+    """``gc --tier-cache SIZE``: a size, or one SizeError line."""
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        size = parse_size(text)
+    except SizeError as exc:
+        assert "\n" not in str(exc) and len(str(exc)) < 300, str(exc)
+        return
+    assert 0 <= size <= MAX_SIZE and text.strip()[:1].isdigit(), (text, size)
+
+
 TARGETS = [
     Target("fleet-etcd-range", _range_seeds, _run_range),
     Target("fleet-etcd-txn", _txn_seeds, _run_txn),
@@ -159,4 +175,5 @@ TARGETS = [
     Target("fleet-addresses", _url_seeds, _run_urls),
     Target("fleet-directory-records", _record_seeds, _run_records),
     Target("fleet-host-peers", _host_seeds, _run_host_peer),
+    Target("fleet-tier-cache-size", _size_seeds, _run_size),
 ]

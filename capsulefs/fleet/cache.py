@@ -1,0 +1,170 @@
+"""The local store as a cache of the blob tier: which copies may go, and getting evicted ones back.
+
+Rules:
+  * :meth:`EvictionPolicy.may_evict` is the ONE rule of which local copies
+    ``gc --tier-cache`` may delete (core/store/cache.py orders them). Today:
+    the blobs the tier record (``STATE/fleet-tier/<tier>.known``, written by
+    the uploader) names. The fleet-wide gc of the tier tightens exactly this
+    predicate; nothing else decides it.
+  * A blob missing from the store that the record names was evicted
+    (:meth:`TierCache.evicted`); one the record does not name is lost, and
+    nothing fetches it.
+  * :meth:`TierCache.ensure_local` gets the evicted blobs among those asked
+    back from the tier before a reader reads them: each verified against
+    its digest and size, stored through the store's durable path
+    (``TierBlobs.fetch_into_store``). Blobs asked for at once by several
+    readers are fetched once. The tier down, slow past its timeout, or
+    wrong bytes: one :class:`BlobUnavailable` naming the blob and why, and
+    nothing of it stored. Its readers: the mount's open (capsulefs/mount/ops.py),
+    the sandbox build (capsulefs/agents/runtime.py), a move's source
+    (capsulefs/move/source.py), ``capsulefs export``.
+  * The fetches show in ``.control/metrics``: ``capsulefs_tier_cache_fetches_total{outcome}``
+    and ``capsulefs_tier_cache_fetched_bytes_total``.
+
+Theory of operation: the composition root (capsulefs/daemon/root.py), through
+the fleet member, builds one :class:`TierCache` when the mount has a blob
+tier and hands it to those readers (None without a tier); ``capsulefs
+export`` builds its own for the command (:func:`open_tier_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+
+import trio
+
+from capsulefs.core import metrics
+from capsulefs.core.errors import BlobUnavailable, CapsuleError
+from capsulefs.core.store.host_store import HostStore
+from capsulefs.fleet.tier import TierBlobs, TierFetchError
+from capsulefs.fleet.tier_moves import KnownInTier
+from capsulefs.fleet.uploader import TierRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EvictionPolicy", "TierCache", "open_tier_cache"]
+
+
+class EvictionPolicy:
+    """Which local copies of listed blobs ``gc --tier-cache`` may delete.
+
+    THE one place of that rule (see the module's rules): a blob may be
+    evicted only if the tier record names it, that is, this host put it to
+    the tier or found it there. The fleet-wide tier gc tightens it here
+    (a blob may go only once confirmed in the tier after this host
+    published it as live); gc and everything else ask only this."""
+
+    def __init__(self, record: TierRecord) -> None:
+        self._known = record.load()
+
+    def may_evict(self, sha256: str) -> bool:
+        return sha256 in self._known
+
+
+class TierCache:
+    """The store's evicted blobs, got back from the tier for a reader (see the rules)."""
+
+    def __init__(self, blobs: TierBlobs, store: HostStore, record: TierRecord, *,
+                 known: KnownInTier | None = None) -> None:
+        self._blobs = blobs
+        self._store = store
+        self._record = record
+        self._known_to = known
+        self._recorded: set[str] = set()
+        self._recorded_at: tuple[int, int] | None = None  # the record file's (size, mtime) when read
+        self._fetching: dict[str, trio.Event] = {}
+        self._failed: dict[str, str] = {}  # why the last fetch of a blob failed (for its waiters)
+
+    # -- evicted or lost -------------------------------------------------------------
+    def evicted(self, sha256: str) -> bool:
+        """Missing here and named by the tier record (sync, quick: the record is
+        re-read only when its file changed)."""
+        return not self._store.has_blob(sha256) and sha256 in self._known()
+
+    def _known(self) -> set[str]:
+        try:
+            st = os.stat(self._record.path)
+        except FileNotFoundError:
+            return set()
+        at = (st.st_size, st.st_mtime_ns)
+        if at != self._recorded_at:
+            self._recorded, self._recorded_at = self._record.load(), at
+        return self._recorded
+
+    # -- getting them back ----------------------------------------------------------------
+    async def ensure_local(self, sizes: Mapping[str, int]) -> None:
+        """Every blob of ``sizes`` (digest -> size, from a manifest) is in the
+        store on return; the evicted ones were fetched from the tier.
+        BlobUnavailable naming the first that is not (lost, or the tier
+        could not give it)."""
+        missing = await trio.to_thread.run_sync(self._missing, dict(sizes))
+        if not missing:
+            return
+        lost = [sha for sha in missing if not self.evicted(sha)]
+        if lost:
+            raise BlobUnavailable(f"blob {lost[0]} is not in the store, and the blob tier record does not name it "
+                                  f"(lost, not evicted): nothing to fetch it from")
+        mine = {sha: size for sha, size in missing.items() if sha not in self._fetching}
+        theirs = [self._fetching[sha] for sha in missing if sha not in mine]
+        if mine:
+            await self._fetch(mine)
+        for done in theirs:
+            await done.wait()
+        still = await trio.to_thread.run_sync(self._missing, missing)
+        if still:
+            sha = next(iter(still))
+            why = self._failed.get(sha, "the blob tier did not give it")
+            raise BlobUnavailable(f"blob {sha}: evicted here and not fetched from the blob tier: {why}")
+
+    def _missing(self, sizes: dict[str, int]) -> dict[str, int]:
+        return {sha: size for sha, size in sizes.items() if not self._store.has_blob(sha)}
+
+    async def _fetch(self, sizes: dict[str, int]) -> None:
+        events = {sha: trio.Event() for sha in sizes}
+        self._fetching.update(events)
+        try:
+            if self._known_to is not None:
+                self._known_to.known(sizes)  # (in the tier: the uploader never puts them back)
+            try:
+                report = await self._blobs.fetch_into_store(sizes)
+            except TierFetchError as exc:
+                report = exc.report
+                self._fail(sizes, report.fetched, str(exc))
+            except CapsuleError as exc:  # (the tier down, refusing)
+                self._fail(sizes, [], str(exc))
+                return
+            for sha in report.fetched:
+                self._failed.pop(sha, None)
+            if report.fetched:
+                metrics.TIER_CACHE_FETCHES.inc("fetched", by=len(report.fetched))
+                metrics.TIER_CACHE_BYTES.inc(by=report.bytes)
+                log.info("blob tier: %d evicted blob(s), %d bytes, fetched back into the store",
+                         len(report.fetched), report.bytes)
+        finally:
+            for sha, event in events.items():
+                del self._fetching[sha]
+                event.set()
+
+    def _fail(self, sizes: Iterable[str], fetched: list[str], why: str) -> None:
+        failed = [sha for sha in sizes if sha not in fetched]
+        metrics.TIER_CACHE_FETCHES.inc("failed", by=len(failed))
+        for sha in failed:
+            self._failed[sha] = why
+            log.error("blob %s: evicted here and not fetched from the blob tier: %s", sha, why)
+
+
+@asynccontextmanager
+async def open_tier_cache(store: HostStore, tier_url: str, *, timeout: float = 60.0) -> AsyncIterator[TierCache]:
+    """A :class:`TierCache` for one command (``capsulefs export``), with its own
+    connection pool, closed on exit. Credentials as ``fleet check-blobs`` takes them."""
+    from capsulefs.core.fleet.s3_wire import parse_tier_url
+    from capsulefs.fleet.credentials import tier_credentials, tier_region
+    from capsulefs.fleet.s3 import BlobTier, open_s3
+
+    tier = parse_tier_url(tier_url)
+    creds = tier_credentials(store.root)
+    async with open_s3(tier, creds, region=tier_region(), timeout=timeout) as s3:
+        yield TierCache(TierBlobs(BlobTier(s3), store), store, TierRecord(store.root, str(tier)))
