@@ -17,7 +17,7 @@ from typing import Any
 
 import pyfuse3
 
-from capsulefs.core.view.control import Mover, NewAgents, Remover
+from capsulefs.core.view.control import Mover, NewAgents, Remover, TierCache
 from capsulefs.core.view.host import LiveHost
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.mount.ops import Operations
@@ -65,7 +65,8 @@ def _reply(token: list[tuple[str, Any]], name: bytes, attr: pyfuse3.EntryAttribu
 
 
 def make_live(store: HostStore, work: Path, *, owner_uid: int = 0, mover: Mover | None = None,
-              remover: Remover | None = None, new_agents: NewAgents | None = None) -> LiveHost:
+              remover: Remover | None = None, new_agents: NewAgents | None = None,
+              tier_cache: TierCache | None = None) -> LiveHost:
     ids = itertools.count(1)
     agents = itertools.count(1)
     clock = itertools.count(1_700_000_000_000_000_000, 1_000_000)
@@ -80,6 +81,7 @@ def make_live(store: HostStore, work: Path, *, owner_uid: int = 0, mover: Mover 
         mover=mover,
         remover=remover,
         new_agents=new_agents,
+        tier_cache=tier_cache,
     )
 
 
