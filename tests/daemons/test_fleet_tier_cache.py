@@ -31,24 +31,15 @@ from capsulefs.fleet.uploader import RECORD_DIR
 from fleet_kit import EtcdServer
 from mount_kit import needs_fuse
 from prom_kit import value
-from test_fleet_tier_daemons import (  # noqa: F401  (fixtures: weed, etcd, tier, forwarder, hosts)
-    BLOB,
-    Forwarder,
-    Tier,
-    active,
-    agent_with_blobs,
-    etcd,
-    fleet_flags,
-    forwarder,
-    hosts,
-    metrics,
-    recorded,
-    tier,
-    weed,
-)
+import test_fleet_tier_daemons as tier_daemons
+from test_fleet_tier_daemons import BLOB, Forwarder, Tier, active, agent_with_blobs, fleet_flags, metrics, recorded
 from test_move_daemons import Host, no_tracebacks, verify_on, wait_for, write_move
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
+
+# The fixtures of the tier's daemon tests: one weed and one etcd for this module, a bucket per test, two hosts.
+weed, etcd, tier, forwarder, hosts = (tier_daemons.weed, tier_daemons.etcd, tier_daemons.tier,
+                                      tier_daemons.forwarder, tier_daemons.hosts)
 
 DAY = 24 * 3600 * 1_000_000_000  # ns
 
