@@ -126,6 +126,8 @@ class TierCache:
         events = {sha: trio.Event() for sha in sizes}
         self._fetching.update(events)
         try:
+            log.info("blob tier: fetching %d evicted blob(s) back for a reader (%s%s)", len(sizes),
+                     next(iter(sizes)), ", ..." if len(sizes) > 1 else "")
             if self._known_to is not None:
                 self._known_to.known(sizes)  # (in the tier: the uploader never puts them back)
             try:

@@ -8,6 +8,7 @@
   * The tier down: the open of an evicted blob fails with EIO and a log
     line naming the blob; the mount stays read-write, the agent's other
     files readable; the tier back, the same open works.
+  * The tier hanging: the open waits, and the mount's other requests go on.
   * A tier copy with wrong bytes: EIO, nothing of it stored.
   * An agent whose workspace was evicted starts (the sandbox build fetches it).
   * ``capsulefs export`` of an agent with evicted blobs makes a tar ``capsulefs verify`` accepts.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from capsulefs.core.capsule.spec import spec_bytes
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.uploader import RECORD_DIR
 from fleet_kit import EtcdServer
+from helpers import HANG
 from mount_kit import needs_fuse
 from prom_kit import value
 import test_fleet_tier_daemons as tier_daemons
@@ -145,6 +149,32 @@ def test_the_tier_down_fails_the_open_of_an_evicted_blob_and_nothing_else(
     finally:
         a.stop()
     no_tracebacks(a)
+
+
+def test_other_requests_go_on_while_an_open_waits_for_the_tier(hosts: tuple[Host, Host], tier: Tier) -> None:
+    a, _b = hosts
+    _agent_id, shas = agent_with_blobs(a, "carrier", 2)
+    data = contents(a, shas)
+    a.start()
+    all_recorded(a, shas)
+    read_days_ago(a, shas[1], 2)
+    gc_tier_cache(a, BLOB)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(through_mount(a, "carrier", shas[1]).read_bytes()))
+    os.kill(tier.weed.proc.pid, signal.SIGSTOP)  # the tier hangs: every request to it waits
+    try:
+        reader.start()
+        wait_for(lambda: f"fetching 1 evicted blob(s) back for a reader ({shas[1]})" in a.log.read_text(),
+                 "the open waiting for the tier")
+        assert through_mount(a, "carrier", shas[0]).read_bytes() == data[shas[0]]
+        memory = a.mnt / "carrier" / fmt.WORKING_MEMORY
+        memory.write_text("written while an open waits\n")
+        assert memory.read_text() == "written while an open waits\n"
+        assert reader.is_alive() and got == []
+    finally:
+        os.kill(tier.weed.proc.pid, signal.SIGCONT)
+    reader.join(HANG)
+    assert got == [data[shas[1]]]
 
 
 def test_a_tier_copy_with_wrong_bytes_is_eio_and_nothing_is_stored(hosts: tuple[Host, Host], tier: Tier) -> None:
