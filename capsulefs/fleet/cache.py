@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 
@@ -75,6 +76,7 @@ class TierCache:
         self._known_to = known
         self._recorded: set[str] = set()
         self._recorded_at: tuple[int, int] | None = None  # the record file's (size, mtime) when read
+        self._lock = threading.Lock()  # guards the two above (the view asks on the loop, readers in threads)
         self._fetching: dict[str, trio.Event] = {}
         self._failed: dict[str, str] = {}  # why the last fetch of a blob failed (for its waiters)
 
@@ -85,14 +87,16 @@ class TierCache:
         return not self._store.has_blob(sha256) and sha256 in self._known()
 
     def _known(self) -> set[str]:
-        try:
-            st = os.stat(self._record.path)
-        except FileNotFoundError:
-            return set()
-        at = (st.st_size, st.st_mtime_ns)
-        if at != self._recorded_at:
-            self._recorded, self._recorded_at = self._record.load(), at
-        return self._recorded
+        """The record's digests, read again only if its file changed (any thread)."""
+        with self._lock:
+            try:
+                st = os.stat(self._record.path)
+            except FileNotFoundError:
+                return set()
+            at = (st.st_size, st.st_mtime_ns)
+            if at != self._recorded_at:
+                self._recorded, self._recorded_at = self._record.load(), at
+            return self._recorded
 
     # -- getting them back ----------------------------------------------------------------
     async def ensure_local(self, sizes: Mapping[str, int]) -> None:
@@ -103,7 +107,8 @@ class TierCache:
         missing = await trio.to_thread.run_sync(self._missing, dict(sizes))
         if not missing:
             return
-        lost = [sha for sha in missing if not self.evicted(sha)]
+        known = await trio.to_thread.run_sync(self._known)
+        lost = [sha for sha in missing if sha not in known]
         if lost:
             raise BlobUnavailable(f"blob {lost[0]} is not in the store, and the blob tier record does not name it "
                                   f"(lost, not evicted): nothing to fetch it from")
