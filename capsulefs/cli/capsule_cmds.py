@@ -184,7 +184,7 @@ def _evicted_fetched(args: argparse.Namespace, agent: AgentHandle) -> Iterator[N
 
     from capsulefs.core.capsule import format as fmt
     from capsulefs.core.fsutil import atomic_write
-    from capsulefs.fleet.cache import open_tier_cache
+    from capsulefs.fleet.cache import host_tier_cache
 
     store = agent.store
     manifest = agent.manifest()
@@ -194,7 +194,8 @@ def _evicted_fetched(args: argparse.Namespace, agent: AgentHandle) -> Iterator[N
         sizes = manifest.blobs()
         if any(not store.has_blob(sha) for sha in sizes):
             async def fetch() -> None:
-                async with open_tier_cache(store, cfg.blobs or "") as cache:
+                async with host_tier_cache(store) as cache:
+                    assert cache is not None  # (fleet.json names a tier)
                     await cache.ensure_local(sizes)
 
             trio.run(fetch)

@@ -24,7 +24,7 @@ Rules:
 Theory of operation: the composition root (capsulefs/daemon/root.py), through
 the fleet member, builds one :class:`TierCache` when the mount has a blob
 tier and hands it to those readers (None without a tier); ``capsulefs
-export`` builds its own for the command (:func:`open_tier_cache`).
+export`` builds its own for the command (:func:`host_tier_cache`).
 """
 
 from __future__ import annotations
@@ -161,6 +161,20 @@ class TierCache:
         for sha in failed:
             self._failed[sha] = why
             log.error("blob %s: evicted here and not fetched from the blob tier: %s", sha, why)
+
+
+@asynccontextmanager
+async def host_tier_cache(store: HostStore) -> AsyncIterator[TierCache | None]:
+    """The tier cache of the host whose state directory ``store`` is, for one
+    command (``capsulefs export``): None if its ``fleet.json`` names no tier."""
+    from capsulefs.core.fleet import config as fleet_config
+
+    cfg = fleet_config.load(store.root)
+    if cfg is None or cfg.blobs is None:
+        yield None
+        return
+    async with open_tier_cache(store, cfg.blobs) as cache:
+        yield cache
 
 
 @asynccontextmanager
