@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -34,8 +35,8 @@ class StoreHooks:
     def read_blob(self, sha: str):
         return self.store.iter_blob(sha)
 
-    async def fetch_evicted(self, agent_id: str, snapshot) -> None:
-        pass  # (no blob tier)
+    def blobs_for_build(self, agent_id: str, snapshot):
+        return contextlib.nullcontext()  # (no blob tier)
 
     def capsule_dir(self, agent_id: str) -> str:
         return os.path.join(self.capsule_root, self.agent(agent_id).name)

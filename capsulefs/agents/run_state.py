@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,10 +40,11 @@ class Hooks(Protocol):
 
     def read_blob(self, sha256: str) -> Iterator[bytes]: ...
 
-    async def fetch_evicted(self, agent_id: str, snapshot: Mapping[str, str]) -> None:
-        """Before the sandbox is built from ``snapshot``: its blobs that ``gc
-        --tier-cache`` evicted are back in the store (fetched from the blob
-        tier), or a CapsuleError says which is not."""
+    def blobs_for_build(self, agent_id: str, snapshot: Mapping[str, str]) -> AbstractAsyncContextManager[None]:
+        """Around the sandbox's build from ``snapshot``: on entry its blobs that
+        ``gc --tier-cache`` evicted are back in the store (fetched from the
+        blob tier), or a CapsuleError says which is not; until exit no gc
+        evicts them again."""
 
     def capsule_dir(self, agent_id: str) -> str: ...
 

@@ -18,8 +18,9 @@ Rules:
     and writes the snapshot. A cancel stops it before that step, or not at all.
   * On a blob tier, the workspace's blobs that ``gc --tier-cache`` evicted
     are fetched back from the tier before the sandbox is built
-    (:meth:`AgentRuntime.fetch_evicted`); one that cannot be blocks the
-    start like any unreadable blob, with the reason in ``run.detail``.
+    (:meth:`AgentRuntime.blobs_for_build`), and kept from gc until it is
+    built; one that cannot be blocks the start like any unreadable blob,
+    with the reason in ``run.detail``.
   * ``.control/status`` gains a "run" section: the process state, pid,
     restarts, last exit, in words why it does not run, whether it runs
     isolated ("isolation"), and why it does not answer ("last_error",
@@ -42,13 +43,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
@@ -100,11 +103,22 @@ class AgentRuntime:
         self.store.touch_blob(sha256)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
         return self.store.iter_blob(sha256)
 
-    async def fetch_evicted(self, agent_id: str, snapshot: Mapping[str, str]) -> None:
+    @asynccontextmanager
+    async def blobs_for_build(self, agent_id: str, snapshot: Mapping[str, str]) -> AsyncIterator[None]:
         if self.tier_cache is None:
+            yield
             return
-        sizes = await trio.to_thread.run_sync(lambda: self.store.agent(agent_id).manifest().blobs())
-        await self.tier_cache.ensure_local({sha: sizes[sha] for sha in set(snapshot.values()) if sha in sizes})
+        with self.store.staging("sandbox") as area:  # (gc evicts no blob a staging area names)
+            manifest = await trio.to_thread.run_sync(self._pin, agent_id, area)
+            sizes = manifest.blobs()
+            await self.tier_cache.ensure_local({sha: sizes[sha] for sha in set(snapshot.values()) if sha in sizes})
+            yield
+
+    def _pin(self, agent_id: str, area: str) -> fmt.Manifest:
+        manifest = self.store.agent(agent_id).manifest()
+        with self.store.writing():
+            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+        return manifest
 
     def capsule_dir(self, agent_id: str) -> str:
         return os.path.join(self.mountpoint, self.store.agent(agent_id).name)

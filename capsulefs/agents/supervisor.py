@@ -390,8 +390,8 @@ class Supervisor:
             home = self.isolation.home(r.agent_id)
         async with self._sandbox_lock(r.agent_id):
             snapshot = self.hooks.snapshot(r.agent_id)
-            await self.hooks.fetch_evicted(r.agent_id, snapshot)
-            await trio.to_thread.run_sync(build_sandbox, snapshot, self.hooks.read_blob, cwd)
+            async with self.hooks.blobs_for_build(r.agent_id, snapshot):
+                await trio.to_thread.run_sync(build_sandbox, snapshot, self.hooks.read_blob, cwd)
             if self.isolation.enabled:
                 # Giving a whole workspace to the agent's uid walks it: off the
                 # loop too. (The mount point, not the capsule dir: a stat
