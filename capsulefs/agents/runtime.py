@@ -100,7 +100,8 @@ class AgentRuntime:
         return fmt.parse_snapshot(self.store.agent(agent_id).read(fmt.SNAPSHOT))
 
     def read_blob(self, sha256: str) -> Iterator[bytes]:
-        self.store.touch_blob(sha256)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
+        if self.tier_cache is not None:
+            self.store.touch_blob(sha256)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
         return self.store.iter_blob(sha256)
 
     @asynccontextmanager

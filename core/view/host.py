@@ -135,7 +135,8 @@ class LiveHost(Changes):
 
     def _blob_handle(self, sha: str, size: int) -> "BlobHandle":
         path = self.store.blob_file(sha)
-        self.store.touch_blob(sha)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
+        if self.tier_cache is not None:
+            self.store.touch_blob(sha)  # (its last read, coarsely: gc --tier-cache keeps the hot ones)
         try:
             return BlobHandle(self.blobs.get(sha, path))
         except FileNotFoundError:

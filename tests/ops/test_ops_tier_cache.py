@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import BlobUnavailable
+from capsulefs.core.store.cache import TOUCH_EVERY
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.core.view.nodes import SNAPSHOTS
 from capsulefs.mount.ops import EVICTED_OPENS, Operations
@@ -113,3 +115,17 @@ async def test_a_blob_evicted_again_before_the_open_is_fetched_again(c: Client, 
     tier.evict_again = EVICTED_OPENS  # (every time: the open gives up, EIO)
     assert await errno_of(c.read(f"alice/artifacts/blobs/{sha}")) == errno.EIO
     assert len(tier.asked) == 2 * EVICTED_OPENS - 2
+
+
+async def test_an_open_marks_the_blob_read_now_at_most_once_a_day(c: Client, store: HostStore) -> None:
+    sha = _blobs(store)["a"]
+    path = store.blob_file(sha)
+    three_days_ago = time.time_ns() - 3 * TOUCH_EVERY * 1_000_000_000
+    os.utime(path, ns=(three_days_ago, os.stat(path).st_mtime_ns))
+    fi = await c.open(f"alice/artifacts/blobs/{sha}")  # (no read: the kernel's atime rules play no part)
+    await c.ops.release(fi.fh)
+    touched = os.stat(path)
+    assert time.time_ns() - touched.st_atime_ns < TOUCH_EVERY * 1_000_000_000 // 24
+    fi = await c.open(f"alice/artifacts/blobs/{sha}")  # the same day: not touched again
+    await c.ops.release(fi.fh)
+    assert os.stat(path).st_ctime_ns == touched.st_ctime_ns
