@@ -51,7 +51,6 @@ import trio
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.capsule import workspace
 from capsulefs.core.journal.events import WorkspaceUpdate
 from capsulefs.core.store.holder import HolderBook, HolderState
@@ -109,17 +108,11 @@ class AgentRuntime:
         if self.tier_cache is None:
             yield
             return
-        with self.store.staging("sandbox") as area:  # (gc evicts no blob a staging area names)
-            manifest = await trio.to_thread.run_sync(self._pin, agent_id, area)
+        manifest = await trio.to_thread.run_sync(lambda: self.store.agent(agent_id).manifest())
+        with self.store.keeping(manifest, "sandbox"):  # (no gc evicts them again until it is built)
             sizes = manifest.blobs()
             await self.tier_cache.ensure_local({sha: sizes[sha] for sha in set(snapshot.values()) if sha in sizes})
             yield
-
-    def _pin(self, agent_id: str, area: str) -> fmt.Manifest:
-        manifest = self.store.agent(agent_id).manifest()
-        with self.store.writing():
-            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
-        return manifest
 
     def capsule_dir(self, agent_id: str) -> str:
         return os.path.join(self.mountpoint, self.store.agent(agent_id).name)

@@ -182,15 +182,11 @@ def _evicted_fetched(args: argparse.Namespace, agent: AgentHandle) -> Iterator[N
         return
     import trio
 
-    from capsulefs.core.capsule import format as fmt
-    from capsulefs.core.fsutil import atomic_write
     from capsulefs.fleet.cache import host_tier_cache
 
     store = agent.store
     manifest = agent.manifest()
-    with store.staging("export") as area:
-        with store.writing():
-            atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+    with store.keeping(manifest, "export"):
         sizes = manifest.blobs()
         if any(not store.has_blob(sha) for sha in sizes):
             async def fetch() -> None:

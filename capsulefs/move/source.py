@@ -13,11 +13,8 @@ Rules:
     agent runs here is decided only by the target's durable answer or an
     operator's abandon.
   * The driver holds the agent's lock from the first to the last command.
-  * On a blob tier (``tier_cache`` given), a blob ``gc --tier-cache``
-    evicted here is fetched back from the tier before it is sent (a blob
-    that cannot be is a local read error: the move rolls back), and the
-    frozen manifest sits in a staging area of the store for the move's
-    length, so gc evicts none of its blobs meanwhile.
+  * On a blob tier (``tier_cache``), blobs ``gc --tier-cache`` evicted are fetched back before they are
+    sent (else a local read error), and the frozen manifest sits in a staging area (gc evicts none of it).
   * In the fleet mode (a :class:`~capsulefs.move.fleet.Fleet` given) the
     directory answers at the point of no return instead of the target: the
     key is read after the freeze (``begin``), ``activate`` is its commit Txn,
@@ -45,7 +42,6 @@ was in progress; :mod:`capsulefs.move.doubt` has the operator's way out
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, ExitStack
@@ -58,7 +54,6 @@ from capsulefs.core.capsule import archive
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core import move as mv
 from capsulefs.core.errors import CapsuleError, CorruptBlobError, FormatError, NotFoundError
-from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.view.control import TierCache
 from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
@@ -120,9 +115,7 @@ class _Driver:
                  call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl,
                  fleet: Fleet | None = None, tier_cache: TierCache | None = None) -> None:
         self.host = host
-        #: With a blob tier: blobs evicted here (gc --tier-cache) are fetched back before they are sent,
-        #: and the frozen manifest is kept in a staging area meanwhile, so that gc evicts none of them.
-        self.tier_cache = tier_cache
+        self.tier_cache = tier_cache  # with a blob tier: evicted blobs fetched back to send (see the rules)
         self.pins = ExitStack()
         # None: peer-to-peer, the target answers activate and status
         self.directory = None if fleet is None else SourceCalls(
@@ -313,10 +306,8 @@ class _Driver:
         self.manifest = archive.frozen_manifest(agent, files)
         self.files = {self.manifest.files[rel].sha256: data for rel, data in files.items()}
         self.blob_sizes = self.manifest.blobs()
-        if self.tier_cache is not None:  # (gc evicts no blob a staging area names)
-            area = self.pins.enter_context(self.host.store.staging("tier-send"))
-            with self.host.store.writing():
-                atomic_write(os.path.join(area, fmt.MANIFEST), self.manifest.to_bytes())
+        if self.tier_cache is not None:
+            self.pins.enter_context(self.host.store.keeping(self.manifest, "tier-send"))
 
     def _progress(self, phase: str) -> None:
         if self.control.on_progress is not None:
@@ -499,8 +490,7 @@ async def move_agent(host: MoveHost, agent_id: str, target: Peer, *, connect: Co
     ``fleet``: the directory answers at the point of no return (docs/fleet.md).
     ``warm``: first ask the target to fetch the agent's blobs from the blob
     tier, while the agent still runs (capsulefs/move/warm.py). ``tier_cache``:
-    blobs evicted here by ``gc --tier-cache`` are fetched back from the tier
-    before they are sent (capsulefs/fleet/cache.py)."""
+    blobs ``gc --tier-cache`` evicted here are fetched back to be sent."""
     control = control or MoveControl()
     if warm:
         if control.on_progress is not None:

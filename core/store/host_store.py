@@ -389,6 +389,16 @@ class HostStore(BlobStore):
         fsync_dir(self.staging_dir)
 
     @contextmanager
+    def keeping(self, manifest: fmt.Manifest, label: str) -> Iterator[str]:
+        """A staging area holding ``manifest``: no gc deletes or evicts the
+        blobs it lists until the block ends (a reader of them: a move's
+        source, a sandbox build, an export). Yields the area."""
+        with self.staging(label) as area:
+            with self.writing():
+                atomic_write(os.path.join(area, fmt.MANIFEST), manifest.to_bytes())
+            yield area
+
+    @contextmanager
     def staging(self, label: str) -> Iterator[str]:
         """A private scratch directory inside the store, removed on exit
         (unless it was consumed, e.g. renamed by install_agent, or its owner
