@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from datetime import datetime
 from urllib.parse import urlsplit
 
 from capsulefs.core.fleet.errors import (
@@ -187,12 +188,25 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
+    modified: float | None = None  # LastModified, Unix seconds (a listing's; None where not given)
 
 
 @dataclass(frozen=True, slots=True)
 class ListPage:
     objects: tuple[ObjectInfo, ...]
     next_token: str | None  # None: this was the last page
+
+
+def _timestamp(text: str, what: str) -> float:
+    """An S3 LastModified (ISO 8601 in UTC, ``2026-12-07T16:38:15.000Z``) as Unix seconds."""
+    text = text.strip()
+    if not (text.isascii() and 20 <= len(text) <= 35 and text.endswith("Z")):
+        raise BlobTierProtocolError(f"{what}: LastModified {text[:40]!r} is not an ISO 8601 UTC time")
+    try:
+        when = datetime.fromisoformat(text[:-1] + "+00:00")
+    except ValueError:
+        raise BlobTierProtocolError(f"{what}: LastModified {text[:40]!r} is not an ISO 8601 UTC time") from None
+    return when.timestamp()
 
 
 def parse_list_v2(body: bytes, prefix: str) -> ListPage:
@@ -220,5 +234,7 @@ def parse_list_v2(body: bytes, prefix: str) -> ListPage:
         except FleetAddressError as exc:
             raise BlobTierProtocolError(f"{what}: {exc}") from None
         etag = _text(item, "ETag", what, required=False) or ""
-        objects.append(ObjectInfo(key, int(size_text), etag[:MAX_ETAG]))
+        modified = _text(item, "LastModified", what, required=False)
+        objects.append(ObjectInfo(key, int(size_text), etag[:MAX_ETAG],
+                                  None if modified is None else _timestamp(modified, what)))
     return ListPage(tuple(objects), token if truncated == "true" else None)

@@ -7,7 +7,7 @@ import base64
 from pathlib import Path
 
 from capsulefs.core.errors import CapsuleError
-from capsulefs.core.fleet import directory, etcd
+from capsulefs.core.fleet import directory, etcd, liveset
 from capsulefs.core.fleet.s3_wire import error_for, parse_list_v2, parse_tier_url
 from capsulefs.core.store.cache import MAX_SIZE, SizeError, parse_size
 from capsulefs.fleet.peers import peer_of
@@ -51,7 +51,8 @@ def _list_seeds() -> list[bytes]:
     return [b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
             b"<Name>b</Name><Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>"
             b"<NextContinuationToken>tok</NextContinuationToken><Contents><Key>p/a</Key>"
-            b"<Size>5</Size><ETag>&quot;5d41&quot;</ETag></Contents></ListBucketResult>",
+            b"<Size>5</Size><ETag>&quot;5d41&quot;</ETag><LastModified>2026-12-07T16:38:15.000Z</LastModified>"
+            b"</Contents></ListBucketResult>",
             b"<ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>"]
 
 
@@ -83,6 +84,34 @@ def _run_records(data: bytes, scratch: Path) -> None:
 _LAYOUT = directory.Layout(b"/f/")
 _HOST_SHA = "5d" * 32
 _HOST_ID = base64.b32encode(bytes.fromhex(_HOST_SHA)).decode().rstrip("=")  # (a daemon's id for that certificate)
+
+
+def _live_seeds() -> list[bytes]:
+    blobs = frozenset(f"{i:064x}" for i in (1, 7, 2**200))
+    return [liveset.LiveSet("h-1", 3, blobs).encode(), liveset.LiveSet("h-1", 1, frozenset()).encode(),
+            liveset.LivePointer(host_id="h-1", generation=3, count=3, sha256="ab" * 32, checked=1765000000).encode(),
+            liveset.encode_mark("cd" * 16),
+            liveset.GcEntry(gc_id="cd" * 16, by="host pid 1", started=1765000000).encode()]
+
+
+def _run_live(data: bytes, scratch: Path) -> None:
+    """A live set, its pointer, a mark, the gc key: another host wrote them (fleet/live.py, tiergc.py)."""
+    refused = 0
+    for parse in (lambda d: liveset.parse_live_set(d, limit=1 << 20), liveset.decode_pointer, liveset.decode_mark,
+                  liveset.decode_gc):
+        try:
+            parse(data)
+        except CapsuleError:
+            refused += 1
+    if refused == 4:
+        raise liveset.LiveSetError("refused by every parser")
+    s = None
+    try:
+        s = liveset.parse_live_set(data, limit=1 << 20)
+    except CapsuleError:
+        pass
+    if s is not None:
+        assert liveset.parse_live_set(s.encode(), limit=1 << 20) == s  # (what parses, round-trips)
 
 
 def _host_seeds() -> list[bytes]:
@@ -176,4 +205,5 @@ TARGETS = [
     Target("fleet-directory-records", _record_seeds, _run_records),
     Target("fleet-host-peers", _host_seeds, _run_host_peer),
     Target("fleet-tier-cache-size", _size_seeds, _run_size),
+    Target("fleet-live-sets", _live_seeds, _run_live),
 ]
