@@ -182,7 +182,7 @@ class HostStore(BlobStore):
     def gc(self) -> GcReport:
         """Delete blobs that no agent lists."""
         with self._flock(fcntl.LOCK_EX):
-            return self._collect(self._listed_blobs() | self._staged_blobs())
+            return self._collect(self._referenced())
 
     def gc_tier_cache(self, limit: int, rule: Evictable) -> tuple[GcReport, CacheReport]:
         """What :meth:`gc` does, then, as a cache of the blob tier
@@ -231,6 +231,23 @@ class HostStore(BlobStore):
             removed += 1
         sweep_temps(self.objects_dir)
         return GcReport(removed=removed, freed=freed, kept=kept)
+
+    def _referenced(self) -> set[str]:
+        """Every blob a manifest here names: an agent's, a snapshot's, a staging area's (caller holds the lock)."""
+        return self._listed_blobs() | self._staged_blobs()
+
+    def live_blobs(self, then: Callable[[frozenset[str]], None] | None = None) -> frozenset[str]:
+        """The blobs gc keeps (every manifest's: agents, snapshots, staging
+        areas), computed under gc's exclusive lock, as gc does: a writer's
+        blob and its reference are both in, or neither. ``then`` is called
+        with the set while the lock is still held (the fleet's live set
+        publisher shrinks its record of evictable blobs there, before any
+        eviction can see the set; capsulefs/fleet/live.py)."""
+        with self._flock(fcntl.LOCK_EX):
+            live = frozenset(self._referenced())
+            if then is not None:
+                then(live)
+            return live
 
     def _snapshot_blobs(self) -> set[str]:
         """Blobs listed by the mount's snapshots (mount/snapshots/*/*/manifest.json)."""
