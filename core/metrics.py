@@ -306,7 +306,8 @@ MOVE_PHASE_SECONDS = REGISTRY.histogram("capsulefs_move_phase_seconds", "Seconds
 TIER_PENDING = REGISTRY.gauge("capsulefs_tier_pending_blobs",
                               "Blobs stored here and not yet known to be in the blob tier (mount --blobs).")
 TIER_PUTS = REGISTRY.counter("capsulefs_tier_puts_total", "Blobs this daemon put to the blob tier, by outcome "
-                             "(stored; present: the tier had it; failed: retried later).", ["outcome"])
+                             "(stored; present: the tier had it; marked: the tier had it under a tier gc's mark, put again later; "
+                             "failed: retried later).", ["outcome"])
 TIER_BYTES = REGISTRY.counter("capsulefs_tier_bytes_total", "Blob bytes between this daemon and the blob tier: "
                               "put (stored by this daemon) or fetched (for a move here).", ["direction"])
 TIER_CACHE_FETCHES = REGISTRY.counter("capsulefs_tier_cache_fetches_total",

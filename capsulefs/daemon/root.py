@@ -22,12 +22,13 @@ Rules:
     ``capsulefs.move.fleet.Fleet``; None in peer-to-peer mode).
     The move host's peer finder is chosen here: the directory's live hosts
     (capsulefs/fleet/peers.py) in the fleet mode, else the pinned peers.
-    With a blob tier, the uploader is another service, told of each blob by
-    the store (through :class:`_Upcalls`: the store is built first), the
-    moves get the tier's fetch for the offers they receive, and the readers
-    of blobs (the view and its adapter, the runtime's sandbox build, a
-    move's source) the tier cache, which fetches back what ``gc
-    --tier-cache`` evicted (so the fleet member is built before the view).
+    With a blob tier, the uploader (and beside it the live set's publisher,
+    for the fleet's tier gc) is another service, told of each blob by the
+    store (through :class:`_Upcalls`: the store is built first), the moves
+    get the tier's fetch for the offers they receive, and the readers of
+    blobs (the view and its adapter, the runtime's sandbox build, a move's
+    source) the tier cache, which fetches back what ``gc --tier-cache``
+    evicted (so the fleet member is built before the view).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def compose(cfg: MountConfig) -> Mounted:
         address = cfg.advertise or _address(cfg.listen)
         fleet = FleetMember(cfg.fleet, host_id=host_id, address=address, cert_der=identity.cert_der, listener=up,
                             timing=seams.lease_timing_seam(os.environ.get(seams.LEASE_TIMING_ENV)) or DEFAULT_TIMING,
-                            store=store)
+                            store=store, **_live_refresh())
     tier_cache = fleet.tier_cache if fleet is not None else None  # (evicted blobs, fetched back for their readers)
 
     isolation = Isolation.detect(state_dir, on_new_owner=up.owner_changed) if cfg.run_agents else None
@@ -199,6 +200,12 @@ def compose(cfg: MountConfig) -> Mounted:
                     options=cfg.options, notify=cfg.notify)
     return Mounted(daemon=daemon, view=view, ops=ops, agents=agents, moves=moves, runtime=runtime,
                    isolation=isolation, fleet=fleet)
+
+
+def _live_refresh() -> dict[str, float]:
+    """The live set publisher's refresh, if a test's seam sets it (capsulefs/fleet/live.py)."""
+    refresh = seams.live_refresh_seam(os.environ.get(seams.LIVE_REFRESH_ENV))
+    return {} if refresh is None else {"live_refresh": refresh}
 
 
 def _address(listen: tuple[str, int] | None) -> str:

@@ -21,7 +21,7 @@ from capsulefs.fleet.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentRow", "HostRow", "claim_agent", "read_agents", "read_hosts", "register_host"]
+__all__ = ["AgentRow", "HostRow", "claim_agent", "read_agents", "read_hosts", "register_host", "scan"]
 
 PAGE = 1000  # keys per range request
 
@@ -57,7 +57,7 @@ async def claim_agent(etcd: EtcdClient, layout: fd.Layout, agent_id: str, entry:
     return (await etcd.txn(t.compare, t.success, t.failure)).succeeded
 
 
-async def _scan(etcd: EtcdClient, prefix: bytes) -> list[KeyValue]:
+async def scan(etcd: EtcdClient, prefix: bytes) -> list[KeyValue]:
     out: list[KeyValue] = []
     start, end = prefix, prefix_end(prefix)
     while True:
@@ -81,7 +81,7 @@ async def read_hosts(etcd: EtcdClient, layout: fd.Layout, *, agents: list[AgentR
         if a.entry is not None and a.entry.state is fd.EntryState.HELD:
             held[a.entry.host_id] = held.get(a.entry.host_id, 0) + 1
     rows = []
-    for kv in await _scan(etcd, layout.hosts):
+    for kv in await scan(etcd, layout.hosts):
         name = _suffix(kv, layout.hosts)
         try:
             entry = fd.decode_host(kv.value)
@@ -101,10 +101,10 @@ async def read_hosts(etcd: EtcdClient, layout: fd.Layout, *, agents: list[AgentR
 async def read_agents(etcd: EtcdClient, layout: fd.Layout) -> list[AgentRow]:
     """Every agent in the directory: its holder, epoch and state, and whether the holder's lease lives."""
     alive = set()
-    for kv in await _scan(etcd, layout.hosts):
+    for kv in await scan(etcd, layout.hosts):
         alive.add(kv.key)
     rows = []
-    for kv in await _scan(etcd, layout.agents):
+    for kv in await scan(etcd, layout.agents):
         try:
             agent_id = layout.agent_id_of(kv.key)
         except fd.DirectoryRecordError as exc:

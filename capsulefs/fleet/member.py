@@ -16,7 +16,9 @@ Rules:
     blob it places (through the root's upcalls); ``tier_offers`` is the
     move service's fetch from the tier for the offers this host receives
     (capsulefs/fleet/tier_moves.py); ``tier_cache`` gets blobs evicted by
-    ``gc --tier-cache`` back for their readers (capsulefs/fleet/cache.py).
+    ``gc --tier-cache`` back for their readers (capsulefs/fleet/cache.py);
+    the live set's publisher (capsulefs/fleet/live.py) runs beside the
+    uploader, nudged by the same notices, for the fleet's gc of the tier.
     The uploader, the moves and the readers each have
     their own bound on requests (a backlog of puts never holds up a move's
     fetch), over one connection pool, closed when the uploader ends.
@@ -42,6 +44,7 @@ from capsulefs.fleet.cache import TierCache
 from capsulefs.fleet.credentials import tier_credentials, tier_region
 from capsulefs.fleet.etcd import EtcdClient
 from capsulefs.fleet.keeper import HostLeaseKeeper, LeaseListener
+from capsulefs.fleet.live import REFRESH, EvictionRecord, LivePublisher, Marks
 from capsulefs.fleet.s3 import BlobTier, S3Client
 from capsulefs.fleet.tier import TierBlobs
 from capsulefs.fleet.tier_moves import TierOffers
@@ -58,7 +61,7 @@ class FleetMember:
     """This host in the fleet: its lease (kept by a service) and the directory's Txns."""
 
     def __init__(self, cfg: FleetConfig, *, host_id: str, address: str, cert_der: bytes, listener: LeaseListener,
-                 store: HostStore, timing: LeaseTiming = DEFAULT_TIMING) -> None:
+                 store: HostStore, timing: LeaseTiming = DEFAULT_TIMING, live_refresh: float = REFRESH) -> None:
         self.config = cfg
         self._http = httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False)
         self.client = EtcdClient(parse_endpoints(cfg.directory), self._http)
@@ -68,6 +71,7 @@ class FleetMember:
         self.uploader: TierUploader | None = None
         self.tier_offers: TierOffers | None = None
         self.tier_cache: TierCache | None = None
+        self.live: LivePublisher | None = None
         self._tier_http: httpx.AsyncClient | None = None
         if cfg.tier is not None:
             creds = tier_credentials(store.root)  # (TierCredentialsError: one line, before the mount)
@@ -78,16 +82,23 @@ class FleetMember:
                                                 headers={"accept-encoding": "identity"})
             tier = BlobTier(S3Client(cfg.tier, creds, self._tier_http, region=tier_region()))
             record = TierRecord(store.root, str(cfg.tier))
-            self.uploader = TierUploader(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record)
+            marks = Marks(tier, self.client, cfg.layout)
+            self.uploader = TierUploader(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record,
+                                         marks=marks)
             self.tier_offers = TierOffers(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, self.uploader)
             # The readers' (the mount, the sandbox build, a move's source) fetch of evicted blobs.
             self.tier_cache = TierCache(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record,
                                         known=self.uploader)
+            self.live = LivePublisher(store, tier, self.client, cfg.layout, host_id,
+                                      EvictionRecord(store.root, str(cfg.tier)), self.uploader, marks,
+                                      refresh=live_refresh)
 
     def blob_stored(self, sha256: str) -> None:
         """The store placed a blob (any thread): the uploader puts it to the tier."""
         if self.uploader is not None:
             self.uploader.notice(sha256)
+        if self.live is not None:
+            self.live.nudge()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -97,10 +108,13 @@ class FleetMember:
                 await self._http.aclose()
 
     async def serve_tier(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The uploader (a daemon service when the mount has a blob tier)."""
-        assert self.uploader is not None and self._tier_http is not None
+        """The uploader and the live set's publisher (a daemon service when the mount has a blob tier)."""
+        assert self.uploader is not None and self.live is not None and self._tier_http is not None
         try:
-            await self.uploader.serve(task_status=task_status)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.uploader.serve)
+                await nursery.start(self.live.serve)
+                task_status.started()
         finally:
             with trio.CancelScope(shield=True):
                 await self._tier_http.aclose()

@@ -21,6 +21,10 @@ Rules:
     the fsync) costs one put that the tier answers 412; it is never read
     as "the tier lacks it". A tier emptied behind capsulefs's back is not
     noticed here: remove the record to put every blob again.
+  * A put answered 412 (the tier had the blob) while a tier gc's live mark
+    is on it does not count: the gc may be deleting it. It stays pending and
+    is put again after the backoff (``marks``; capsulefs/fleet/live.py).
+    Even so the record is a hint: the eviction rule is live.py's.
   * Blobs fetched from the tier (a move's target) are marked known before
     they land (:meth:`TierUploader.known`), so they are not put back.
   * The state shows in ``.control/metrics``: blobs waiting, blobs put or
@@ -49,7 +53,7 @@ from capsulefs.core.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKOFF_FIRST", "BACKOFF_MOST", "BlobLister", "TierPutter", "TierRecord", "TierUploader", "RECORD_DIR"]
+__all__ = ["BACKOFF_FIRST", "BACKOFF_MOST", "BlobLister", "MarkCheck", "TierPutter", "TierRecord", "TierUploader", "RECORD_DIR"]
 
 RECORD_DIR = "fleet-tier"  # under the state dir: the records of what each tier is known to hold
 BACKOFF_FIRST = 1.0  # seconds before the first retry of a failed batch
@@ -60,6 +64,12 @@ class TierPutter(Protocol):
     """What the uploader needs of the tier (:class:`capsulefs.fleet.tier.TierBlobs`)."""
 
     async def put(self, sha256: str) -> bool: ...
+
+
+class MarkCheck(Protocol):
+    """Whether a gc's live mark is on a blob (:class:`capsulefs.fleet.live.Marks`)."""
+
+    async def live_mark(self, sha256: str) -> bool: ...
 
 
 class BlobLister(Protocol):
@@ -132,9 +142,10 @@ def _ends_with_newline(path: str) -> bool:
 class TierUploader:
     """Puts every blob the store tells it of to the tier (a daemon service; see the rules)."""
 
-    def __init__(self, tier: TierPutter, store: BlobLister, record: TierRecord, *,
+    def __init__(self, tier: TierPutter, store: BlobLister, record: TierRecord, *, marks: MarkCheck | None = None,
                  backoff_first: float = BACKOFF_FIRST, backoff_most: float = BACKOFF_MOST) -> None:
         self._tier = tier
+        self._marks = marks
         self._store = store
         self._record = record
         self._first, self._most = backoff_first, backoff_most
@@ -163,6 +174,17 @@ class TierUploader:
         """These blobs are in the tier (a move is fetching them from it): never put them."""
         with self._mutex:
             self._known.update(shas)
+
+    def known_blobs(self) -> frozenset[str]:
+        """The blobs put (or found there with no live gc mark): a hint, not the eviction rule (fleet/live.py)."""
+        with self._mutex:
+            return frozenset(self._known)
+
+    def put_again(self, sha256: str) -> None:
+        """The tier lacks this blob after all (a gc took it): put it again (trio thread)."""
+        with self._mutex:
+            self._known.discard(sha256)
+        self.notice(sha256)
 
     def _woken(self) -> None:
         self._wake.set()
@@ -238,6 +260,8 @@ class TierUploader:
                 metrics.TIER_PUTS.inc("failed")
                 failures.append(f"blob {sha}: {exc}")
                 return
+            if not stored and await self._marked(sha, failures):
+                return
             metrics.TIER_PUTS.inc("stored" if stored else "present")
             if stored:
                 try:
@@ -256,6 +280,21 @@ class TierUploader:
             for sha in done:
                 self._pending.pop(sha, None)
         return failures[0] if failures else None
+
+    async def _marked(self, sha: str, failures: list[str]) -> bool:
+        """After a 412: a live gc mark on the blob means the gc may delete it
+        now, so the put does not count: it is put again after a backoff."""
+        if self._marks is None:
+            return False
+        try:
+            marked = await self._marks.live_mark(sha)
+        except CapsuleError as exc:
+            failures.append(f"blob {sha}: its gc mark could not be read: {exc}")
+            return True
+        if marked:
+            metrics.TIER_PUTS.inc("marked")
+            failures.append(f"blob {sha}: the tier had it, under a tier gc's mark (put again once the mark goes)")
+        return marked
 
     # -- what it says ----------------------------------------------------------------------
     @property

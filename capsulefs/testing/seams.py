@@ -22,6 +22,15 @@ The test seam ``CAPSULEFS_TEST_LEASE_TIMING=TTL,RENEW_EVERY,RENEW_TIMEOUT,STOP_W
 lease's timing (core/fleet/lease.py: 10 s, 2 s, 1.5 s, 2 s), so
 tests/mount/test_fleet_mount.py can pause a daemon past its run window in seconds.
 
+The test seam ``CAPSULEFS_TEST_LIVE_REFRESH=SECONDS`` (test-only, read once at
+daemon start, with ``--blobs``) replaces the 300 s after which the live set
+is recomputed and its pointer's time renewed (capsulefs/fleet/live.py).
+
+The test seam ``CAPSULEFS_TEST_GC_PAUSE=DIR`` (test-only, read by ``capsulefs
+fleet gc``) stops the gc once it wrote its marks, before it reads the live
+sets again: it writes ``DIR/marked`` and waits until ``DIR/go`` exists, so a
+test can put a blob meanwhile (tests/daemons/test_fleet_tiergc.py).
+
 The test seam ``CAPSULEFS_TEST_LOSE_COMMIT=applied|unsent`` (test-only, fleet
 mode, read once at daemon start) loses the answer of the first move's commit
 Txn, after etcd applied it (``applied``) or without sending it (``unsent``):
@@ -50,13 +59,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "LOSE_COMMIT_ENV", "LosingCommit",
-           "STOP_ENV", "call_timeout_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam", "stop_seam"]
+           "STOP_ENV", "GC_PAUSE_ENV", "LIVE_REFRESH_ENV", "call_timeout_seam", "gc_pause_seam", "live_refresh_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam", "stop_seam"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
 STOP_ENV = "CAPSULEFS_TEST_STOP_AT"
 CALL_TIMEOUT_ENV = "CAPSULEFS_TEST_CALL_TIMEOUT"
 LEASE_TIMING_ENV = "CAPSULEFS_TEST_LEASE_TIMING"
 LOSE_COMMIT_ENV = "CAPSULEFS_TEST_LOSE_COMMIT"
+LIVE_REFRESH_ENV = "CAPSULEFS_TEST_LIVE_REFRESH"
+GC_PAUSE_ENV = "CAPSULEFS_TEST_GC_PAUSE"
 
 _SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
 _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
@@ -136,6 +147,30 @@ def call_timeout_seam(value: str | None) -> float | None:
         raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: must be above 0")
     log.warning("test seam %s=%s is set: a move's call times out after %gs", CALL_TIMEOUT_ENV, value, seconds)
     return seconds
+
+
+def live_refresh_seam(value: str | None) -> float | None:
+    """The test-only seam CAPSULEFS_TEST_LIVE_REFRESH, in seconds (None if unset)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise FormatError(f"{LIVE_REFRESH_ENV}={value!r}: not a number of seconds") from None
+    if not seconds > 0:
+        raise FormatError(f"{LIVE_REFRESH_ENV}={value!r}: must be above 0")
+    log.warning("test seam %s=%s is set: the live set is recomputed every %gs", LIVE_REFRESH_ENV, value, seconds)
+    return seconds
+
+
+def gc_pause_seam(value: str | None) -> str | None:
+    """The test-only seam CAPSULEFS_TEST_GC_PAUSE: the directory of its two files (None if unset)."""
+    if not value:
+        return None
+    if not os.path.isdir(value):
+        raise FormatError(f"{GC_PAUSE_ENV}={value!r}: not a directory")
+    log.warning("test seam %s=%s is set: the tier gc stops after its marks", GC_PAUSE_ENV, value)
+    return value
 
 
 def lease_timing_seam(value: str | None) -> LeaseTiming | None:
