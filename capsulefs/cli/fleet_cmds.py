@@ -1,5 +1,5 @@
 """The fleet mode's commands: check-blobs (the conformance check of a blob tier),
-ls and hosts (what the directory says).
+ls and hosts (what the directory says), gc (of the blob tier).
 
 httpx and the engine clients are imported inside the commands, so the rest
 of the CLI does not pay for them.
@@ -8,6 +8,7 @@ of the CLI does not pay for them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--writers", type=int, default=8, help="racing writers (default 8)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take (default 30)")
     p.set_defaults(func=cmd_check_blobs)
+    p = fsub.add_parser(
+        "gc", help="delete from the blob tier the blobs that no host's live set names (one gc at a time)",
+        description="Delete from the fleet's blob tier every blob that no host's published live set names and "
+        "that has been in the tier longer than the grace; each is marked first, the live sets read again, and "
+        "deleted only if still unnamed. Refused, in one line, while another gc runs, or when a host that holds "
+        "an agent in the directory has no live set (or a stale one). Credentials as check-blobs.")
+    p.add_argument("--grace", default="24h", metavar="DURATION",
+                   help="how long a blob must have been in the tier before it may go: 90s, 30m, 24h, 7d "
+                   "(default 24h; longer than any move)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    p.add_argument("--directory", metavar="etcd://HOST:PORT[,...]",
+                   help="the directory (etcd); default: the one 'mount --directory' saved in the state dir")
+    p.add_argument("--prefix", default=None,
+                   help="the fleet's key prefix in etcd (default: the saved one, else /capsulefs/)")
+    p.add_argument("--blobs", metavar="URL", default=None,
+                   help="the blob tier, http[s]://HOST[:PORT]/BUCKET[/PREFIX]; default: the saved one")
+    p.add_argument("--state", metavar="DIR", default=argparse.SUPPRESS, help="host state directory")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take (default 30)")
+    p.set_defaults(func=cmd_gc)
     for name, func, what in (
         ("ls", cmd_ls, "every agent in the directory: its holder, epoch, state, and whether the holder's lease lives"),
         ("hosts", cmd_hosts, "every host with a live lease: its address, lease time left and agents held"),
@@ -80,6 +100,58 @@ def cmd_check_blobs(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(f"capsulefs: error: the blob tier fails: {', '.join(report.failed)}", file=sys.stderr)
     return 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    import trio
+
+    from capsulefs.core.fleet import config
+    from capsulefs.core.fleet.s3_wire import parse_tier_url
+    from capsulefs.fleet.credentials import tier_credentials, tier_region
+    from capsulefs.fleet.etcd import open_etcd
+    from capsulefs.fleet.s3 import open_s3
+    from capsulefs.fleet.tiergc import TierGcReport, run_tier_gc
+    from capsulefs.testing import seams
+
+    grace = parse_duration(args.grace, "--grace")
+    layout = _layout(args)
+    blobs = args.blobs
+    if blobs is None:
+        saved = config.load(state_dir(args))
+        blobs = saved.blobs if saved is not None else None
+        if blobs is None:
+            raise UsageError(f"no --blobs given and no blob tier saved in {state_dir(args)} "
+                             "(capsulefs mount --directory ... --blobs URL saves it)")
+    tier = parse_tier_url(blobs)
+    creds = tier_credentials(state_dir(args))
+    pause = seams.gc_pause_seam(os.environ.get(seams.GC_PAUSE_ENV))
+
+    async def run() -> TierGcReport:
+        async with open_etcd(args.directory, timeout=args.timeout) as etcd, \
+                open_s3(tier, creds, region=tier_region(), timeout=args.timeout) as s3:
+            return await run_tier_gc(etcd, s3, layout, grace=grace, dry_run=args.dry_run, pause=pause)
+
+    r = trio.run(run)
+    print(f"tier gc {tier}: {r.listed} blob(s) in the tier, {r.named} named by the live sets of "
+          f"{len(r.sets)} host(s), {r.young} unnamed but younger than the grace")
+    if r.dry_run:
+        print(f"dry run: {r.candidates} blob(s) would be deleted")
+    else:
+        print(f"deleted {r.deleted} blob(s), {r.freed} bytes; kept {r.kept} candidate(s) named again or marked "
+              f"by another gc; removed {r.stale_marks} mark(s) of an earlier gc")
+    return 0
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``90s``, ``30m``, ``24h``, ``7d`` or plain seconds; UsageError naming ``what`` otherwise."""
+    t = text.strip()
+    number, unit = (t[:-1], t[-1]) if t[-1:] in _UNITS else (t, "s")
+    if not (number.isascii() and number.isdigit() and 0 < len(number) <= 9):
+        raise UsageError(f"{what} {text[:40]!r} is not a duration such as 90s, 30m, 24h or 7d")
+    return float(int(number) * _UNITS[unit])
 
 
 def _layout(args: argparse.Namespace) -> Layout:
