@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EvictionRecord", "LivePublisher", "Marks", "may_evict"]
 
 REFRESH = 300.0  # seconds: the set is recomputed, and its pointer's time renewed, at least this often
-BATCH_DELAY = 2.0  # seconds after a blob was stored before the set is recomputed (a batch of writes, one set)
+BATCH_DELAY = 10.0  # seconds after a blob was stored before the set is recomputed (a batch of writes, one set)
 CONCURRENCY = 8
 MAX_SET = 1 << 31  # bytes of a live set read back
 
