@@ -114,6 +114,23 @@ def _run_live(data: bytes, scratch: Path) -> None:
         assert liveset.parse_live_set(s.encode(), limit=1 << 20) == s  # (what parses, round-trips)
 
 
+def _grace_seeds() -> list[bytes]:
+    return [b"24h", b"90s", b"7d", b"15", b"0s"]
+
+
+def _run_grace(data: bytes, scratch: Path) -> None:
+    """``fleet gc --grace``: what a person typed."""
+    from capsulefs.cli import UsageError
+    from capsulefs.cli.fleet_cmds import parse_duration
+    from capsulefs.core.errors import FormatError
+
+    try:
+        seconds = parse_duration(data.decode("utf-8", "surrogateescape"), "--grace")
+    except UsageError as exc:
+        raise FormatError(str(exc)) from None
+    assert 0 <= seconds <= 999_999_999 * 86400
+
+
 def _host_seeds() -> list[bytes]:
     return [directory.HostEntry(host_id=_HOST_ID, address="10.0.0.1:7714", cert_sha256=_HOST_SHA).encode(),
             directory.HostEntry(host_id=_HOST_ID, address="[::1]:7714", cert_sha256=_HOST_SHA).encode(),
@@ -206,4 +223,5 @@ TARGETS = [
     Target("fleet-host-peers", _host_seeds, _run_host_peer),
     Target("fleet-tier-cache-size", _size_seeds, _run_size),
     Target("fleet-live-sets", _live_seeds, _run_live),
+    Target("fleet-gc-grace", _grace_seeds, _run_grace),
 ]

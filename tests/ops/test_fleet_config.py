@@ -127,3 +127,31 @@ def test_a_move_without_the_daemon_is_refused_in_the_fleet_mode(tmp_path: Path) 
         assert proc.returncode == 1, proc
         (line,) = proc.stderr.splitlines()
         assert line.startswith("capsulefs: error: in the fleet mode a move goes through the mount's daemon"), line
+
+
+def test_fleet_gc_needs_a_tier_and_a_grace_it_can_read_each_refused_in_one_line(tmp_path: Path) -> None:
+    from fleet_kit import free_ports
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (port,) = free_ports(1)
+    config.save(str(state), config.make(f"etcd://127.0.0.1:{port}", "/fleet-g/"))
+    for args, problem in [
+        ((), "no --blobs given and no blob tier saved"),
+        (("--grace", "1 day"), "--grace '1 day' is not a duration such as 90s, 30m, 24h or 7d"),
+        (("--grace=-5s",), "is not a duration"),
+        (("--grace", "10y"), "is not a duration"),
+        (("--grace", ""), "is not a duration"),
+        (("--blobs", "s3://bucket/eu"), "s3://"),
+    ]:
+        proc = run_cli("fleet", "gc", *args, state=state)
+        assert proc.returncode == 1 and proc.stdout == "", (args, proc)
+        (line,) = proc.stderr.splitlines()
+        assert problem in line, (args, line)
+
+
+def test_a_grace_is_seconds_minutes_hours_or_days() -> None:
+    from capsulefs.cli.fleet_cmds import parse_duration
+
+    assert [parse_duration(t, "--grace") for t in ("90s", "30m", "24h", "7d", "15", "0s")] == [
+        90.0, 1800.0, 86400.0, 604800.0, 15.0, 0.0]
