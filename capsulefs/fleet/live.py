@@ -198,7 +198,7 @@ class LivePublisher:
             try:
                 await self.round()
                 delay = 1.0
-            except CapsuleError as exc:
+            except (CapsuleError, OSError) as exc:  # (the tier or the directory down, a store it cannot read)
                 log.warning("live set of host %s not published (again in %.0f s): %s", self._host, delay, exc)
                 await trio.sleep(delay)
                 delay = min(delay * 2, 60.0)
