@@ -139,10 +139,11 @@ class EvictionRecord:
             return
         new = not os.path.exists(self.path)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_size:
-                data = b"\n" + data  # (after a torn line: an empty line is skipped)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # (after a torn line)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -128,3 +128,21 @@ def test_a_listing_gives_each_object_its_last_modified_time() -> None:
 def test_the_set_digest_is_what_the_pointer_carries() -> None:
     data = _set(3, 4)
     assert len(hashlib.sha256(data).hexdigest()) == 64
+
+
+def test_the_eviction_record_skips_a_torn_line_and_shrinks_to_a_set(tmp_path: object) -> None:
+    from capsulefs.fleet.live import EvictionRecord, may_evict
+
+    rec = EvictionRecord(str(tmp_path), "http://t/b/eu/")
+    a, b, c = ("a" * 64, "b" * 64, "c" * 64)
+    rec.add([a])
+    with open(rec.path, "ab") as f:
+        f.write(b"d" * 30)  # (a crash mid-append)
+    rec.add([b])
+    rec.add([c])
+    assert rec.load() == {a, b, c}
+    with open(rec.path, "rb") as f:
+        assert f.read().count(b"\n\n") == 0
+    rec.keep_only({b, c, "e" * 64})
+    evictable = rec.load()
+    assert evictable == {b, c} and may_evict(evictable, b) and not may_evict(evictable, a)
