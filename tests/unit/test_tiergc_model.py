@@ -332,7 +332,7 @@ TestMarkProtocol = MarkProtocol.TestCase
 
 def test_every_interleaving_of_one_host_one_blob_and_a_gc_keeps_the_blob() -> None:
     """1,632 states. (Two hosts and one blob, 355,698 states, and one host and two blobs,
-    285,654, were explored once the same way, with no loss: five minutes each here.)"""
+    285,654, were explored once the same way, with no loss: 374 s and 78 s here.)"""
     assert explore(Protocol(), 1, ("b0",)) is None
 
 
