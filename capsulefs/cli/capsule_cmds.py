@@ -237,10 +237,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     limit = parse_size(args.tier_cache)
     tier = _tier_url(args, "gc --tier-cache")
     from capsulefs.fleet.cache import EvictionPolicy
-    from capsulefs.fleet.uploader import TierRecord
+    from capsulefs.fleet.live import EvictionRecord
 
     store = open_store(args)
-    report, cache = store.gc_tier_cache(limit, EvictionPolicy(TierRecord(store.root, tier)))
+    report, cache = store.gc_tier_cache(limit, EvictionPolicy(EvictionRecord(store.root, tier)))
     print(f"removed {report.removed} blob(s), freed {report.freed} bytes, kept {report.kept}")
     print(f"evicted {cache.evicted} blob(s) held by the blob tier, freed {cache.evicted_bytes} bytes; "
           f"cache: {cache.cached_bytes} bytes of listed blobs kept here (limit {cache.limit})")

@@ -2,13 +2,15 @@
 
 Rules:
   * :meth:`EvictionPolicy.may_evict` is the ONE rule of which local copies
-    ``gc --tier-cache`` may delete (core/store/cache.py orders them). Today:
-    the blobs the tier record (``STATE/fleet-tier/<tier>.known``, written by
-    the uploader) names. The fleet-wide gc of the tier tightens exactly this
-    predicate; nothing else decides it.
-  * A blob missing from the store that the record names was evicted
-    (:meth:`TierCache.evicted`); one the record does not name is lost, and
-    nothing fetches it.
+    ``gc --tier-cache`` may delete (core/store/cache.py orders them): the
+    fleet's rule, :func:`capsulefs.fleet.live.may_evict`, on the eviction
+    record (``STATE/fleet-tier/<tier>.evictable``: blobs this host published
+    as live and afterwards found in the tier with no tier gc's mark on them),
+    read under the store's gc lock. The uploader's record of puts is not
+    enough (docs/fleet.md, "The eviction rule").
+  * A blob missing from the store that either record names was evicted
+    (:meth:`TierCache.evicted`); one neither names is lost, and nothing
+    fetches it.
   * :meth:`TierCache.ensure_local` gets the evicted blobs among those asked
     back from the tier before a reader reads them: each verified against
     its digest and size, stored through the store's durable path
@@ -42,6 +44,7 @@ from capsulefs.core.errors import BlobUnavailable, CapsuleError
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.tier import TierBlobs, TierFetchError
 from capsulefs.fleet.tier_moves import KnownInTier
+from capsulefs.fleet.live import EvictionRecord, may_evict
 from capsulefs.fleet.uploader import TierRecord
 
 log = logging.getLogger(__name__)
@@ -53,29 +56,36 @@ class EvictionPolicy:
     """Which local copies of listed blobs ``gc --tier-cache`` may delete.
 
     THE one place of that rule (see the module's rules): a blob may be
-    evicted only if the tier record names it, that is, this host put it to
-    the tier or found it there. The fleet-wide tier gc tightens it here
-    (a blob may go only once confirmed in the tier after this host
-    published it as live); gc and everything else ask only this."""
+    evicted only if the eviction record names it (:func:`may_evict` of
+    capsulefs/fleet/live.py: this host published a live set naming it, then
+    found it in the tier with no live mark); gc and everything else ask only
+    this. The record is read at the first question, which
+    ``HostStore.gc_tier_cache`` asks under the store's gc lock: the live set
+    publisher shrinks the record under that lock, so the answers are those
+    of one moment of the record, never of one read before a blob was
+    dropped from it."""
 
-    def __init__(self, record: TierRecord) -> None:
-        self._known = record.load()
+    def __init__(self, record: EvictionRecord) -> None:
+        self._record = record
+        self._evictable: frozenset[str] | None = None
 
     def may_evict(self, sha256: str) -> bool:
-        return sha256 in self._known
+        if self._evictable is None:
+            self._evictable = self._record.load()
+        return may_evict(self._evictable, sha256)
 
 
 class TierCache:
     """The store's evicted blobs, got back from the tier for a reader (see the rules)."""
 
-    def __init__(self, blobs: TierBlobs, store: HostStore, record: TierRecord, *,
+    def __init__(self, blobs: TierBlobs, store: HostStore, record: TierRecord, evictable: EvictionRecord, *,
                  known: KnownInTier | None = None) -> None:
         self._blobs = blobs
         self._store = store
-        self._record = record
+        self._records: tuple[TierRecord | EvictionRecord, ...] = (record, evictable)
         self._known_to = known
         self._recorded: set[str] = set()
-        self._recorded_at: tuple[int, int] | None = None  # the record file's (size, mtime) when read
+        self._recorded_at: tuple[tuple[int, int] | None, ...] = ()  # the records' files' (size, mtime) when read
         self._lock = threading.Lock()  # guards the two above (the view asks on the loop, readers in threads)
         self._fetching: dict[str, trio.Event] = {}
         self._failed: dict[str, str] = {}  # why the last fetch of a blob failed (for its waiters)
@@ -87,15 +97,15 @@ class TierCache:
         return not self._store.has_blob(sha256) and sha256 in self._known()
 
     def _known(self) -> set[str]:
-        """The record's digests, read again only if its file changed (any thread)."""
+        """The records' digests (the uploader's and the eviction record), read
+        again only if one of their files changed (any thread)."""
         with self._lock:
-            try:
-                st = os.stat(self._record.path)
-            except FileNotFoundError:
-                return set()
-            at = (st.st_size, st.st_mtime_ns)
+            at = tuple(_size_and_mtime(r.path) for r in self._records)
             if at != self._recorded_at:
-                self._recorded, self._recorded_at = self._record.load(), at
+                known: set[str] = set()
+                for r in self._records:
+                    known |= r.load()
+                self._recorded, self._recorded_at = known, at
             return self._recorded
 
     # -- getting them back ----------------------------------------------------------------
@@ -188,4 +198,13 @@ async def open_tier_cache(store: HostStore, tier_url: str, *, timeout: float = 6
     tier = parse_tier_url(tier_url)
     creds = tier_credentials(store.root)
     async with open_s3(tier, creds, region=tier_region(), timeout=timeout) as s3:
-        yield TierCache(TierBlobs(BlobTier(s3), store), store, TierRecord(store.root, str(tier)))
+        yield TierCache(TierBlobs(BlobTier(s3), store), store, TierRecord(store.root, str(tier)),
+                        EvictionRecord(store.root, str(tier)))
+
+
+def _size_and_mtime(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_size, st.st_mtime_ns)

@@ -87,10 +87,10 @@ class FleetMember:
                                          marks=marks)
             self.tier_offers = TierOffers(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, self.uploader)
             # The readers' (the mount, the sandbox build, a move's source) fetch of evicted blobs.
+            evictable = EvictionRecord(store.root, str(cfg.tier))
             self.tier_cache = TierCache(TierBlobs(tier, store, concurrency=TIER_CONCURRENCY), store, record,
-                                        known=self.uploader)
-            self.live = LivePublisher(store, tier, self.client, cfg.layout, host_id,
-                                      EvictionRecord(store.root, str(cfg.tier)), self.uploader, marks,
+                                        evictable, known=self.uploader)
+            self.live = LivePublisher(store, tier, self.client, cfg.layout, host_id, evictable, self.uploader, marks,
                                       refresh=live_refresh)
 
     def blob_stored(self, sha256: str) -> None:

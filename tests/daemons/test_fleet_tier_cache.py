@@ -2,8 +2,9 @@
 --blobs http://...``), a real etcd and a real SeaweedFS (``weed mini``), and real FUSE mounts.
 
   * ``capsulefs gc --tier-cache SIZE`` beside the daemon deletes the local
-    copies of the coldest listed blobs the tier record names, until the
-    rest fits SIZE; a ``cat`` through the mount gets one back from the tier
+    copies of the coldest listed blobs the eviction record names (published
+    in the host's live set, then confirmed in the tier), until the rest
+    fits SIZE; a ``cat`` through the mount gets one back from the tier
     (verified, stored again).
   * The tier down: the open of an evicted blob fails with EIO and a log
     line naming the blob; the mount stays read-write, the agent's other
@@ -70,8 +71,25 @@ def contents(h: Host, shas: list[str]) -> dict[str, bytes]:
     return {sha: object_path(h, sha).read_bytes() for sha in shas}
 
 
+@pytest.fixture(autouse=True)
+def _live_sets_every_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAPSULEFS_TEST_LIVE_REFRESH", "1")  # (the daemons inherit it: a live set round a second)
+
+
+def evictable_record(h: Host) -> Path | None:
+    """The host's eviction record (STATE/fleet-tier/<tier>.evictable; capsulefs/fleet/live.py)."""
+    return next((h.state / RECORD_DIR).glob("*.evictable"), None)
+
+
+def evictable(h: Host) -> set[str]:
+    path = evictable_record(h)
+    return set(path.read_text().split()) if path is not None else set()
+
+
 def all_recorded(h: Host, shas: list[str]) -> None:
+    """Every blob put to the tier, and confirmed there after the host published them as live (evictable)."""
     wait_for(lambda: recorded(h) >= set(shas), "every blob put to the tier and in the record")
+    wait_for(lambda: evictable(h) >= set(shas), "every blob published as live, confirmed: evictable")
 
 
 def gc_tier_cache(h: Host, size: int) -> str:
@@ -94,14 +112,16 @@ def test_gc_evicts_the_coldest_recorded_blobs_and_a_cat_fetches_one_back(hosts: 
     all_recorded(a, shas)
     for sha, days in zip(shas, [1, 4, 3, 10]):
         read_days_ago(a, sha, days)
-    # The coldest blob is not known to be in the tier: as if the uploader had not put it yet.
-    record = next((a.state / RECORD_DIR).iterdir())
-    record.write_text("".join(f"{sha}\n" for sha in shas[:3]))
-
     # A read through the mount makes a blob hot: its last read is now, not 3 days ago.
     assert through_mount(a, "carrier", shas[2]).read_bytes() == data[shas[2]]
-
+    # The coldest blob may not go: as if its confirmation in the tier had not come yet (with the daemon
+    # stopped, whose live set rounds would confirm it again).
+    a.stop()
+    record = evictable_record(a)
+    assert record is not None
+    record.write_text("".join(f"{sha}\n" for sha in shas[:3]))
     out = gc_tier_cache(a, 2 * BLOB)
+    a.start()
     assert f"evicted 2 blob(s) held by the blob tier, freed {2 * BLOB} bytes" in out, out
     assert f"cache: {2 * BLOB} bytes of listed blobs kept here" in out, out
     assert [local(a, sha) for sha in shas] == [False, False, True, True]

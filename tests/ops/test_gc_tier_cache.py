@@ -1,9 +1,9 @@
 """``capsulefs gc --tier-cache SIZE``: the host store as a cache of the blob tier
 (core/store/cache.py, ``HostStore.gc_tier_cache``, capsulefs/fleet/cache.py
-``EvictionPolicy``). No tier is asked anything here: the tier record
-(``STATE/fleet-tier/*.known``) says what the tier holds, as the uploader
-writes it; tests/daemons/test_fleet_tier_cache.py reads evicted blobs back
-from a real tier."""
+``EvictionPolicy``). No tier is asked anything here: the eviction record
+(``STATE/fleet-tier/*.evictable``) says what may go, as the live set
+publisher writes it (capsulefs/fleet/live.py); tests/daemons/test_fleet_tier_cache.py
+reads evicted blobs back from a real tier."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from capsulefs.core.fsutil import atomic_write
 from capsulefs.core.store.cache import TOUCH_EVERY
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.cache import EvictionPolicy
+from capsulefs.fleet.live import EvictionRecord
 from capsulefs.fleet.uploader import TierRecord
 
 from helpers import make_agent
@@ -42,8 +43,9 @@ def _read_at(store: HostStore, sha: str, days_ago: float) -> None:
     os.utime(path, ns=(time.time_ns() - int(days_ago * DAY), os.stat(path).st_mtime_ns))
 
 
-def _record(store: HostStore, shas: list[str]) -> TierRecord:
-    record = TierRecord(store.root, str(fleet_config.make("etcd://127.0.0.1:2379", blobs=TIER).tier))
+def _record(store: HostStore, shas: list[str]) -> EvictionRecord:
+    """These blobs were published as live, then confirmed in the tier: they may be evicted."""
+    record = EvictionRecord(store.root, str(fleet_config.make("etcd://127.0.0.1:2379", blobs=TIER).tier))
     record.add(shas)
     return record
 
@@ -113,6 +115,19 @@ def test_the_cli_refuses_a_bad_size_in_one_line(store: HostStore, state_dir: Pat
     fleet_config.save(str(state_dir), fleet_config.make("etcd://127.0.0.1:2379", blobs=TIER))
     proc = cli("gc", *args)
     assert proc.returncode != 0 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@EVICTED
+def test_blobs_only_put_to_the_tier_are_not_evicted(store: HostStore, state_dir: Path, cli) -> None:
+    # The uploader's record says the put was answered (201 or 412), which a tier gc's mark can undo:
+    # a blob may go only once the eviction record names it (docs/fleet.md, "The eviction rule").
+    shas = _agent_blobs(store, "a", [10 * KB] * 2)
+    fleet_config.save(str(state_dir), fleet_config.make("etcd://127.0.0.1:2379", blobs=TIER))
+    TierRecord(store.root, str(fleet_config.make("etcd://127.0.0.1:2379", blobs=TIER).tier)).add(shas)
+    _record(store, shas[:1])
+    out = cli("gc", "--tier-cache", "0", check=True).stdout
+    assert "evicted 1 blob(s) held by the blob tier" in out
+    assert [store.has_blob(s) for s in shas] == [False, True]
 
 
 def test_the_cli_refuses_tier_cache_on_a_host_without_a_tier(store: HostStore, state_dir: Path, cli) -> None:
