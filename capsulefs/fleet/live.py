@@ -49,9 +49,9 @@ from capsulefs.core.fleet.directory import Layout
 from capsulefs.core.fleet.errors import DirectoryReplyLost, ObjectNotFound
 from capsulefs.core.fleet.etcd import KeyValue
 from capsulefs.core.fleet.etcd import PutResult
-from capsulefs.core.fsutil import atomic_write, fsync_dir
+from capsulefs.core.fsutil import atomic_write
 from capsulefs.fleet.s3 import BlobTier
-from capsulefs.fleet.uploader import RECORD_DIR
+from capsulefs.fleet.uploader import RECORD_DIR, append_digests
 
 log = logging.getLogger(__name__)
 
@@ -134,24 +134,8 @@ class EvictionRecord:
         atomic_write(self.path, "".join(f"{s}\n" for s in sorted(have & live)).encode())
 
     def add(self, shas: Iterable[str]) -> None:
-        data = "".join(f"{s}\n" for s in shas).encode()
-        if not data:
-            return
-        new = not os.path.exists(self.path)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                data = b"\n" + data  # (after a torn line)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if new:
-            fsync_dir(self.dir)
+        """Append these digests, durably (as the tier record does)."""
+        append_digests(self.dir, self.path, shas)
 
 
 def may_evict(evictable: AbstractSet[str], sha256: str) -> bool:

@@ -112,25 +112,34 @@ class TierRecord:
 
     def add(self, shas: Iterable[str]) -> None:
         """Append these digests, durably (one write and one fsync)."""
-        data = "".join(f"{sha}\n" for sha in shas).encode()
-        if not data:
-            return
-        new = not os.path.exists(self.path)
-        if new:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            # A torn earlier append left a line without its newline: start afresh after it.
-            if not new and os.fstat(fd).st_size and not _ends_with_newline(self.path):
-                data = b"\n" + data
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if new:
-            fsync_dir(self.dir)
+        append_digests(self.dir, self.path, shas)
+
+
+def append_digests(directory: str, path: str, shas: Iterable[str]) -> None:
+    """Append digests to a record of one digest a line (``path`` in
+    ``directory``, made 0700 if missing), durably: one write, one fsync, and
+    the directory's fsync when the file is new. A torn earlier append (a
+    last line without its newline, skipped by the readers) gets its newline
+    first, so the new lines start afresh. (The tier record here and the
+    eviction record, capsulefs/fleet/live.py.)"""
+    data = "".join(f"{sha}\n" for sha in shas).encode()
+    if not data:
+        return
+    new = not os.path.exists(path)
+    if new:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if not new and os.fstat(fd).st_size and not _ends_with_newline(path):
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        fsync_dir(directory)
 
 
 def _ends_with_newline(path: str) -> bool:
