@@ -96,6 +96,15 @@ def gc_tier_cache(h: Host, size: int) -> str:
     return h.cli("gc", "--tier-cache", str(size)).stdout
 
 
+def evict_all_while_stopped(h: Host, shas: list[str]) -> None:
+    """Start the daemon (--no-run) until every blob is put and evictable, stop it, evict them all."""
+    h.start()
+    all_recorded(h, shas)
+    h.stop()
+    gc_tier_cache(h, 0)
+    assert not any(local(h, sha) for sha in shas)
+
+
 def open_errno(path: Path) -> int:
     try:
         path.read_bytes()
@@ -225,11 +234,7 @@ def test_an_agent_whose_workspace_was_evicted_starts(hosts: tuple[Host, Host]) -
     store = HostStore.open(a.state, create=False)
     store.agent(agent_id).write_files({fmt.SPEC: spec_bytes(
         {"version": 1, "entrypoint": ["sh", "-c", "cat data/0002 > /dev/null && exec sleep 600"]})})
-    a.start()  # (--no-run: the uploader puts and records every blob)
-    all_recorded(a, shas)
-    a.stop()
-    gc_tier_cache(a, 0)
-    assert not any(local(a, sha) for sha in shas)
+    evict_all_while_stopped(a, shas)
     try:
         a.start(run=True)
         wait_for(lambda: a.status("runner").get("run", {}).get("state") == "running", "the agent running")
@@ -243,10 +248,7 @@ def test_an_agent_whose_workspace_was_evicted_starts(hosts: tuple[Host, Host]) -
 def test_an_export_with_evicted_blobs_makes_a_tar_that_verifies(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     a, _b = hosts
     _agent_id, shas = agent_with_blobs(a, "carrier", 3)
-    a.start()
-    all_recorded(a, shas)
-    a.stop()
-    gc_tier_cache(a, 0)
+    evict_all_while_stopped(a, shas)
     out = tmp_path / "carrier.tar"
     a.cli("export", "carrier", "-o", str(out))
     assert "OK" in a.cli("verify", str(out)).stdout
