@@ -21,6 +21,7 @@ import pytest
 
 from capsulefs.core.journal.events import line_hash
 from capsulefs.core.journal.record import Record
+from capsulefs.core.store.host_store import HostStore
 from helpers import HANG, reference_agent_spec
 
 CAPSULEFS = str(Path(sys.executable).with_name("capsulefs"))
@@ -51,6 +52,30 @@ def daemon_pids(mnt: Path) -> list[int]:
         if os.fsencode(str(mnt)) in cmd and b"mount" in cmd:
             pids.append(int(pid))
     return pids
+
+
+#: An agent's spec whose process only sleeps (an import's agent, for a test that only needs it to run).
+SLEEPER = {"version": 1, "entrypoint": ["sh", "-c", "exec sleep 600"]}
+
+
+def export_of(tmp_path: Path, name: str, *, holder: str | None, agent_id: str | None = None,
+              spec: dict[str, object] = SLEEPER) -> Path:
+    """A capsule tar of a new agent ``name`` (runs ``spec``), made in a state
+    directory of its own, whose manifest names ``holder`` at epoch 1 (a copy
+    of an agent that host holds, as an export from it carries it); None: that
+    other state's own host, as ``capsulefs new`` there makes it. ``agent_id``:
+    the agent's id (default: a new one)."""
+    other = tmp_path / f"other-{name}"
+    if holder is None:
+        spec_file = tmp_path / f"spec-{name}.json"
+        spec_file.write_text(json.dumps(spec))
+        capsulefs("--state", str(other), "new", name, "--spec", str(spec_file))
+    else:
+        HostStore.open(other).create_agent(name, host_id=holder, agent_id=agent_id or os.urandom(16).hex(),
+                                           spec=spec)
+    tar = tmp_path / f"{name}.tar"
+    capsulefs("--state", str(other), "export", name, "-o", str(tar))
+    return tar
 
 
 def new_reference_agent(tmp_path: Path, stub_url: str, name: str = "pilot") -> Path:

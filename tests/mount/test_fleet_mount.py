@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from mount_kit import capsulefs, mounted, needs_fuse, new_reference_agent
+from mount_kit import SLEEPER, capsulefs, export_of, mounted, needs_fuse, new_reference_agent
 from mount_kit import status as agent_status
 
 from capsulefs.core.capsule import format as fmt
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.store.holder import HolderBook
-from capsulefs.core.store.host_store import HostStore
 from capsulefs.fleet.directory import read_hosts
 from capsulefs.fleet.etcd import open_etcd
 from capsulefs.peer.identity import load_or_create_identity
@@ -264,19 +263,6 @@ def test_a_daemon_paused_past_its_lease_deadline_refuses_the_first_write_after_i
 
 
 #: An agent's entrypoint for the import test (no provider needed).
-SLEEPER = {"version": 1, "entrypoint": ["sh", "-c", "exec sleep 600"]}
-
-
-def _held_export(tmp_path: Path, name: str, holder: str, agent_id: str) -> Path:
-    """A capsule tar of agent ``name`` whose manifest names ``holder`` (a copy
-    of an agent that host holds, as an export from it carries it)."""
-    other = tmp_path / f"other-{name}"
-    HostStore.open(other).create_agent(name, host_id=holder, agent_id=agent_id, spec=SLEEPER)
-    tar = tmp_path / f"{name}.tar"
-    capsulefs("--state", str(other), "export", name, "-o", str(tar))
-    return tar
-
-
 def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_this_host(
         tmp_path: Path, etcd_server: KillableEtcd) -> None:
     state = tmp_path / "state"
@@ -285,8 +271,8 @@ def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_
     capsulefs("--state", str(state), "new", "bystander", "--spec", str(spec))
     me = load_or_create_identity(state).host_id
     fresh_id, taken_id = os.urandom(16).hex(), os.urandom(16).hex()
-    fresh = _held_export(tmp_path, "fresh", me, fresh_id)
-    taken = _held_export(tmp_path, "taken", me, taken_id)
+    fresh = export_of(tmp_path, "fresh", holder=me, agent_id=fresh_id)
+    taken = export_of(tmp_path, "taken", holder=me, agent_id=taken_id)
     # the directory already names another host for "taken" (this copy is stale)
     _put_agent(etcd_server.spec, taken_id, fd.AgentEntry(host_id="host-b", epoch=9))
     mnt = tmp_path / "mnt"

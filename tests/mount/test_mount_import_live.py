@@ -16,36 +16,16 @@ from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import load_or_create_identity
 from helpers import wait_until
-from mount_kit import capsulefs, mounted, needs_fuse, status, write_errno
+from mount_kit import capsulefs, export_of, mounted, needs_fuse, status, write_errno
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
-
-SPEC = {"version": 1, "entrypoint": ["sh", "-c", "exec sleep 600"]}
-
-
-
-def _export_from(tmp_path: Path, name: str, holder: str | None) -> Path:
-    """A capsule tar of a new agent ``name`` (runs SPEC's entrypoint), made
-    in a state directory of its own whose manifest names ``holder`` (None:
-    that other state's own host, as `capsulefs new` there makes it)."""
-    other = tmp_path / f"other-{name}"
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(SPEC))
-    if holder is None:
-        capsulefs("--state", str(other), "new", name, "--spec", str(spec))
-    else:  # (a copy of an agent this host holds: its files, as an export from here would carry them)
-        HostStore.open(other).create_agent(name, host_id=holder, agent_id=os.urandom(16).hex(), spec=SPEC)
-    tar = tmp_path / f"{name}.tar"
-    capsulefs("--state", str(other), "export", name, "-o", str(tar))
-    return tar
-
 
 def test_an_agent_another_host_holds_imported_beside_the_daemon_is_read_only_and_not_run(
         state_dir: Path, tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
     me = load_or_create_identity(state_dir).host_id
-    foreign = _export_from(tmp_path, "foreign", None)
-    mine = _export_from(tmp_path, "mine", me)
+    foreign = export_of(tmp_path, "foreign", holder=None)
+    mine = export_of(tmp_path, "mine", holder=me)
     capsulefs("--state", str(state_dir), "new", "bystander")
     with mounted(state_dir, mnt):
         wait_until(lambda: (state_dir / "mount" / "daemon.json").exists(), "the daemon's services")
