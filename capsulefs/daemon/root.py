@@ -59,6 +59,7 @@ from capsulefs.mount.ops import Operations
 from capsulefs.move.fleet import Fleet
 from capsulefs.move.host import MoveHost, holders_dir
 from capsulefs.move.mount_moves import MountMoves
+from capsulefs.move.target import FLEET_GATE_AFTER
 from capsulefs.testing import seams
 from capsulefs.peer.finder import PeerFinder
 from capsulefs.peer.identity import load_or_create_identity
@@ -183,7 +184,8 @@ def compose(cfg: MountConfig) -> Mounted:
     moves = MountMoves(move_host, agents, listen=cfg.listen, retry_pause=cfg.retry_pause,
                        call_timeout=seams.call_timeout_seam(os.environ.get(seams.CALL_TIMEOUT_ENV)) or cfg.call_timeout,
                        fleet=moves_fleet, tier=fleet.tier_offers if fleet is not None else None,
-                       tier_cache=tier_cache)
+                       tier_cache=tier_cache,
+                       gate_after=seams.gate_after_seam(os.environ.get(seams.GATE_AFTER_ENV)) or FLEET_GATE_AFTER)
     services += [moves.serve, moves.standings.serve]
     if cfg.metrics_file:
         services.append(MetricsFile(view, cfg.metrics_file, cfg.metrics_interval).serve)

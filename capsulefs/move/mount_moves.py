@@ -52,7 +52,7 @@ from capsulefs.core.view.control import TierCache
 from capsulefs.core.view.nodes import AgentState
 from capsulefs.core.store.lifecycle import Standing
 from capsulefs.move.standing import Standings
-from capsulefs.move.target import MoveService, serve_moves
+from capsulefs.move.target import FLEET_GATE_AFTER, MoveService, serve_moves
 from capsulefs.move.warm import TierFetch
 from capsulefs.peer.errors import PeerError
 from capsulefs.peer.book import Peer
@@ -83,9 +83,11 @@ class MountMoves:
 
     def __init__(self, host: MoveHost, agents: MoveAgents, *, listen: tuple[str, int] | None = None,
                  call_timeout: float = 120.0, retry_pause: float = 1.0, fleet: Fleet | None = None,
-                 tier: TierFetch | None = None, tier_cache: TierCache | None = None) -> None:
+                 tier: TierFetch | None = None, tier_cache: TierCache | None = None,
+                 gate_after: float = FLEET_GATE_AFTER) -> None:
         self.agents = agents
         self.tier_cache = tier_cache  # blobs evicted here, fetched back for a move's source; None: no tier
+        self.gate_after = gate_after  # fleet mode: a prepared move idle this long asks the directory
         self.fleet = fleet  # None: peer-to-peer
         self.tier = tier  # a blob tier's fetch for the offers this host receives (fleet mode); None: peer-to-peer
         self.host = host
@@ -127,7 +129,8 @@ class MountMoves:
             if self.listen is not None:
                 serving = await nursery.start(partial(serve_moves, self.host, listen_host=self.listen[0],
                                                       port=self.listen[1], wrap=self.standings.around,
-                                                      fleet=self.fleet, tier=self.tier))
+                                                      fleet=self.fleet, tier=self.tier,
+                                                      gate_after=self.gate_after))
                 self.port = serving.port
                 log.info("serving moves on %s:%d as %s", self.listen[0], self.port, self.host.me)
             else:
@@ -150,9 +153,10 @@ class MountMoves:
             rec = self.host.holders.get(agent_id)
             if rec is None or rec.state not in (HolderState.FROZEN, HolderState.COMMITTING):
                 continue
-            peer = self.host.peers.by_id(rec.peer) if rec.peer else None
-            pending[agent_id] = self._running[agent_id] = _Running(self._control(agent_id, peer.name if peer else ""),
-                                                                   peer.name if peer else "?")
+            # (fleet mode: the target is named by its host id; peers.json is not read)
+            peer = self.host.peers.by_id(rec.peer) if rec.peer and self.fleet is None else None
+            name = peer.name if peer else rec.peer or "?"
+            pending[agent_id] = self._running[agent_id] = _Running(self._control(agent_id, name), name)
         return pending
 
     async def _resume(self, pending: dict[str, "_Running"]) -> None:

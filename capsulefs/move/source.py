@@ -22,7 +22,10 @@ Rules:
     the target (its ``activate`` call), whose answer decides nothing. A
     refused offer only rolls back (and raises this host's fence); a move
     that rolls back after its commit was sent runs the agent again only
-    once the directory names this host (docs/fleet.md).
+    once the directory names this host (docs/fleet.md). A move resumed
+    after a restart knows only its target's host id (the record's): the
+    target's address is looked up in the directory (the host's
+    ``PeerFinder``) before the first call to it, pinned to that id.
 
 Theory of operation: :func:`move_agent` freezes the agent, reads one
 consistent snapshot of its capsule files (the journal up to its last whole
@@ -65,6 +68,7 @@ from capsulefs.move.warm import warm_target
 from capsulefs.peer.client import PeerConnection, open_peer
 from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError
 from capsulefs.peer.book import Peer
+from capsulefs.peer.finder import PeerLookupFailed
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,9 @@ FILES_WAIT = archive.FILES_WAIT
 #: Seconds the fleet mode's nudge of the target (after the directory's verdict
 #: "active") may take; it decides nothing, the target also asks on its own.
 NUDGE_TIMEOUT = 10.0
+#: The address of a resumed move's target before it is known (never dialled:
+#: in the fleet mode the directory's is looked up first).
+_UNKNOWN_ADDRESS = "0.0.0.0:1"
 
 
 @dataclass
@@ -113,10 +120,13 @@ class MoveResult:
 class _Driver:
     def __init__(self, host: MoveHost, machine: mv.SourceMachine, peer: Peer, *, connect: Connector,
                  call_timeout: float, retry_pause: float, max_retry_pause: float, control: MoveControl,
-                 fleet: Fleet | None = None, tier_cache: TierCache | None = None) -> None:
+                 fleet: Fleet | None = None, tier_cache: TierCache | None = None, find_target: bool = False) -> None:
         self.host = host
         self.tier_cache = tier_cache  # with a blob tier: evicted blobs fetched back to send (see the rules)
         self.pins = ExitStack()
+        #: Fleet mode, a move resumed after a restart: the target's address is
+        #: the directory's, looked up before the first call to it (``_find_target``).
+        self.find_target = find_target
         # None: peer-to-peer, the target answers activate and status
         self.directory = None if fleet is None else SourceCalls(
             fleet, committing=machine.state is mv.SourceState.RESTARTED_COMMITTING)
@@ -143,8 +153,27 @@ class _Driver:
     # -- connection ---------------------------------------------------------------
     async def _conn(self) -> PeerConnection:
         if self.conn is None:
+            if self.find_target:
+                await self._find_target()
             self.conn = await self.stack.enter_async_context(self.connect(self.host.identity, self.peer))
         return self.conn
+
+    async def _find_target(self) -> None:
+        """Fleet mode, a resumed move: where the target is now, from its live
+        host record in the directory (the client pins the host id the record
+        names, the one this move's record keeps). PeerUnreachable if the
+        directory cannot be read or has no live host of that id (a lost
+        nudge: the target's own gate asks the directory)."""
+        host_id = self.peer.host_id
+        try:
+            found = await self.host.peer_finder.by_id(host_id)
+        except PeerLookupFailed as exc:
+            raise PeerUnreachable(f"host {host_id} could not be looked up: {exc}") from None
+        if found is None:
+            raise PeerUnreachable(f"host {host_id} is not a live host in the directory")
+        log.info("move of %s: its target %s is at %s (the directory's record)", self.m.agent_id, host_id,
+                 found.address)
+        self.peer, self.find_target = found, False
 
     async def _drop(self) -> None:
         if self.conn is not None:
@@ -283,10 +312,23 @@ class _Driver:
         effort: its answer decides nothing."""
         nudge = mv.Send(call=mv.Call.ACTIVATE, target=c.target, agent_id=c.agent_id, epoch=c.epoch)
         answer: object = mv.Timeout(reason="no answer")
-        with trio.move_on_after(min(self.call_timeout, NUDGE_TIMEOUT)):
-            answer = await self._call(nudge)
-        log.info("move of %s: nudged %s to activate epoch %d: %s", c.agent_id, self.peer.name, c.epoch,
-                 getattr(getattr(answer, "outcome", None), "value", type(answer).__name__))
+        assert self.directory is not None  # (the fleet mode's)
+        # The target takes a link only from a live host in the directory: a
+        # source restarted in COMMITTING nudges once it has its lease again.
+        with trio.move_on_after(NUDGE_TIMEOUT) as waited:
+            await self.directory.fleet.lease.wait_alive()
+        if waited.cancelled_caught:
+            answer = mv.Timeout(reason=f"this host had no lease from the directory within {NUDGE_TIMEOUT:g}s")
+        else:
+            with trio.move_on_after(min(self.call_timeout, NUDGE_TIMEOUT)):
+                answer = await self._call(nudge)
+        if isinstance(answer, mv.ActivateReply):
+            log.info("move of %s: nudged %s to activate epoch %d: %s", c.agent_id, self.peer.name, c.epoch,
+                     answer.outcome.value)
+        else:
+            log.warning("move of %s: could not nudge %s to activate epoch %d (%s); it activates once its own "
+                        "gate asks the directory", c.agent_id, self.peer.name, c.epoch,
+                        getattr(answer, "reason", type(answer).__name__))
 
     def _refused_offer(self, reply: mv.OfferReply) -> object:
         """Fleet mode: the directory, not the target's records, says who holds
@@ -532,7 +574,11 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
                 return
             assert record.peer is not None
             try:
-                peer = host.peers.by_id(record.peer) or Peer(name="unknown", address="0.0.0.0:1", host_id=record.peer)
+                if fleet is not None:  # (its address: the directory's, at the first call to it; never peers.json)
+                    peer = Peer(name=record.peer, address=_UNKNOWN_ADDRESS, host_id=record.peer)
+                else:
+                    peer = host.peers.by_id(record.peer) or Peer(name="unknown", address=_UNKNOWN_ADDRESS,
+                                                                 host_id=record.peer)
             except CapsuleError as exc:  # the record names no host a peer could be: nobody to ask
                 log.error("cannot resume the move of %s (%s): %s; it stays %s until an operator abandons it",
                           agent_id, record.describe_move(), exc, record.state.value)
@@ -540,7 +586,7 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
             ctl = control_for(agent_id) if control_for is not None else control or MoveControl()
             driver = _Driver(host, mv.SourceMachine(record, me=host.me), peer, connect=connect,
                              call_timeout=call_timeout, retry_pause=retry_pause, max_retry_pause=max_retry_pause,
-                             control=ctl, fleet=fleet)
+                             control=ctl, fleet=fleet, find_target=fleet is not None)
             log.info("resuming the move of %s to %s (%s)", agent_id, peer.name, record.state.value)
             await driver.run(mv.Restarted())
             results.append(_result(driver))

@@ -94,9 +94,10 @@ class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
     def __init__(self, host: MoveHost, *, deep_verify: bool = False, fleet: Fleet | None = None,
-                 tier: TierFetch | None = None) -> None:
+                 tier: TierFetch | None = None, gate_after: float = FLEET_GATE_AFTER) -> None:
         self.host = host
         self.fleet = fleet  # None: peer-to-peer
+        self.gate_after = gate_after  # fleet mode: seconds a prepared move sits idle before it asks the directory
         #: Fleet mode: the staging areas of prepared moves a restart spared, by (agent_id, epoch).
         self._kept: dict[tuple[str, int], str] = {}
         self.deep_verify = deep_verify  # re-hash blobs the target already had
@@ -184,6 +185,8 @@ class MoveService:
                     and rec.peer == source)
         if which is mv.Call.ACTIVATE:
             if prepared and self.fleet is not None and await named(self.fleet, agent_id, epoch):
+                log.info("agent %s: activating the move prepared at epoch %d on the nudge of %s (the directory "
+                         "names this host)", agent_id, epoch, source)
                 return await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source))
             if prepared:  # (a nudge only ever activates: never refuse on it)
                 return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
@@ -211,9 +214,9 @@ class MoveService:
         return outcome
 
     async def _gate_prepared(self, now: float) -> None:
-        """Fleet mode: every prepared move idle for FLEET_GATE_AFTER, or kept
-        over a restart, asks the directory (its nudge may never come)."""
-        idle = {k for k, inc in self._incoming.items() if now - inc.last_activity >= FLEET_GATE_AFTER}
+        """Fleet mode: every prepared move idle for ``gate_after`` (FLEET_GATE_AFTER),
+        or kept over a restart, asks the directory (its nudge may never come)."""
+        idle = {k for k, inc in self._incoming.items() if now - inc.last_activity >= self.gate_after}
         keys = set(self._kept) | idle
         for agent_id, epoch in sorted(keys):
             async with self.host.lock(agent_id):
@@ -536,6 +539,7 @@ async def serve_moves(
     wrap: Callable[[MoveService], PeerHandler] | None = None,
     fleet: Fleet | None = None,
     tier: TierFetch | None = None,
+    gate_after: float = FLEET_GATE_AFTER,
     task_status: trio.TaskStatus[ServingMoves] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The target side of a daemon: recover, then answer move calls forever.
@@ -543,8 +547,9 @@ async def serve_moves(
     ``started()`` reports the bound port once it listens. ``wrap`` may put
     something around the service (tests put a fault injector there).
     ``tier``: the blob tier's fetch for offers (fleet mode), else None.
+    ``gate_after``: fleet mode, seconds a prepared move sits idle before it asks the directory.
     """
-    service = MoveService(host, fleet=fleet, tier=tier)
+    service = MoveService(host, fleet=fleet, tier=tier, gate_after=gate_after)
     await service.recover()
     try:
         async with trio.open_nursery() as nursery:

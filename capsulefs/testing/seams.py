@@ -31,6 +31,12 @@ fleet gc``) stops the gc once it wrote its marks, before it reads the live
 sets again: it writes ``DIR/marked`` and waits until ``DIR/go`` exists, so a
 test can put a blob meanwhile (tests/daemons/test_fleet_tiergc.py).
 
+The test seam ``CAPSULEFS_TEST_GATE_AFTER=SECONDS`` (test-only, fleet mode,
+read once at daemon start) replaces the 10 s a prepared move sits idle before
+the target asks the directory's gate (``FLEET_GATE_AFTER``), so
+tests/daemons/test_fleet_moves.py can see that a target activated on the
+source's nudge, not on its own gate.
+
 The test seam ``CAPSULEFS_TEST_LOSE_COMMIT=applied|unsent`` (test-only, fleet
 mode, read once at daemon start) loses the answer of the first move's commit
 Txn, after etcd applied it (``applied``) or without sending it (``unsent``):
@@ -58,8 +64,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "LEASE_TIMING_ENV", "LOSE_COMMIT_ENV", "LosingCommit",
-           "STOP_ENV", "GC_PAUSE_ENV", "LIVE_REFRESH_ENV", "call_timeout_seam", "gc_pause_seam", "live_refresh_seam", "crash_seam", "lease_timing_seam", "lose_commit_seam", "stop_seam"]
+__all__ = ["CALL_TIMEOUT_ENV", "CRASH_ENV", "CrashingHolders", "GATE_AFTER_ENV", "GC_PAUSE_ENV", "LEASE_TIMING_ENV",
+           "LIVE_REFRESH_ENV", "LOSE_COMMIT_ENV", "LosingCommit", "STOP_ENV", "call_timeout_seam", "crash_seam",
+           "gate_after_seam", "gc_pause_seam", "lease_timing_seam", "live_refresh_seam", "lose_commit_seam",
+           "stop_seam"]
 
 CRASH_ENV = "CAPSULEFS_TEST_CRASH_AT"
 STOP_ENV = "CAPSULEFS_TEST_STOP_AT"
@@ -68,6 +76,7 @@ LEASE_TIMING_ENV = "CAPSULEFS_TEST_LEASE_TIMING"
 LOSE_COMMIT_ENV = "CAPSULEFS_TEST_LOSE_COMMIT"
 LIVE_REFRESH_ENV = "CAPSULEFS_TEST_LIVE_REFRESH"
 GC_PAUSE_ENV = "CAPSULEFS_TEST_GC_PAUSE"
+GATE_AFTER_ENV = "CAPSULEFS_TEST_GATE_AFTER"
 
 _SOURCE_STATES = {HolderState.FROZEN, HolderState.COMMITTING, HolderState.RETIRED}
 _TARGET_STATES = {HolderState.OFFERED, HolderState.VERIFIED, HolderState.PREPARED}
@@ -135,16 +144,21 @@ def stop_seam(host: MoveHost, value: str | None) -> None:
     host.holders = CrashingHolders(host.holders.directory, side, st, stop=True)
 
 
+def _seconds(env: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise FormatError(f"{env}={value!r}: not a number of seconds") from None
+    if not seconds > 0:
+        raise FormatError(f"{env}={value!r}: must be above 0")
+    return seconds
+
+
 def call_timeout_seam(value: str | None) -> float | None:
     """The test-only seam CAPSULEFS_TEST_CALL_TIMEOUT, in seconds (None if unset)."""
     if not value:
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: not a number of seconds") from None
-    if not seconds > 0:
-        raise FormatError(f"{CALL_TIMEOUT_ENV}={value!r}: must be above 0")
+    seconds = _seconds(CALL_TIMEOUT_ENV, value)
     log.warning("test seam %s=%s is set: a move's call times out after %gs", CALL_TIMEOUT_ENV, value, seconds)
     return seconds
 
@@ -171,6 +185,16 @@ def gc_pause_seam(value: str | None) -> str | None:
         raise FormatError(f"{GC_PAUSE_ENV}={value!r}: not a directory")
     log.warning("test seam %s=%s is set: the tier gc stops after its marks", GC_PAUSE_ENV, value)
     return value
+
+
+def gate_after_seam(value: str | None) -> float | None:
+    """The test-only seam CAPSULEFS_TEST_GATE_AFTER, in seconds (None if unset)."""
+    if not value:
+        return None
+    seconds = _seconds(GATE_AFTER_ENV, value)
+    log.warning("test seam %s=%s is set: a prepared move asks the directory after %gs idle", GATE_AFTER_ENV, value,
+                seconds)
+    return seconds
 
 
 def lease_timing_seam(value: str | None) -> LeaseTiming | None:

@@ -15,7 +15,11 @@ etcd and each agent a ticker process sampled on both hosts every few ms
   * a commit whose reply is lost (the test seam CAPSULEFS_TEST_LOSE_COMMIT:
     applied, or never sent): the source is in doubt, and its status question,
     the directory's settle, decides it (active; or fenced, then rolled back,
-    and the target's gate refuses its prepared move).
+    and the target's gate refuses its prepared move);
+  * the source killed with -9 once its commit applied (before its nudge):
+    restarted, it settles the move, finds the target's address in the
+    directory and nudges it, and the target activates on that nudge (its
+    own gate is set 10 minutes off by CAPSULEFS_TEST_GATE_AFTER).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ import trio
 from capsulefs.core.fleet import config as fleet_config
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.core.move import Outcome
+from capsulefs.fleet.authority import DirectoryAuthority
 from capsulefs.fleet.etcd import open_etcd
-from capsulefs.testing.seams import LOSE_COMMIT_ENV
+from capsulefs.testing.seams import GATE_AFTER_ENV, LOSE_COMMIT_ENV
 from fleet_kit import EtcdServer, etcd_or_skip
 from helpers import HANG
 from test_move_daemons import (Host, add_messages, make_agent, new_ticker_agent, two_hosts, start_all, ticker_pids,
@@ -302,3 +308,47 @@ def test_a_commit_whose_reply_is_lost_is_settled_by_the_directory(
     assert "test seam" in log and "settled" in log, log[-3000:]
     verify_on(holder, "walker", tmp_path, 5)
     json.dumps(move)  # (what status showed is plain JSON)
+
+
+class _Alive:
+    """A lease view that lets the test act as a host whose lease lives."""
+
+    def may_run(self) -> bool:
+        return True
+
+
+def commit_as(etcd: EtcdServer, source: Host, agent_id: str, target: Host, epoch: int) -> Outcome:
+    """The commit Txn ``source`` would have sent for its move of the agent to
+    ``target`` at ``epoch`` (the directory's own code: begin, then commit)."""
+    async def run() -> Outcome:
+        async with open_etcd(etcd.spec, timeout=HANG) as client:
+            authority = DirectoryAuthority(client, LAYOUT, source.host_id, _Alive())
+            ticket = await authority.begin(agent_id, epoch - 1, target.host_id, epoch)
+            return (await authority.commit(ticket)).outcome
+
+    return trio.run(run)
+
+
+def test_a_source_restarted_in_committing_nudges_its_target_found_in_the_directory(
+        fleet_hosts: tuple[Host, Host], tmp_path: Path, etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = fleet_hosts
+    with monkeypatch.context() as m:
+        m.setenv(GATE_AFTER_ENV, "600")  # (the target's gate cannot activate it within the test: only the nudge)
+        agent_id, script, _shared = ticker_agent_running_on_a(a, b, tmp_path, etcd, crash_at="source:committing")
+    sampler = Sampler(script)
+    try:
+        wait_for(lambda: sampler.running("mnt-a"), "the sampler to see the ticker on a")
+        assert move_while_killed(a, b, a) != 0  # A died once COMMITTING was durable, before its commit
+        assert record(a, agent_id) == (HolderState.COMMITTING, 2) and record(b, agent_id) == (HolderState.PREPARED, 2)
+        # the commit A had sent applies (its answer, and A's nudge, lost with A)
+        assert commit_as(etcd, a, agent_id, b, 2) is Outcome.ACTIVE
+        assert entry(etcd, agent_id) == fd.AgentEntry(host_id=b.host_id, epoch=2)
+        # A has no pinned peers: it learns where B is from the directory
+        assert not (a.state / "peers.json").exists()
+        a.start(run=True)
+        ends_held_by(a, b, etcd, agent_id, script, "b", 2)
+    finally:
+        never_two(sampler)
+    assert f"on the nudge of {a.host_id}" in b.log.read_text(), b.log.read_text()[-3000:]
+    assert f"its target {b.host_id} is at 127.0.0.1:{b.port}" in a.log.read_text(), a.log.read_text()[-3000:]
+    verify_on(b, "walker", tmp_path, 5)
