@@ -296,6 +296,9 @@ MOVES = REGISTRY.counter("capsulefs_moves_total", "Moves of an agent away from t
                          "(done, rolled_back, stale, abandoned; failed: did not start) and cause.",
                          ["outcome", "cause"])
 MOVES_IN = REGISTRY.counter("capsulefs_moves_in_total", "Agents moved here and activated.")
+FLEET_ARRIVALS = REGISTRY.gauge("capsulefs_fleet_arrivals", "Fleet mode: agents held here that arrived while the "
+                                "daemon served and that the directory has not confirmed, by state (asking, "
+                                "retrying, refused).", ["state"])
 MOVE_BYTES = REGISTRY.counter("capsulefs_move_bytes_total", "Bytes of moves: sent (on the wire, framing "
                               "included) by this host as a source, received (blob bytes) as a target.",
                               ["direction"])

@@ -24,7 +24,10 @@ Rules:
     the epoch it holds (:meth:`Agents.lease_regained`); an agent this host
     holds that arrives while the host has a lease (``capsulefs import``) runs
     only once the directory names this host too (claimed first if it has no
-    entry: :meth:`Agents.confirm_arrivals`). docs/fleet.md.
+    entry: :meth:`Agents.confirm_arrivals`), asked again with a doubling
+    pause while the directory does not answer, and never again once it named
+    another holder; ``.control/status`` shows where each stands ("record",
+    "directory"). docs/fleet.md.
 
 Theory of operation: one object, built by the composition root
 (capsulefs/daemon/root.py) with its collaborators typed by the Protocols
@@ -35,14 +38,18 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
 from capsulefs.agents.removal import discard_leftovers, giving_up, refuse_if_moving
+from capsulefs.core import metrics
 from capsulefs.core.errors import CapsuleError
+from capsulefs.core.fleet.directory import AgentEntry, EntryState
 from capsulefs.core.store.holder import HolderBook, HolderState
 from capsulefs.core.store.story import story
 from capsulefs.core.store.lifecycle import Decision, runs, shown
@@ -52,7 +59,15 @@ from capsulefs.core.view.nodes import AgentState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentProcesses", "Agents", "Directory", "LeaseView", "MoveGuard", "RootEntries", "Standing"]
+__all__ = ["ARRIVAL_RETRY_FIRST", "ARRIVAL_RETRY_MAX", "AgentProcesses", "Agents", "Directory", "LeaseView",
+           "MoveGuard", "RootEntries", "Standing"]
+
+#: Fleet mode: seconds before an arrival is asked about again after the
+#: directory did not answer; doubled after each unanswered question, up to
+#: ARRIVAL_RETRY_MAX.
+ARRIVAL_RETRY_FIRST = 1.0
+ARRIVAL_RETRY_MAX = 30.0
+_ERROR_CHARS = 300  # of a directory error kept for the status
 
 
 class Standing(Protocol):
@@ -100,6 +115,10 @@ class Directory(Protocol):
         no entry (None); one round trip, under a live lease."""
         ...
 
+    async def entry(self, agent_id: str) -> AgentEntry | None:
+        """The agent's entry as the directory has it (a read that lets nothing run: to say who it names)."""
+        ...
+
 
 class LeaseView(Protocol):
     """Whether the host's lease lets it run agents now (the lease keeper)."""
@@ -123,6 +142,30 @@ class RootEntries(Protocol):
         """The root's entry ``name`` appeared or vanished (the kernel may cache it)."""
 
 
+@dataclass(eq=False)
+class _Arrival:
+    """Fleet mode: a held agent that arrived while the host had a lease, until
+    the directory answered about it (:meth:`Agents.confirm_arrivals`)."""
+
+    epoch: int  # the epoch this host's record holds it at
+    state: str = "asking"  # asking; retrying (no answer: asked again after ``pause``); refused (final)
+    tries: int = 0  # questions asked
+    last_error: str | None = None  # the last question's failure, one line
+    pause: float | None = None  # retrying: seconds between the last failure and the next question
+    retry_at: float | None = None  # retrying: time.monotonic() of the next question
+
+    def status(self, detail: str) -> dict[str, object]:
+        """The ``directory`` part of the agent's ``.control/status`` record section."""
+        retry_in = None if self.retry_at is None else round(max(0.0, self.retry_at - time.monotonic()), 1)
+        return {"state": self.state, "epoch": self.epoch, "tries": self.tries, "last_error": self.last_error,
+                "pause": self.pause, "retry_in": retry_in, "detail": detail}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
+
+
 class Agents:
     """Every agent's lifecycle on this host (see the module's rules)."""
 
@@ -143,8 +186,10 @@ class Agents:
         #: Fleet mode: agents the directory did not confirm after the last new lease, and why.
         self._unconfirmed: dict[str, str] = {}
         #: Fleet mode (from :meth:`lease_pending`): the held agents that arrived, for :meth:`confirm_arrivals`.
-        self._arrivals: trio.MemorySendChannel[tuple[str, int]] | None = None
-        self._arrivals_in: trio.MemoryReceiveChannel[tuple[str, int]] | None = None
+        self._arrivals: trio.MemorySendChannel[tuple[str, _Arrival]] | None = None
+        self._arrivals_in: trio.MemoryReceiveChannel[tuple[str, _Arrival]] | None = None
+        #: Fleet mode: the arrivals asked about since the last new lease, and where each stands.
+        self._arriving: dict[str, _Arrival] = {}
         #: Fleet mode: held agents that arrived while the host had no lease (the next new lease asks about them).
         self._arrived_unleased: set[str] = set()
         #: Agents made through the mount not yet shown (claimed at creation: capsulefs/move/mount_moves.py).
@@ -195,52 +240,111 @@ class Agents:
             return
         self._unconfirmed[agent_id] = (f"fleet: waiting for the directory to name this host at epoch {epoch} "
                                        f"(the agent arrived while the daemon served)")
-        self._arrivals.send_nowait((agent_id, epoch))
+        arrival = self._arriving[agent_id] = _Arrival(epoch)
+        self._count_arrivals()
+        self._arrivals.send_nowait((agent_id, arrival))
 
-    async def confirm_arrivals(self, directory: Directory, lease: LeaseView, *, retry_pause: float = 1.0,
+    async def confirm_arrivals(self, directory: Directory, lease: LeaseView, *,
+                               retry_pause: float = ARRIVAL_RETRY_FIRST, max_retry_pause: float = ARRIVAL_RETRY_MAX,
                                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Fleet mode, a service of the daemon: each held agent that arrived
         while the host has a lease is claimed at its epoch if the directory
         has no entry for it, then runs only once the directory names this host
         at that epoch (as :meth:`lease_regained` does for the agents present
-        at a new lease); else it stays read-only and stopped, saying why."""
+        at a new lease); until then it is read-only and stopped. A directory
+        that does not answer is asked again after ``retry_pause`` seconds,
+        doubled after each unanswered question up to ``max_retry_pause``;
+        an answer that names another holder (or epoch) is final: it stays
+        read-only and stopped, saying who the directory names. Each arrival
+        is asked about in a task of its own (one that waits holds up none)."""
         assert self._arrivals_in is not None  # (lease_pending made it: the fleet mode)
         task_status.started()
-        async with self._arrivals_in:
-            async for agent_id, epoch in self._arrivals_in:
-                await self._confirm_arrival(directory, lease, agent_id, epoch, retry_pause)
+        async with trio.open_nursery() as nursery, self._arrivals_in:
+            async for agent_id, arrival in self._arrivals_in:
+                nursery.start_soon(self._confirm_arrival, directory, lease, agent_id, arrival, retry_pause,
+                                   max_retry_pause)
 
-    async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, epoch: int,
-                               retry_pause: float) -> None:
-        waiting = self._unconfirmed.get(agent_id)
+    def _asking(self, agent_id: str, arrival: _Arrival) -> bool:
+        """Does this question still count? Not once a new lease asked about
+        every agent (it decided this one too, or asks it again), nor while
+        the host has no lease (the next lease's confirmation decides)."""
+        if self._arriving.get(agent_id) is arrival and self._lease_why is None:
+            return True
+        if self._arriving.get(agent_id) is arrival:
+            del self._arriving[agent_id]
+            self._count_arrivals()
+        return False
+
+    async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, arrival: _Arrival,
+                               retry_pause: float, max_retry_pause: float) -> None:
+        epoch, pause = arrival.epoch, retry_pause
         while True:
-            if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None:
-                return  # (a new lease decided it meanwhile, or the host lost its lease: the next one decides)
+            if not self._asking(agent_id, arrival):
+                return
+            if agent_id not in self.view.store.agent_ids():  # (removed meanwhile: nothing to ask about)
+                self._unconfirmed.pop(agent_id, None)
+                del self._arriving[agent_id]
+                self._count_arrivals()
+                return
+            arrival.tries += 1
             try:
                 named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
                 if named is None and await directory.claim(agent_id, epoch):
                     named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
             except CapsuleError as exc:
-                if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None:
-                    return  # (as above)
-                waiting = self._unconfirmed[agent_id] = f"fleet: the directory did not answer about it: {exc}"
-                log.warning("agent %s (arrived) waits: %s; asking again", agent_id, waiting)
-                await trio.sleep(retry_pause)
+                if not self._asking(agent_id, arrival):
+                    return
+                arrival.state, arrival.last_error, arrival.pause = "retrying", _one_line(exc), pause
+                arrival.retry_at = time.monotonic() + pause
+                self._unconfirmed[agent_id] = (f"fleet: the directory did not answer about it ({arrival.tries} "
+                                               f"tries; asking again in {pause:g}s): {arrival.last_error}")
+                self._count_arrivals()
+                log.warning("agent %s (arrived) waits: %s", agent_id, self._unconfirmed[agent_id])
+                await trio.sleep(pause)
+                pause = min(max_retry_pause, pause * 2)
                 continue
             break
-        if self._unconfirmed.get(agent_id) is not waiting or self._lease_why is not None or not lease.may_run():
-            return  # (as above: the answer no longer counts)
+        if not self._asking(agent_id, arrival) or not lease.may_run():
+            return  # (the answer no longer counts)
         if not named:
-            self._unconfirmed[agent_id] = f"fleet: the directory does not name this host at epoch {epoch}"
-            log.warning("agent %s (arrived) stays stopped: %s", agent_id, self._unconfirmed[agent_id])
+            why = await self._refused(directory, agent_id, epoch)
+            if not self._asking(agent_id, arrival):
+                return
+            arrival.state, arrival.pause, arrival.retry_at = "refused", None, None
+            self._unconfirmed[agent_id] = why
+            self._count_arrivals()
+            log.warning("agent %s (arrived) stays stopped: %s", agent_id, why)
             return
-        del self._unconfirmed[agent_id]
+        del self._unconfirmed[agent_id], self._arriving[agent_id]
+        self._count_arrivals()
         log.info("agent %s (arrived): the directory names this host at epoch %d", agent_id, epoch)
         if agent_id in self.view.store.agent_ids() and self.view.state(agent_id) is AgentState.FROZEN and \
                 shown(self.decision(agent_id), still=self._held(agent_id)) is AgentState.ACTIVE:
             self.view.resume(agent_id)
             if self.processes is not None:
                 await self.processes.on_resume(agent_id)
+
+    @staticmethod
+    async def _refused(directory: Directory, agent_id: str, epoch: int) -> str:
+        """Why an arrival the directory does not name stays stopped, one line
+        (naming whom it names, if a read of its entry says)."""
+        why = f"fleet: the directory does not name this host at epoch {epoch}"
+        try:
+            entry = await directory.entry(agent_id)
+        except CapsuleError as exc:
+            log.info("agent %s: its directory entry could not be read to say who holds it: %s", agent_id, exc)
+            return why
+        if entry is None:
+            return why
+        removed = " as removed" if entry.state is EntryState.REMOVED else ""
+        return f"{why}: it names host {entry.host_id} at epoch {entry.epoch}{removed}; it stays stopped here"
+
+    def _count_arrivals(self) -> None:
+        """The arrivals' gauge (core/metrics.py: FLEET_ARRIVALS), by where each stands."""
+        counts: dict[tuple[str, ...], float] = {("asking",): 0, ("retrying",): 0, ("refused",): 0}
+        for arrival in self._arriving.values():
+            counts[(arrival.state,)] = counts.get((arrival.state,), 0) + 1
+        metrics.FLEET_ARRIVALS.replace(counts)
 
     def _as_decided(self, agent_id: str) -> None:
         """After the mount showed an agent writable (a resume, an activate):
@@ -288,13 +392,16 @@ class Agents:
             detail = self.standing.detail(agent_id, name)
             if detail is not None:
                 out["detail"] = detail
+        arrival = self._arriving.get(agent_id)
+        if arrival is not None:  # (fleet mode: an arrival the directory has not confirmed)
+            out["directory"] = arrival.status(self._unconfirmed.get(agent_id, ""))
         return out
 
     # -- the fleet's host lease (capsulefs.fleet.keeper.LeaseListener, through root.py) ------
     def lease_pending(self, why: str) -> None:
         """Before the mount serves, in the fleet mode: nothing runs until the first lease."""
         self._lease_why = why
-        self._arrivals, self._arrivals_in = trio.open_memory_channel[tuple[str, int]](math.inf)
+        self._arrivals, self._arrivals_in = trio.open_memory_channel[tuple[str, _Arrival]](math.inf)
 
     def lease_lapsed(self, why: str) -> str:
         """The view's write guard found the lease's deadline passed before
@@ -370,6 +477,8 @@ class Agents:
             return  # (the lease ended meanwhile: the keeper stops again and asks for a new one)
         self._unconfirmed = unconfirmed
         self._lease_why = None
+        self._arriving = {}  # (every arrival's question is superseded: asked above, or asked again below)
+        self._count_arrivals()
         arrived, self._arrived_unleased = self._arrived_unleased, set()
         for agent_id in sorted(arrived - held.keys()):  # (arrived during the questions: asked about next)
             rec = self.holders.get(agent_id)

@@ -164,6 +164,12 @@ class DirectoryAuthority:
                 out[agent_id] = False
         return out
 
+    async def entry(self, agent_id: str) -> fd.AgentEntry | None:
+        """The agent's entry as the directory has it now: a plain read, which
+        lets nothing run (to say whom the directory names)."""
+        kv = await self._client.get(self._layout.agent(agent_id))
+        return None if kv is None else fd.decode_agent(kv.value)
+
     # -- the source --------------------------------------------------------------------
     async def begin(self, agent_id: str, held_epoch: int, target: str, epoch: int) -> Ticket:
         """Before the offer (the agent frozen): the read the commit will compare against."""

@@ -262,7 +262,6 @@ def test_a_daemon_paused_past_its_lease_deadline_refuses_the_first_write_after_i
             assert _write_memory(agent, "# notes\nafter the pauses\n") == 0
 
 
-#: An agent's entrypoint for the import test (no provider needed).
 def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_this_host(
         tmp_path: Path, etcd_server: KillableEtcd) -> None:
     state = tmp_path / "state"
@@ -287,6 +286,10 @@ def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_
                    "the directory's answer about the stale import")
         st = agent_status(mnt / "taken")
         assert st["state"] == "frozen" and st["writable"] is False and _running(mnt / "taken") is None, st
+        # a final answer, not a question asked again: it says whom the directory names
+        refused = st["record"]["directory"]
+        assert refused["state"] == "refused" and refused["tries"] == 1 and refused["retry_in"] is None, refused
+        assert "it names host host-b at epoch 9" in refused["detail"] == st["run"]["detail"], st
         assert _write_memory(mnt / "taken", "written on the wrong host\n") == errno.EROFS
         table = capsulefs("--state", str(state), "status").stdout
         assert "taken: not running: fleet: the directory does not name this host at epoch" in table, table
@@ -301,5 +304,53 @@ def test_a_held_agent_imported_under_a_lease_runs_only_once_the_directory_names_
         assert rows[fresh_id]["epoch"] == HolderBook(state / "holders").get(fresh_id).epoch
         assert rows[taken_id]["holder"] == "host-b" and rows[taken_id]["epoch"] == 9, rows[taken_id]
         assert _write_memory(mnt / "fresh", "# notes\nmine\n") == 0
-        # and the stale one still does not run
-        assert _running(mnt / "taken") is None and agent_status(mnt / "taken")["state"] == "frozen"
+        assert "directory" not in agent_status(mnt / "fresh")["record"]
+        # and the stale one still does not run, nor was it asked about again
+        st = agent_status(mnt / "taken")
+        assert _running(mnt / "taken") is None and st["state"] == "frozen"
+        assert st["record"]["directory"]["tries"] == 1, st
+
+
+def test_an_arrival_the_directory_does_not_answer_about_is_asked_again_with_a_growing_pause(
+        tmp_path: Path, etcd_server: KillableEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd stopped while the host's lease still lives (a 60 s lease here, by
+    the test seam): a held agent imported meanwhile stays read-only and
+    stopped, its status says the directory did not answer, and it is asked
+    again after 1, 2, 4 ... s; etcd started again, it is claimed and runs."""
+    monkeypatch.setenv(seams.LEASE_TIMING_ENV, "60,1,1,2")  # (the daemon's: the lease outlives etcd's downtime)
+    state = tmp_path / "state"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SLEEPER))
+    capsulefs("--state", str(state), "new", "bystander", "--spec", str(spec))
+    me = load_or_create_identity(state).host_id
+    late_id = os.urandom(16).hex()
+    late = export_of(tmp_path, "late", holder=me, agent_id=late_id)
+    mnt = tmp_path / "mnt"
+    with mounted(state, mnt, "--directory", etcd_server.spec, "--directory-prefix", PREFIX):
+        wait_until(lambda: _running(mnt / "bystander"), "the host's lease (its agent runs)")
+        etcd_server.kill()
+        capsulefs("--state", str(state), "import", str(late))
+        wait_until(lambda: "late" in os.listdir(mnt), "the imported agent in the mount")
+
+        def asked_again() -> bool:
+            directory = agent_status(mnt / "late")["record"].get("directory")
+            return directory is not None and directory["state"] == "retrying" and directory["tries"] >= 3
+
+        wait_until(asked_again, "the arrival asked about three times")
+        st = agent_status(mnt / "late")
+        waiting = st["record"]["directory"]
+        assert waiting["pause"] == min(30, 2 ** (waiting["tries"] - 1)), waiting  # 1, 2, 4 ... s, at most 30
+        assert waiting["last_error"] and waiting["epoch"] == 1 and waiting["retry_in"] is not None, waiting
+        assert st["run"]["detail"].startswith("fleet: the directory did not answer about it"), st["run"]
+        assert st["state"] == "frozen" and st["writable"] is False and _running(mnt / "late") is None, st
+        assert _write_memory(mnt / "late", "written before the directory answered\n") == errno.EROFS
+        assert _running(mnt / "bystander"), "the host's lease ended (the arrival's wait is not a lost lease's)"
+
+        etcd_server.start()
+        wait_until(lambda: _running(mnt / "late"), "the arrival to run once the directory answered")
+        st = agent_status(mnt / "late")
+        assert st["state"] == "active" and "directory" not in st["record"], st
+        rows = {r["agent_id"]: r for r in (json.loads(line) for line in capsulefs(
+            "--state", str(state), "fleet", "ls", "--json").stdout.splitlines())}
+        assert rows[late_id]["holder"] == me and rows[late_id]["epoch"] == 1, rows[late_id]
+        assert _write_memory(mnt / "late", "# notes\nafter the directory answered\n") == 0
