@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from capsulefs.agents import grants
 from capsulefs.cli import UsageError
 from capsulefs.cli.common import find_agent, host_id, new_agent_id, now_seconds, open_store, read_input_file, state_dir
-from capsulefs.move.host import holders_dir, new_agent_files, record_imported, record_new_agent
+from capsulefs.move.host import holders_dir, new_agent_files, record_imported, record_new_agent, refuse_stale_copy
 from capsulefs.core.capsule import archive, signing
 from capsulefs.core.errors import CapsuleError, SpecError
 from capsulefs.core.capsule.format import Manifest
@@ -206,6 +206,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     @contextmanager
     def installing(manifest: Manifest) -> Iterator[None]:
         with new_agent_files(state, manifest.agent_id):  # no daemon sees its files without its record
+            refuse_stale_copy(state, manifest.agent_id, manifest.name, manifest.holder.host, manifest.holder.epoch,
+                              here)
             yield
             if manifest.holder.host == here:
                 records.append(record_new_agent(state, manifest.agent_id, manifest.holder.epoch))

@@ -21,7 +21,8 @@ from typing import Protocol
 
 import trio
 
-from capsulefs.core.store.holder import HolderBook, HolderRecord, new_held, unknown
+from capsulefs.core.errors import ImportRefused
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState, new_held, unknown
 from capsulefs.core.store.layout import HOLDERS_DIR
 from capsulefs.core.store.host_store import HostStore
 from capsulefs.peer.identity import Identity, load_or_create_identity
@@ -29,7 +30,7 @@ from capsulefs.peer.book import PeerBook
 from capsulefs.peer.finder import BookPeers, PeerFinder
 
 __all__ = ["AgentHooks", "MoveHost", "NoHooks", "holders_dir", "new_agent_files", "record_imported",
-           "record_new_agent"]
+           "record_new_agent", "refuse_stale_copy"]
 
 
 def holders_dir(state_dir: str | os.PathLike[str]) -> str:
@@ -58,16 +59,46 @@ def record_new_agent(state_dir: str | os.PathLike[str], agent_id: str, epoch: in
     An agent removed here earlier and imported again is not simply held
     again: meanwhile another host may have imported the same export and,
     having learned that this host no longer holds it, taken it. It becomes
-    UNKNOWN: not run until the peers have been asked or an operator forces it."""
+    UNKNOWN: not run until the peers have been asked or an operator forces it.
+
+    An agent this host let go (its record RETIRED, or REFUSED) whose copy
+    names this host at a newer epoch than the record's is held at that epoch
+    (the lifecycle still runs it only with evidence: docs/move.md); a copy
+    at an epoch not above it is refused before it is installed
+    (:func:`refuse_stale_copy`)."""
     book = HolderBook(holders_dir(state_dir))
     rec = book.get(agent_id)
-    if rec is None:
+    if rec is None or (rec.state in _LET_GO and epoch > rec.epoch):
         rec = new_held(agent_id, epoch)
         book.put(rec)
     elif rec.removed_here:
         rec = unknown(agent_id, "imported again after it was removed here", epoch=max(epoch, rec.epoch))
         book.put(rec)
     return rec
+
+
+#: Records of an agent this host let go: handed to another host (RETIRED), or an incoming move refused.
+_LET_GO = (HolderState.RETIRED, HolderState.REFUSED)
+
+
+def refuse_stale_copy(state_dir: str | os.PathLike[str], agent_id: str, name: str, holder: str, epoch: int,
+                      here: str) -> None:
+    """Before an import installs an agent's files (under its files lock):
+    ImportRefused, in one line, if this host let the agent go (its record
+    RETIRED or REFUSED) and the copy names this host (``here``) at an epoch
+    not above the record's: what this host had before it handed the agent
+    on. Installed, it would never be shown nor run (its record says another
+    host holds a newer epoch) and the next start would drop its files. A
+    copy that names another host (an export from the holder) is imported
+    as any other host's agent: in doubt (:func:`record_imported`)."""
+    rec = HolderBook(holders_dir(state_dir)).get(agent_id)
+    if rec is None or rec.state not in _LET_GO or holder != here or epoch > rec.epoch:
+        return
+    who = f"host {rec.peer}" if rec.peer else "another host"
+    what = "handed it to" if rec.state is HolderState.RETIRED else "refused a move of it from"
+    raise ImportRefused(f"agent {name} ({agent_id}): this host {what} {who} at epoch {rec.epoch}, and this copy "
+                        f"is this host's own from epoch {epoch}: nothing imported (move it back from its holder, "
+                        f"or import an export made there)")
 
 
 def record_imported(state_dir: str | os.PathLike[str], agent_id: str, holder_host: str, epoch: int) -> HolderRecord:

@@ -116,10 +116,14 @@ class Tree:
 
     def state(self, agent_id: str) -> AgentState:
         st = self._states.get(agent_id)
-        if st is AgentState.REMOVED and os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
-            del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
-            self._told.discard(agent_id)
-            st = None
+        if st in (AgentState.REMOVED, AgentState.RETIRED) and \
+                os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
+            if st is AgentState.REMOVED:
+                del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
+                self._told.discard(agent_id)
+                st = None
+            elif self.arrivals is not None:
+                st = self._back(agent_id)
         if st is not None:
             return st
         if agent_id in self._told or self.arrivals is None:
@@ -135,6 +139,20 @@ class Tree:
         if shown is None:
             return AgentState.FROZEN
         log.info("agent %s appeared in the store", agent_id)
+        self.set_state(agent_id, shown)
+        return shown
+
+    def _back(self, agent_id: str) -> AgentState:
+        """An agent retired here (moved away) whose files are in the store:
+        still retired while the lifecycle says so from its holder record (a
+        move's files not removed yet, a crash's leftovers, an import whose
+        record is not written yet); else it is back (an import of an agent
+        this host let go), an arrival shown as the lifecycle decides."""
+        assert self.arrivals is not None
+        shown = self.arrivals.arrived(agent_id)
+        if shown is None or shown is AgentState.RETIRED:
+            return AgentState.RETIRED
+        log.info("agent %s is in the store again after it moved away", agent_id)
         self.set_state(agent_id, shown)
         return shown
 

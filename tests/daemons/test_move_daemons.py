@@ -642,3 +642,46 @@ def test_import_status_ls_and_log_tell_one_story(hosts: tuple[Host, Host], tmp_p
     said("walker: held: this host holds it at epoch 1")
     a.stop()
     b.stop()
+
+
+def test_an_agent_imported_back_after_it_moved_away_is_shown_at_once(hosts: tuple[Host, Host],
+                                                                       tmp_path: Path) -> None:
+    """A's agent moved to B (A's record: retired), then B's export imported on
+    A while A's daemon serves: an arrival, shown at once as its new record
+    says (in doubt: read-only, not run), not hidden until a restart. A's own
+    copy from before the move is refused in one line, and nothing is installed."""
+    a, b = hosts
+    start_all(a, b)
+    agent_id = make_agent(a, events=2)
+    before = tmp_path / "before.tar"
+    a.cli("export", "walker", "-o", str(before))  # (A's own copy, at epoch 1)
+    assert write_move(a.mnt, "walker", "b\n") == 0
+    assert a.holder(agent_id) is HolderState.RETIRED and "walker" not in os.listdir(a.mnt)
+
+    refused = a.cli("import", str(before), check=False)
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"this host handed it to host {b.host_id} at epoch 2" in refused.stderr, refused.stderr
+    assert not (a.state / "agents" / agent_id).exists() and a.holder(agent_id) is HolderState.RETIRED
+    assert "walker" not in os.listdir(a.mnt)
+
+    from_b = tmp_path / "from-b.tar"
+    b.cli("export", "walker", "-o", str(from_b))
+    said = a.cli("import", str(from_b)).stdout.splitlines()[-1]
+    assert said.startswith("walker: in-doubt: "), said
+    wait_for(lambda: "walker" in os.listdir(a.mnt), "the import shown on A without a restart")
+    st = a.status("walker")
+    assert st["state"] == "frozen" and st["writable"] is False and st["record"]["state"] == "unknown", st
+    assert "walker: " + st["record"]["detail"] == said
+    with pytest.raises(OSError) as exc:
+        with open(a.mnt / "walker" / "memory" / "timeline_events.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "user_message", "text": "written on A"}) + "\n")
+    assert exc.value.errno == errno.EROFS
+    # B still holds it and takes writes
+    assert b.holder(agent_id) is HolderState.HELD and b.status("walker")["state"] == "active"
+    a.stop()
+    b.stop()
+    # and a restart shows it the same way
+    a.start()
+    assert a.status("walker")["state"] == "frozen" and a.status("walker")["record"]["state"] == "unknown"
+    a.stop()

@@ -17,7 +17,9 @@ from capsulefs.core.view.nodes import AgentState
 from capsulefs.daemon.root import MountConfig, Mounted, compose
 from capsulefs.peer.book import Peer, PeerBook
 from capsulefs.peer.identity import load_or_create_identity
-from capsulefs.move.host import record_imported, record_new_agent
+from capsulefs.core.errors import ImportRefused
+from capsulefs.core.store.holder import HolderBook, HolderRecord, HolderState
+from capsulefs.move.host import holders_dir, record_imported, record_new_agent, refuse_stale_copy
 from helpers import HOST, make_agent
 
 
@@ -107,6 +109,47 @@ async def test_an_agent_that_appears_while_the_fleet_lease_is_lost_is_read_only(
     assert m.view.state(agent_id) is AgentState.FROZEN
     assert m.agents.may_run(agent_id) == (False, "fleet lease lost: the directory did not answer")
     m.view.close()
+
+
+async def test_an_agent_retired_here_whose_files_come_back_is_shown_once_its_record_says_so(
+        store: HostStore, state_dir: Path, tmp_path: Path) -> None:
+    """An agent moved away (retired, its files removed) whose files are in the
+    store again: hidden while its record still says retired (a move's files
+    not removed yet, an import not recorded yet), then, once an import wrote
+    its record, an arrival shown as the lifecycle decides, without a restart."""
+    agent_id = make_agent(store, "alice").agent_id
+    other = load_or_create_identity(tmp_path / "other").host_id
+    m = _mounted(state_dir, tmp_path)
+    await m.agents.retire(agent_id)  # (a move away: the view first, then the record and the files)
+    HolderBook(holders_dir(state_dir)).put(HolderRecord(agent_id=agent_id, state=HolderState.RETIRED, epoch=2,
+                                                        peer=other))
+    store.remove_agent(agent_id)
+    assert m.view.state(agent_id) is AgentState.RETIRED
+    store.create_agent("alice", host_id=other, agent_id=agent_id)  # an import of the holder's export: files first
+    assert m.view.state(agent_id) is AgentState.RETIRED and "alice" not in m.view.names()
+    record_imported(state_dir, agent_id, other, 2)  # then its record: in doubt
+    assert m.view.state(agent_id) is AgentState.FROZEN and m.view.names() == {"alice": agent_id}
+    ok, why = m.agents.may_run(agent_id)
+    assert not ok and why.startswith("in-doubt"), why
+    m.view.close()
+
+
+def test_an_import_of_an_agent_let_go_here_is_held_only_at_a_newer_epoch(state_dir: Path, tmp_path: Path) -> None:
+    """A copy naming this host at an epoch not above the one it handed the
+    agent on at is refused before anything is installed; at a newer one it
+    is held at that epoch; a copy naming another host is not refused (in doubt)."""
+    me = load_or_create_identity(state_dir).host_id
+    other = load_or_create_identity(tmp_path / "other").host_id
+    book = HolderBook(holders_dir(state_dir))
+    agent_id = "c" * 32
+    book.put(HolderRecord(agent_id=agent_id, state=HolderState.RETIRED, epoch=2, peer=other))
+    for epoch in (1, 2):
+        with pytest.raises(ImportRefused, match=f"handed it to host {other} at epoch 2.*from epoch {epoch}"):
+            refuse_stale_copy(state_dir, agent_id, "alice", me, epoch, me)
+    refuse_stale_copy(state_dir, agent_id, "alice", other, 2, me)  # the holder's export: imported, in doubt
+    refuse_stale_copy(state_dir, agent_id, "alice", me, 3, me)
+    rec = record_new_agent(state_dir, agent_id, 3)
+    assert (rec.state, rec.held_epoch) == (HolderState.HELD, 3) and book.get(agent_id) == rec
 
 
 def test_the_agents_capsule_dir_is_absolute_whatever_the_mount_point_was_given_as(
