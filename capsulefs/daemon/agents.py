@@ -576,6 +576,9 @@ class Agents:
                     await self.activate(agent_id)
                 raise
             self.view.forget(agent_id)
+            self._unconfirmed.pop(agent_id, None)  # (an agent of that id imported again is asked about anew)
+            if self._arriving.pop(agent_id, None) is not None:
+                self._count_arrivals()
             # (a sandbox may hold gigabytes: off the loop that serves the mount)
             await trio.to_thread.run_sync(discard_leftovers, self.state_dir, self.work_dir, agent_id)
         log.info("removed agent %s (%s)", name, agent_id)

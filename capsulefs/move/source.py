@@ -126,7 +126,7 @@ class _Driver:
         self.pins = ExitStack()
         #: Fleet mode, a move resumed after a restart: the target's address is
         #: the directory's, looked up before the first call to it (``_find_target``).
-        self.find_target = find_target
+        self.find_target = self.resumed = find_target
         # None: peer-to-peer, the target answers activate and status
         self.directory = None if fleet is None else SourceCalls(
             fleet, committing=machine.state is mv.SourceState.RESTARTED_COMMITTING)
@@ -313,11 +313,11 @@ class _Driver:
         nudge = mv.Send(call=mv.Call.ACTIVATE, target=c.target, agent_id=c.agent_id, epoch=c.epoch)
         answer: object = mv.Timeout(reason="no answer")
         assert self.directory is not None  # (the fleet mode's)
-        # The target takes a link only from a live host in the directory: a
-        # source restarted in COMMITTING nudges once it has its lease again.
-        with trio.move_on_after(NUDGE_TIMEOUT) as waited:
-            await self.directory.fleet.lease.wait_alive()
-        if waited.cancelled_caught:
+        lease = self.directory.fleet.lease
+        if self.resumed:  # (the target takes a link only from a live host: once this restarted one has its lease)
+            with trio.move_on_after(NUDGE_TIMEOUT):
+                await lease.wait_alive()
+        if self.resumed and not lease.may_run():
             answer = mv.Timeout(reason=f"this host had no lease from the directory within {NUDGE_TIMEOUT:g}s")
         else:
             with trio.move_on_after(min(self.call_timeout, NUDGE_TIMEOUT)):
