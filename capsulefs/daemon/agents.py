@@ -59,14 +59,15 @@ from capsulefs.core.view.nodes import AgentState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ARRIVAL_RETRY_FIRST", "ARRIVAL_RETRY_MAX", "AgentProcesses", "Agents", "Directory", "LeaseView",
-           "MoveGuard", "RootEntries", "Standing"]
+__all__ = ["ARRIVAL_QUESTIONS", "ARRIVAL_RETRY_FIRST", "ARRIVAL_RETRY_MAX", "AgentProcesses", "Agents", "Directory",
+           "LeaseView", "MoveGuard", "RootEntries", "Standing"]
 
 #: Fleet mode: seconds before an arrival is asked about again after the
 #: directory did not answer; doubled after each unanswered question, up to
 #: ARRIVAL_RETRY_MAX.
 ARRIVAL_RETRY_FIRST = 1.0
 ARRIVAL_RETRY_MAX = 30.0
+ARRIVAL_QUESTIONS = 8  # arrivals asked about at once (each in a task of its own)
 _ERROR_CHARS = 300  # of a directory error kept for the status
 
 
@@ -256,13 +257,15 @@ class Agents:
         doubled after each unanswered question up to ``max_retry_pause``;
         an answer that names another holder (or epoch) is final: it stays
         read-only and stopped, saying who the directory names. Each arrival
-        is asked about in a task of its own (one that waits holds up none)."""
+        is asked about in a task of its own (one that waits holds up none),
+        at most ARRIVAL_QUESTIONS questions at once."""
         assert self._arrivals_in is not None  # (lease_pending made it: the fleet mode)
         task_status.started()
+        limit = trio.CapacityLimiter(ARRIVAL_QUESTIONS)
         async with trio.open_nursery() as nursery, self._arrivals_in:
             async for agent_id, arrival in self._arrivals_in:
                 nursery.start_soon(self._confirm_arrival, directory, lease, agent_id, arrival, retry_pause,
-                                   max_retry_pause)
+                                   max_retry_pause, limit)
 
     def _asking(self, agent_id: str, arrival: _Arrival) -> bool:
         """Does this question still count? Not once a new lease asked about
@@ -276,7 +279,7 @@ class Agents:
         return False
 
     async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, arrival: _Arrival,
-                               retry_pause: float, max_retry_pause: float) -> None:
+                               retry_pause: float, max_retry_pause: float, limit: trio.CapacityLimiter) -> None:
         epoch, pause = arrival.epoch, retry_pause
         while True:
             if not self._asking(agent_id, arrival):
@@ -288,9 +291,10 @@ class Agents:
                 return
             arrival.tries += 1
             try:
-                named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
-                if named is None and await directory.claim(agent_id, epoch):
+                async with limit:
                     named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
+                    if named is None and await directory.claim(agent_id, epoch):
+                        named = (await directory.confirm_batch({agent_id: epoch})).get(agent_id)
             except CapsuleError as exc:
                 if not self._asking(agent_id, arrival):
                     return
