@@ -41,7 +41,6 @@ import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import Protocol
 
 import trio
@@ -51,6 +50,7 @@ from capsulefs.core import metrics
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fleet.directory import AgentEntry, EntryState
 from capsulefs.core.store.holder import HolderBook, HolderState
+from capsulefs.daemon.arrivals import ARRIVAL_QUESTIONS, ARRIVAL_RETRY_FIRST, ARRIVAL_RETRY_MAX, Arrival, one_line
 from capsulefs.core.store.story import story
 from capsulefs.core.store.lifecycle import Decision, runs, shown
 from capsulefs.core.view.errors import ReadOnly
@@ -59,16 +59,7 @@ from capsulefs.core.view.nodes import AgentState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ARRIVAL_QUESTIONS", "ARRIVAL_RETRY_FIRST", "ARRIVAL_RETRY_MAX", "AgentProcesses", "Agents", "Directory",
-           "LeaseView", "MoveGuard", "RootEntries", "Standing"]
-
-#: Fleet mode: seconds before an arrival is asked about again after the
-#: directory did not answer; doubled after each unanswered question, up to
-#: ARRIVAL_RETRY_MAX.
-ARRIVAL_RETRY_FIRST = 1.0
-ARRIVAL_RETRY_MAX = 30.0
-ARRIVAL_QUESTIONS = 8  # arrivals asked about at once (each in a task of its own)
-_ERROR_CHARS = 300  # of a directory error kept for the status
+__all__ = ["AgentProcesses", "Agents", "Directory", "LeaseView", "MoveGuard", "RootEntries", "Standing"]
 
 
 class Standing(Protocol):
@@ -143,30 +134,6 @@ class RootEntries(Protocol):
         """The root's entry ``name`` appeared or vanished (the kernel may cache it)."""
 
 
-@dataclass(eq=False)
-class _Arrival:
-    """Fleet mode: a held agent that arrived while the host had a lease, until
-    the directory answered about it (:meth:`Agents.confirm_arrivals`)."""
-
-    epoch: int  # the epoch this host's record holds it at
-    state: str = "asking"  # asking; retrying (no answer: asked again after ``pause``); refused (final)
-    tries: int = 0  # questions asked
-    last_error: str | None = None  # the last question's failure, one line
-    pause: float | None = None  # retrying: seconds between the last failure and the next question
-    retry_at: float | None = None  # retrying: time.monotonic() of the next question
-
-    def status(self, detail: str) -> dict[str, object]:
-        """The ``directory`` part of the agent's ``.control/status`` record section."""
-        retry_in = None if self.retry_at is None else round(max(0.0, self.retry_at - time.monotonic()), 1)
-        return {"state": self.state, "epoch": self.epoch, "tries": self.tries, "last_error": self.last_error,
-                "pause": self.pause, "retry_in": retry_in, "detail": detail}
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
-
-
 class Agents:
     """Every agent's lifecycle on this host (see the module's rules)."""
 
@@ -187,10 +154,10 @@ class Agents:
         #: Fleet mode: agents the directory did not confirm after the last new lease, and why.
         self._unconfirmed: dict[str, str] = {}
         #: Fleet mode (from :meth:`lease_pending`): the held agents that arrived, for :meth:`confirm_arrivals`.
-        self._arrivals: trio.MemorySendChannel[tuple[str, _Arrival]] | None = None
-        self._arrivals_in: trio.MemoryReceiveChannel[tuple[str, _Arrival]] | None = None
+        self._arrivals: trio.MemorySendChannel[tuple[str, Arrival]] | None = None
+        self._arrivals_in: trio.MemoryReceiveChannel[tuple[str, Arrival]] | None = None
         #: Fleet mode: the arrivals asked about since the last new lease, and where each stands.
-        self._arriving: dict[str, _Arrival] = {}
+        self._arriving: dict[str, Arrival] = {}
         #: Fleet mode: held agents that arrived while the host had no lease (the next new lease asks about them).
         self._arrived_unleased: set[str] = set()
         #: Agents made through the mount not yet shown (claimed at creation: capsulefs/move/mount_moves.py).
@@ -241,7 +208,7 @@ class Agents:
             return
         self._unconfirmed[agent_id] = (f"fleet: waiting for the directory to name this host at epoch {epoch} "
                                        f"(the agent arrived while the daemon served)")
-        arrival = self._arriving[agent_id] = _Arrival(epoch)
+        arrival = self._arriving[agent_id] = Arrival(epoch)
         self._count_arrivals()
         self._arrivals.send_nowait((agent_id, arrival))
 
@@ -267,7 +234,7 @@ class Agents:
                 nursery.start_soon(self._confirm_arrival, directory, lease, agent_id, arrival, retry_pause,
                                    max_retry_pause, limit)
 
-    def _asking(self, agent_id: str, arrival: _Arrival) -> bool:
+    def _asking(self, agent_id: str, arrival: Arrival) -> bool:
         """Does this question still count? Not once a new lease asked about
         every agent (it decided this one too, or asks it again), nor while
         the host has no lease (the next lease's confirmation decides)."""
@@ -278,7 +245,7 @@ class Agents:
             self._count_arrivals()
         return False
 
-    async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, arrival: _Arrival,
+    async def _confirm_arrival(self, directory: Directory, lease: LeaseView, agent_id: str, arrival: Arrival,
                                retry_pause: float, max_retry_pause: float, limit: trio.CapacityLimiter) -> None:
         epoch, pause = arrival.epoch, retry_pause
         while True:
@@ -298,7 +265,7 @@ class Agents:
             except CapsuleError as exc:
                 if not self._asking(agent_id, arrival):
                     return
-                arrival.state, arrival.last_error, arrival.pause = "retrying", _one_line(exc), pause
+                arrival.state, arrival.last_error, arrival.pause = "retrying", one_line(exc), pause
                 arrival.retry_at = time.monotonic() + pause
                 self._unconfirmed[agent_id] = (f"fleet: the directory did not answer about it ({arrival.tries} "
                                                f"tries; asking again in {pause:g}s): {arrival.last_error}")
@@ -405,7 +372,7 @@ class Agents:
     def lease_pending(self, why: str) -> None:
         """Before the mount serves, in the fleet mode: nothing runs until the first lease."""
         self._lease_why = why
-        self._arrivals, self._arrivals_in = trio.open_memory_channel[tuple[str, _Arrival]](math.inf)
+        self._arrivals, self._arrivals_in = trio.open_memory_channel[tuple[str, Arrival]](math.inf)
 
     def lease_lapsed(self, why: str) -> str:
         """The view's write guard found the lease's deadline passed before

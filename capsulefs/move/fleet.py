@@ -38,14 +38,16 @@ from capsulefs.core import move as mv
 from capsulefs.core.fleet.errors import DirectoryError
 from capsulefs.core.move import Outcome
 from capsulefs.core.store.holder import HolderRecord, HolderState
-from capsulefs.peer.errors import CallFailed
+from capsulefs.peer.book import Peer
+from capsulefs.peer.errors import CallFailed, PeerUnreachable
+from capsulefs.peer.finder import PeerFinder, PeerLookupFailed
 
 if TYPE_CHECKING:  # (the fleet's modules load only in the fleet mode)
     from capsulefs.fleet.authority import Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fleet", "LeaseWait", "MoveDirectory", "SourceCalls", "gate", "gate_before_fence", "named"]
+__all__ = ["Fleet", "LeaseWait", "MoveDirectory", "SourceCalls", "find_target", "gate", "gate_before_fence", "named"]
 
 
 class MoveDirectory(Protocol):
@@ -150,6 +152,21 @@ class SourceCalls:
                             "epoch %d: it stays frozen here", agent_id, held_epoch)
                 return False
             # (the lease ended during the read: ask again under the next)
+
+
+async def find_target(finder: PeerFinder, host_id: str) -> Peer:
+    """A move resumed after a restart: where its target is now, from its live
+    host record in the directory (the client pins the host id the record
+    names, the one the move's record keeps). PeerUnreachable if the
+    directory cannot be read or has no live host of that id (a lost nudge:
+    the target's own gate asks the directory)."""
+    try:
+        found = await finder.by_id(host_id)
+    except PeerLookupFailed as exc:
+        raise PeerUnreachable(f"host {host_id} could not be looked up: {exc}") from None
+    if found is None:
+        raise PeerUnreachable(f"host {host_id} is not a live host in the directory")
+    return found
 
 
 async def named(fleet: Fleet, agent_id: str, epoch: int) -> bool:

@@ -22,10 +22,8 @@ Rules:
     the target (its ``activate`` call), whose answer decides nothing. A
     refused offer only rolls back (and raises this host's fence); a move
     that rolls back after its commit was sent runs the agent again only
-    once the directory names this host (docs/fleet.md). A move resumed
-    after a restart knows only its target's host id (the record's): the
-    target's address is looked up in the directory (the host's
-    ``PeerFinder``) before the first call to it, pinned to that id.
+    once the directory names this host (docs/fleet.md). A resumed move finds
+    its target's address in the directory (``fleet.find_target``).
 
 Theory of operation: :func:`move_agent` freezes the agent, reads one
 consistent snapshot of its capsule files (the journal up to its last whole
@@ -61,14 +59,13 @@ from capsulefs.core.view.control import TierCache
 from capsulefs.core.store.holder import HolderState
 from capsulefs.peer.identity import Identity
 from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
-from capsulefs.move.fleet import Fleet, SourceCalls
+from capsulefs.move.fleet import Fleet, SourceCalls, find_target
 from capsulefs.move.host import MoveHost
 from capsulefs.move.read_ahead import read_ahead
 from capsulefs.move.warm import warm_target
 from capsulefs.peer.client import PeerConnection, open_peer
 from capsulefs.peer.errors import PeerError, PeerRefused, PeerUnreachable, RemoteError
 from capsulefs.peer.book import Peer
-from capsulefs.peer.finder import PeerLookupFailed
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +80,7 @@ FILES_WAIT = archive.FILES_WAIT
 #: Seconds the fleet mode's nudge of the target (after the directory's verdict
 #: "active") may take; it decides nothing, the target also asks on its own.
 NUDGE_TIMEOUT = 10.0
-#: The address of a resumed move's target before it is known (never dialled:
-#: in the fleet mode the directory's is looked up first).
-_UNKNOWN_ADDRESS = "0.0.0.0:1"
+_UNKNOWN_ADDRESS = "0.0.0.0:1"  # a resumed move's target before it is known (fleet mode: never dialled)
 
 
 @dataclass
@@ -124,9 +119,7 @@ class _Driver:
         self.host = host
         self.tier_cache = tier_cache  # with a blob tier: evicted blobs fetched back to send (see the rules)
         self.pins = ExitStack()
-        #: Fleet mode, a move resumed after a restart: the target's address is
-        #: the directory's, looked up before the first call to it (``_find_target``).
-        self.find_target = self.resumed = find_target
+        self.find_target = self.resumed = find_target  # fleet mode, resumed: the target's address is the directory's
         # None: peer-to-peer, the target answers activate and status
         self.directory = None if fleet is None else SourceCalls(
             fleet, committing=machine.state is mv.SourceState.RESTARTED_COMMITTING)
@@ -159,21 +152,9 @@ class _Driver:
         return self.conn
 
     async def _find_target(self) -> None:
-        """Fleet mode, a resumed move: where the target is now, from its live
-        host record in the directory (the client pins the host id the record
-        names, the one this move's record keeps). PeerUnreachable if the
-        directory cannot be read or has no live host of that id (a lost
-        nudge: the target's own gate asks the directory)."""
-        host_id = self.peer.host_id
-        try:
-            found = await self.host.peer_finder.by_id(host_id)
-        except PeerLookupFailed as exc:
-            raise PeerUnreachable(f"host {host_id} could not be looked up: {exc}") from None
-        if found is None:
-            raise PeerUnreachable(f"host {host_id} is not a live host in the directory")
-        log.info("move of %s: its target %s is at %s (the directory's record)", self.m.agent_id, host_id,
-                 found.address)
-        self.peer, self.find_target = found, False
+        self.peer, self.find_target = await find_target(self.host.peer_finder, self.peer.host_id), False
+        log.info("move of %s: its target %s is at %s (the directory's record)", self.m.agent_id, self.peer.host_id,
+                 self.peer.address)
 
     async def _drop(self) -> None:
         if self.conn is not None:
@@ -307,11 +288,9 @@ class _Driver:
 
     # -- the fleet's directory (capsulefs/move/fleet.py) ----------------------------------
     async def _nudge(self, c: mv.Send) -> None:
-        """The directory names the target: tell it (its activate call) so it
-        reads that now, rather than once its prepared move sat idle. Best
-        effort: its answer decides nothing."""
-        nudge = mv.Send(call=mv.Call.ACTIVATE, target=c.target, agent_id=c.agent_id, epoch=c.epoch)
-        answer: object = mv.Timeout(reason="no answer")
+        """The directory names the target: tell it now (its activate call), not
+        once its prepared move sat idle. Best effort: its answer decides nothing."""
+        nudge, answer = mv.Send(call=mv.Call.ACTIVATE, target=c.target, agent_id=c.agent_id, epoch=c.epoch), object()
         assert self.directory is not None  # (the fleet mode's)
         lease = self.directory.fleet.lease
         if self.resumed:  # (the target takes a link only from a live host: once this restarted one has its lease)
@@ -322,13 +301,10 @@ class _Driver:
         else:
             with trio.move_on_after(min(self.call_timeout, NUDGE_TIMEOUT)):
                 answer = await self._call(nudge)
-        if isinstance(answer, mv.ActivateReply):
-            log.info("move of %s: nudged %s to activate epoch %d: %s", c.agent_id, self.peer.name, c.epoch,
-                     answer.outcome.value)
-        else:
-            log.warning("move of %s: could not nudge %s to activate epoch %d (%s); it activates once its own "
-                        "gate asks the directory", c.agent_id, self.peer.name, c.epoch,
-                        getattr(answer, "reason", type(answer).__name__))
+        told = answer.outcome.value if isinstance(answer, mv.ActivateReply) else None
+        log.log(logging.INFO if told else logging.WARNING, "move of %s: nudged %s to activate epoch %d: %s",
+                c.agent_id, self.peer.name, c.epoch, told or f"not reached ({getattr(answer, 'reason', 'no answer')}); it "
+                f"activates once its own gate asks the directory")
 
     def _refused_offer(self, reply: mv.OfferReply) -> object:
         """Fleet mode: the directory, not the target's records, says who holds
@@ -573,12 +549,9 @@ async def resume_moves(host: MoveHost, *, connect: Connector = open_peer, call_t
             if record is None or record.state not in (HolderState.FROZEN, HolderState.COMMITTING):
                 return
             assert record.peer is not None
-            try:
-                if fleet is not None:  # (its address: the directory's, at the first call to it; never peers.json)
-                    peer = Peer(name=record.peer, address=_UNKNOWN_ADDRESS, host_id=record.peer)
-                else:
-                    peer = host.peers.by_id(record.peer) or Peer(name="unknown", address=_UNKNOWN_ADDRESS,
-                                                                 host_id=record.peer)
+            try:  # (fleet mode: its address is the directory's, at the first call to it; never peers.json)
+                peer = (None if fleet is not None else host.peers.by_id(record.peer)) or Peer(
+                    name=record.peer if fleet is not None else "unknown", address=_UNKNOWN_ADDRESS, host_id=record.peer)
             except CapsuleError as exc:  # the record names no host a peer could be: nobody to ask
                 log.error("cannot resume the move of %s (%s): %s; it stays %s until an operator abandons it",
                           agent_id, record.describe_move(), exc, record.state.value)

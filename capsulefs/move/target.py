@@ -89,15 +89,13 @@ FLEET_GATE_AFTER = 10.0
 FLEET_GATE_EVERY = 2.0  # fleet mode: how often idle moves are looked at
 
 
-
 class MoveService:
     """Answers the move calls of docs/wire.md for one host. Plug into serve_peers."""
 
     def __init__(self, host: MoveHost, *, deep_verify: bool = False, fleet: Fleet | None = None,
                  tier: TierFetch | None = None, gate_after: float = FLEET_GATE_AFTER) -> None:
         self.host = host
-        self.fleet = fleet  # None: peer-to-peer
-        self.gate_after = gate_after  # fleet mode: seconds a prepared move sits idle before it asks the directory
+        self.fleet, self.gate_after = fleet, gate_after  # None: peer-to-peer; seconds idle before asking the gate
         #: Fleet mode: the staging areas of prepared moves a restart spared, by (agent_id, epoch).
         self._kept: dict[tuple[str, int], str] = {}
         self.deep_verify = deep_verify  # re-hash blobs the target already had
@@ -185,8 +183,7 @@ class MoveService:
                     and rec.peer == source)
         if which is mv.Call.ACTIVATE:
             if prepared and self.fleet is not None and await named(self.fleet, agent_id, epoch):
-                log.info("agent %s: activating the move prepared at epoch %d on the nudge of %s (the directory "
-                         "names this host)", agent_id, epoch, source)
+                log.info("agent %s: activating the move prepared at epoch %d on the nudge of %s", agent_id, epoch, source)
                 return await self.run(agent_id, mv.ActivateRequested(agent_id=agent_id, epoch=epoch, source=source))
             if prepared:  # (a nudge only ever activates: never refuse on it)
                 return mv.ActivateReply(agent_id=agent_id, epoch=epoch, outcome=mv.Outcome.UNKNOWN)
@@ -214,8 +211,7 @@ class MoveService:
         return outcome
 
     async def _gate_prepared(self, now: float) -> None:
-        """Fleet mode: every prepared move idle for ``gate_after`` (FLEET_GATE_AFTER),
-        or kept over a restart, asks the directory (its nudge may never come)."""
+        """Fleet mode: every prepared move idle for ``gate_after``, or kept over a restart, asks the directory."""
         idle = {k for k, inc in self._incoming.items() if now - inc.last_activity >= self.gate_after}
         keys = set(self._kept) | idle
         for agent_id, epoch in sorted(keys):
@@ -546,8 +542,7 @@ async def serve_moves(
 
     ``started()`` reports the bound port once it listens. ``wrap`` may put
     something around the service (tests put a fault injector there).
-    ``tier``: the blob tier's fetch for offers (fleet mode), else None.
-    ``gate_after``: fleet mode, seconds a prepared move sits idle before it asks the directory.
+    ``tier``: the blob tier's fetch for offers (fleet mode), else None; ``gate_after``: MoveService's.
     """
     service = MoveService(host, fleet=fleet, tier=tier, gate_after=gate_after)
     await service.recover()

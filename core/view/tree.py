@@ -113,17 +113,18 @@ class Tree:
         #: Agents whose state the view was told (``set_state``): any other is
         #: an arrival, decided once, the first time a request sees it.
         self._told: set[str] = set()
+        #: Retired agents: their manifest's identity then (None: none), so that files put back since are seen.
+        self._retired_files: dict[str, tuple[int, int] | None] = {}
 
     def state(self, agent_id: str) -> AgentState:
         st = self._states.get(agent_id)
-        if st in (AgentState.REMOVED, AgentState.RETIRED) and \
-                os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
-            if st is AgentState.REMOVED:
-                del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
-                self._told.discard(agent_id)
-                st = None
-            elif self.arrivals is not None:
-                st = self._back(agent_id)
+        if st is AgentState.REMOVED and os.path.isfile(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST)):
+            del self._states[agent_id]  # an agent of that id is in the store again (an import): a new one
+            self._told.discard(agent_id)
+            st = None
+        elif st is AgentState.RETIRED and self.arrivals is not None and \
+                self._manifest_id(agent_id) not in (None, self._retired_files.get(agent_id)):
+            st = self._back(agent_id)  # (files put in the store since it was retired: an import)
         if st is not None:
             return st
         if agent_id in self._told or self.arrivals is None:
@@ -141,6 +142,13 @@ class Tree:
         log.info("agent %s appeared in the store", agent_id)
         self.set_state(agent_id, shown)
         return shown
+
+    def _manifest_id(self, agent_id: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(os.path.join(self.store.agents_dir, agent_id, fmt.MANIFEST))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     def _back(self, agent_id: str) -> AgentState:
         """An agent retired here (moved away) whose files are in the store:
@@ -362,6 +370,7 @@ class Tree:
             name = (a or LiveAgent(self, agent_id)).stored_manifest().name
         except (NotFoundError, FileNotFoundError):
             pass  # already gone from the store
+        self._retired_files[agent_id] = self._manifest_id(agent_id)
         self.set_state(agent_id, AgentState.RETIRED)
         self._drop_open(agent_id)
         # It runs elsewhere now: snapshots kept here would only pin its blobs.
