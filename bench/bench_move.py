@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from capsulefs.core.capsule import format as fmt  # noqa: E402
 from capsulefs.core.store.holder import new_held  # noqa: E402
-from capsulefs.move.source import MoveControl, move_agent  # noqa: E402
+from capsulefs.move.outcome import MoveControl  # noqa: E402
+from capsulefs.move.source import move_agent  # noqa: E402
 from capsulefs.move.host import MoveHost, NoHooks  # noqa: E402
 from capsulefs.move.target import serve_moves  # noqa: E402
 from capsulefs.peer.client import client_context, open_peer  # noqa: E402

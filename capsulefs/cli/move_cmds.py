@@ -36,7 +36,8 @@ from capsulefs.core.store.story import story
 from capsulefs.core.fleet import config as fleet_config
 from capsulefs.daemon.daemon import find_daemon, holding_state
 from capsulefs.move.doubt import abandon_move, learn_holder
-from capsulefs.move.source import MoveControl, move_agent, resume_moves
+from capsulefs.move.outcome import MoveControl
+from capsulefs.move.source import move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import serve_moves
 from capsulefs.peer.book import DEFAULT_PORT, Peer, parse_address

@@ -46,7 +46,8 @@ from capsulefs.core.store.holder import HolderState
 from capsulefs.core.store.story import story
 from capsulefs.move.doubt import abandon_move, learn_holder
 from capsulefs.move.fleet import Fleet
-from capsulefs.move.source import MoveControl, MoveResult, move_agent, resume_moves
+from capsulefs.move.outcome import MoveControl, MoveResult
+from capsulefs.move.source import move_agent, resume_moves
 from capsulefs.move.host import AgentHooks, MoveHost, record_new_agent
 from capsulefs.core.view.control import TierCache
 from capsulefs.core.view.nodes import AgentState

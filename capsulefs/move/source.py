@@ -46,7 +46,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -61,6 +61,7 @@ from capsulefs.peer.identity import Identity
 from capsulefs.core.move.wire import BLOBS_CALL, result_to_answer
 from capsulefs.move.fleet import Fleet, SourceCalls, find_target
 from capsulefs.move.host import MoveHost
+from capsulefs.move.outcome import MoveControl, MoveResult
 from capsulefs.move.read_ahead import read_ahead
 from capsulefs.move.warm import warm_target
 from capsulefs.peer.client import PeerConnection, open_peer
@@ -81,35 +82,6 @@ FILES_WAIT = archive.FILES_WAIT
 #: "active") may take; it decides nothing, the target also asks on its own.
 NUDGE_TIMEOUT = 10.0
 _UNKNOWN_ADDRESS = "0.0.0.0:1"  # a resumed move's target before it is known (fleet mode: never dialled)
-
-
-@dataclass
-class MoveControl:
-    """Lets another task watch a move and abandon it while it is in doubt."""
-
-    on_progress: Callable[[str, int, int, int], None] | None = None  # (phase, blobs done, blobs total, bytes)
-    abandon_reason: str | None = None
-    _abandoned: trio.Event = field(default_factory=trio.Event)
-
-    def abandon(self, why: str) -> None:
-        self.abandon_reason = why
-        self._abandoned.set()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MoveResult:
-    agent_id: str
-    target: str  # host id
-    epoch: int  # the epoch moved to (or tried)
-    state: mv.SourceState  # DONE, ROLLED_BACK, STALE or ABANDONED
-    reason: str  # the record's note: why it ended so
-    bytes_sent: int  # on the wire, framing and TLS payload included
-    contents_sent: int  # blobs and capsule files the target lacked
-    cause: mv.Cause = mv.Cause.REFUSED  # why it ended so: core/move/cause.py
-
-    @property
-    def moved(self) -> bool:
-        return self.state is mv.SourceState.DONE
 
 
 class _Driver:

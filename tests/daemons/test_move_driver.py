@@ -27,7 +27,8 @@ from capsulefs.core.linuxfs import FileSystemSync
 from capsulefs.core.store.holder import HolderState, new_held
 from capsulefs.move import read_ahead, target as move_target
 from capsulefs.move.doubt import abandon_move, learn_holder
-from capsulefs.move.source import MoveControl, move_agent, resume_moves
+from capsulefs.move.outcome import MoveControl
+from capsulefs.move.source import move_agent, resume_moves
 from capsulefs.move.host import MoveHost
 from capsulefs.move.target import MoveService, serve_moves
 from capsulefs.peer.client import open_peer
