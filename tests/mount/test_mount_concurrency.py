@@ -237,7 +237,14 @@ def test_an_agent_whose_holder_record_is_lost_is_read_only_until_learned(
     m = tmp_path / "mnt"
     with mounted(state_dir, m):
         assert sorted(os.listdir(m)) == ["alice", "erin", "frank"]
-        wait_until(lambda: status(m / "frank")["state"] == "frozen", "recovery to freeze frank (no record)")
+        # (frank, with no record, is shown frozen from the first request, before recovery writes its record:
+        # wait for the record and the runner's word on it, not for "frozen")
+        def learned(name: str) -> bool:
+            st = status(m / name)
+            record = st.get("record") or {}
+            return record.get("state") == "unknown" and (st.get("run") or {}).get("detail") == record.get("detail")
+
+        wait_until(lambda: learned("erin") and learned("frank"), "recovery to record frank's holder as unknown")
         for name in ("erin", "frank"):
             with pytest.raises(OSError) as exc:
                 (m / name / fmt.WORKING_MEMORY).write_text("written while in doubt\n")
