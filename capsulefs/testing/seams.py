@@ -167,12 +167,7 @@ def live_refresh_seam(value: str | None) -> float | None:
     """The test-only seam CAPSULEFS_TEST_LIVE_REFRESH, in seconds (None if unset)."""
     if not value:
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise FormatError(f"{LIVE_REFRESH_ENV}={value!r}: not a number of seconds") from None
-    if not seconds > 0:
-        raise FormatError(f"{LIVE_REFRESH_ENV}={value!r}: must be above 0")
+    seconds = _seconds(LIVE_REFRESH_ENV, value)
     log.warning("test seam %s=%s is set: the live set is recomputed every %gs", LIVE_REFRESH_ENV, value, seconds)
     return seconds
 
