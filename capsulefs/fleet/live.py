@@ -42,7 +42,6 @@ from typing import Protocol
 
 import trio
 
-from capsulefs.core.capsule import format as fmt
 from capsulefs.core.errors import CapsuleError
 from capsulefs.core.fleet import liveset as ls
 from capsulefs.core.fleet.directory import Layout
@@ -51,7 +50,7 @@ from capsulefs.core.fleet.etcd import KeyValue
 from capsulefs.core.fleet.etcd import PutResult
 from capsulefs.core.fsutil import atomic_write
 from capsulefs.fleet.s3 import BlobTier
-from capsulefs.fleet.uploader import RECORD_DIR, append_digests
+from capsulefs.fleet.uploader import RECORD_DIR, append_digests, read_digests
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +117,7 @@ class EvictionRecord:
 
     def load(self) -> frozenset[str]:
         """The digests recorded (a torn last line is skipped)."""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return frozenset()
-        return frozenset(n for n in data.decode("ascii", "replace").split("\n") if fmt.is_sha256(n))
+        return frozenset(read_digests(self.path)[0])
 
     def keep_only(self, live: AbstractSet[str]) -> None:
         """Drop every blob ``live`` does not name (atomically; the store's gc lock held)."""

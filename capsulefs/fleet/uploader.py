@@ -92,19 +92,7 @@ class TierRecord:
 
     def load(self) -> set[str]:
         """The digests recorded; lines that are not one (a torn tail) are skipped."""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return set()
-        known = set()
-        skipped = 0
-        for line in data.split(b"\n"):
-            name = line.decode("ascii", "replace")
-            if fmt.is_sha256(name):
-                known.add(name)
-            elif line:
-                skipped += 1
+        known, skipped = read_digests(self.path)
         if skipped:
             log.warning("blob tier record %s: %d line(s) not a blob name, ignored (those blobs are put again)",
                         self.path, skipped)
@@ -113,6 +101,26 @@ class TierRecord:
     def add(self, shas: Iterable[str]) -> None:
         """Append these digests, durably (one write and one fsync)."""
         append_digests(self.dir, self.path, shas)
+
+
+def read_digests(path: str) -> tuple[set[str], int]:
+    """The digests of a record of one digest a line (none if it is missing),
+    and how many non-empty lines were not one (a torn tail) and skipped.
+    (The tier record here and the eviction record, capsulefs/fleet/live.py.)"""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set(), 0
+    digests = set()
+    skipped = 0
+    for line in data.split(b"\n"):
+        name = line.decode("ascii", "replace")
+        if fmt.is_sha256(name):
+            digests.add(name)
+        elif line:
+            skipped += 1
+    return digests, skipped
 
 
 def append_digests(directory: str, path: str, shas: Iterable[str]) -> None:
