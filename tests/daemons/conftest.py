@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from capsule_check import verify_after
-from fleet_kit import WeedServer, weed_or_skip
+from fleet_kit import EtcdServer, WeedServer, etcd_or_skip, weed_or_skip
 
 if TYPE_CHECKING:
     from capsulefs.fleet.s3 import S3Client
@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 @pytest.fixture(autouse=True)
 def _capsules_verify(request: pytest.FixtureRequest) -> Iterator[None]:
     yield from verify_after(request)
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    """One real etcd per test module (skipped, saying why, where the binary is missing); a module that kills
+    etcd overrides it with a killable one (fleet_kit.killable_etcd)."""
+    with etcd_or_skip() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

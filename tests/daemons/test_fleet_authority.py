@@ -7,7 +7,7 @@ it was sent on (fleet_kit.LosingTransport)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -18,16 +18,10 @@ from capsulefs.core.move import Outcome
 from capsulefs.fleet.authority import CommitInDoubt, DirectoryAuthority, NotTheHolder
 from capsulefs.fleet.directory import register_host
 from capsulefs.fleet.etcd import EtcdClient
-from fleet_kit import EtcdServer, LosingTransport, etcd_or_skip
+from fleet_kit import EtcdServer, LosingTransport
 
 AGENT = "a1" * 16
 TXN = "/v3/kv/txn"
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 class Lease:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -19,15 +19,9 @@ from capsulefs.fleet.directory import claim_agent, register_host
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
 from capsulefs.testing.sim_etcd import SimEtcd
 from cli_kit import run_cli
-from fleet_kit import EtcdServer, etcd_or_skip
+from fleet_kit import EtcdServer
 
 A1, A2, A3 = "a1" * 16, "b2" * 16, "c3" * 16
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from functools import partial
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -24,16 +24,10 @@ from capsulefs.core.fleet.errors import (
 )
 from capsulefs.core.fleet.etcd import Compare, Delete, EventType, Put, Range, Result
 from capsulefs.fleet.etcd import EtcdClient, open_etcd
-from fleet_kit import EtcdServer, free_ports, etcd_or_skip
+from fleet_kit import EtcdServer, free_ports
 from helpers import HANG
 
 DEADLINE = HANG  # seconds: bounds a hang, never paces a test
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 @pytest.fixture

@@ -21,18 +21,12 @@ from capsulefs.core.fleet import config
 from capsulefs.core.fleet import directory as fd
 from capsulefs.core.store.holder import HolderState
 from capsulefs.fleet.etcd import open_etcd
-from fleet_kit import EtcdServer, etcd_or_skip
+from fleet_kit import EtcdServer
 from helpers import HANG
 from mount_kit import needs_fuse
 from test_move_daemons import Host, make_agent, no_tracebacks, start_all, verify_on, wait_for, wait_holding, write_move
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 class Fleet:

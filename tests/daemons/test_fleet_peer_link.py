@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,16 +22,10 @@ from capsulefs.peer.client import open_peer
 from capsulefs.peer.errors import PeerRefused
 from capsulefs.peer.identity import Identity, load_or_create_identity
 from capsulefs.peer.server import serve_peers
-from fleet_kit import EtcdServer, etcd_or_skip
+from fleet_kit import EtcdServer
 from helpers import HANG
 
 from test_peer_link import Recorder
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 def entry(ident: Identity, address: str) -> fd.HostEntry:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +39,8 @@ from capsulefs.fleet.s3 import BlobTier, S3Client
 from capsulefs.fleet.tier import TierBlobs
 from capsulefs.fleet.tiergc import GcRefused, TierGcReport, run_tier_gc
 from capsulefs.fleet.uploader import TierRecord, TierUploader
-from fleet_kit import EtcdServer, etcd_or_skip
+from fleet_kit import EtcdServer
 from helpers import HANG
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    with etcd_or_skip() as server:
-        yield server
 
 
 @pytest.fixture
